@@ -1,0 +1,1 @@
+"""The canary harness: targets, session driver, oracles, perf gate, golden store, bisect, reports."""

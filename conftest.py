@@ -1,0 +1,14 @@
+"""Root conftest: loads the canary pytest plugin and the hypothesis profiles."""
+
+import os
+
+from hypothesis import HealthCheck, Verbosity, settings
+
+pytest_plugins = ["canary.pytest_plugin"]
+
+settings.register_profile("dev", max_examples=25, deadline=None)
+# CI: derandomized (a red run reproduces), no deadline (shared 2-core machines), print the blob.
+settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("nightly", max_examples=1000, deadline=None, verbosity=Verbosity.normal)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

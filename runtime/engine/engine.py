@@ -1,0 +1,101 @@
+"""`Engine`: the normal loop (schedule -> execute -> postprocess) over one model and KV pool."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.plan import StepPlan
+from runtime.engine.request import Request, SamplingParams
+from runtime.engine.sampler import SampleOutput
+from runtime.engine.scheduler import Scheduler
+from runtime.env import Env
+from runtime.faults import FaultSet
+from runtime.kernels import select_kernels
+from runtime.kvcache.kv_cache import KVCache
+from runtime.kvcache.page_pool import PagePool
+from runtime.models.dsv4_mini import DSV4Mini
+from runtime.models.loader import LoadedModel
+from runtime.streams.tasks import InOrderExecutor, StreamScheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    plan: StepPlan
+    outputs: dict[str, SampleOutput] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None, faults: FaultSet | None = None,
+                 env: Env | None = None, streams: StreamScheduler | None = None) -> None:
+        self.env = env or Env.load()
+        self.cfg = cfg or EngineConfig()
+        self.faults = faults if faults is not None else FaultSet.from_env(self.env)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        if self.env.num_threads:
+            torch.set_num_threads(self.env.num_threads)
+        kernels = select_kernels(device=self.cfg.device, use_reference=self.env.reference_kernels)
+        weights = {k: v.to(DTYPES[self.cfg.dtype]) for k, v in loaded.weights.items()}
+        self.model = DSV4Mini(loaded.config, weights, kernels)
+        self.pool = PagePool(self.cfg.num_pages, self.cfg.page_size, self.faults)
+        self.kv = KVCache(loaded.config, self.cfg, DTYPES[self.cfg.dtype])
+        self.streams = streams or InOrderExecutor()
+        self.runner = ModelRunner(self.model, self.kv, self.pool, self.streams)
+        self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer)
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> str:
+        if any(not 0 <= t < self.loaded.config.vocab_size for t in prompt_ids):
+            raise ValueError("prompt contains token ids outside the vocabulary")
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        self.scheduler.add(Request(rid, list(prompt_ids), params))
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        return self.scheduler.abort(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.pool.pages_in_use
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        outputs = self.runner.execute(plan, self.scheduler.requests)
+        self.scheduler.postprocess(plan, outputs)
+        if self.faults.enabled("slow-step"):
+            time.sleep(self.env.slow_step_ms / 1000)
+        finished, self.scheduler.finished = self.scheduler.finished, []
+        return StepResult(plan, outputs, finished, time.perf_counter() - started)
+
+    def run_until_done(self, max_steps: int = 1_000_000) -> list[StepResult]:
+        results = []
+        while self.has_work:
+            if len(results) >= max_steps:
+                raise RuntimeError(f"engine still busy after {max_steps} steps")
+            results.append(self.step())
+        return results
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Request]:
+        """Offline batch generation: all prompts submitted at once, run to completion."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self.run_until_done()
+        return [self.scheduler.requests[rid] for rid in rids]

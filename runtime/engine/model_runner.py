@@ -1,0 +1,54 @@
+"""Executes a `StepPlan`: builds the flat `ForwardBatch`, runs the model, samples each request."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.engine.plan import StepPlan
+from runtime.engine.request import Request
+from runtime.engine.sampler import SampleOutput, sample_row
+from runtime.kvcache.kv_cache import KVCache
+from runtime.kvcache.page_pool import PagePool
+from runtime.models.batch import ForwardBatch, Segment
+from runtime.models.dsv4_mini import DSV4Mini
+from runtime.streams.tasks import StreamScheduler
+
+
+class ModelRunner:
+    def __init__(self, model: DSV4Mini, kv: KVCache, pool: PagePool, streams: StreamScheduler) -> None:
+        self.model = model
+        self.kv = kv
+        self.pool = pool
+        self.streams = streams
+        self.page_size = pool.page_size
+
+    def slots_for(self, pages: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+        positions = torch.arange(start, stop)
+        page_ids = torch.tensor(pages, dtype=torch.long)[positions // self.page_size]
+        return page_ids * self.page_size + positions % self.page_size
+
+    def build_batch(self, plan: StepPlan, requests: dict[str, Request]) -> ForwardBatch:
+        token_ids, positions, slots, segments = [], [], [], []
+        row = 0
+        for ext in plan.extends:
+            req = requests[ext.rid]
+            end = ext.start + ext.num_new
+            if len(ext.pages) * self.page_size < end:
+                raise RuntimeError(f"{ext.rid}: plan gives {len(ext.pages)} pages for {end} tokens")
+            self.pool.check_owned(ext.rid, list(ext.pages))
+            ids = req.all_ids[ext.start:end]
+            assert len(ids) == ext.num_new, f"{ext.rid}: plan asks for tokens the request does not have"
+            token_ids.append(torch.tensor(ids, dtype=torch.long))
+            positions.append(torch.arange(ext.start, end))
+            context = self.slots_for(ext.pages, 0, end)
+            slots.append(context[ext.start:end])
+            segments.append(Segment(row, row + ext.num_new, context))
+            row += ext.num_new
+        return ForwardBatch(torch.cat(token_ids), torch.cat(positions), torch.cat(slots), tuple(segments))
+
+    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, SampleOutput]:
+        if plan.empty:
+            return {}
+        batch = self.build_batch(plan, requests)
+        logits = self.model.forward(batch, self.kv, self.streams)
+        return {ext.rid: sample_row(logits[i], requests[ext.rid]) for i, ext in enumerate(plan.extends)}

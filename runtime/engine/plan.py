@@ -1,0 +1,47 @@
+"""`StepPlan`: every scheduling decision of one step, made once and executed by the model runner.
+
+This object is the unit the overlap loop and tensor parallelism share: rank 0 builds it and every
+rank executes exactly it, so no rank ever acts on a decision of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Extend:
+    """Run `num_new` tokens of request `rid` starting at position `start` (prefill: many; decode: 1)."""
+
+    rid: str
+    start: int
+    num_new: int
+    pages: tuple[int, ...]  # the request's full page table after this step's allocation
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    prefill: tuple[Extend, ...]
+    decode: tuple[Extend, ...]
+    aborted: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def extends(self) -> tuple[Extend, ...]:
+        return self.prefill + self.decode
+
+    @property
+    def empty(self) -> bool:
+        return not self.extends
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new for e in self.extends)
+
+    def digest(self) -> str:
+        """Stable hash of the plan; ranks compare it to prove they execute the same step."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,50 @@
+"""Token sampling: greedy, or temperature / top-k / top-p with each request's own generator.
+
+Rows are sampled one at a time from their own generator, so a request's tokens depend only on its
+logits and its seed, never on its neighbours in the batch. Logprobs are of the raw model
+distribution (before temperature), as SGLang reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.engine.request import Request
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def sample_row(logits: torch.Tensor, req: Request) -> SampleOutput:
+    # logits: [V] float32
+    params = req.params
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if params.temperature == 0:
+        token = int(torch.argmax(logits))  # first maximum: ties go to the lower id
+    else:
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        order = torch.sort(probs, descending=True, stable=True)
+        sorted_probs, sorted_ids = order.values, order.indices
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        if params.top_k:
+            keep[params.top_k:] = False
+        if params.top_p < 1.0:
+            before = torch.cumsum(sorted_probs, dim=0) - sorted_probs
+            keep &= before < params.top_p  # the smallest prefix whose mass reaches top_p
+        kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        cdf = torch.cumsum(kept, dim=0)
+        u = float(torch.rand((), generator=req.generator, dtype=torch.float64)) * float(cdf[-1])
+        index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True)[0])
+        index = min(index, int(keep.sum()) - 1)
+        token = int(sorted_ids[index])
+    top: list[tuple[int, float]] = []
+    if params.top_logprobs:
+        values, ids = torch.topk(logprobs, params.top_logprobs)
+        top = [(int(i), float(v)) for i, v in zip(ids, values)]
+    return SampleOutput(token, float(logprobs[token]), top)

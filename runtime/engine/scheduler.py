@@ -1,0 +1,184 @@
+"""Continuous-batching scheduler (normal loop): admission, decode growth, preemption, stops, aborts.
+
+`schedule()` turns the queue state into a `StepPlan` (allocating the pages it needs) and
+`postprocess()` applies the sampled tokens. Decisions are made here and only here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from runtime.config import EngineConfig
+from runtime.engine.plan import Extend, StepPlan
+from runtime.engine.request import Request, Status
+from runtime.engine.sampler import SampleOutput
+from runtime.kvcache.page_pool import PagePool
+from runtime.tokenizer import Tokenizer
+
+
+class RequestRejected(ValueError):
+    """A request that can never run under this engine's limits."""
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, pool: PagePool, tokenizer: Tokenizer) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order; the newest is preempted first
+        self.requests: dict[str, Request] = {}
+        self.finished: list[Request] = []  # finished since the caller last drained it
+        self.step = 0
+        self.num_preemptions = 0
+        self._pending_aborts: list[str] = []
+        self._arrivals = 0
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.rid in self.requests:
+            raise RequestRejected(f"duplicate request id {req.rid!r}")
+        longest = len(req.prompt_ids) + req.params.max_tokens
+        if longest > self.cfg.max_model_len:
+            raise RequestRejected(f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.params.max_tokens}) "
+                                  f"exceeds max_model_len {self.cfg.max_model_len}")
+        if longest > self.cfg.max_prefill_tokens:
+            # Preempted requests are recomputed in one prefill, so the whole sequence must fit.
+            raise RequestRejected(f"prompt + max_tokens ({longest}) exceeds max_prefill_tokens "
+                                  f"{self.cfg.max_prefill_tokens}")
+        if self.pool.pages_for_tokens(longest) > self.pool.num_pages:
+            raise RequestRejected(f"request needs more KV pages than the pool holds ({self.pool.num_pages})")
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self._pending_aborts.append(rid)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_aborts)
+
+    # ---- planning -----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        self.step += 1
+        aborted = self._apply_aborts()
+        preempted: list[str] = []
+        decode = self._plan_decode(preempted)
+        prefill = self._plan_prefill()
+        return StepPlan(self.step, tuple(prefill), tuple(decode), tuple(aborted), tuple(preempted))
+
+    def _apply_aborts(self) -> list[str]:
+        aborted = []
+        for rid in self._pending_aborts:
+            req = self.requests[rid]
+            if req.finished:
+                continue
+            if req.status is Status.WAITING:
+                self.waiting.remove(req)
+            self._finish(req, "abort")
+            aborted.append(rid)
+        self._pending_aborts.clear()
+        return aborted
+
+    def _plan_decode(self, preempted: list[str]) -> list[Extend]:
+        decode = []
+        for req in list(self.running):
+            if req not in self.running:  # preempted while making room for an earlier request
+                continue
+            needed = self.pool.pages_for_tokens(req.total_len) - len(req.pages)
+            while needed > 0 and not self.pool.can_allocate(needed):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.rid)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue
+            if needed > 0:
+                req.pages += self.pool.allocate(req.rid, needed)
+            decode.append(Extend(req.rid, req.total_len - 1, 1, tuple(req.pages)))
+        return decode
+
+    def _plan_prefill(self) -> list[Extend]:
+        prefill: list[Extend] = []
+        budget = self.cfg.max_prefill_tokens
+        while self.waiting and len(self.running) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            num_new = req.total_len  # after a preemption the whole sequence is recomputed
+            pages = self.pool.pages_for_tokens(num_new)
+            if num_new > budget or not self.pool.can_allocate(pages):
+                break
+            self.waiting.popleft()
+            req.pages = self.pool.allocate(req.rid, pages)
+            req.status = Status.RUNNING
+            req.num_computed = 0
+            self.running.append(req)
+            budget -= num_new
+            prefill.append(Extend(req.rid, 0, num_new, tuple(req.pages)))
+        return prefill
+
+    def _preempt(self, req: Request) -> None:
+        """Retract a running request: free its pages and queue it first for recomputation."""
+        self.running.remove(req)
+        self.pool.free(req.rid, req.pages)
+        req.pages = []
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- results ------------------------------------------------------------------------------
+    def postprocess(self, plan: StepPlan, outputs: dict[str, SampleOutput]) -> list[Request]:
+        done = []
+        for ext in plan.extends:
+            req = self.requests[ext.rid]
+            if req.finished:
+                continue
+            req.num_computed = ext.start + ext.num_new
+            out = outputs[ext.rid]
+            req.output_ids.append(out.token)
+            if req.params.logprobs:
+                req.output_logprobs.append(out.logprob)
+                req.output_top_logprobs.append(out.top)
+            reason = self._stop_reason(req)
+            if reason is not None:
+                self._finish(req, reason)
+                done.append(req)
+        return done
+
+    def _stop_reason(self, req: Request) -> str | None:
+        token, params = req.output_ids[-1], req.params
+        if token == self.tokenizer.eos_token_id and not params.ignore_eos:
+            req.matched_stop = token
+            return "stop"
+        if token in params.stop_token_ids:
+            req.matched_stop = token
+            return "stop"
+        if params.stop:
+            # Only the tail can complete a new match: decode enough tokens to cover the longest stop.
+            tail_tokens = max(len(s) for s in params.stop) + 8
+            tail = self.tokenizer.decode(req.output_ids[-tail_tokens:])
+            for stop in params.stop:
+                if stop in tail:
+                    req.matched_stop = stop
+                    return "stop"
+        if len(req.output_ids) >= params.max_tokens or req.total_len >= self.cfg.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req.pages:
+            self.pool.free(req.rid, req.pages)
+            req.pages = []
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.finished.append(req)

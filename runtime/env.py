@@ -1,0 +1,55 @@
+"""Every environment knob of the runtime, typed, in one place, with one prefix (DSV4_).
+
+Modules read knobs through `Env.load()` instead of os.environ so that a reader can find every
+switch here and a test can build an `Env` explicitly without touching the process environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+PREFIX = "DSV4_"
+
+
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean, got {value!r}")
+
+
+def _names(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+@dataclass(frozen=True)
+class Env:
+    # Comma-separated fault names switched on for this process (runtime/faults.py).
+    faults: tuple[str, ...] = field(default_factory=tuple)
+    # Extra latency added to every engine step by the `slow-step` fault, in milliseconds.
+    slow_step_ms: float = 50.0
+    # Force the plain torch reference kernels instead of the fast path (debugging aid).
+    reference_kernels: bool = False
+    # Torch intra-op threads for the CPU engine; 0 keeps torch's default.
+    num_threads: int = 0
+
+    @classmethod
+    def load(cls, environ: dict[str, str] | None = None) -> "Env":
+        environ = os.environ if environ is None else environ
+
+        def get(name: str) -> str | None:
+            return environ.get(PREFIX + name)
+
+        kwargs: dict = {}
+        if (value := get("FAULTS")) is not None:
+            kwargs["faults"] = _names(value)
+        if (value := get("SLOW_STEP_MS")) is not None:
+            kwargs["slow_step_ms"] = float(value)
+        if (value := get("REFERENCE_KERNELS")) is not None:
+            kwargs["reference_kernels"] = _bool(value)
+        if (value := get("NUM_THREADS")) is not None:
+            kwargs["num_threads"] = int(value)
+        return cls(**kwargs)

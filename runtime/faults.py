@@ -1,0 +1,74 @@
+"""Named fault switches: faithful copies of real serving bug classes, all off by default.
+
+Each fault exists so that some gate of the canary suite can prove it catches that bug class
+(a negative control). The runtime asks `faults.enabled(NAME)` at the one place the bug lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from runtime.env import Env
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    name: str
+    bug_class: str
+    implemented: bool
+
+
+REGISTRY: dict[str, FaultSpec] = {
+    spec.name: spec
+    for spec in (
+        FaultSpec("stream-race", "side-stream indexer output read before its join (missing event wait)", False),
+        FaultSpec("stale-graph-metadata", "capture-time sequence length baked into a CUDA graph", False),
+        FaultSpec("kv-slot-reuse", "page allocator hands out a KV page another live request still owns", True),
+        FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own", False),
+        FaultSpec("overlap-stale-token", "overlap loop feeds the previous step's token as the next input", False),
+        FaultSpec("tool-json-corrupt", "tool-call arguments corrupted on their way out of the server", False),
+        FaultSpec("slow-step", "every engine step takes extra wall time (throughput regression)", True),
+    )
+}
+
+
+class UnknownFaultError(ValueError):
+    pass
+
+
+class FaultSet:
+    """The set of faults switched on for one engine; immutable once built."""
+
+    def __init__(self, names: Iterable[str] = (), *, allow_unimplemented: bool = False) -> None:
+        names = tuple(dict.fromkeys(names))
+        for name in names:
+            if name not in REGISTRY:
+                known = ", ".join(sorted(REGISTRY))
+                raise UnknownFaultError(f"unknown fault {name!r}; known faults: {known}")
+            if not REGISTRY[name].implemented and not allow_unimplemented:
+                raise UnknownFaultError(f"fault {name!r} is registered but not implemented in this build")
+        self._names = frozenset(names)
+
+    @classmethod
+    def from_env(cls, env: Env | None = None, extra: Iterable[str] = ()) -> "FaultSet":
+        env = env or Env.load()
+        return cls((*env.faults, *extra))
+
+    def enabled(self, name: str) -> bool:
+        if name not in REGISTRY:
+            raise UnknownFaultError(f"unknown fault {name!r}")
+        return name in self._names
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._names))
+
+    def __bool__(self) -> bool:
+        return bool(self._names)
+
+    def __repr__(self) -> str:
+        return f"FaultSet({list(self.names)})"
+
+
+NO_FAULTS = FaultSet()

@@ -1,0 +1,144 @@
+"""CPU fast path: vectorized torch, float32, and batch-invariant by construction.
+
+Batch invariance (a row's result never depends on which rows share the batch) is what makes
+batched-vs-solo, eager-vs-graph and concurrent-vs-alone comparisons exact. BLAS picks different
+blocking for different row counts, so a plain `x @ w.T` changes a row's last bits when the batch
+grows. Here every matmul runs on fixed-size row tiles, so each row always goes through a call of
+the same shape; attention and the indexer run per request, whose shapes depend only on that
+request. Shapes as in reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels.types import MoEWeights
+
+# Rows per matmul call. Every call has exactly this many rows (the last tile is zero-padded).
+ROW_TILE = 16
+# Transcendental elementwise ops (exp, silu, softplus, cos) take a SIMD path for whole vectors and a
+# scalar path for the tail, and the two can differ in the last bit. Padding every row to a multiple
+# of this many elements (two AVX-512 vectors) keeps each row entirely on the vector path.
+ROW_ALIGN = 64
+# torch splits elementwise work across threads above this many elements, at unaligned offsets.
+SERIAL_ELEMENTS = 32768
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """Apply an elementwise `fn` so each row's result is independent of the other rows."""
+    width = x.shape[-1]
+    if x.numel() == 0:
+        return fn(x)
+    rows = x.reshape(-1, width)
+    padded = -(-width // ROW_ALIGN) * ROW_ALIGN
+    if padded != width:
+        rows = F.pad(rows, (0, padded - width))
+    per_call = max(1, SERIAL_ELEMENTS // padded)
+    out = torch.cat([fn(rows[s:s + per_call]) for s in range(0, rows.shape[0], per_call)])
+    return out[:, :width].reshape(x.shape)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # x: [T, IN], weight: [OUT, IN] -> [T, OUT]
+    rows = x.shape[0]
+    padded = -(-rows // ROW_TILE) * ROW_TILE
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    out = x.new_empty(padded, weight.shape[0])
+    weight_t = weight.t()
+    for start in range(0, padded, ROW_TILE):
+        torch.mm(x[start:start + ROW_TILE], weight_t, out=out[start:start + ROW_TILE])
+    return out[:rows]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(variance + eps) * weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    # Angles in float64: large positions keep their phase accuracy.
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos = rowwise(torch.cos, angles).to(x.dtype).view(shape)
+    sin = rowwise(torch.sin, angles).to(x.dtype).view(shape)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    # q: [T, HI, DI], head_weights: [T, HI], keys: [L, DI] -> [T, L]
+    per_head = torch.relu(torch.einsum("thd,ld->thl", q, keys))
+    return (per_head * head_weights[:, :, None]).sum(1)
+
+
+def selection_mask(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int) -> torch.Tensor:
+    """Boolean [T, L] mask of the tokens each query attends to (see reference.select_tokens).
+    Ties go to the earlier position: a stable descending sort keeps equal scores in index order."""
+    num_queries, length = scores.shape
+    cols = torch.arange(length)[None, :]
+    pos = positions[:, None]
+    in_window = (cols <= pos) & (cols > pos - window)
+    candidate = cols <= pos - window
+    if topk == 0:
+        return in_window
+    ranked = torch.where(candidate, scores, torch.full_like(scores, float("-inf")))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :topk]
+    chosen = torch.zeros_like(in_window)
+    chosen.scatter_(1, order, torch.gather(candidate, 1, order))
+    return in_window | chosen
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, latent_dim: int,
+                     scale: float) -> torch.Tensor:
+    # q: [T, H, C+R], kv: [L, C+R], mask: [T, L] -> [T, H, C]
+    scores = torch.einsum("thd,ld->thl", q, kv) * scale
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("thl,lc->thc", probs, kv[:, :latent_dim])
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+          scaling: float, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    affinity = rowwise(lambda t: torch.sqrt(F.softplus(t)), logits.float())
+    choice = affinity + bias.float()
+    num_tokens, num_experts = logits.shape
+    if n_group > 1:
+        grouped = choice.view(num_tokens, n_group, -1)
+        best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, G]
+        group_order = torch.sort(best_two, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        allowed = torch.zeros(num_tokens, n_group, dtype=torch.bool)
+        allowed.scatter_(1, group_order, True)
+        allowed = allowed[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~allowed, float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = affinity.gather(1, ids)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * scaling, ids
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return linear(rowwise(F.silu, linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def moe(x: torch.Tensor, weights: MoEWeights, *, top_k: int, n_group: int, topk_group: int,
+        scaling: float, normalize: bool) -> torch.Tensor:
+    route_w, route_ids = route(linear(x, weights.router), weights.bias, top_k, n_group, topk_group,
+                               scaling, normalize)
+    num_tokens = x.shape[0]
+    per_slot = x.new_zeros(num_tokens, top_k, x.shape[1])  # [T, K, D] expert outputs by rank
+    for expert in torch.unique(route_ids).tolist():
+        token_idx, slot_idx = torch.nonzero(route_ids == expert, as_tuple=True)
+        y = swiglu(x[token_idx], weights.w_gate[expert], weights.w_up[expert], weights.w_down[expert])
+        per_slot[token_idx, slot_idx] = y
+    # Combine in rank order with elementwise ops, so a token's sum never depends on its neighbours.
+    out = x.new_zeros(x.shape)
+    for slot in range(top_k):
+        out = out + route_w[:, slot:slot + 1].to(x.dtype) * per_slot[:, slot]
+    if weights.shared_gate is not None:
+        out = out + swiglu(x, weights.shared_gate, weights.shared_up, weights.shared_down)
+    return out

@@ -1,0 +1,30 @@
+"""Per-layer KV storage addressed by slot (page * page_size + offset).
+
+Each token stores one latent vector [C + R] (the latent plus its roped key, shared by every query
+head) and one index key [DI] for the lightning indexer. Slot 0.. are owned through PagePool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.config import EngineConfig, ModelConfig
+
+
+class KVCache:
+    def __init__(self, model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> None:
+        slots = engine.num_slots
+        self.latent = torch.empty(model.num_layers, slots, model.qk_head_dim, dtype=dtype, device=engine.device)
+        self.index_keys = torch.empty(model.num_layers, slots, model.index_dim, dtype=dtype, device=engine.device)
+        # Poison: a read of a never-written slot shows up as NaN instead of plausible numbers.
+        self.latent.fill_(float("nan"))
+        self.index_keys.fill_(float("nan"))
+
+    def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor) -> None:
+        # slots: [T], latent: [T, C+R], index_keys: [T, DI]
+        assert latent.shape[0] == slots.shape[0] == index_keys.shape[0], "one slot per token"
+        self.latent[layer, slots] = latent
+        self.index_keys[layer, slots] = index_keys
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.latent[layer, slots], self.index_keys[layer, slots]

@@ -1,0 +1,100 @@
+"""Page allocator with exact accounting and ownership.
+
+Every page is either free or owned by exactly one request. Freeing a page the caller does not own
+(double free) and touching pages after they were freed (use after free) raise instead of silently
+corrupting another request's KV. `pages_in_use` must return to its idle level after every request
+finishes or aborts; tests and the harness check that.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from runtime.faults import NO_FAULTS, FaultSet
+
+
+class PageAccountingError(RuntimeError):
+    pass
+
+
+class DoubleFreeError(PageAccountingError):
+    pass
+
+
+class UseAfterFreeError(PageAccountingError):
+    pass
+
+
+class OutOfPagesError(PageAccountingError):
+    pass
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int, faults: FaultSet = NO_FAULTS) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError("num_pages and page_size must be > 0")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._faults = faults
+        self._free: deque[int] = deque(range(num_pages))
+        self._owner: dict[int, str] = {}
+        # Pages a request received through the kv-slot-reuse fault: it believes it owns them.
+        self._aliased: dict[str, list[int]] = {}
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free)
+
+    def owner_of(self, page: int) -> str | None:
+        return self._owner.get(page)
+
+    def allocate(self, owner: str, num_pages: int) -> list[int]:
+        if num_pages < 0:
+            raise ValueError("num_pages must be >= 0")
+        if num_pages > len(self._free):
+            raise OutOfPagesError(f"{owner}: asked for {num_pages} pages, {len(self._free)} free")
+        pages: list[int] = []
+        if num_pages and self._faults.enabled("kv-slot-reuse"):
+            stolen = self._page_owned_by_another(owner)
+            if stolen is not None:
+                # The bug: a page still owned by a live request is handed out again.
+                self._aliased.setdefault(owner, []).append(stolen)
+                pages.append(stolen)
+        while len(pages) < num_pages:
+            page = self._free.popleft()
+            self._owner[page] = owner
+            pages.append(page)
+        return pages
+
+    def free(self, owner: str, pages: list[int]) -> None:
+        aliased = self._aliased.get(owner, [])
+        for page in pages:
+            if self._owner.get(page) == owner:
+                del self._owner[page]
+                self._free.append(page)
+            elif page in aliased:
+                aliased.remove(page)
+            else:
+                raise DoubleFreeError(f"{owner} freed page {page} owned by {self._owner.get(page)!r}")
+        if not aliased:
+            self._aliased.pop(owner, None)
+
+    def check_owned(self, owner: str, pages: list[int]) -> None:
+        aliased = self._aliased.get(owner, ())
+        for page in pages:
+            if self._owner.get(page) != owner and page not in aliased:
+                raise UseAfterFreeError(f"{owner} touched page {page} owned by {self._owner.get(page)!r}")
+
+    def _page_owned_by_another(self, owner: str) -> int | None:
+        others = [page for page, who in self._owner.items() if who != owner]
+        return min(others) if others else None

@@ -1,0 +1,1 @@
+"""dsv4-mini: model definition, weight layout and HF-style loading."""

@@ -1,0 +1,126 @@
+"""dsv4-mini forward pass: DeepSeek-V4's decode path at small scale.
+
+Per layer: latent-MQA attention (one [latent | roped key] vector per token shared by all heads)
+over `sliding window U indexer top-k`, then MoE (sqrtsoftplus / noaux_tc routing, SwiGLU experts,
+shared expert). The lightning indexer is overlappable work: it is submitted to the "indexer" side
+stream through the declared-stream API and joined before attention reads its selection.
+T = tokens in the step, D = hidden, H = heads, C = latent, R = rope, HI/DI = indexer heads/dim.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from runtime.config import ModelConfig
+from runtime.kernels.types import MoEWeights
+from runtime.kvcache.kv_cache import KVCache
+from runtime.models.batch import ForwardBatch
+from runtime.streams.tasks import MAIN, StreamScheduler, Task
+
+INDEXER_STREAM = "indexer"
+
+
+class Workspace:
+    """Buffers shared between streams inside one forward; persistent like a graph's static buffers."""
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None  # [T, D] normed input of the current layer
+        self.selection: list[torch.Tensor] = []  # per segment [n_new, L] bool
+
+
+class DSV4Mini:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: ModuleType) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.k = kernels
+        self.dtype = weights["embed.weight"].dtype
+        self.lm_head = weights["embed.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.moe_weights = [self._moe_weights(i) for i in range(cfg.num_layers)]
+        self.workspace = Workspace()
+
+    def _moe_weights(self, layer: int) -> MoEWeights:
+        p = f"layers.{layer}.moe."
+        shared = self.cfg.n_shared_experts > 0
+        return MoEWeights(
+            router=self.w[p + "gate.weight"], bias=self.w[p + "gate.e_score_correction_bias"],
+            w_gate=self.w[p + "experts.w_gate"], w_up=self.w[p + "experts.w_up"], w_down=self.w[p + "experts.w_down"],
+            shared_gate=self.w[p + "shared.w_gate"] if shared else None,
+            shared_up=self.w[p + "shared.w_up"] if shared else None,
+            shared_down=self.w[p + "shared.w_down"] if shared else None,
+        )
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        # Reference kernels compute in float64; the model's activations stay in the weight dtype.
+        return t if t.dtype == self.dtype else t.to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+        """Writes the new tokens' KV and returns float32 logits of each segment's last token [S, V]."""
+        x = self.w["embed.weight"][batch.token_ids]
+        for layer in range(self.cfg.num_layers):
+            x = x + self._attention(layer, x, batch, kv, streams)
+            x = x + self._moe(layer, x)
+        streams.synchronize()
+        last = self.k.rms_norm(x[batch.last_rows], self.w["norm.weight"], self.cfg.rms_norm_eps)
+        return self.k.linear(self._cast(last), self.lm_head).float()
+
+    def _attention(self, layer: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                   streams: StreamScheduler) -> torch.Tensor:
+        cfg, k, p = self.cfg, self.k, f"layers.{layer}."
+        C, R = cfg.kv_latent_dim, cfg.rope_dim
+        T = x.shape[0]
+        ws = self.workspace
+        ws.hidden = self._cast(k.rms_norm(x, self.w[p + "attn_norm.weight"], cfg.rms_norm_eps))
+
+        streams.fork(INDEXER_STREAM)
+        streams.submit(Task(f"indexer.{layer}", INDEXER_STREAM, reads=("hidden", "index_cache"),
+                            writes=("index_cache", "selection"),
+                            fn=lambda: self._indexer(layer, batch, kv)))
+
+        q = self._cast(k.linear(ws.hidden, self.w[p + "attn.wq.weight"])).view(T, cfg.num_heads, C + R)
+        q = torch.cat([q[..., :C], self._cast(k.rope(q[..., C:], batch.positions, cfg.rope_theta))], dim=-1)
+        latent_and_rope = self._cast(k.linear(ws.hidden, self.w[p + "attn.wkv.weight"]))
+        latent = self._cast(k.rms_norm(latent_and_rope[:, :C], self.w[p + "attn.kv_norm.weight"], cfg.rms_norm_eps))
+        key_rope = self._cast(k.rope(latent_and_rope[:, C:], batch.positions, cfg.rope_theta))
+        kv.latent[layer, batch.slots] = torch.cat([latent, key_rope], dim=-1)
+
+        out = torch.empty(T, cfg.num_heads, C, dtype=self.dtype)
+
+        def attend() -> None:
+            for seg, mask in zip(batch.segments, ws.selection):
+                context = kv.latent[layer, seg.context_slots]
+                out[seg.start:seg.end] = self._cast(
+                    k.sparse_attention(q[seg.start:seg.end], context, mask, C, cfg.softmax_scale))
+
+        streams.join(INDEXER_STREAM)
+        streams.submit(Task(f"attention.{layer}", MAIN, reads=("latent_cache", "selection"),
+                            writes=("attn_out",), fn=attend))
+        return self._cast(k.linear(out.view(T, cfg.num_heads * C), self.w[p + "attn.wo.weight"]))
+
+    def _indexer(self, layer: int, batch: ForwardBatch, kv: KVCache) -> None:
+        """Lightning indexer: score every earlier token, keep the window plus the top-k."""
+        cfg, k, p, ws = self.cfg, self.k, f"layers.{layer}.indexer.", self.workspace
+        T, HI, DI, R = batch.token_ids.shape[0], cfg.index_heads, cfg.index_dim, cfg.rope_dim
+        h = ws.hidden
+        q = self._cast(k.linear(h, self.w[p + "wq.weight"])).view(T, HI, DI)
+        q = torch.cat([q[..., :DI - R], self._cast(k.rope(q[..., DI - R:], batch.positions, cfg.rope_theta))], -1)
+        key = self._cast(k.linear(h, self.w[p + "wk.weight"]))
+        key = torch.cat([key[:, :DI - R], self._cast(k.rope(key[:, DI - R:], batch.positions, cfg.rope_theta))], -1)
+        head_weights = self._cast(k.linear(h, self.w[p + "weights_proj.weight"])) * (HI * DI) ** -0.5
+        kv.index_keys[layer, batch.slots] = key
+        selection = []
+        for seg in batch.segments:
+            keys = kv.index_keys[layer, seg.context_slots]
+            rows = slice(seg.start, seg.end)
+            scores = k.indexer_scores(q[rows], head_weights[rows], keys)
+            selection.append(k.selection_mask(scores, batch.positions[rows], cfg.sliding_window, cfg.index_topk))
+        ws.selection = selection
+
+    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        h = self._cast(self.k.rms_norm(x, self.w[f"layers.{layer}.ffn_norm.weight"], cfg.rms_norm_eps))
+        return self._cast(self.k.moe(h, self.moe_weights[layer], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                                     topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
+                                     normalize=cfg.norm_topk_prob))
