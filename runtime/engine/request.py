@@ -42,7 +42,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: two requests with equal fields are still two requests
 class Request:
     rid: str
     prompt_ids: list[int]

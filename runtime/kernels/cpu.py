@@ -10,6 +10,8 @@ request. Shapes as in reference.py.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -57,14 +59,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(variance + eps) * weight
 
 
+@functools.lru_cache(maxsize=16)
+def _rope_table(half: int, theta: float, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for positions [0, length): computed once per shape, rows independent of `length`."""
+    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) * 2 / (2 * half))
+    # Angles in float64: large positions keep their phase accuracy.
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return rowwise(torch.cos, angles).to(dtype), rowwise(torch.sin, angles).to(dtype)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
-    # Angles in float64: large positions keep their phase accuracy.
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    longest = int(positions.max()) + 1 if positions.numel() else 1
+    length = 1 << max(10, (longest - 1).bit_length())  # grow in powers of two: few tables
+    cos_table, sin_table = _rope_table(half, float(theta), length, x.dtype)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos = rowwise(torch.cos, angles).to(x.dtype).view(shape)
-    sin = rowwise(torch.sin, angles).to(x.dtype).view(shape)
+    cos, sin = cos_table[positions].view(shape), sin_table[positions].view(shape)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 

@@ -170,3 +170,27 @@ def test_whole_model_fast_path_matches_reference_kernels(tiny):
     # The sparse path really ran: the indexer dropped tokens for late queries.
     last_mask = model.workspace.selection[0][-1]
     assert int(last_mask.sum()) == tiny.config.selected_tokens < len(prompt)
+
+
+def test_slow_step_fault_adds_latency_to_every_step(tiny):
+    prompt = [[1, 2, 3]]
+    slow = Engine(tiny, EngineConfig(), faults=FaultSet(["slow-step"]), env=Env(slow_step_ms=30.0))
+    results = []
+    rid = slow.add_request(prompt[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    while slow.has_work:
+        results.append(slow.step())
+    assert slow.scheduler.requests[rid].finish_reason == "length"
+    assert all(r.seconds >= 0.03 for r in results), "every step must carry the injected latency"
+
+
+def test_tied_lm_head_uses_the_embedding(tiny):
+    import dataclasses
+
+    from runtime.models.loader import LoadedModel
+    from runtime.models.weights import init_random
+
+    cfg = dataclasses.replace(tiny.config, tie_word_embeddings=True)
+    loaded = LoadedModel("tied", cfg, init_random(cfg, 0), tiny.tokenizer, None)
+    engine = Engine(loaded, EngineConfig(), env=Env())
+    assert engine.model.lm_head is engine.model.w["embed.weight"]
+    assert len(engine.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].output_ids) == 3
