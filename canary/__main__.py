@@ -1,0 +1,21 @@
+"""`python -m canary <command>`: golden record/check and bisect."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from canary import bisect, golden_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m canary", description="DSV4 canary suite tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    golden_cli.add_parser(sub)
+    bisect.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

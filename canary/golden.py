@@ -1,0 +1,89 @@
+"""Golden transcripts: exact tokens plus top-k logprobs per scenario, and the first-divergence check.
+
+A run matches its golden transcript when the tokens are identical. At the first differing
+position the divergence is benign only if it is a recorded near-tie: both tokens appear in the
+recorded top-k and their recorded logprobs differ by at most `near_tie` nats. After any
+divergence the rest of the scenario is not comparable and is not checked.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Hashable
+
+DEFAULT_NEAR_TIE = 0.05  # nats
+
+
+@dataclass
+class Transcript:
+    scenario: str
+    tokens: list[Hashable]
+    # Per position: the top-k alternatives [(token, logprob), ...] as the run reported them.
+    top_logprobs: list[list[tuple[Hashable, float]]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    scenario: str
+    position: int
+    expected: Hashable | None
+    got: Hashable | None
+    benign: bool
+    margin: float | None  # recorded logprob(expected) - logprob(got), when both were recorded
+    reason: str
+
+    def describe(self) -> str:
+        margin = "n/a" if self.margin is None else f"{self.margin:.4f}"
+        kind = "benign near-tie" if self.benign else "REGRESSION"
+        return (f"{self.scenario}: first divergence at token {self.position}: expected {self.expected!r}, "
+                f"got {self.got!r} (recorded margin {margin}; {kind}: {self.reason})")
+
+
+def first_divergence(golden: Transcript, run: Transcript, near_tie: float = DEFAULT_NEAR_TIE) -> Divergence | None:
+    for pos, (want, got) in enumerate(zip(golden.tokens, run.tokens)):
+        if want == got:
+            continue
+        recorded = {_key(tok): lp for tok, lp in golden.top_logprobs[pos]} if pos < len(golden.top_logprobs) else {}
+        if _key(want) in recorded and _key(got) in recorded:
+            margin = recorded[_key(want)] - recorded[_key(got)]
+            benign = abs(margin) <= near_tie
+            reason = "within the near-tie margin" if benign else f"margin exceeds {near_tie}"
+            return Divergence(golden.scenario, pos, want, got, benign, margin, reason)
+        return Divergence(golden.scenario, pos, want, got, False, None, "token not among the recorded top-k")
+    if len(golden.tokens) != len(run.tokens):
+        pos = min(len(golden.tokens), len(run.tokens))
+        want = golden.tokens[pos] if pos < len(golden.tokens) else None
+        got = run.tokens[pos] if pos < len(run.tokens) else None
+        return Divergence(golden.scenario, pos, want, got, False, None, "lengths differ")
+    return None
+
+
+def _key(token: Hashable) -> Hashable:
+    return tuple(token) if isinstance(token, list) else token
+
+
+def write_store(path: Path, metadata: dict[str, Any], transcripts: list[Transcript]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        f.write(json.dumps({"metadata": metadata}, sort_keys=True) + "\n")
+        for t in transcripts:
+            f.write(json.dumps(asdict(t), sort_keys=True) + "\n")
+    tmp.replace(path)  # never leave a half-written golden file behind
+
+
+def read_store(path: Path) -> tuple[dict[str, Any], dict[str, Transcript]]:
+    lines = path.read_text().splitlines()
+    if not lines or "metadata" not in json.loads(lines[0]):
+        raise ValueError(f"{path} is not a golden store (first line must hold metadata)")
+    metadata = json.loads(lines[0])["metadata"]
+    transcripts = {}
+    for line in lines[1:]:
+        raw = json.loads(line)
+        raw["top_logprobs"] = [[(_key(tok), lp) for tok, lp in pos] for pos in raw["top_logprobs"]]
+        raw["tokens"] = [_key(t) for t in raw["tokens"]]
+        transcripts[raw["scenario"]] = Transcript(**raw)
+    return metadata, transcripts

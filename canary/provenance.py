@@ -1,0 +1,39 @@
+"""Where a result came from: commit, versions, device, config and model fingerprints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+
+def git_commit(cwd: Path | None = None) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             timeout=10)
+        commit = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu:{platform.processor() or platform.machine()}x{torch.get_num_threads()}"
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__}
+
+
+def fingerprint(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
