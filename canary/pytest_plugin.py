@@ -1,19 +1,82 @@
-"""The canary pytest plugin: one option group, marker behaviour, session state on `config`.
+"""The canary pytest plugin: one option group (`--sessions`, `--base-url`, ...), marker behaviour,
+the gate fixtures, and the end-of-run summary.
 
-Heavy imports (torch, the runtime) stay inside hooks and fixtures so `pytest --help` is fast.
+Heavy imports (torch, openai, the runtime) stay inside hooks and fixtures so `pytest --help` is
+fast. Session state lives on `config`, and only the controlling process prints summaries (xdist).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
+
+DEFAULT_MODEL = "golden/models/canary-moe-v1"
+
+
+@dataclass(frozen=True)
+class CanaryOptions:
+    sessions: int
+    turns: int | None
+    concurrency: int | None
+    base_url: str | None
+    model: str | None
+    api_key: str | None
+    stream_ratio: float
+    abort_ratio: float
+    faults: tuple[str, ...]
+    baseline: Path | None
+    baseline_url: str | None
+    perf_tolerance: float
+    report_dir: Path | None
+    golden_update: bool
+    sweep: bool
+    max_tokens: int
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("canary", "DSV4 canary suite")
-    group.addoption("--run-gpu", action="store_true", default=False,
-                    help="fail (instead of skip) gpu-marked tests when no CUDA device is present")
-    group.addoption("--run-slow", action="store_true", default=False,
-                    help="run slow-marked tests (also selected by -m slow)")
+    add = group.addoption
+    add("--sessions", type=int, default=80, help="concurrent multi-turn tool-call sessions (default 80)")
+    add("--turns", type=int, default=None, help="user turns per session (default: each scenario's own, 3-5)")
+    add("--concurrency", type=int, default=None, help="max sessions in flight (default: all)")
+    add("--base-url", default=None, help="gate an OpenAI-compatible server instead of the embedded runtime")
+    add("--model", default=None, help="model name at --base-url (or model dir for the embedded runtime)")
+    add("--api-key", default=None, help="bearer token for --base-url / --baseline-url")
+    add("--stream-ratio", type=float, default=0.5, help="fraction of requests that stream (default 0.5)")
+    add("--abort-ratio", type=float, default=0.0, help="fraction of streamed requests aborted mid-stream")
+    add("--inject-fault", action="append", default=[], metavar="NAME",
+        help="start the embedded runtime with this fault on (repeatable)")
+    add("--baseline", type=Path, default=None, help="performance baseline JSON (default: by fingerprint)")
+    add("--baseline-url", default=None, help="A/B: a baseline server run interleaved with the candidate")
+    add("--perf-tolerance", type=float, default=0.5,
+        help="allowed slowdown before the perf gate fails (default 0.5: shared CPUs are noisy; use ~0.1 on GPUs)")
+    add("--report-dir", type=Path, default=None, help="write summary.json and PNG plots here")
+    add("--golden-update", action="store_true", help="record golden transcripts and the perf baseline")
+    add("--sweep", action="store_true", help="also sweep concurrency 1, 2, 4, ... and fit step = a + b*bs")
+    add("--canary-max-tokens", type=int, default=160, help="max_tokens per request")
+    add("--run-gpu", action="store_true", default=False,
+        help="fail (instead of skip) gpu-marked tests when no CUDA device is present")
+    add("--run-slow", action="store_true", default=False, help="run slow-marked tests (also selected by -m slow)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    opt = config.getoption
+    for name in ("stream_ratio", "abort_ratio"):
+        if not 0.0 <= opt(name) <= 1.0:
+            raise pytest.UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
+    if opt("sessions") < 1:
+        raise pytest.UsageError("--sessions must be >= 1")
+    if opt("base_url") and opt("inject_fault"):
+        raise pytest.UsageError("--inject-fault applies to the embedded runtime, not to --base-url")
+    config.canary_options = CanaryOptions(
+        sessions=opt("sessions"), turns=opt("turns"), concurrency=opt("concurrency"), base_url=opt("base_url"),
+        model=opt("model"), api_key=opt("api_key"), stream_ratio=opt("stream_ratio"),
+        abort_ratio=opt("abort_ratio"), faults=tuple(opt("inject_fault")), baseline=opt("baseline"),
+        baseline_url=opt("baseline_url"), perf_tolerance=opt("perf_tolerance"), report_dir=opt("report_dir"),
+        golden_update=opt("golden_update"), sweep=opt("sweep"), max_tokens=opt("canary_max_tokens"))
+    config.canary_notes = []
 
 
 def _cuda_available() -> bool:
@@ -37,3 +100,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def canary_options(pytestconfig: pytest.Config) -> CanaryOptions:
+    return pytestconfig.canary_options
+
+
+@pytest.fixture(scope="session")
+def canary_target(canary_options: CanaryOptions, tmp_path_factory):
+    """The target under test: `--base-url`, or the embedded runtime with the canary model."""
+    from canary.targets import embedded_server, remote_target
+
+    if canary_options.base_url:
+        yield remote_target(canary_options.base_url, canary_options.model, canary_options.api_key)
+        return
+    model = canary_options.model or DEFAULT_MODEL
+    if not Path(model).exists() and model != "tiny-random":
+        pytest.fail(f"canary model {model!r} not found (expected the trained model in {DEFAULT_MODEL})")
+    with embedded_server(model, list(canary_options.faults), log_dir=tmp_path_factory.mktemp("server")) as target:
+        yield target
+
+
+def driver_options(options: CanaryOptions, **overrides):
+    from canary.driver import DriverOptions
+
+    values = dict(sessions=options.sessions, concurrency=options.concurrency, turns=options.turns,
+                  stream_ratio=options.stream_ratio, abort_ratio=options.abort_ratio, max_tokens=options.max_tokens,
+                  generic_prompts=options.base_url is not None)
+    values.update(overrides)
+    return DriverOptions(**values)
+
+
+def record_notes(config: pytest.Config, notes: list[str]) -> None:
+    config.canary_notes.extend(notes)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or not getattr(config, "canary_notes", None):
+        return
+    terminalreporter.section("canary")
+    for note in config.canary_notes:
+        terminalreporter.write_line(note, yellow=True, bold=True)

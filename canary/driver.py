@@ -1,0 +1,251 @@
+"""The session driver: N concurrent multi-turn tool-call sessions against one target.
+
+asyncio + the async openai client; a semaphore bounds concurrency (the load is ours, not xdist's).
+Each request is streaming or not (seeded), optionally aborted mid-stream; tools run locally. Every
+response is checked by the oracles as it arrives, and nothing is ever retried: the first wrong
+answer is the finding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from canary.golden import Transcript
+from canary.oracles import (Failure, ToolCall, Turn, check_finish_and_usage, check_gibberish, check_nonce,
+                            check_stream_equivalence, check_tool_calls)
+from canary.scenarios import Scenario, execute_tool, make_scenario
+from canary.targets import Target
+
+TOP_LOGPROBS = 5
+MAX_HOPS = 3  # tool round trips within one user turn before the driver gives up on the turn
+
+
+@dataclass(frozen=True)
+class DriverOptions:
+    sessions: int = 80
+    concurrency: int | None = None  # default: all sessions at once
+    turns: int | None = None  # user turns per session (default: the scenario's own count)
+    stream_ratio: float = 0.5
+    abort_ratio: float = 0.0
+    max_tokens: int = 160
+    seed: int = 0
+    request_timeout_s: float = 300.0
+    logprobs: bool = True
+    generic_prompts: bool = False  # real LLMs: plain-words instructions instead of the canary prompt
+
+
+@dataclass
+class RequestRecord:
+    session: int
+    hop: int  # request number within the session
+    streamed: bool
+    aborted: bool
+    started: float
+    first_token: float | None
+    finished: float
+    completion_tokens: int
+    chunk_times: list[float]
+    turn: Turn
+    transcript: Transcript | None
+
+
+@dataclass
+class RunResult:
+    options: DriverOptions
+    target: str
+    started: float
+    wall_s: float
+    requests: list[RequestRecord] = field(default_factory=list)
+    failures: list[tuple[float, Failure]] = field(default_factory=list)
+    sessions_completed: int = 0
+    sessions_aborted: int = 0
+
+    @property
+    def transcripts(self) -> list[Transcript]:
+        return [r.transcript for r in self.requests if r.transcript is not None and not r.aborted]
+
+
+class SessionDriver:
+    def __init__(self, target: Target, options: DriverOptions,
+                 on_request_done: Callable[[RequestRecord], None] | None = None) -> None:
+        self.target = target
+        self.options = options
+        self.on_request_done = on_request_done
+        self.scenarios = [make_scenario(i, options.turns, options.generic_prompts) for i in range(options.sessions)]
+        self._nonces = [s.nonce for s in self.scenarios]
+        self._t0 = 0.0
+        self._result: RunResult | None = None
+
+    def run(self) -> RunResult:
+        return asyncio.run(self._run())
+
+    async def _run(self) -> RunResult:
+        from openai import AsyncOpenAI
+
+        limit = self.options.concurrency or self.options.sessions
+        client = AsyncOpenAI(base_url=self.target.base_url, api_key=self.target.api_key, max_retries=0,
+                             timeout=self.options.request_timeout_s)
+        semaphore = asyncio.Semaphore(limit)
+        self._t0 = time.perf_counter()
+        self._result = RunResult(self.options, self.target.name, time.time(), 0.0)
+
+        async def bounded(scenario: Scenario) -> None:
+            async with semaphore:
+                await self._session(client, scenario)
+
+        try:
+            await asyncio.gather(*(bounded(s) for s in self.scenarios))
+        finally:
+            await client.close()
+        self._result.wall_s = time.perf_counter() - self._t0
+        return self._result
+
+    # ---- one session ---------------------------------------------------------------------------
+    async def _session(self, client, scenario: Scenario) -> None:
+        rng = random.Random(f"{self.options.seed}:{scenario.seed}")
+        messages: list[dict[str, Any]] = [{"role": "system", "content": scenario.system}]
+        hop = 0
+        for turn_index, user in enumerate(scenario.user_turns):
+            messages.append({"role": "user", "content": user})
+            for _ in range(MAX_HOPS):
+                streamed = rng.random() < self.options.stream_ratio
+                abort_after = rng.randint(1, 8) if streamed and rng.random() < self.options.abort_ratio else None
+                record = await self._request(client, scenario, messages, hop, turn_index, streamed, abort_after)
+                hop += 1
+                if record.aborted:
+                    self._result.sessions_aborted += 1
+                    return
+                failures = self._check(scenario, record)
+                if streamed and not failures:
+                    # Same request, not streamed: the reconstruction must be identical.
+                    reference = await self._request(client, scenario, messages, hop, turn_index, False, None,
+                                                    replay=True)
+                    failures += check_stream_equivalence(record.turn, reference.turn)
+                if failures:
+                    return  # a corrupted conversation cannot be continued meaningfully
+                if not record.turn.tool_calls:
+                    messages.append({"role": "assistant", "content": record.turn.content})
+                    break
+                messages.append({"role": "assistant", "content": record.turn.content or None, "tool_calls": [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in record.turn.tool_calls]})
+                for call in record.turn.tool_calls:
+                    result = execute_tool(call.name, json.loads(call.arguments))
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        self._result.sessions_completed += 1
+
+    def _check(self, scenario: Scenario, record: RequestRecord) -> list[Failure]:
+        turn = record.turn
+        failures = check_tool_calls(turn, scenario.schemas)
+        failures += check_nonce(turn, scenario.nonce, lambda: self._nonces, must_echo=not turn.tool_calls
+                                and turn.finish_reason == "stop")
+        failures += check_gibberish(turn)
+        failures += check_finish_and_usage(turn)
+        now = time.perf_counter() - self._t0
+        self._result.failures += [(now, f) for f in failures]
+        return failures
+
+    # ---- one request ---------------------------------------------------------------------------
+    async def _request(self, client, scenario: Scenario, messages: list[dict], hop: int, turn_index: int,
+                       streamed: bool, abort_after: int | None, replay: bool = False) -> RequestRecord:
+        kwargs: dict[str, Any] = dict(model=self.target.model, messages=messages, tools=scenario.tools,
+                                      tool_choice=scenario.tool_choice, temperature=0.0, seed=scenario.seed,
+                                      max_tokens=self.options.max_tokens)
+        if self.options.logprobs:
+            kwargs.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
+        started = time.perf_counter()
+        if streamed:
+            record = await self._streamed(client, kwargs, scenario, hop, turn_index, started, abort_after)
+        else:
+            record = await self._unary(client, kwargs, scenario, hop, turn_index, started)
+        if not replay:
+            self._result.requests.append(record)
+            if self.on_request_done:
+                self.on_request_done(record)
+        return record
+
+    async def _unary(self, client, kwargs, scenario, hop, turn_index, started) -> RequestRecord:
+        resp = await client.chat.completions.create(**kwargs)
+        finished = time.perf_counter()
+        choice = resp.choices[0]
+        calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in (choice.message.tool_calls or [])]
+        tokens, tops = _logprob_tokens(choice.logprobs.content if choice.logprobs else None)
+        usage = resp.usage.model_dump() if resp.usage else None
+        turn = Turn(scenario.index, turn_index, False, choice.message.content or "", calls, choice.finish_reason,
+                    _usage(usage), self.options.max_tokens, tokens)
+        completion = usage["completion_tokens"] if usage else len(tokens)
+        return RequestRecord(scenario.index, hop, False, False, started, None, finished, completion, [], turn,
+                             _transcript(scenario, hop, tokens, tops))
+
+    async def _streamed(self, client, kwargs, scenario, hop, turn_index, started, abort_after) -> RequestRecord:
+        stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        content, finish, usage = "", None, None
+        calls: dict[int, dict[str, str]] = {}
+        tokens: list = []
+        tops: list = []
+        chunk_times: list[float] = []
+        first_token = None
+        aborted = False
+        chunks = 0
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage:
+                usage = chunk.usage.model_dump()
+            for choice in chunk.choices:
+                delta = choice.delta
+                if delta.content or delta.tool_calls:
+                    first_token = first_token or now
+                    chunk_times.append(now)
+                if delta.content:
+                    content += delta.content
+                for tc in delta.tool_calls or []:
+                    entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                    if tc.id:
+                        entry["id"] = entry["id"] or tc.id
+                    if tc.function and tc.function.name:
+                        entry["name"] += tc.function.name
+                    if tc.function and tc.function.arguments:
+                        entry["arguments"] += tc.function.arguments
+                if choice.logprobs and choice.logprobs.content:
+                    t, p = _logprob_tokens(choice.logprobs.content)
+                    tokens += t
+                    tops += p
+                if choice.finish_reason:
+                    finish = choice.finish_reason
+            chunks += 1
+            if abort_after is not None and chunks >= abort_after and finish is None:
+                aborted = True
+                break
+        await stream.close()
+        finished = time.perf_counter()
+        tool_calls = [ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+        turn = Turn(scenario.index, turn_index, True, content, tool_calls, finish, _usage(usage),
+                    self.options.max_tokens, tokens, aborted=aborted)
+        completion = usage["completion_tokens"] if usage else len(tokens)
+        return RequestRecord(scenario.index, hop, True, aborted, started, first_token, finished, completion,
+                             chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops))
+
+
+def _usage(usage: dict | None) -> dict[str, int] | None:
+    if usage is None:
+        return None
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens") if usage.get(k) is not None}
+
+
+def _logprob_tokens(content) -> tuple[list, list]:
+    if not content:
+        return [], []
+    tokens = [item.token for item in content]
+    tops = [[(alt.token, alt.logprob) for alt in (item.top_logprobs or [])] for item in content]
+    return tokens, tops
+
+
+def _transcript(scenario: Scenario, hop: int, tokens: list, tops: list) -> Transcript | None:
+    if not tokens:
+        return None
+    return Transcript(f"session-{scenario.seed}-req-{hop}", tokens, tops)

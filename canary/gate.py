@@ -1,0 +1,242 @@
+"""The canary gate: drive the sessions, apply every oracle, check golden transcripts and leaks,
+gate performance, write the report. Returns a `GateOutcome`; the pytest plugin turns it into a
+pass/fail with a message that names each oracle that fired."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from canary import perf
+from canary.driver import DriverOptions, RunResult, SessionDriver
+from canary.golden import Transcript, first_divergence, read_store, write_store
+from canary.metrics import gated_figures, run_metrics
+from canary.provenance import device_name, fingerprint, git_commit, versions
+from canary.targets import Target
+
+GOLDEN_DIR = Path("golden/transcripts")
+BASELINE_DIR = Path("golden/baselines")
+
+
+@dataclass
+class GateOutcome:
+    failures: list[str] = field(default_factory=list)  # each names the oracle that fired
+    notes: list[str] = field(default_factory=list)  # loud, non-failing messages (skipped oracles, no baseline)
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def server_info(target: Target) -> dict:
+    root = target.base_url.removesuffix("/v1")
+    try:
+        resp = httpx.get(root + "/server_info", timeout=10.0,
+                         headers={"Authorization": f"Bearer {target.api_key}"})
+        return resp.json() if resp.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def kv_pages_in_use(target: Target) -> float | None:
+    """Read the KV-pages gauge from the embedded server's Prometheus text."""
+    root = target.base_url.removesuffix("/v1")
+    try:
+        text = httpx.get(root + "/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("#") or "kv_pages_in_use" not in line:
+            continue
+        try:
+            return float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+    return None
+
+
+def run_driver(target: Target, options: DriverOptions, progress: bool = True) -> RunResult:
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc=f"canary {target.name}", unit="req", leave=False, dynamic_ncols=True)
+    tokens = [0]
+
+    def done(record) -> None:
+        tokens[0] += record.completion_tokens
+        if bar is not None:
+            bar.update(1)
+            elapsed = bar.format_dict.get("elapsed") or 1e-9
+            bar.set_postfix(tok_s=f"{tokens[0] / elapsed:.0f}", refresh=False)
+
+    try:
+        return SessionDriver(target, options, on_request_done=done).run()
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def golden_path(target: Target, info: dict) -> Path:
+    model = info.get("model") or target.model
+    return GOLDEN_DIR / f"stress-{Path(str(model)).name}.jsonl"
+
+
+def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, outcome: GateOutcome,
+                 near_tie: float) -> None:
+    transcripts = result.transcripts
+    if update:
+        merged: dict[str, Transcript] = {}
+        if path.is_file():
+            merged.update(read_store(path)[1])
+        merged.update({t.scenario: t for t in transcripts})
+        write_store(path, metadata, [merged[k] for k in sorted(merged)])
+        outcome.notes.append(f"golden transcripts updated: {path} ({len(merged)} requests)")
+        return
+    if not path.is_file():
+        outcome.notes.append(f"NO GOLDEN TRANSCRIPTS at {path}: golden oracle skipped; record with --golden-update")
+        return
+    meta, golden = read_store(path)
+    if meta.get("model_hash") and metadata.get("model_hash") and meta["model_hash"] != metadata["model_hash"]:
+        outcome.failures.append(f"[golden] model hash {metadata['model_hash']} differs from the golden "
+                                f"transcripts' {meta['model_hash']} ({path})")
+        return
+    diverged_sessions: set[str] = set()
+    checked = benign = 0
+    for t in sorted(transcripts, key=lambda t: (t.scenario.rsplit("-req-", 1)[0], int(t.scenario.rsplit("-", 1)[1]))):
+        session = t.scenario.rsplit("-req-", 1)[0]
+        if session in diverged_sessions or t.scenario not in golden:
+            continue
+        checked += 1
+        div = first_divergence(golden[t.scenario], t, near_tie)
+        if div is None:
+            continue
+        diverged_sessions.add(session)  # later requests of this session are no longer comparable
+        if div.benign:
+            benign += 1
+        else:
+            outcome.failures.append(f"[golden] {div.describe()}")
+    outcome.summary["golden"] = {"path": str(path), "checked": checked, "benign_near_ties": benign,
+                                 "golden_commit": meta.get("commit")}
+
+
+def baseline_fingerprint(target: Target, info: dict, options: DriverOptions) -> dict:
+    return {"hardware": device_name(), "model": info.get("model", target.model),
+            "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
+            "workload": {"sessions": options.sessions, "turns": options.turns, "stream_ratio": options.stream_ratio,
+                         "abort_ratio": options.abort_ratio, "max_tokens": options.max_tokens}}
+
+
+def gate_against_baseline(figures: dict, fp: dict, baseline: Path | None, tolerance: float, update: bool,
+                          outcome: GateOutcome) -> None:
+    path = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
+    stored = perf.load_baseline(path)
+    if stored is None:
+        outcome.notes.append(f"NO PERFORMANCE BASELINE for this hardware/model/config at {path}: perf gate skipped"
+                             + ("; recording one now" if update else "; record one with --golden-update"))
+        if update:
+            perf.save_baseline(path, fp, figures)
+        return
+    results = perf.gate(stored["metrics"], figures, tolerance)
+    outcome.summary["perf_gate"] = {"baseline": str(path), "tolerance": tolerance,
+                                    "results": perf.gate_report(results)}
+    for r in results:
+        if not r.passed:
+            outcome.failures.append(f"[perf-regression] {r.metric}: {r.candidate:.4g} vs baseline {r.baseline:.4g} "
+                                    f"({(r.ratio - 1) * 100:.0f}% worse, tolerance {tolerance * 100:.0f}%)")
+    if update:
+        perf.save_baseline(path, fp, figures)
+
+
+def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = False, baseline: Path | None = None,
+             perf_tolerance: float = 0.25, near_tie: float = 0.05, progress: bool = True) -> GateOutcome:
+    outcome = GateOutcome()
+    info = server_info(target)
+    result = run_driver(target, options, progress)
+    outcome.failures += [f.describe() for _, f in result.failures]
+    metrics = run_metrics(result)
+    metadata = {"commit": git_commit(), "target": target.name, "model": info.get("model", target.model),
+                "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
+                "device": device_name(), **versions()}
+    if target.embedded:
+        check_golden(result, golden_path(target, info), golden_update, metadata, outcome, near_tie)
+        _check_pages_idle(target, outcome)
+    else:
+        outcome.notes.append("golden-transcript oracle skipped: the target is not the embedded canary runtime "
+                             "(only a deterministic canary model has golden transcripts)")
+    gate_against_baseline(gated_figures(metrics), baseline_fingerprint(target, info, options), baseline,
+                          perf_tolerance, golden_update, outcome)
+    outcome.summary.update({"target": target.name, "metadata": metadata, "metrics": metrics,
+                            "sessions_completed": result.sessions_completed,
+                            "sessions_aborted": result.sessions_aborted,
+                            "failures": [{"t": t, **f.__dict__} for t, f in result.failures],
+                            "gate_failures": outcome.failures, "notes": outcome.notes})
+    return outcome
+
+
+def _check_pages_idle(target: Target, outcome: GateOutcome, wait_s: float = 10.0) -> None:
+    """Every request finished or was aborted: the KV pool must be back at its idle level."""
+    deadline = time.monotonic() + wait_s
+    pages = kv_pages_in_use(target)
+    while pages not in (None, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pages = kv_pages_in_use(target)
+    if pages is None:
+        outcome.notes.append("KV page gauge not found in /metrics: leak oracle skipped")
+    elif pages != 0:
+        outcome.failures.append(f"[kv-leak] {pages:.0f} KV pages still in use after every session ended")
+
+
+def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, tolerance: float, rounds: int = 2,
+           progress: bool = True) -> GateOutcome:
+    """Baseline and candidate interleaved in one invocation; gate on the candidate/baseline ratio."""
+    outcome = GateOutcome()
+    runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
+    for _ in range(rounds):
+        for name, target in (("baseline", baseline_target), ("candidate", candidate)):
+            result = run_driver(target, options, progress)
+            outcome.failures += [f"{name}: {f.describe()}" for _, f in result.failures] if name == "candidate" else []
+            runs[name].append(gated_figures(run_metrics(result)))
+    merged = {name: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for name, rs in runs.items()}
+    results = perf.gate(merged["baseline"], merged["candidate"], tolerance)
+    for r in results:
+        if not r.passed:
+            outcome.failures.append(f"[perf-regression] A/B {r.metric}: candidate {r.candidate:.4g} vs baseline "
+                                    f"{r.baseline:.4g} ({(r.ratio - 1) * 100:.0f}% worse, tolerance "
+                                    f"{tolerance * 100:.0f}%)")
+    outcome.summary = {"ab": {"baseline": baseline_target.name, "candidate": candidate.name, "rounds": rounds,
+                              "figures": merged, "results": perf.gate_report(results)},
+                       "gate_failures": outcome.failures}
+    return outcome
+
+
+def sweep(target: Target, options: DriverOptions, progress: bool = True) -> dict:
+    """Concurrency levels 1, 2, 4, ... up to `options.sessions`; fit step = a + b*bs; flag cliffs."""
+    levels, c = [], 1
+    while c < options.sessions:
+        levels.append(c)
+        c *= 2
+    levels.append(options.sessions)
+    rows = []
+    for level in levels:
+        result = run_driver(target, DriverOptions(**{**options.__dict__, "sessions": level, "concurrency": level,
+                                                      "abort_ratio": 0.0, "stream_ratio": 1.0}), progress)
+        m = run_metrics(result)
+        rows.append({"concurrency": level, "output_tok_s": m["output_tok_s"], "tpot_s": m["tpot_s"],
+                     "ttft_s": m["ttft_s"], "failures": len(result.failures)})
+    points = [(r["concurrency"], r["tpot_s"]["p50"]) for r in rows if r["tpot_s"]["count"]]
+    out = {"sweep": rows, "cliffs": perf.find_cliffs([r["concurrency"] for r in rows],
+                                                     [r["output_tok_s"] for r in rows])}
+    if len(points) >= 2:
+        fit = perf.fit_step_time([p[0] for p in points], [p[1] for p in points])
+        out["step_fit"] = {"a": fit.a, "b": fit.b, "r2": fit.r2, "points": points}
+    return out
+
+
+def dump(outcome: GateOutcome) -> str:
+    return json.dumps(outcome.summary, indent=2, default=str)[:4000]

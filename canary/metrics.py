@@ -1,0 +1,32 @@
+"""Latency and throughput figures of one driver run (TTFT, TPOT, ITL percentiles, output tok/s)."""
+
+from __future__ import annotations
+
+from canary.driver import RunResult
+from canary.perf import summarize
+
+
+def run_metrics(result: RunResult) -> dict:
+    done = [r for r in result.requests if not r.aborted]
+    streamed = [r for r in done if r.streamed and r.first_token is not None]
+    ttft = [r.first_token - r.started for r in streamed]
+    tpot = [(r.finished - r.first_token) / (r.completion_tokens - 1) for r in streamed if r.completion_tokens > 1]
+    itl = [b - a for r in streamed for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tokens = sum(r.completion_tokens for r in done)
+    return {
+        "requests": len(result.requests),
+        "aborted_requests": sum(r.aborted for r in result.requests),
+        "completion_tokens": tokens,
+        "wall_s": result.wall_s,
+        "output_tok_s": tokens / result.wall_s if result.wall_s > 0 else 0.0,
+        "ttft_s": summarize(ttft),
+        "tpot_s": summarize(tpot),
+        "itl_s": summarize(itl),
+        "e2e_s": summarize([r.finished - r.started for r in done]),
+    }
+
+
+def gated_figures(metrics: dict) -> dict[str, float]:
+    """The figures the regression gate compares (flat name -> value)."""
+    return {"output_tok_s": metrics["output_tok_s"], "tpot_p50": metrics["tpot_s"]["p50"],
+            "ttft_p50": metrics["ttft_s"]["p50"]}
