@@ -1,0 +1,93 @@
+"""Lightning-indexer logits over the paged index-key cache, and the window U top-k selection.
+
+T = queries, HI = indexer heads, DI = index dim, P = pages per query, L = P * page_size.
+logits[t, j] = key_scale[slot] * sum_h w[t, h] * relu(q[t, h] . key[slot]) for the j-th position of
+query t (slot = page_table[t, j // page_size] * page_size + j % page_size), -inf past its length.
+fp8 keys: q is fp8 too, its per-(token, head) scale folded into w by the caller (relu commutes
+with a positive scale), the per-slot key scale applied after the head sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.triton import INTERPRETED
+
+
+@triton.jit
+def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr,
+                    heads, dim, page_size, width, stride_qt, stride_qh, stride_w, stride_key, stride_table, stride_out,
+                    KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+    query = tl.program_id(0).to(tl.int64)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    length = tl.load(lens_ptr + query)
+    valid = offs_l < length
+    out_row = out_ptr + query * stride_out
+    if tl.program_id(1) * BLOCK_L >= length:
+        tl.store(out_row + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32), mask=offs_l < width)
+        return
+    page = tl.load(table_ptr + query * stride_table + offs_l // page_size, mask=valid, other=0).to(tl.int64)
+    slot = page * page_size + offs_l % page_size
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < heads
+    d_ok = offs_d < dim
+    q = tl.load(q_ptr + query * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    keys = tl.load(key_ptr + slot[None, :] * stride_key + offs_d[:, None], mask=d_ok[:, None] & valid[None, :],
+                   other=0.0)  # [BLOCK_D, BLOCK_L]
+    scores = tl.maximum(tl.dot(q, keys, input_precision=PRECISION), 0.0)  # [BLOCK_H, BLOCK_L]
+    w = tl.load(w_ptr + query * stride_w + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    logits = tl.sum(scores * w[:, None], axis=0)
+    if KEY_SCALE:
+        logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
+    tl.store(out_row + offs_l, tl.where(valid, logits, float("-inf")), mask=offs_l < width)
+
+
+def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
+                   seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
+    page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
+    fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length."""
+    tokens, heads, dim = q.shape
+    length = page_table.shape[1] * page_size
+    if out is None:
+        out = torch.empty(tokens, length, dtype=torch.float32, device=q.device)
+    if tokens == 0 or length == 0:
+        return out
+    block_l = 64 if INTERPRETED else 128
+    block_h = max(16, triton.next_power_of_2(heads))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _indexer_kernel[(tokens, triton.cdiv(length, block_l))](
+        q, head_weights, key_cache, key_scale if key_scale is not None else head_weights, page_table, seq_lens, out,
+        heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0), key_cache.stride(0),
+        page_table.stride(0), out.stride(0), KEY_SCALE=key_scale is not None, PRECISION=precision,
+        BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_L=block_l,
+        num_warps=4 if INTERPRETED else 8, num_stages=1 if INTERPRETED else 3)
+    return out
+
+
+def select_positions(logits: torch.Tensor, positions: torch.Tensor, window: int, topk: int) -> torch.Tensor:
+    """Window (p-window, p] plus the top-k positions <= p - window by logit: [T, window + topk] int32
+    positions, -1 where fewer exist. Ties may go either way (compare tie-aware)."""
+    tokens, length = logits.shape
+    cols = torch.arange(length, device=logits.device)[None, :]
+    pos = positions[:, None].to(torch.int64)
+    width = min(topk, length)
+    ranked = torch.where(cols <= pos - window, logits, torch.full_like(logits, float("-inf")))
+    best = torch.topk(ranked, width, dim=-1, sorted=False)
+    chosen = torch.where(best.values > float("-inf"), best.indices, -1)
+    window_pos = pos - torch.arange(window, device=logits.device)[None, :]
+    window_pos = torch.where(window_pos >= 0, window_pos, -1)
+    return torch.cat([window_pos, chosen], dim=1).to(torch.int32)
+
+
+def positions_to_slots(selected: torch.Tensor, page_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[T, S] positions (-1 = none) -> [T, S] cache slots (-1 = none), through each query's pages."""
+    safe = selected.clamp(min=0).to(torch.int64)
+    pages = torch.gather(page_table.to(torch.int64), 1, safe // page_size)
+    return torch.where(selected >= 0, pages * page_size + safe % page_size, -1).to(torch.int32)

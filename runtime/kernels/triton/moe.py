@@ -1,0 +1,250 @@
+"""Fused MoE for decode: token-expert alignment, gate/up grouped GEMM with SiLU-and-mul, down
+projection scaled by the routing weight, and a fixed-order combine (+ shared expert).
+
+T = tokens, K = experts per token, E = experts, D = hidden, I = expert intermediate (shard),
+TK = T*K routed rows (row r = token r // K, rank r % K).
+
+Batch invariance: a row's output depends only on its token, its experts and the reduction order
+over D (gate/up) and I (down). That order is fixed by BLOCK_K (a constant here, never tuned) and by
+tile rows being independent (BLOCK_M is a constant too); buckets only tune BLOCK_N, warps and
+stages. The combine sums a token's K expert outputs in rank order, then adds the shared expert.
+
+fp8 path: weights e4m3 with one float32 scale per 128x128 block ([E, N/128, K/128]), activations
+quantized per token per 128 channels on the fly (quantize_groups); BLOCK_K is the block size, so
+each K step applies one activation scale per row and one weight scale per column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.triton import INTERPRETED
+from runtime.kernels.triton.configs import config_file_name, load_table, pick
+from runtime.kernels.triton.elementwise import FP8_GROUP, quantize_groups
+
+BLOCK_M = 16  # rows per tile: decode has ~TK/E <= 3 rows per expert at bs 128, E 256, K 6
+BLOCK_K = 128  # reduction step; equal to the fp8 scale block, so one scale per step
+DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
+
+
+@dataclass(frozen=True)
+class PackedMoE:
+    """Expert weights in kernel layout. w13: [E, 2I, D] (gate rows, then up rows); w2: [E, D, I].
+    Shared expert as a one-expert stack (shared_w13 [1, 2IS, D], shared_w2 [1, D, IS]) or None.
+    fp8: the *_scale tensors hold one float32 per 128x128 block, else None."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    shared_w13: torch.Tensor | None = None
+    shared_w2: torch.Tensor | None = None
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    shared_w13_scale: torch.Tensor | None = None
+    shared_w2_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.w13_scale is not None
+
+
+def pack_weights(w_gate, w_up, w_down, shared_gate=None, shared_up=None, shared_down=None) -> PackedMoE:
+    """From MoEWeights' layout (w_gate/w_up [E, I, D], w_down [E, D, I]) to the kernel layout."""
+    shared_w13 = shared_w2 = None
+    if shared_gate is not None:
+        shared_w13 = torch.cat([shared_gate, shared_up], dim=0)[None].contiguous()
+        shared_w2 = shared_down[None].contiguous()
+    return PackedMoE(torch.cat([w_gate, w_up], dim=1).contiguous(), w_down.contiguous(), shared_w13, shared_w2)
+
+
+def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group routed rows by expert into BLOCK_M-row tiles, with no host sync (graph-capturable).
+
+    Returns sorted_rows [NB*BLOCK_M] (routed row ids; TK marks padding) and tile_expert [NB]
+    (-1: unused tile). NB is a static bound: sum_e ceil(count_e / BLOCK_M) over used experts."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    rows = flat.numel()
+    num_tiles = triton.cdiv(rows + min(num_experts, rows) * (BLOCK_M - 1), BLOCK_M)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = torch.cumsum(padded, 0)
+    first_row = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(rows, device=flat.device) - first_row[expert_of]
+    sorted_rows = torch.full((num_tiles * BLOCK_M,), rows, dtype=torch.int32, device=flat.device)
+    sorted_rows[padded_end[expert_of] - padded[expert_of] + rank] = order.to(torch.int32)
+    tile_start = torch.arange(num_tiles, device=flat.device) * BLOCK_M
+    tile_expert = torch.searchsorted(padded_end, tile_start, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    return sorted_rows, tile_expert
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows_ptr, tile_expert_ptr,
+                    num_rows, top_k, hidden, inter,
+                    stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
+                    FP8: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # act[r, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, I + n]) for the rows r of this tile.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    tokens = (rows // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    w_gate = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    w_up = w_gate + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b_mask = k_ok[:, None] & n_ok[None, :]
+        b_gate = tl.load(w_gate + offs_k[:, None], mask=b_mask, other=0.0)
+        b_up = tl.load(w_up + offs_k[:, None], mask=b_mask, other=0.0)
+        if FP8:
+            a_s = tl.load(x_scale_ptr + tokens * stride_xs + k0 // BLOCK_K, mask=row_ok, other=0.0)
+            s_base = w_scale_ptr + expert * stride_wse + k0 // BLOCK_K
+            s_gate = tl.load(s_base + (offs_n // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
+            s_up = tl.load(s_base + ((offs_n + inter) // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
+            acc_gate += tl.dot(a, b_gate) * a_s[:, None] * s_gate[None, :]
+            acc_up += tl.dot(a, b_up) * a_s[:, None] * s_up[None, :]
+        else:
+            acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_rows_ptr, tile_expert_ptr,
+                 route_w_ptr, num_rows, hidden, inter,
+                 stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+                 FP8: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[r, n] = route_w[r] * (act[r] . w2[e, n]), float32.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    w_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < inter
+        a = tl.load(act_ptr + rows64[:, None] * stride_act + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            a_s = tl.load(act_scale_ptr + rows64 * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
+            b_s = tl.load(w_scale_ptr + expert * stride_wse + (offs_n // BLOCK_K) * stride_wsn + k0 // BLOCK_K,
+                          mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if WEIGHTED:
+        acc = acc * tl.load(route_w_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows64[:, None] * stride_out + offs_n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(routed_ptr, shared_ptr, out_ptr, top_k, hidden, HAS_SHARED: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    # out[t] = sum_k routed[t*K + k] (rank order) + shared[t]
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = offs < hidden
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in range(0, top_k):
+        acc += tl.load(routed_ptr + (token * top_k + k) * hidden + offs, mask=ok, other=0.0)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + token * hidden + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_config(num_experts: int, inter: int, fp8: bool, tokens: int) -> dict:
+    name = config_file_name("fused_moe", num_experts, inter, "fp8_w8a8" if fp8 else "bf16")
+    return pick(load_table(name), tokens) or DEFAULT_CONFIG
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_expert, route_w, top_k,
+                 num_rows, config, out):
+    """gate/up + SiLU-and-mul, then down (weighted when route_w is given) into out [num_rows, D]."""
+    hidden, inter = x.shape[1], w2.shape[2]
+    fp8 = w13_scale is not None
+    num_tiles = tile_expert.numel()
+    block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
+    if INTERPRETED:
+        warps, stages = 4, 1
+    act = torch.empty(num_rows, inter, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
+    precision = _precision(x.dtype)
+    dummy = x_scale if fp8 else x  # never read when FP8 is off
+    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
+        x, dummy, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_expert,
+        num_rows, top_k, hidden, inter,
+        x.stride(0), x_scale.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1),
+        w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0),
+        FP8=fp8, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        num_warps=warps, num_stages=stages)
+    act_scale = None
+    if fp8:
+        act, act_scale = quantize_groups(act)
+    down_n = max(block_n, 64)
+    _down_kernel[(num_tiles, triton.cdiv(hidden, down_n))](
+        act, act_scale if fp8 else act, w2, w2_scale if fp8 else w2, out, sorted_rows, tile_expert,
+        route_w if route_w is not None else out, num_rows, hidden, inter,
+        act.stride(0), act_scale.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1),
+        w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0, out.stride(0),
+        FP8=fp8, WEIGHTED=route_w is not None, PRECISION=precision,
+        BLOCK_M=BLOCK_M, BLOCK_N=down_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+
+
+def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts (+ shared expert) for decode. x: [T, D]; topk_weights: [T, K] (already scaled
+    by routed_scaling_factor); topk_ids: [T, K] int; out: optional [T, D] x.dtype destination.
+    Returns [T, D] in x.dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = weights.w2.shape[0], weights.w2.shape[2]
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(x) if out is None else out
+    if num_tokens == 0:
+        return out
+    config = config or moe_config(num_experts, inter, weights.fp8, num_tokens)
+    x_in, x_scale = quantize_groups(x) if weights.fp8 else (x, None)
+    sorted_rows, tile_expert = align_tokens(topk_ids, num_experts)
+    routed = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    _expert_pass(x_in, x_scale, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale, sorted_rows,
+                 tile_expert, topk_weights.reshape(-1).to(torch.float32).contiguous(), top_k,
+                 num_tokens * top_k, config, routed)
+    shared = None
+    if weights.shared_w13 is not None:
+        shared = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
+        all_rows = torch.arange(triton.cdiv(num_tokens, BLOCK_M) * BLOCK_M, dtype=torch.int32, device=x.device)
+        one_expert = torch.zeros(triton.cdiv(num_tokens, BLOCK_M), dtype=torch.int32, device=x.device)
+        _expert_pass(x_in, x_scale, weights.shared_w13, weights.shared_w13_scale, weights.shared_w2,
+                     weights.shared_w2_scale, all_rows, one_expert, None, 1, num_tokens, config, shared)
+    block_d = 1024
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
+        routed, shared if shared is not None else routed, out, top_k, hidden,
+        HAS_SHARED=shared is not None, BLOCK_D=block_d)
+    return out

@@ -1,0 +1,427 @@
+"""Triton decode kernels vs the readable float64 reference, hypothesis-drawn around the traps.
+
+Without CUDA the kernels run under the Triton interpreter in float32/float16 (the interpreter is
+wrong in bfloat16), with few examples; on a GPU in bfloat16 too, plus fp8, CUDA-graph capture +
+replay and a side stream. Outputs are NaN-poisoned before every run; data is never zero; top-k is
+compared tie-aware; batch invariance is bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from canary.tolerances import assert_close_to_reference
+from canary.topk_compare import wrong_topk_indices
+from runtime.kernels import reference
+from runtime.kernels.triton import INTERPRETED, attention, elementwise, indexer, moe
+
+pytestmark = pytest.mark.kernels
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32, torch.float16]
+# The interpreter runs each program in Python: few examples there, more on the GPU.
+EXAMPLES = settings(max_examples=40 if ON_GPU else 15)
+SEEDS = st.integers(0, 2**31 - 1)
+ROWS = st.sampled_from([0, 1, 2, 15, 16, 17, 33])  # 0/1 rows and the BLOCK_M tile +- 1
+gpu = pytest.mark.gpu
+
+
+def randn(gen: torch.Generator, *shape: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    t = torch.randn(*shape, generator=gen) * scale
+    return torch.where(t == 0, torch.full_like(t, 1e-3), t).to(dtype).to(DEVICE)
+
+
+def poisoned(*shape: int, dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def assert_prefix_invariant(full: torch.Tensor, run_prefix, rows: int) -> None:
+    """f(x)[:k] == f(x[:k]) bit for bit for several prefixes k."""
+    for k in sorted({1, rows // 2, rows - 1}):
+        if 0 < k < rows:
+            assert torch.equal(full[:k], run_prefix(k)), f"row results changed with the batch (k={k} of {rows})"
+
+
+def assert_close_scaled(actual, expected, dtype, msg=""):
+    # Errors scale with the largest term, not with each (possibly cancelling) element.
+    magnitude = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
+    assert not torch.isnan(actual).any(), f"NaN in output (unwritten?) {msg}"
+    assert_close_to_reference(actual.cpu(), expected, dtype, scale=4 * magnitude, msg=msg)
+
+
+# ---------------------------------------------------------------- fused MoE
+
+def _moe_case(seed, tokens, experts, top_k, hidden, inter, shared, dtype, magnitude):
+    gen = torch.Generator().manual_seed(seed)
+    w_gate = randn(gen, experts, inter, hidden, scale=hidden ** -0.5, dtype=dtype)
+    w_up = randn(gen, experts, inter, hidden, scale=hidden ** -0.5, dtype=dtype)
+    w_down = randn(gen, experts, hidden, inter, scale=inter ** -0.5, dtype=dtype)
+    shared_w = [randn(gen, inter, hidden, scale=hidden ** -0.5, dtype=dtype),
+                randn(gen, inter, hidden, scale=hidden ** -0.5, dtype=dtype),
+                randn(gen, hidden, inter, scale=inter ** -0.5, dtype=dtype)] if shared else [None] * 3
+    x = randn(gen, tokens, hidden, scale=magnitude, dtype=dtype)
+    # Few experts get all the tokens (experts with no tokens are the rule, as in decode).
+    used = torch.randperm(experts, generator=gen)[:max(top_k, experts // 2)]
+    ids = torch.stack([used[torch.randperm(len(used), generator=gen)[:top_k]] for _ in range(tokens)]) \
+        if tokens else torch.empty(0, top_k, dtype=torch.long)
+    route_w = torch.rand(tokens, top_k, generator=gen) + 0.25
+    route_w[:, -1] = route_w[:, 0]  # tied weights
+    return x, (w_gate, w_up, w_down, *shared_w), ids.to(DEVICE), route_w.to(DEVICE)
+
+
+def _moe_reference(x, raw, ids, route_w):
+    w_gate, w_up, w_down, s_gate, s_up, s_down = [w.cpu() if w is not None else None for w in raw]
+    x, ids, route_w = x.cpu(), ids.cpu(), route_w.cpu()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            out[t] += float(route_w[t, j]) * reference.swiglu_expert(x[t], w_gate[e], w_up[e], w_down[e])
+        if s_gate is not None:
+            out[t] += reference.swiglu_expert(x[t], s_gate, s_up, s_down)
+    return out
+
+
+def _run_moe(x, packed, ids, route_w):
+    out = poisoned(*x.shape, dtype=x.dtype)
+    result = moe.fused_moe(x, packed, route_w, ids, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    return out
+
+
+@EXAMPLES
+@given(seed=SEEDS, tokens=ROWS, shape=st.sampled_from([(9, 3, 130, 40), (4, 1, 48, 20), (16, 6, 64, 17)]),
+       shared=st.booleans(), dtype=st.sampled_from(DTYPES), magnitude=st.sampled_from([1.0, 20.0]))
+@example(seed=0, tokens=17, shape=(9, 3, 130, 40), shared=True, dtype=DTYPES[0], magnitude=20.0)
+def test_fused_moe_matches_reference_and_is_batch_invariant(seed, tokens, shape, shared, dtype, magnitude):
+    experts, top_k, hidden, inter = shape
+    x, raw, ids, route_w = _moe_case(seed, tokens, experts, top_k, hidden, inter, shared, dtype, magnitude)
+    packed = moe.pack_weights(*raw)
+    out = _run_moe(x, packed, ids, route_w)
+    assert out.shape == (tokens, hidden)
+    assert_close_scaled(out, _moe_reference(x, raw, ids, route_w), dtype)
+    assert_prefix_invariant(out, lambda k: _run_moe(x[:k], packed, ids[:k], route_w[:k]), tokens)
+
+
+@EXAMPLES
+@given(seed=SEEDS, tokens=ROWS, experts=st.sampled_from([1, 5, 64]), top_k=st.sampled_from([1, 2, 6]))
+def test_align_tokens_places_every_row_once_in_its_experts_tile(seed, tokens, experts, top_k):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen).to(DEVICE)
+    sorted_rows, tile_expert = moe.align_tokens(ids, experts)
+    rows = tokens * top_k
+    sorted_rows, tile_expert = sorted_rows.cpu().view(-1, moe.BLOCK_M), tile_expert.cpu()
+    real = sorted_rows[sorted_rows < rows]
+    assert sorted(real.tolist()) == list(range(rows)), "each routed row exactly once"
+    for tile, expert in enumerate(tile_expert.tolist()):
+        members = sorted_rows[tile][sorted_rows[tile] < rows]
+        if expert < 0:
+            assert members.numel() == 0, "an unused tile holds rows"
+        else:
+            assert members.numel() > 0 and bool((ids.cpu().flatten()[members] == expert).all())
+
+
+def test_moe_reference_oracle_fails_on_swapped_routing_weights():
+    """Negative control: a kernel that applies rank 1's weight to rank 0 must fail the check."""
+    x, raw, ids, route_w = _moe_case(1, 5, 9, 3, 64, 20, False, DTYPES[0], 1.0)
+    route_w[:, 1] += 1.0
+    out = _run_moe(x, moe.pack_weights(*raw), ids, route_w.roll(1, dims=1).contiguous())
+    with pytest.raises(AssertionError):
+        assert_close_scaled(out, _moe_reference(x, raw, ids, route_w), DTYPES[0])
+
+
+# ---------------------------------------------------------------- sparse latent-MQA decode
+
+def _attention_case(seed, queries, heads, latent, rope_dim, context, window, topk, dtype, page_size=16):
+    """A paged latent cache (pages shuffled), queries at the last positions, selection by random
+    indexer scores via the reference, converted to slot ids."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = -(-context // page_size)
+    page_table = torch.randperm(pages + 3, generator=gen)[:pages]
+    positions = torch.arange(context - queries, context).clamp(min=0)
+    scores = torch.rand(queries, context, generator=gen).double()
+    scores[:, ::3] = 0.5  # ties in the selection
+    mask = reference.selection_mask(scores, positions, window, topk)
+    cache = randn(gen, (pages + 3) * page_size, latent + rope_dim, dtype=dtype)
+    selected = torch.full((queries, window + topk), -1, dtype=torch.int32)
+    for i in range(queries):
+        chosen = torch.nonzero(mask[i]).flatten()
+        selected[i, :len(chosen)] = chosen.to(torch.int32)
+        selected[i] = selected[i][torch.randperm(window + topk, generator=gen)]  # order must not matter
+    slots = indexer.positions_to_slots(selected.to(DEVICE), page_table[None].expand(queries, -1).to(DEVICE),
+                                       page_size)
+    q = randn(gen, queries, heads, latent + rope_dim, dtype=dtype)
+    dense_kv = cache.cpu()[(page_table[torch.arange(context) // page_size] * page_size
+                            + torch.arange(context) % page_size)]
+    return q, cache, slots, dense_kv, mask
+
+
+def _run_attention(q, cache, slots, latent, scale, splits):
+    out = poisoned(q.shape[0], q.shape[1], latent, dtype=q.dtype)
+    attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=splits, out=out)
+    return out
+
+
+@EXAMPLES
+@given(seed=SEEDS, queries=st.sampled_from([1, 2, 5]), heads=st.sampled_from([1, 16, 20]),
+       dims=st.sampled_from([(32, 16), (48, 8), (64, 64)]), context_vs_selected=st.sampled_from([-5, 0, 1, 40]),
+       splits=st.sampled_from([1, 2, 3]), dtype=st.sampled_from(DTYPES))
+@example(seed=0, queries=2, heads=20, dims=(48, 8), context_vs_selected=1, splits=3, dtype=DTYPES[0])
+def test_sparse_mla_decode_matches_reference_and_is_batch_invariant(seed, queries, heads, dims, context_vs_selected,
+                                                                    splits, dtype):
+    latent, rope_dim = dims
+    window, topk = 8, 24
+    context = max(queries, window + topk + context_vs_selected)  # shorter / equal / longer than window+topk
+    q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, context, window, topk,
+                                                      dtype)
+    scale = (latent + rope_dim) ** -0.5
+    out = _run_attention(q, cache, slots, latent, scale, splits)
+    expected = reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale)
+    assert_close_scaled(out, expected, dtype)
+    assert_prefix_invariant(out, lambda k: _run_attention(q[:k], cache, slots[:k], latent, scale, splits), queries)
+
+
+def test_batch_invariance_oracle_fails_when_splits_follow_the_batch():
+    """Negative control: choosing the split count from the batch size (what a naive "fill the GPU"
+    heuristic does) changes a row's bits, and the oracle sees it."""
+    q, cache, slots, _, _ = _attention_case(3, 4, 16, 64, 16, 200, 8, 160, torch.float32)
+    run = lambda k: _run_attention(q[:k], cache, slots[:k], 64, 0.1, splits=6 if k < 4 else 1)  # noqa: E731
+    with pytest.raises(AssertionError, match="row results changed"):
+        assert_prefix_invariant(run(4), run, 4)
+
+
+# ---------------------------------------------------------------- indexer logits + top-k
+
+def _indexer_case(seed, queries, heads, dim, context, page_size, dtype, dup_every=3):
+    gen = torch.Generator().manual_seed(seed)
+    pages = -(-context // page_size)
+    page_table = torch.stack([torch.randperm(pages * queries + 2, generator=gen)[:pages] for _ in range(queries)])
+    keys = randn(gen, (pages * queries + 2) * page_size, dim, dtype=dtype)
+    lens = torch.randint(1, context + 1, (queries,), generator=gen)
+    lens[0] = context
+    dense = []
+    for i in range(queries):
+        pos = torch.arange(context)
+        rows = page_table[i][pos // page_size] * page_size + pos % page_size
+        if dup_every:
+            keys[rows[dup_every::dup_every].to(DEVICE)] = keys[rows[0]].clone()  # equal keys: tied logits
+        dense.append(rows)
+    q = randn(gen, queries, heads, dim, dtype=dtype)
+    w = randn(gen, queries, heads)
+    return q, w, keys, page_table.to(torch.int32).to(DEVICE), lens.to(torch.int32).to(DEVICE), dense
+
+
+def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None):
+    out = poisoned(q.shape[0], table.shape[1] * page_size, dtype=torch.float32)
+    indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=out)
+    return out
+
+
+@EXAMPLES
+@given(seed=SEEDS, queries=st.sampled_from([1, 2, 5]), heads=st.sampled_from([1, 4, 17]),
+       dim=st.sampled_from([16, 40]), context=st.sampled_from([1, 31, 64, 65, 150]),
+       page_size=st.sampled_from([1, 16, 64]), dtype=st.sampled_from(DTYPES),
+       window=st.sampled_from([1, 8]), topk=st.sampled_from([1, 24]))
+def test_indexer_logits_and_selection_match_reference_tie_aware(seed, queries, heads, dim, context, page_size, dtype,
+                                                                window, topk):
+    q, w, keys, table, lens, dense = _indexer_case(seed, queries, heads, dim, context, page_size, dtype)
+    logits = _run_indexer(q, w, keys, table, lens, page_size)
+    positions = (lens - 1).to(torch.int64)
+    selected = indexer.select_positions(logits, positions, window, topk).cpu()
+    for i in range(queries):
+        n = int(lens[i])
+        expected = reference.indexer_scores(q[i:i + 1].cpu(), w[i:i + 1].cpu(), keys.cpu()[dense[i][:n]])[0]
+        assert_close_scaled(logits[i, :n], expected, dtype, msg=f"query {i}")
+        assert bool((logits[i, n:] == float("-inf")).all()), "positions past the length must be -inf"
+        chosen = torch.zeros(n, dtype=torch.bool)
+        picks = selected[i][selected[i] >= 0].long()
+        assert len(set(picks.tolist())) == len(picks), "a position selected twice"
+        chosen[picks] = True
+        cols = torch.arange(n)
+        in_window = cols > n - 1 - window
+        assert torch.equal(chosen & in_window, in_window), "the window is always selected"
+        candidates = cols <= n - 1 - window
+        atol, rtol = 1e-4, 0
+        tie_tol = 8 * (atol + float(expected.abs().max()) * (1e-2 if dtype != torch.float32 else 1e-5))
+        wrong = wrong_topk_indices(chosen & candidates, expected, candidates, topk, tie_tol=tie_tol)
+        assert wrong == [], f"query {i}: wrong top-k indices {wrong}"
+    assert_prefix_invariant(logits, lambda k: _run_indexer(q[:k], w[:k], keys, table[:k], lens[:k], page_size),
+                            queries)
+
+
+# ---------------------------------------------------------------- RMSNorm, RoPE
+
+@EXAMPLES
+@given(seed=SEEDS, rows=ROWS, width=st.sampled_from([1, 17, 64, 300]), dtype=st.sampled_from(DTYPES),
+       magnitude=st.sampled_from([1e-2, 1.0, 1e3]))
+def test_rms_norm_matches_reference_and_is_batch_invariant(seed, rows, width, dtype, magnitude):
+    gen = torch.Generator().manual_seed(seed)
+    x, w = randn(gen, rows, width, scale=magnitude, dtype=dtype), randn(gen, width, dtype=dtype)
+    run = lambda k: elementwise.rms_norm(x[:k], w, 1e-6, out=poisoned(k, width, dtype=dtype))  # noqa: E731
+    out = run(rows)
+    assert_close_scaled(out, reference.rms_norm(x.cpu(), w.cpu(), 1e-6), dtype)
+    assert_prefix_invariant(out, run, rows)
+
+
+@EXAMPLES
+@given(seed=SEEDS, rows=ROWS, heads=st.sampled_from([1, 3, 16]), half=st.sampled_from([4, 8, 32, 33]),
+       max_pos=st.sampled_from([10, 100_000]), dtype=st.sampled_from(DTYPES))
+def test_rope_matches_reference_and_is_batch_invariant(seed, rows, heads, half, max_pos, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(gen, rows, heads, 2 * half, dtype=dtype)
+    positions = torch.randint(0, max_pos, (rows,), generator=gen).to(DEVICE)
+    cos, sin = elementwise.rope_table(half, 10000.0, max_pos, DEVICE)
+    run = lambda k: elementwise.rope(x[:k], positions[:k], cos, sin,  # noqa: E731
+                                     out=poisoned(k, heads, 2 * half, dtype=dtype))
+    out = run(rows)
+    assert_close_scaled(out, reference.rope(x.cpu(), positions.cpu(), 10000.0), dtype)
+    assert_prefix_invariant(out, run, rows)
+
+
+def test_poisoned_output_catches_an_unwritten_row():
+    """Negative control: a kernel that skips the last row leaves NaN, and the check fails."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = randn(gen, 5, 17, dtype=DTYPES[0]), randn(gen, 17, dtype=DTYPES[0])
+    out = poisoned(5, 17, dtype=DTYPES[0])
+    elementwise.rms_norm(x[:4], w, 1e-6, out=out[:4])
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_close_scaled(out, reference.rms_norm(x.cpu(), w.cpu(), 1e-6), DTYPES[0])
+
+
+def test_interpreter_is_used_exactly_without_cuda():
+    assert INTERPRETED == (not ON_GPU)
+
+
+# ---------------------------------------------------------------- GPU only: fp8, graphs, streams
+
+@gpu
+@EXAMPLES
+@given(seed=SEEDS, rows=ROWS, width=st.sampled_from([64, 128, 300]), magnitude=st.sampled_from([1e-2, 1.0, 300.0]))
+def test_fp8_group_quantization_round_trips(seed, rows, width, magnitude):
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(gen, rows, width, scale=magnitude, dtype=torch.bfloat16)
+    q, scale = elementwise.quantize_groups(x)
+    back = elementwise.dequantize_groups(q, scale, torch.float32)
+    groups = scale.shape[1]
+    amax = torch.nn.functional.pad(x.float().abs(), (0, groups * 128 - width)).view(rows, groups, 128).amax(-1)
+    torch.testing.assert_close(scale, amax / elementwise.FP8_MAX, rtol=1e-6, atol=0)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of the group's scale range.
+    bound = scale.repeat_interleave(128, 1)[:, :width] * elementwise.FP8_MAX * 2.0 ** -4
+    assert bool(((back - x.float()).abs() <= bound + 1e-30).all())
+
+
+@gpu
+@EXAMPLES
+@given(seed=SEEDS, tokens=ROWS, shape=st.sampled_from([(9, 3, 256, 128), (16, 6, 384, 256), (8, 2, 200, 136)]),
+       shared=st.booleans())
+def test_fp8_fused_moe_matches_dequantized_reference(seed, tokens, shape, shared):
+    experts, top_k, hidden, inter = shape
+    x, raw, ids, route_w = _moe_case(seed, tokens, experts, top_k, hidden, inter, shared, torch.bfloat16, 1.0)
+    w13, w13_s = elementwise.quantize_weight_blocks(torch.cat([raw[0], raw[1]], 1))
+    w2, w2_s = elementwise.quantize_weight_blocks(raw[2])
+    kwargs = {}
+    if shared:
+        s13, s13_s = elementwise.quantize_weight_blocks(torch.cat([raw[3], raw[4]], 0)[None])
+        s2, s2_s = elementwise.quantize_weight_blocks(raw[5][None])
+        kwargs = dict(shared_w13=s13, shared_w2=s2, shared_w13_scale=s13_s, shared_w2_scale=s2_s)
+    packed = moe.PackedMoE(w13, w2, w13_scale=w13_s, w2_scale=w2_s, **kwargs)
+    out = _run_moe(x, packed, ids, route_w)
+    # Reference over the dequantized weights; activations are quantized too (per 128), so the
+    # tolerance is e4m3's: 2^-4 relative per operand.
+    deq13 = elementwise.dequantize_weight_blocks(w13, w13_s)
+    deq = [deq13[:, :inter], deq13[:, inter:], elementwise.dequantize_weight_blocks(w2, w2_s)]
+    if shared:
+        s13d = elementwise.dequantize_weight_blocks(s13, s13_s)[0]
+        deq += [s13d[:inter], s13d[inter:], elementwise.dequantize_weight_blocks(s2, s2_s)[0]]
+    else:
+        deq += [None] * 3
+    expected = _moe_reference(x.float(), deq, ids, route_w)
+    magnitude = max(1.0, float(expected.abs().max()))
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().double(), expected, atol=0.15 * magnitude, rtol=0.15)
+    assert_prefix_invariant(out, lambda k: _run_moe(x[:k], packed, ids[:k], route_w[:k]), tokens)
+
+
+def _graph_and_stream_equal_eager(make_inputs, run):
+    """Capture run(*inputs) in a CUDA graph with one set of inputs, replay on new ones: equal to
+    eager on the new ones bit for bit; and the same on a side stream."""
+    static = make_inputs(0)
+    run(*static)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run(*static)
+    fresh = make_inputs(1)
+    for dst, src in zip(static, fresh):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = run(*fresh)
+    assert torch.equal(static_out, eager), "graph replay differs from eager"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = run(*fresh)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(on_side, eager), "side stream differs from eager"
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 17, 64])
+def test_fused_moe_under_graph_replay_and_side_stream(tokens):
+    packed = moe.pack_weights(*_moe_case(0, tokens, 16, 6, 256, 128, True, torch.bfloat16, 1.0)[1])
+
+    def make(seed):
+        x, _, ids, route_w = _moe_case(seed, tokens, 16, 6, 256, 128, True, torch.bfloat16, 1.0)
+        return x, ids, route_w
+    _graph_and_stream_equal_eager(make, lambda x, ids, w: moe.fused_moe(x, packed, w, ids))
+
+
+@gpu
+@pytest.mark.parametrize("queries,splits", [(1, 4), (9, 1), (9, 3)])
+def test_sparse_mla_under_graph_replay_and_side_stream(queries, splits):
+    def make(seed):
+        q, cache, slots, _, _ = _attention_case(seed, queries, 16, 512, 64, 300, 16, 128, torch.bfloat16)
+        return q, cache, slots
+    _graph_and_stream_equal_eager(make, lambda q, c, s: attention.sparse_mla_decode(q, c, s, 512, 0.04,
+                                                                                   num_splits=splits))
+
+
+@gpu
+def test_indexer_under_graph_replay_and_side_stream():
+    def make(seed):
+        q, w, keys, table, lens, _ = _indexer_case(seed, 4, 64, 128, 500, 64, torch.bfloat16)
+        return q, w, keys, table, lens
+    _graph_and_stream_equal_eager(make, lambda q, w, k, t, n: indexer.indexer_logits(q, w, k, t, n, 64))
+
+
+@gpu
+def test_graph_oracle_fails_on_capture_time_metadata():
+    """Negative control: a kernel that bakes a capture-time value (the selection length read on the
+    host) into the graph must differ from eager after replay with new metadata."""
+    def make(seed):
+        q, cache, slots, _, _ = _attention_case(seed, 2, 16, 64, 16, 100 + 50 * seed, 8, 40, torch.bfloat16)
+        return q, cache, slots
+
+    def run(q, cache, slots):
+        baked = int(math.ceil(slots.shape[1] / 2))  # a host-side decision frozen at capture
+        return attention.sparse_mla_decode(q, cache, slots[:, :baked] if seed_box[0] else slots, 64, 0.1)
+    seed_box = [True]
+    with pytest.raises(AssertionError):
+        static = make(0)
+        run(*static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(*static)
+        static[0].copy_(make(1)[0])
+        graph.replay()
+        seed_box[0] = False
+        assert torch.equal(out, run(static[0], static[1], static[2])), "graph replay differs from eager"
