@@ -59,27 +59,52 @@ def pack_weights(w_gate, w_up, w_down, shared_gate=None, shared_up=None, shared_
     return PackedMoE(torch.cat([w_gate, w_up], dim=1).contiguous(), w_down.contiguous(), shared_w13, shared_w2)
 
 
-def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group routed rows by expert into BLOCK_M-row tiles, with no host sync (graph-capturable).
+@triton.jit
+def _align_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_experts, num_tiles,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    # One program: counting sort of the routed rows by expert, stable, padded to BLOCK_M per expert.
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for r0 in range(0, num_rows, CHUNK):
+        offs = r0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1)
+        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    for p0 in range(0, num_tiles * BLOCK_M, FILL):
+        offs = p0 + tl.arange(0, FILL)
+        tl.store(sorted_rows_ptr + offs, tl.full((FILL,), 0, tl.int32) + num_rows, mask=offs < num_tiles * BLOCK_M)
+    tl.debug_barrier()
+    seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for r0 in range(0, num_rows, CHUNK):
+        offs = r0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1)
+        hit = (ids[None, :] == experts[:, None]).to(tl.int32)  # [BLOCK_E, CHUNK]
+        before = tl.cumsum(hit, axis=1) - hit  # earlier rows of the same expert in this chunk
+        dest = tl.sum(hit * (starts[:, None] + seen[:, None] + before), axis=0)
+        tl.store(sorted_rows_ptr + dest, offs, mask=offs < num_rows)
+        seen += tl.sum(hit, axis=1)
+    for t0 in range(0, num_tiles, CHUNK):
+        tiles = t0 + tl.arange(0, CHUNK)
+        owner = tl.sum((ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32) * (experts[None, :] < num_experts), axis=1)
+        tl.store(tile_expert_ptr + tiles, tl.where(owner < num_experts, owner, -1), mask=tiles < num_tiles)
 
-    Returns sorted_rows [NB*BLOCK_M] (routed row ids; TK marks padding) and tile_expert [NB]
-    (-1: unused tile). NB is a static bound: sum_e ceil(count_e / BLOCK_M) over used experts."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
+
+def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group routed rows by expert into BLOCK_M-row tiles: one launch, no host sync (capturable).
+
+    Returns sorted_rows [NB*BLOCK_M] (routed row ids in row order within each expert; TK marks
+    padding) and tile_expert [NB] (-1: unused tile). NB is a static bound: sum_e ceil(count_e /
+    BLOCK_M) <= ceil((TK + min(E, TK) * (BLOCK_M - 1)) / BLOCK_M)."""
+    flat = topk_ids.reshape(-1)
     rows = flat.numel()
     num_tiles = triton.cdiv(rows + min(num_experts, rows) * (BLOCK_M - 1), BLOCK_M)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_end = torch.cumsum(padded, 0)
-    first_row = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    expert_of = flat[order]
-    rank = torch.arange(rows, device=flat.device) - first_row[expert_of]
-    sorted_rows = torch.full((num_tiles * BLOCK_M,), rows, dtype=torch.int32, device=flat.device)
-    sorted_rows[padded_end[expert_of] - padded[expert_of] + rank] = order.to(torch.int32)
-    tile_start = torch.arange(num_tiles, device=flat.device) * BLOCK_M
-    tile_expert = torch.searchsorted(padded_end, tile_start, right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    sorted_rows = torch.empty(num_tiles * BLOCK_M, dtype=torch.int32, device=flat.device)
+    tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=flat.device)
+    if rows:
+        _align_kernel[(1,)](flat, sorted_rows, tile_expert, rows, num_experts, num_tiles, BLOCK_M=BLOCK_M,
+                            BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=32, FILL=512, num_warps=8)
     return sorted_rows, tile_expert
 
 
@@ -87,15 +112,20 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows_ptr, tile_expert_ptr,
                     num_rows, top_k, hidden, inter,
                     stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
-                    FP8: tl.constexpr, PRECISION: tl.constexpr,
+                    FP8: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # act[r, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, I + n]) for the rows r of this tile.
+    # DENSE: one expert (the shared one) for every row, rows in order (no alignment).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if DENSE:
+        expert = tl.zeros((), dtype=tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    else:
+        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        if expert < 0:
+            return
+        rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < num_rows
     tokens = (rows // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,15 +160,19 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
 def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_rows_ptr, tile_expert_ptr,
                  route_w_ptr, num_rows, hidden, inter,
                  stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-                 FP8: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+                 FP8: tl.constexpr, DENSE: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # out[r, n] = route_w[r] * (act[r] . w2[e, n]), float32.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if DENSE:
+        expert = tl.zeros((), dtype=tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    else:
+        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        if expert < 0:
+            return
+        rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,10 +222,14 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_expert, route_w, top_k,
                  num_rows, config, out):
-    """gate/up + SiLU-and-mul, then down (weighted when route_w is given) into out [num_rows, D]."""
+    """gate/up + SiLU-and-mul, then down (weighted when route_w is given) into out [num_rows, D].
+    sorted_rows None: dense mode, every row through expert 0 (the shared expert)."""
     hidden, inter = x.shape[1], w2.shape[2]
     fp8 = w13_scale is not None
-    num_tiles = tile_expert.numel()
+    dense = sorted_rows is None
+    num_tiles = triton.cdiv(num_rows, BLOCK_M) if dense else tile_expert.numel()
+    if dense:
+        sorted_rows = tile_expert = out  # never read
     block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
     if INTERPRETED:
         warps, stages = 4, 1
@@ -203,7 +241,7 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_exp
         num_rows, top_k, hidden, inter,
         x.stride(0), x_scale.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1),
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0),
-        FP8=fp8, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        FP8=fp8, DENSE=dense, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         num_warps=warps, num_stages=stages)
     act_scale = None
     if fp8:
@@ -214,7 +252,7 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_exp
         route_w if route_w is not None else out, num_rows, hidden, inter,
         act.stride(0), act_scale.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1),
         w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0, out.stride(0),
-        FP8=fp8, WEIGHTED=route_w is not None, PRECISION=precision,
+        FP8=fp8, DENSE=dense, WEIGHTED=route_w is not None, PRECISION=precision,
         BLOCK_M=BLOCK_M, BLOCK_N=down_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
 
 
@@ -239,10 +277,8 @@ def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, t
     shared = None
     if weights.shared_w13 is not None:
         shared = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
-        all_rows = torch.arange(triton.cdiv(num_tokens, BLOCK_M) * BLOCK_M, dtype=torch.int32, device=x.device)
-        one_expert = torch.zeros(triton.cdiv(num_tokens, BLOCK_M), dtype=torch.int32, device=x.device)
         _expert_pass(x_in, x_scale, weights.shared_w13, weights.shared_w13_scale, weights.shared_w2,
-                     weights.shared_w2_scale, all_rows, one_expert, None, 1, num_tokens, config, shared)
+                     weights.shared_w2_scale, None, None, None, 1, num_tokens, config, shared)
     block_d = 1024
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         routed, shared if shared is not None else routed, out, top_k, hidden,

@@ -1,0 +1,254 @@
+"""Decode-kernel benchmarks on one GPU: median microseconds per call under CUDA-graph replay, bytes
+moved, FLOPs, roofline, speed-up over a capturable torch version of the same op.
+
+Roofline = max(bytes / read bandwidth, FLOPs / bf16 matmul rate), both ceilings measured at the
+start of the same run. MoE bytes count the experts a batch touches on average,
+E * (1 - (1 - K/E)^bs), times one expert's weight bytes. Each graph holds several calls on
+different inputs (other experts, other cache slots), so replays do not re-read a warm L2.
+
+  python bench/kernels.py --json out.json [--tune-out tuned.json] [--only moe,mla,indexer]
+
+--tune-out: sweep MoE launch configs per batch bucket; a candidate counts only if its output is
+bit-identical to the default config's (buckets must not break batch invariance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.kernels.triton import attention, elementwise, indexer, moe  # noqa: E402
+from runtime.kernels.triton.configs import config_file_name  # noqa: E402
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
+CALLS_PER_GRAPH = 6
+MOE_CANDIDATES = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
+                  ((16, 4, 4), (32, 4, 4), (64, 4, 4), (32, 4, 2), (128, 8, 3))]
+
+
+def graph_us(calls, reps: int = 15) -> float:
+    """Median microseconds per call: all calls captured in one graph, replayed `reps` times."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    big = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)  # 2 GiB, many times the L2
+    read_us = graph_us([lambda: big.sum(dtype=torch.float32)], reps=10)
+    del big
+    n = 8192
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_us = graph_us([lambda: a @ b], reps=10)
+    return {"read_bytes_per_s": 2**31 / (read_us * 1e-6), "bf16_flops_per_s": 2 * n**3 / (mm_us * 1e-6)}
+
+
+def roofline_us(bytes_moved: float, flops: float, ceilings: dict) -> float:
+    return max(bytes_moved / ceilings["read_bytes_per_s"], flops / ceilings["bf16_flops_per_s"]) * 1e6
+
+
+def touched_experts(experts: int, top_k: int, batch: int) -> float:
+    return experts * (1 - (1 - top_k / experts) ** batch)
+
+
+# ---------------------------------------------------------------- MoE
+
+def _routing(gen, batch, experts, top_k):
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(batch)]).to(torch.int32)
+    return ids.cuda(), (torch.rand(batch, top_k, generator=gen) + 0.1).cuda()
+
+
+def _torch_moe(x, w13, w2, ids, weights):
+    """Capturable torch MoE: every expert over every token (dense), then the routing mask."""
+    experts, inter = w2.shape[0], w2.shape[2]
+    h = torch.einsum("td,end->etn", x, w13)
+    act = F.silu(h[..., :inter]) * h[..., inter:]
+    y = torch.einsum("eti,edi->etd", act, w2)  # [E, T, D]
+    dense_w = torch.zeros(x.shape[0], experts, device=x.device, dtype=torch.float32)
+    dense_w.scatter_(1, ids.long(), weights)
+    return torch.einsum("te,etd->td", dense_w.to(x.dtype), y)
+
+
+def bench_moe(ceilings, tune: bool, rows: list, tuned: dict) -> None:
+    experts, top_k, hidden = 256, 6, 4096
+    gen = torch.Generator().manual_seed(0)
+    for inter in (256, 512, 2048):
+        w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+        w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+        q13, s13, q2, s2 = [], [], [], []
+        for e0 in range(0, experts, 32):  # chunks: the float32 staging stays small
+            a, b = elementwise.quantize_weight_blocks(w13[e0:e0 + 32])
+            c, d = elementwise.quantize_weight_blocks(w2[e0:e0 + 32])
+            q13.append(a), s13.append(b), q2.append(c), s2.append(d)
+        variants = {"bf16": moe.PackedMoE(w13, w2),
+                    "fp8_w8a8": moe.PackedMoE(torch.cat(q13), torch.cat(q2), w13_scale=torch.cat(s13),
+                                              w2_scale=torch.cat(s2))}
+        del q13, s13, q2, s2
+        for batch in BATCHES:
+            inputs = [(torch.randn(batch, hidden, generator=gen).to(torch.bfloat16).cuda(), *_routing(gen, batch, experts, top_k))
+                      for _ in range(CALLS_PER_GRAPH)]
+            bf16_us = None
+            for name, packed in variants.items():
+                expert_bytes = 3 * inter * hidden * (1 if packed.fp8 else 2)
+                if packed.fp8:
+                    expert_bytes += 3 * inter * hidden // (128 * 128) * 4
+                bytes_moved = touched_experts(experts, top_k, batch) * expert_bytes + 2 * batch * hidden * 2
+                flops = 2 * batch * top_k * 3 * inter * hidden
+                best_cfg, best_us = moe.moe_config(experts, inter, packed.fp8, batch), None
+                if tune:
+                    x0, ids0, w0 = inputs[0]
+                    want = moe.fused_moe(x0, packed, w0, ids0, config=moe.DEFAULT_CONFIG)
+                    for cfg in MOE_CANDIDATES:
+                        if not torch.equal(moe.fused_moe(x0, packed, w0, ids0, config=cfg), want):
+                            print(f"  reject {cfg} (I={inter} bs={batch} {name}): bits differ from the default",
+                                  flush=True)
+                            continue
+                        us = graph_us([lambda x=x, i=i, w=w, c=cfg: moe.fused_moe(x, packed, w, i, config=c)
+                                       for x, i, w in inputs], reps=8)
+                        if best_us is None or us < best_us:
+                            best_cfg, best_us = cfg, us
+                    tuned.setdefault(config_file_name("fused_moe", experts, inter, name), {})[str(batch)] = best_cfg
+                us = graph_us([lambda x=x, i=i, w=w: moe.fused_moe(x, packed, w, i, config=best_cfg)
+                               for x, i, w in inputs])
+                torch_us = None
+                if name == "bf16":
+                    bf16_us = us
+                    torch_us = graph_us([lambda x=x, i=i, w=w: _torch_moe(x, w13, w2, i, w) for x, i, w in inputs[:2]],
+                                        reps=5)
+                roof = roofline_us(bytes_moved, flops, ceilings)
+                rows.append(dict(kernel="fused_moe", variant=name, I=inter, bs=batch, us=us, roofline_us=roof,
+                                 pct_roofline=100 * roof / us, torch_us=torch_us,
+                                 speedup_vs_torch=torch_us / us if torch_us else None,
+                                 speedup_vs_bf16=bf16_us / us if name != "bf16" else None, config=best_cfg))
+                print(json.dumps(rows[-1]), flush=True)
+        del variants, w13, w2
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- sparse MLA decode
+
+def _torch_mla(q, cache, slots, latent, scale):
+    kv = cache[slots.clamp(min=0).long()]  # [T, S, C+R]
+    scores = torch.einsum("thd,tsd->ths", q.float(), kv.float()) * scale
+    scores = scores.masked_fill((slots < 0)[:, None, :], float("-inf"))
+    return torch.einsum("ths,tsc->thc", torch.softmax(scores, -1), kv[..., :latent].float()).to(q.dtype)
+
+
+def bench_mla(ceilings, rows: list) -> None:
+    latent, rope_dim, context, window = 512, 64, 65536, 128
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(max(BATCHES) * context, latent + rope_dim, device="cuda", dtype=torch.bfloat16)
+    scale = (latent + rope_dim) ** -0.5
+    for heads in (64, 16):
+        for topk in (512, 640):
+            selected = window + topk
+            for batch in BATCHES:
+                calls_in = []
+                for c in range(CALLS_PER_GRAPH):
+                    base = (torch.arange(batch) * context)[:, None]
+                    earlier = torch.rand(batch, context - window, device="cuda").argsort(dim=1)[:, :topk].cpu()
+                    recent = torch.arange(context - window, context)[None, :].expand(batch, -1)
+                    slots = (base + torch.cat([recent, earlier], 1)).to(torch.int32).cuda()
+                    q = torch.randn(batch, heads, latent + rope_dim, generator=gen).to(torch.bfloat16).cuda()
+                    calls_in.append((q, slots))
+                bytes_moved = batch * (selected * (latent + rope_dim) * 2 + heads * (2 * latent + rope_dim) * 2)
+                flops = 2 * batch * heads * selected * (2 * latent + rope_dim)
+                roof = roofline_us(bytes_moved, flops, ceilings)
+                torch_us = graph_us([lambda q=q, s=s: _torch_mla(q, cache, s, latent, scale) for q, s in calls_in[:2]],
+                                    reps=5)
+                for splits in sorted({attention.default_num_splits(selected, heads), 1}):
+                    us = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(q, cache, s, latent, scale,
+                                                                                num_splits=splits)
+                                   for q, s in calls_in])
+                    rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch, splits=splits,
+                                     us=us, roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
+                                     speedup_vs_torch=torch_us / us))
+                    print(json.dumps(rows[-1]), flush=True)
+    del cache
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- indexer
+
+def bench_indexer(ceilings, rows: list) -> None:
+    batch, heads, dim, context, page_size, topk = 64, 64, 128, 65536, 64, 512
+    gen = torch.Generator().manual_seed(2)
+    pages = context // page_size
+    page_table = torch.stack([torch.randperm(pages * batch, generator=gen)[:pages] for _ in range(batch)])
+    page_table = page_table.to(torch.int32).cuda()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    keys16 = torch.randn(pages * batch * page_size, dim, device="cuda", dtype=torch.bfloat16)
+    keys8, key_scale = elementwise.quantize_groups(keys16)
+    key_scale = key_scale[:, 0].contiguous()
+    q16 = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    q8 = q16.to(torch.float8_e4m3fn)
+    w = torch.rand(batch, heads, device="cuda")
+    for name, q, keys, scale, key_bytes in (("fp8", q8, keys8, key_scale, dim + 4), ("bf16", q16, keys16, None, 2 * dim)):
+        logits_fn = lambda q=q, keys=keys, scale=scale: indexer.indexer_logits(  # noqa: E731
+            q, w, keys, page_table, lens, page_size, key_scale=scale)
+        logits = logits_fn()
+        logits_us = graph_us([logits_fn] * 3)
+        topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
+        both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
+        bytes_moved = batch * context * (key_bytes + 4)
+        flops = 2 * batch * heads * dim * context
+        roof = roofline_us(bytes_moved, flops, ceilings)
+        rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
+                         logits_plus_topk_us=both_us, roofline_us=roof, pct_roofline=100 * roof / logits_us))
+        print(json.dumps(rows[-1]), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--tune-out", type=Path, default=None)
+    parser.add_argument("--only", default="moe,mla,indexer")
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    ceilings = measure_ceilings()
+    print(json.dumps(ceilings), flush=True)
+    rows: list = []
+    tuned: dict = {}
+    only = args.only.split(",")
+    try:
+        if "indexer" in only:
+            bench_indexer(ceilings, rows)
+        if "mla" in only:
+            bench_mla(ceilings, rows)
+        if "moe" in only:
+            bench_moe(ceilings, args.tune_out is not None, rows, tuned)
+    finally:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit,
+                    command=" ".join(sys.argv), ceilings=ceilings)
+        args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        if args.tune_out:
+            args.tune_out.write_text(json.dumps(tuned, indent=1))
+
+
+if __name__ == "__main__":
+    main()
