@@ -115,39 +115,41 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict) -> None:
         for batch in BATCHES:
             inputs = [(torch.randn(batch, hidden, generator=gen).to(torch.bfloat16).cuda(), *_routing(gen, batch, experts, top_k))
                       for _ in range(CALLS_PER_GRAPH)]
-            bf16_us = None
-            for name, packed in variants.items():
+            bf16_us = {}
+            default_split = moe.gate_up_splits(hidden, inter)
+            for (name, packed), split in [(v, sp) for v in variants.items() for sp in sorted({1, default_split})]:
                 expert_bytes = 3 * inter * hidden * (1 if packed.fp8 else 2)
                 if packed.fp8:
                     expert_bytes += 3 * inter * hidden // (128 * 128) * 4
                 bytes_moved = touched_experts(experts, top_k, batch) * expert_bytes + 2 * batch * hidden * 2
                 flops = 2 * batch * top_k * 3 * inter * hidden
                 best_cfg, best_us = moe.moe_config(experts, inter, packed.fp8, batch), None
+                run = lambda x, i, w, c, split=split, packed=packed: moe.fused_moe(  # noqa: E731
+                    x, packed, w, i, config=c, split_k=split)
                 if tune:
                     x0, ids0, w0 = inputs[0]
-                    want = moe.fused_moe(x0, packed, w0, ids0, config=moe.DEFAULT_CONFIG)
+                    want = run(x0, ids0, w0, moe.DEFAULT_CONFIG)
                     for cfg in MOE_CANDIDATES:
-                        if not torch.equal(moe.fused_moe(x0, packed, w0, ids0, config=cfg), want):
+                        if not torch.equal(run(x0, ids0, w0, cfg), want):
                             print(f"  reject {cfg} (I={inter} bs={batch} {name}): bits differ from the default",
                                   flush=True)
                             continue
-                        us = graph_us([lambda x=x, i=i, w=w, c=cfg: moe.fused_moe(x, packed, w, i, config=c)
-                                       for x, i, w in inputs], reps=8)
+                        us = graph_us([lambda x=x, i=i, w=w, c=cfg: run(x, i, w, c) for x, i, w in inputs], reps=8)
                         if best_us is None or us < best_us:
                             best_cfg, best_us = cfg, us
-                    tuned.setdefault(config_file_name("fused_moe", experts, inter, name), {})[str(batch)] = best_cfg
-                us = graph_us([lambda x=x, i=i, w=w: moe.fused_moe(x, packed, w, i, config=best_cfg)
-                               for x, i, w in inputs])
+                    if split == default_split:
+                        tuned.setdefault(config_file_name("fused_moe", experts, inter, name), {})[str(batch)] = best_cfg
+                us = graph_us([lambda x=x, i=i, w=w: run(x, i, w, best_cfg) for x, i, w in inputs])
                 torch_us = None
                 if name == "bf16":
-                    bf16_us = us
+                    bf16_us[split] = us
                     torch_us = graph_us([lambda x=x, i=i, w=w: _torch_moe(x, w13, w2, i, w) for x, i, w in inputs[:2]],
                                         reps=5)
                 roof = roofline_us(bytes_moved, flops, ceilings)
-                rows.append(dict(kernel="fused_moe", variant=name, I=inter, bs=batch, us=us, roofline_us=roof,
-                                 pct_roofline=100 * roof / us, torch_us=torch_us,
+                rows.append(dict(kernel="fused_moe", variant=name, I=inter, bs=batch, split_k=split, us=us,
+                                 roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
                                  speedup_vs_torch=torch_us / us if torch_us else None,
-                                 speedup_vs_bf16=bf16_us / us if name != "bf16" else None, config=best_cfg))
+                                 speedup_vs_bf16=bf16_us[split] / us if name != "bf16" else None, config=best_cfg))
                 print(json.dumps(rows[-1]), flush=True)
         del variants, w13, w2
         torch.cuda.empty_cache()
@@ -162,15 +164,21 @@ def _torch_mla(q, cache, slots, latent, scale):
     return torch.einsum("ths,tsc->thc", torch.softmax(scores, -1), kv[..., :latent].float()).to(q.dtype)
 
 
+MLA_SHAPES = [dict(block_h=32, block_s=32, num_warps=8), dict(block_h=64, block_s=32, num_warps=8),
+              dict(block_h=64, block_s=64, num_warps=8), dict(block_h=16, block_s=32, num_warps=4),
+              dict(block_h=16, block_s=64, num_warps=4)]
+
+
 def bench_mla(ceilings, rows: list) -> None:
     latent, rope_dim, context, window = 512, 64, 65536, 128
     gen = torch.Generator().manual_seed(1)
     cache = torch.randn(max(BATCHES) * context, latent + rope_dim, device="cuda", dtype=torch.bfloat16)
     scale = (latent + rope_dim) ** -0.5
+    best_shape: dict = {}
     for heads in (64, 16):
         for topk in (512, 640):
             selected = window + topk
-            for batch in BATCHES:
+            for batch in sorted(BATCHES, reverse=True):
                 calls_in = []
                 for c in range(CALLS_PER_GRAPH):
                     base = (torch.arange(batch) * context)[:, None]
@@ -184,13 +192,29 @@ def bench_mla(ceilings, rows: list) -> None:
                 roof = roofline_us(bytes_moved, flops, ceilings)
                 torch_us = graph_us([lambda q=q, s=s: _torch_mla(q, cache, s, latent, scale) for q, s in calls_in[:2]],
                                     reps=5)
-                for splits in sorted({attention.default_num_splits(selected, heads), 1}):
+                default_splits = attention.default_num_splits(selected, heads)
+                if batch == max(BATCHES):  # launch shape: the fastest at the largest batch, then kept
+                    timed = []
+                    for shape in MLA_SHAPES:
+                        if shape["block_h"] > max(16, heads):
+                            continue
+                        try:
+                            timed.append((graph_us([lambda q=q, s=s, sh=shape: attention.sparse_mla_decode(
+                                q, cache, s, latent, scale, num_splits=default_splits, **sh) for q, s in calls_in],
+                                reps=8), shape))
+                        except Exception as err:  # a launch shape the chip cannot hold (shared memory)
+                            print(f"  mla {shape}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                            continue
+                        print(f"  mla H={heads} top-{topk} bs={batch} {shape}: {timed[-1][0]:.1f} us", flush=True)
+                    best_shape[(heads, topk)] = min(timed, key=lambda t: t[0])[1]
+                shape = best_shape.get((heads, topk), {})
+                for splits in sorted({default_splits, 1}):
                     us = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(q, cache, s, latent, scale,
-                                                                                num_splits=splits)
+                                                                                num_splits=splits, **shape)
                                    for q, s in calls_in])
                     rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch, splits=splits,
                                      us=us, roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
-                                     speedup_vs_torch=torch_us / us))
+                                     speedup_vs_torch=torch_us / us, launch=shape))
                     print(json.dumps(rows[-1]), flush=True)
     del cache
     torch.cuda.empty_cache()

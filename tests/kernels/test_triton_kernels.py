@@ -88,25 +88,26 @@ def _moe_reference(x, raw, ids, route_w):
     return out
 
 
-def _run_moe(x, packed, ids, route_w):
+def _run_moe(x, packed, ids, route_w, split_k=1):
     out = poisoned(*x.shape, dtype=x.dtype)
-    result = moe.fused_moe(x, packed, route_w, ids, out=out)
+    result = moe.fused_moe(x, packed, route_w, ids, out=out, split_k=split_k)
     assert result.data_ptr() == out.data_ptr()
     return out
 
 
 @EXAMPLES
 @given(seed=SEEDS, tokens=ROWS, shape=st.sampled_from([(9, 3, 130, 40), (4, 1, 48, 20), (16, 6, 64, 17)]),
-       shared=st.booleans(), dtype=st.sampled_from(DTYPES), magnitude=st.sampled_from([1.0, 20.0]))
-@example(seed=0, tokens=17, shape=(9, 3, 130, 40), shared=True, dtype=DTYPES[0], magnitude=20.0)
-def test_fused_moe_matches_reference_and_is_batch_invariant(seed, tokens, shape, shared, dtype, magnitude):
+       shared=st.booleans(), dtype=st.sampled_from(DTYPES), magnitude=st.sampled_from([1.0, 20.0]),
+       split_k=st.sampled_from([1, 3]))
+@example(seed=0, tokens=17, shape=(9, 3, 130, 40), shared=True, dtype=DTYPES[0], magnitude=20.0, split_k=3)
+def test_fused_moe_matches_reference_and_is_batch_invariant(seed, tokens, shape, shared, dtype, magnitude, split_k):
     experts, top_k, hidden, inter = shape
     x, raw, ids, route_w = _moe_case(seed, tokens, experts, top_k, hidden, inter, shared, dtype, magnitude)
     packed = moe.pack_weights(*raw)
-    out = _run_moe(x, packed, ids, route_w)
+    out = _run_moe(x, packed, ids, route_w, split_k)
     assert out.shape == (tokens, hidden)
     assert_close_scaled(out, _moe_reference(x, raw, ids, route_w), dtype)
-    assert_prefix_invariant(out, lambda k: _run_moe(x[:k], packed, ids[:k], route_w[:k]), tokens)
+    assert_prefix_invariant(out, lambda k: _run_moe(x[:k], packed, ids[:k], route_w[:k], split_k), tokens)
 
 
 @EXAMPLES
@@ -163,29 +164,32 @@ def _attention_case(seed, queries, heads, latent, rope_dim, context, window, top
     return q, cache, slots, dense_kv, mask
 
 
-def _run_attention(q, cache, slots, latent, scale, splits):
+def _run_attention(q, cache, slots, latent, scale, splits, block_h=None, block_s=32):
     out = poisoned(q.shape[0], q.shape[1], latent, dtype=q.dtype)
-    attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=splits, out=out)
+    attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=splits, block_h=block_h, block_s=block_s,
+                                out=out)
     return out
 
 
 @EXAMPLES
 @given(seed=SEEDS, queries=st.sampled_from([1, 2, 5]), heads=st.sampled_from([1, 16, 20]),
        dims=st.sampled_from([(32, 16), (48, 8), (64, 64)]), context_vs_selected=st.sampled_from([-5, 0, 1, 40]),
-       splits=st.sampled_from([1, 2, 3]), dtype=st.sampled_from(DTYPES))
-@example(seed=0, queries=2, heads=20, dims=(48, 8), context_vs_selected=1, splits=3, dtype=DTYPES[0])
+       splits=st.sampled_from([1, 2, 3]), dtype=st.sampled_from(DTYPES),
+       blocks=st.sampled_from([(None, 32), (16, 16), (64, 64)]))
+@example(seed=0, queries=2, heads=20, dims=(48, 8), context_vs_selected=1, splits=3, dtype=DTYPES[0], blocks=(16, 16))
 def test_sparse_mla_decode_matches_reference_and_is_batch_invariant(seed, queries, heads, dims, context_vs_selected,
-                                                                    splits, dtype):
+                                                                    splits, dtype, blocks):
     latent, rope_dim = dims
     window, topk = 8, 24
     context = max(queries, window + topk + context_vs_selected)  # shorter / equal / longer than window+topk
     q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, context, window, topk,
                                                       dtype)
     scale = (latent + rope_dim) ** -0.5
-    out = _run_attention(q, cache, slots, latent, scale, splits)
+    out = _run_attention(q, cache, slots, latent, scale, splits, *blocks)
     expected = reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale)
     assert_close_scaled(out, expected, dtype)
-    assert_prefix_invariant(out, lambda k: _run_attention(q[:k], cache, slots[:k], latent, scale, splits), queries)
+    assert_prefix_invariant(out, lambda k: _run_attention(q[:k], cache, slots[:k], latent, scale, splits, *blocks),
+                            queries)
 
 
 def test_batch_invariance_oracle_fails_when_splits_follow_the_batch():
@@ -320,8 +324,8 @@ def test_fp8_group_quantization_round_trips(seed, rows, width, magnitude):
 @gpu
 @EXAMPLES
 @given(seed=SEEDS, tokens=ROWS, shape=st.sampled_from([(9, 3, 256, 128), (16, 6, 384, 256), (8, 2, 200, 136)]),
-       shared=st.booleans())
-def test_fp8_fused_moe_matches_dequantized_reference(seed, tokens, shape, shared):
+       shared=st.booleans(), split_k=st.sampled_from([1, 2]))
+def test_fp8_fused_moe_matches_dequantized_reference(seed, tokens, shape, shared, split_k):
     experts, top_k, hidden, inter = shape
     x, raw, ids, route_w = _moe_case(seed, tokens, experts, top_k, hidden, inter, shared, torch.bfloat16, 1.0)
     w13, w13_s = elementwise.quantize_weight_blocks(torch.cat([raw[0], raw[1]], 1))
@@ -332,7 +336,7 @@ def test_fp8_fused_moe_matches_dequantized_reference(seed, tokens, shape, shared
         s2, s2_s = elementwise.quantize_weight_blocks(raw[5][None])
         kwargs = dict(shared_w13=s13, shared_w2=s2, shared_w13_scale=s13_s, shared_w2_scale=s2_s)
     packed = moe.PackedMoE(w13, w2, w13_scale=w13_s, w2_scale=w2_s, **kwargs)
-    out = _run_moe(x, packed, ids, route_w)
+    out = _run_moe(x, packed, ids, route_w, split_k)
     # Reference over the dequantized weights; activations are quantized too (per 128), so the
     # tolerance is e4m3's: 2^-4 relative per operand.
     deq13 = elementwise.dequantize_weight_blocks(w13, w13_s)
@@ -346,7 +350,7 @@ def test_fp8_fused_moe_matches_dequantized_reference(seed, tokens, shape, shared
     magnitude = max(1.0, float(expected.abs().max())) if tokens else 1.0
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.cpu().double(), expected, atol=0.15 * magnitude, rtol=0.15)
-    assert_prefix_invariant(out, lambda k: _run_moe(x[:k], packed, ids[:k], route_w[:k]), tokens)
+    assert_prefix_invariant(out, lambda k: _run_moe(x[:k], packed, ids[:k], route_w[:k], split_k), tokens)
 
 
 def _graph_and_stream_equal_eager(make_inputs, run):
@@ -376,14 +380,14 @@ def _graph_and_stream_equal_eager(make_inputs, run):
 
 
 @gpu
-@pytest.mark.parametrize("tokens", [1, 17, 64])
-def test_fused_moe_under_graph_replay_and_side_stream(tokens):
-    packed = moe.pack_weights(*_moe_case(0, tokens, 16, 6, 256, 128, True, torch.bfloat16, 1.0)[1])
+@pytest.mark.parametrize("tokens,split_k", [(1, 4), (17, 1), (64, 4)])
+def test_fused_moe_under_graph_replay_and_side_stream(tokens, split_k):
+    packed = moe.pack_weights(*_moe_case(0, tokens, 16, 6, 512, 128, True, torch.bfloat16, 1.0)[1])
 
     def make(seed):
-        x, _, ids, route_w = _moe_case(seed, tokens, 16, 6, 256, 128, True, torch.bfloat16, 1.0)
+        x, _, ids, route_w = _moe_case(seed, tokens, 16, 6, 512, 128, True, torch.bfloat16, 1.0)
         return x, ids, route_w
-    _graph_and_stream_equal_eager(make, lambda x, ids, w: moe.fused_moe(x, packed, w, ids))
+    _graph_and_stream_equal_eager(make, lambda x, ids, w: moe.fused_moe(x, packed, w, ids, split_k=split_k))
 
 
 @gpu

@@ -19,32 +19,33 @@ from runtime.kernels.triton import INTERPRETED
 @triton.jit
 def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr,
                     heads, dim, page_size, width, stride_qt, stride_qh, stride_w, stride_key, stride_table, stride_out,
-                    KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                    KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+    # One program: BLOCKS consecutive blocks of BLOCK_L positions of one query, q held throughout.
+    # Scores as keys @ q^T ([positions, heads]): the head sum then stays inside a warp.
     query = tl.program_id(0).to(tl.int64)
-    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     length = tl.load(lens_ptr + query)
-    valid = offs_l < length
-    out_row = out_ptr + query * stride_out
-    if tl.program_id(1) * BLOCK_L >= length:
-        tl.store(out_row + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32), mask=offs_l < width)
-        return
-    page = tl.load(table_ptr + query * stride_table + offs_l // page_size, mask=valid, other=0).to(tl.int64)
-    slot = page * page_size + offs_l % page_size
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < heads
     d_ok = offs_d < dim
     q = tl.load(q_ptr + query * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    keys = tl.load(key_ptr + slot[None, :] * stride_key + offs_d[:, None], mask=d_ok[:, None] & valid[None, :],
-                   other=0.0)  # [BLOCK_D, BLOCK_L]
-    scores = tl.maximum(tl.dot(q, keys, input_precision=PRECISION), 0.0)  # [BLOCK_H, BLOCK_L]
+    q_t = tl.trans(q)  # [BLOCK_D, BLOCK_H]
     w = tl.load(w_ptr + query * stride_w + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-    logits = tl.sum(scores * w[:, None], axis=0)
-    if KEY_SCALE:
-        logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
-    tl.store(out_row + offs_l, tl.where(valid, logits, float("-inf")), mask=offs_l < width)
+    out_row = out_ptr + query * stride_out
+    for block in range(0, BLOCKS):
+        offs_l = (tl.program_id(1) * BLOCKS + block) * BLOCK_L + tl.arange(0, BLOCK_L)
+        valid = offs_l < length
+        page = tl.load(table_ptr + query * stride_table + offs_l // page_size, mask=valid, other=0).to(tl.int64)
+        slot = page * page_size + offs_l % page_size
+        keys = tl.load(key_ptr + slot[:, None] * stride_key + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
+                       other=0.0)  # [BLOCK_L, BLOCK_D]
+        scores = tl.maximum(tl.dot(keys, q_t, input_precision=PRECISION), 0.0)  # [BLOCK_L, BLOCK_H]
+        logits = tl.sum(scores * w[None, :], axis=1)
+        if KEY_SCALE:
+            logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
+        tl.store(out_row + offs_l, tl.where(valid, logits, float("-inf")), mask=offs_l < width)
 
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
@@ -59,15 +60,15 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
         out = torch.empty(tokens, length, dtype=torch.float32, device=q.device)
     if tokens == 0 or length == 0:
         return out
-    block_l = 64 if INTERPRETED else 128
+    block_l, blocks = (32, 2) if INTERPRETED else (128, 8)
     block_h = max(16, triton.next_power_of_2(heads))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _indexer_kernel[(tokens, triton.cdiv(length, block_l))](
+    _indexer_kernel[(tokens, triton.cdiv(length, block_l * blocks))](
         q, head_weights, key_cache, key_scale if key_scale is not None else head_weights, page_table, seq_lens, out,
         heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0), key_cache.stride(0),
-        page_table.stride(0), out.stride(0), KEY_SCALE=key_scale is not None, PRECISION=precision,
+        page_table.stride(0), out.stride(0), KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks,
         BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_L=block_l,
-        num_warps=4 if INTERPRETED else 8, num_stages=1 if INTERPRETED else 3)
+        num_warps=4, num_stages=1 if INTERPRETED else 3)
     return out
 
 

@@ -112,12 +112,16 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows_ptr, tile_expert_ptr,
                     num_rows, top_k, hidden, inter,
                     stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
-                    FP8: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr,
+                    part_ptr, k_chunk,
+                    FP8: tl.constexpr, DENSE: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # act[r, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, I + n]) for the rows r of this tile.
     # DENSE: one expert (the shared one) for every row, rows in order (no alignment).
+    # SPLIT_K > 1: this program sums D over [pid_k * k_chunk, +k_chunk) and writes float32 partials
+    # part[pid_k, r, :2I]; _split_act_kernel adds them in split order and applies SiLU-and-mul.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     if DENSE:
         expert = tl.zeros((), dtype=tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -134,9 +138,10 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
     w_up = w_gate + inter * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    k_end = tl.minimum(hidden, (pid_k + 1) * k_chunk)
+    for k0 in range(pid_k * k_chunk, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < hidden
+        k_ok = offs_k < k_end
         a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b_mask = k_ok[:, None] & n_ok[None, :]
         b_gate = tl.load(w_gate + offs_k[:, None], mask=b_mask, other=0.0)
@@ -151,9 +156,29 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
         else:
             acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=PRECISION)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
-    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    ok = row_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+        tl.store(out, act.to(act_ptr.dtype.element_ty), mask=ok)
+    else:
+        part = part_ptr + (pid_k * num_rows + rows[:, None].to(tl.int64)) * 2 * inter + offs_n[None, :]
+        tl.store(part, acc_gate, mask=ok)
+        tl.store(part + inter, acc_up, mask=ok)
+
+
+@triton.jit
+def _split_act_kernel(part_ptr, act_ptr, num_rows, inter, stride_act, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < inter
+    gate = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(0, SPLIT_K):
+        base = part_ptr + (split * num_rows + row) * 2 * inter + offs
+        gate += tl.load(base, mask=ok, other=0.0)
+        up += tl.load(base + inter, mask=ok, other=0.0)
+    tl.store(act_ptr + row * stride_act + offs, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -211,6 +236,13 @@ def _combine_kernel(routed_ptr, shared_ptr, out_ptr, top_k, hidden, HAS_SHARED: 
     tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def gate_up_splits(hidden: int, inter: int) -> int:
+    """Split-K of the gate/up GEMM: a property of the shape, never of the batch (bits depend on it).
+    Narrow shards give few output tiles at bs 1, so D is split to put more SMs on the weights; the
+    float32 partials (TK * 2I * 4 bytes per split) are tiny next to the expert weights."""
+    return 4 if inter <= 512 and hidden >= 4 * BLOCK_K else 1
+
+
 def moe_config(num_experts: int, inter: int, fp8: bool, tokens: int) -> dict:
     name = config_file_name("fused_moe", num_experts, inter, "fp8_w8a8" if fp8 else "bf16")
     return pick(load_table(name), tokens) or DEFAULT_CONFIG
@@ -221,7 +253,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_expert, route_w, top_k,
-                 num_rows, config, out):
+                 num_rows, config, split_k, out):
     """gate/up + SiLU-and-mul, then down (weighted when route_w is given) into out [num_rows, D].
     sorted_rows None: dense mode, every row through expert 0 (the shared expert)."""
     hidden, inter = x.shape[1], w2.shape[2]
@@ -236,13 +268,20 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_exp
     act = torch.empty(num_rows, inter, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
     precision = _precision(x.dtype)
     dummy = x_scale if fp8 else x  # never read when FP8 is off
-    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
+    k_chunk = triton.cdiv(triton.cdiv(hidden, split_k), BLOCK_K) * BLOCK_K
+    part = act
+    if split_k > 1:
+        part = torch.empty(split_k, num_rows, 2 * inter, dtype=torch.float32, device=x.device)
+    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n), split_k)](
         x, dummy, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_expert,
         num_rows, top_k, hidden, inter,
         x.stride(0), x_scale.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1),
-        w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0),
-        FP8=fp8, DENSE=dense, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        num_warps=warps, num_stages=stages)
+        w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0), part, k_chunk,
+        FP8=fp8, DENSE=dense, SPLIT_K=split_k, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+    if split_k > 1:
+        _split_act_kernel[(num_rows, triton.cdiv(inter, 512))](part, act, num_rows, inter, act.stride(0),
+                                                               SPLIT_K=split_k, BLOCK=512)
     act_scale = None
     if fp8:
         act, act_scale = quantize_groups(act)
@@ -257,9 +296,11 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_exp
 
 
 def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              config: dict | None = None, out: torch.Tensor | None = None,
+              split_k: int | None = None) -> torch.Tensor:
     """Routed experts (+ shared expert) for decode. x: [T, D]; topk_weights: [T, K] (already scaled
-    by routed_scaling_factor); topk_ids: [T, K] int; out: optional [T, D] x.dtype destination.
+    by routed_scaling_factor); topk_ids: [T, K] int; out: optional [T, D] x.dtype destination;
+    split_k: gate/up split over D (default gate_up_splits; fix it per deployment, not per batch).
     Returns [T, D] in x.dtype."""
     num_tokens, hidden = x.shape
     num_experts, inter = weights.w2.shape[0], weights.w2.shape[2]
@@ -268,17 +309,18 @@ def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, t
     if num_tokens == 0:
         return out
     config = config or moe_config(num_experts, inter, weights.fp8, num_tokens)
+    split_k = split_k or gate_up_splits(hidden, inter)
     x_in, x_scale = quantize_groups(x) if weights.fp8 else (x, None)
     sorted_rows, tile_expert = align_tokens(topk_ids, num_experts)
     routed = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _expert_pass(x_in, x_scale, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale, sorted_rows,
                  tile_expert, topk_weights.reshape(-1).to(torch.float32).contiguous(), top_k,
-                 num_tokens * top_k, config, routed)
+                 num_tokens * top_k, config, split_k, routed)
     shared = None
     if weights.shared_w13 is not None:
         shared = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
         _expert_pass(x_in, x_scale, weights.shared_w13, weights.shared_w13_scale, weights.shared_w2,
-                     weights.shared_w2_scale, None, None, None, 1, num_tokens, config, shared)
+                     weights.shared_w2_scale, None, None, None, 1, num_tokens, config, split_k, shared)
     block_d = 1024
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         routed, shared if shared is not None else routed, out, top_k, hidden,
