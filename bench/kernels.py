@@ -164,9 +164,9 @@ def _torch_mla(q, cache, slots, latent, scale):
     return torch.einsum("ths,tsc->thc", torch.softmax(scores, -1), kv[..., :latent].float()).to(q.dtype)
 
 
-MLA_SHAPES = [dict(block_h=32, block_s=32, num_warps=8), dict(block_h=64, block_s=32, num_warps=8),
-              dict(block_h=64, block_s=64, num_warps=8), dict(block_h=16, block_s=32, num_warps=4),
-              dict(block_h=16, block_s=64, num_warps=4)]
+MLA_SHAPES = [dict(block_h=h, block_s=s, num_warps=w, num_stages=st) for h, s, w, st in
+              ((32, 32, 8, 2), (32, 32, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2), (16, 32, 4, 2), (16, 32, 4, 3),
+               (16, 64, 4, 2), (16, 64, 4, 3))]
 
 
 def bench_mla(ceilings, rows: list) -> None:

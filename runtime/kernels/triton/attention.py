@@ -101,11 +101,12 @@ def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, splits, stride_ot, stride
 
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, scale: float,
                       num_splits: int | None = None, block_h: int | None = None, block_s: int = 32,
-                      num_warps: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, num_stages: int = 2,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
     num_splits: chunks per query (default default_num_splits; fix it per deployment, not per batch);
-    block_h, block_s, num_warps: launch shape (heads per program, positions per step)."""
+    block_h, block_s, num_warps, num_stages: launch shape (heads per program, positions per step)."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
@@ -117,7 +118,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     splits = triton.cdiv(selected, chunk)
     block_h = block_h or min(32, max(16, triton.next_power_of_2(heads)))
     rope_dim = width - latent_dim
-    warps, stages = (4, 1) if INTERPRETED else (num_warps or (8 if block_h >= 32 else 4), 2)
+    warps, stages = (4, 1) if INTERPRETED else (num_warps or (8 if block_h >= 32 else 4), num_stages)
     part = stats = out  # unused when not split
     if splits > 1:
         part = torch.empty(tokens, splits, heads, latent_dim, dtype=torch.float32, device=q.device)
