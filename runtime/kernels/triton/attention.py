@@ -114,9 +114,10 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     if tokens == 0:
         return out
     splits = num_splits or default_num_splits(selected, heads)
+    if block_h is None:  # the fastest measured on the H200 (docs/results.md): all 64 heads in one program
+        block_h, block_s, num_warps = (64, 64, 8) if heads >= 64 else (16, 32, 4)
     chunk = triton.cdiv(triton.cdiv(selected, splits), block_s) * block_s
     splits = triton.cdiv(selected, chunk)
-    block_h = block_h or min(32, max(16, triton.next_power_of_2(heads)))
     rope_dim = width - latent_dim
     warps, stages = (4, 1) if INTERPRETED else (num_warps or (8 if block_h >= 32 else 4), num_stages)
     part = stats = out  # unused when not split
