@@ -25,8 +25,8 @@ REGISTRY: dict[str, FaultSpec] = {
         FaultSpec("stream-race", "side-stream indexer output read before its join (missing event wait)", False),
         FaultSpec("stale-graph-metadata", "capture-time sequence length baked into a CUDA graph", False),
         FaultSpec("kv-slot-reuse", "page allocator hands out a KV page another live request still owns", True),
-        FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own", False),
-        FaultSpec("overlap-stale-token", "overlap loop feeds the previous step's token as the next input", False),
+        FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own", True),
+        FaultSpec("overlap-stale-token", "overlap loop feeds the previous step's token as the next input", True),
         FaultSpec("tool-json-corrupt", "tool-call arguments corrupted on their way out of the server", False),
         FaultSpec("slow-step", "every engine step takes extra wall time (throughput regression)", True),
     )

@@ -1,4 +1,8 @@
-"""`Engine`: the normal loop (schedule -> execute -> postprocess) over one model and KV pool."""
+"""`Engine`: one model, KV pool and scheduler, driven by the normal or the overlap loop (loops.py).
+
+With `tp > 1` this process is rank 0 of a tensor-parallel group: it alone schedules, and every
+plan is broadcast to the worker ranks before it runs (runtime/distributed).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.config import EngineConfig
+from runtime.engine.future import FutureTokens
+from runtime.engine.loops import Launched, normal_step, overlap_step
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.plan import StepPlan
 from runtime.engine.request import Request, SamplingParams
@@ -36,7 +42,8 @@ class StepResult:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None, faults: FaultSet | None = None,
-                 env: Env | None = None, streams: StreamScheduler | None = None) -> None:
+                 env: Env | None = None, streams: StreamScheduler | None = None, *, overlap: bool = False,
+                 tp: int = 1) -> None:
         self.env = env or Env.load()
         self.cfg = cfg or EngineConfig()
         self.faults = faults if faults is not None else FaultSet.from_env(self.env)
@@ -46,11 +53,24 @@ class Engine:
             torch.set_num_threads(self.env.num_threads)
         kernels = select_kernels(device=self.cfg.device, use_reference=self.env.reference_kernels)
         weights = {k: v.to(DTYPES[self.cfg.dtype]) for k, v in loaded.weights.items()}
-        self.model = DSV4Mini(loaded.config, weights, kernels)
+        self.overlap = overlap
+        self.in_flight: Launched | None = None  # overlap loop: the step launched but not processed
+        self.tp = None
+        all_reduce = None
+        if tp > 1:
+            from runtime.distributed.launcher import TPLauncher
+            from runtime.distributed.sharding import shard_weights
+
+            self.tp = TPLauncher.start(loaded, self.cfg, self.faults, self.env, tp, overlap)
+            weights = shard_weights(loaded.config, weights, 0, tp)
+            all_reduce = self.tp.collectives.all_reduce
+        self.model = DSV4Mini(loaded.config, weights, kernels, all_reduce=all_reduce)
         self.pool = PagePool(self.cfg.num_pages, self.cfg.page_size, self.faults)
         self.kv = KVCache(loaded.config, self.cfg, DTYPES[self.cfg.dtype])
         self.streams = streams or InOrderExecutor()
-        self.runner = ModelRunner(self.model, self.kv, self.pool, self.streams)
+        self.runner = ModelRunner(self.model, self.kv, self.pool, self.streams, self.faults)
+        if overlap:
+            self.runner.future = FutureTokens(2 * self.cfg.max_running_requests)
         self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer)
         self._ids = itertools.count()
 
@@ -67,7 +87,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     @property
     def pages_in_use(self) -> int:
@@ -75,14 +95,37 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> StepResult:
-        started = time.perf_counter()
-        plan = self.scheduler.schedule()
-        outputs = self.runner.execute(plan, self.scheduler.requests)
-        self.scheduler.postprocess(plan, outputs)
+        """One loop iteration; the result holds the outputs that landed in it (overlap: the
+        previous launch's)."""
+        return overlap_step(self) if self.overlap else normal_step(self)
+
+    def dispatch(self, plan: StepPlan) -> dict[str, SampleOutput]:
+        """Run a plan on every rank: broadcast it first (tp > 1), then execute it here."""
+        if self.tp is not None:
+            self.tp.publish(plan, self.scheduler.requests)
+        return self.runner.execute(plan, self.scheduler.requests)
+
+    def finish_step(self, plan: StepPlan, outputs: dict[str, SampleOutput], started: float) -> StepResult:
         if self.faults.enabled("slow-step"):
             time.sleep(self.env.slow_step_ms / 1000)
         finished, self.scheduler.finished = self.scheduler.finished, []
+        for req in finished:
+            if self.runner.future is not None:
+                self.runner.future.release(req.rid)
+            if self.tp is not None:
+                self.tp.released(req.rid)
         return StepResult(plan, outputs, finished, time.perf_counter() - started)
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks (tp > 1); idempotent. The engine is unusable afterwards."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def run_until_done(self, max_steps: int = 1_000_000) -> list[StepResult]:
         results = []

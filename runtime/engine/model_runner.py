@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from runtime.engine.future import FutureTokens
 from runtime.engine.plan import StepPlan
 from runtime.engine.request import Request
 from runtime.engine.sampler import SampleOutput, sample_row
+from runtime.faults import NO_FAULTS, FaultSet
 from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
 from runtime.models.batch import ForwardBatch, Segment
@@ -15,12 +17,16 @@ from runtime.streams.tasks import StreamScheduler
 
 
 class ModelRunner:
-    def __init__(self, model: DSV4Mini, kv: KVCache, pool: PagePool, streams: StreamScheduler) -> None:
+    def __init__(self, model: DSV4Mini, kv: KVCache, pool: PagePool, streams: StreamScheduler,
+                 faults: FaultSet = NO_FAULTS) -> None:
         self.model = model
         self.kv = kv
         self.pool = pool
         self.streams = streams
         self.page_size = pool.page_size
+        self.faults = faults
+        # Set by the overlap loop: decode inputs then come from here, not from the host token lists.
+        self.future: FutureTokens | None = None
 
     def slots_for(self, pages: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
         positions = torch.arange(start, stop)
@@ -30,15 +36,18 @@ class ModelRunner:
     def build_batch(self, plan: StepPlan, requests: dict[str, Request]) -> ForwardBatch:
         token_ids, positions, slots, segments = [], [], [], []
         row = 0
-        for ext in plan.extends:
+        for index, ext in enumerate(plan.extends):
             req = requests[ext.rid]
             end = ext.start + ext.num_new
             if len(ext.pages) * self.page_size < end:
                 raise RuntimeError(f"{ext.rid}: plan gives {len(ext.pages)} pages for {end} tokens")
             self.pool.check_owned(ext.rid, list(ext.pages))
-            ids = req.all_ids[ext.start:end]
-            assert len(ids) == ext.num_new, f"{ext.rid}: plan asks for tokens the request does not have"
-            token_ids.append(torch.tensor(ids, dtype=torch.long))
+            if self.future is not None and index >= len(plan.prefill):
+                token_ids.append(self._future_input(req))
+            else:
+                ids = req.all_ids[ext.start:end]
+                assert len(ids) == ext.num_new, f"{ext.rid}: plan asks for tokens the request does not have"
+                token_ids.append(torch.tensor(ids, dtype=torch.long))
             positions.append(torch.arange(ext.start, end))
             context = self.slots_for(ext.pages, 0, end)
             slots.append(context[ext.start:end])
@@ -46,9 +55,22 @@ class ModelRunner:
             row += ext.num_new
         return ForwardBatch(torch.cat(token_ids), torch.cat(positions), torch.cat(slots), tuple(segments))
 
+    def _future_input(self, req: Request) -> torch.Tensor:
+        if self.faults.enabled("overlap-stale-token"):
+            # The bug: the host's last known token, one step behind while a decode is in flight.
+            return torch.tensor(req.all_ids[-1:], dtype=torch.long)
+        return self.future.read([req.rid])
+
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, SampleOutput]:
+        if self.future is not None:
+            for rid in plan.aborted + plan.preempted:
+                self.future.release(rid)
         if plan.empty:
             return {}
         batch = self.build_batch(plan, requests)
         logits = self.model.forward(batch, self.kv, self.streams)
-        return {ext.rid: sample_row(logits[i], requests[ext.rid]) for i, ext in enumerate(plan.extends)}
+        outputs = {ext.rid: sample_row(logits[i], requests[ext.rid]) for i, ext in enumerate(plan.extends)}
+        if self.future is not None:
+            rids = [ext.rid for ext in plan.extends]
+            self.future.write(rids, torch.tensor([outputs[rid].token for rid in rids], dtype=torch.long))
+        return outputs

@@ -31,6 +31,11 @@ class Scheduler:
         self.finished: list[Request] = []  # finished since the caller last drained it
         self.step = 0
         self.num_preemptions = 0
+        # Tokens scheduled but not yet postprocessed, per request. Always 0 between steps of the
+        # normal loop; 1 for a request whose decode is still in flight in the overlap loop.
+        self.in_flight: dict[str, int] = {}
+        self.aborts_in_flight = 0  # aborts applied while the request had a step in flight
+        self.discarded_rows = 0  # rows computed for a request that finished before they were processed
         self._pending_aborts: list[str] = []
         self._arrivals = 0
 
@@ -71,6 +76,8 @@ class Scheduler:
         preempted: list[str] = []
         decode = self._plan_decode(preempted)
         prefill = self._plan_prefill()
+        for ext in decode + prefill:
+            self.in_flight[ext.rid] = self.in_flight.get(ext.rid, 0) + 1
         return StepPlan(self.step, tuple(prefill), tuple(decode), tuple(aborted), tuple(preempted))
 
     def _apply_aborts(self) -> list[str]:
@@ -79,8 +86,8 @@ class Scheduler:
             req = self.requests[rid]
             if req.finished:
                 continue
-            if req.status is Status.WAITING:
-                self.waiting.remove(req)
+            if self.in_flight.get(rid):
+                self.aborts_in_flight += 1  # its in-flight row is discarded when it lands
             self._finish(req, "abort")
             aborted.append(rid)
         self._pending_aborts.clear()
@@ -91,7 +98,12 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running:  # preempted while making room for an earlier request
                 continue
-            needed = self.pool.pages_for_tokens(req.total_len) - len(req.pages)
+            # Count the token still in flight (overlap loop): its result lands after this plan runs.
+            in_flight = self.in_flight.get(req.rid, 0)
+            length = req.total_len + in_flight
+            if len(req.output_ids) + in_flight >= req.params.max_tokens or length >= self.cfg.max_model_len:
+                continue  # the in-flight token finishes it by length: no extra decode
+            needed = self.pool.pages_for_tokens(length) - len(req.pages)
             while needed > 0 and not self.pool.can_allocate(needed):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -102,7 +114,7 @@ class Scheduler:
                 continue
             if needed > 0:
                 req.pages += self.pool.allocate(req.rid, needed)
-            decode.append(Extend(req.rid, req.total_len - 1, 1, tuple(req.pages)))
+            decode.append(Extend(req.rid, length - 1, 1, tuple(req.pages)))
         return decode
 
     def _plan_prefill(self) -> list[Extend]:
@@ -110,6 +122,8 @@ class Scheduler:
         budget = self.cfg.max_prefill_tokens
         while self.waiting and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
+            if self.in_flight.get(req.rid):
+                break  # preempted with a token in flight: recompute once that token has landed
             num_new = req.total_len  # after a preemption the whole sequence is recomputed
             pages = self.pool.pages_for_tokens(num_new)
             if num_new > budget or not self.pool.can_allocate(pages):
@@ -139,9 +153,14 @@ class Scheduler:
         done = []
         for ext in plan.extends:
             req = self.requests[ext.rid]
+            self.in_flight[ext.rid] -= 1
+            if not self.in_flight[ext.rid]:
+                del self.in_flight[ext.rid]
             if req.finished:
+                self.discarded_rows += 1  # finished (stop or abort) while this row was in flight
                 continue
-            req.num_computed = ext.start + ext.num_new
+            if req.status is Status.RUNNING:  # a preempted request keeps its token, not its KV
+                req.num_computed = ext.start + ext.num_new
             out = outputs[ext.rid]
             req.output_ids.append(out.token)
             if req.params.logprobs:
@@ -176,6 +195,8 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         if req in self.running:
             self.running.remove(req)
+        elif req.status is Status.WAITING:  # queued, or preempted while its last token was in flight
+            self.waiting.remove(req)
         if req.pages:
             self.pool.free(req.rid, req.pages)
             req.pages = []

@@ -5,11 +5,15 @@ over `sliding window U indexer top-k`, then MoE (sqrtsoftplus / noaux_tc routing
 shared expert). The lightning indexer is overlappable work: it is submitted to the "indexer" side
 stream through the declared-stream API and joined before attention reads its selection.
 T = tokens in the step, D = hidden, H = heads, C = latent, R = rope, HI/DI = indexer heads/dim.
+Tensor parallel (runtime/distributed/sharding.py): this rank holds H/tp query heads (wq column-,
+wo row-parallel) and 1/tp of every expert's intermediate; `all_reduce` sums the partial outputs of
+attention and MoE. The latent KV, the indexer and the router are replicated.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -31,9 +35,12 @@ class Workspace:
 
 
 class DSV4Mini:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: ModuleType) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: ModuleType,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.cfg = cfg
         self.w = weights
+        self.all_reduce = all_reduce or (lambda t: t)
+        self.num_heads = weights["layers.0.attn.wq.weight"].shape[0] // cfg.qk_head_dim  # this rank's heads
         self.k = kernels
         self.dtype = weights["embed.weight"].dtype
         self.lm_head = weights["embed.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
@@ -79,14 +86,14 @@ class DSV4Mini:
                             writes=("index_cache", "selection"),
                             fn=lambda: self._indexer(layer, batch, kv)))
 
-        q = self._cast(k.linear(ws.hidden, self.w[p + "attn.wq.weight"])).view(T, cfg.num_heads, C + R)
+        q = self._cast(k.linear(ws.hidden, self.w[p + "attn.wq.weight"])).view(T, self.num_heads, C + R)
         q = torch.cat([q[..., :C], self._cast(k.rope(q[..., C:], batch.positions, cfg.rope_theta))], dim=-1)
         latent_and_rope = self._cast(k.linear(ws.hidden, self.w[p + "attn.wkv.weight"]))
         latent = self._cast(k.rms_norm(latent_and_rope[:, :C], self.w[p + "attn.kv_norm.weight"], cfg.rms_norm_eps))
         key_rope = self._cast(k.rope(latent_and_rope[:, C:], batch.positions, cfg.rope_theta))
         kv.latent[layer, batch.slots] = torch.cat([latent, key_rope], dim=-1)
 
-        out = torch.empty(T, cfg.num_heads, C, dtype=self.dtype)
+        out = torch.empty(T, self.num_heads, C, dtype=self.dtype)
 
         def attend() -> None:
             for seg, mask in zip(batch.segments, ws.selection):
@@ -97,7 +104,8 @@ class DSV4Mini:
         streams.join(INDEXER_STREAM)
         streams.submit(Task(f"attention.{layer}", MAIN, reads=("latent_cache", "selection"),
                             writes=("attn_out",), fn=attend))
-        return self._cast(k.linear(out.view(T, cfg.num_heads * C), self.w[p + "attn.wo.weight"]))
+        partial = self._cast(k.linear(out.view(T, self.num_heads * C), self.w[p + "attn.wo.weight"]))
+        return self.all_reduce(partial)
 
     def _indexer(self, layer: int, batch: ForwardBatch, kv: KVCache) -> None:
         """Lightning indexer: score every earlier token, keep the window plus the top-k."""
@@ -121,6 +129,7 @@ class DSV4Mini:
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         h = self._cast(self.k.rms_norm(x, self.w[f"layers.{layer}.ffn_norm.weight"], cfg.rms_norm_eps))
-        return self._cast(self.k.moe(h, self.moe_weights[layer], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-                                     topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
-                                     normalize=cfg.norm_topk_prob))
+        partial = self._cast(self.k.moe(h, self.moe_weights[layer], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                                        topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
+                                        normalize=cfg.norm_topk_prob))
+        return self.all_reduce(partial)

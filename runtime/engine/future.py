@@ -1,0 +1,51 @@
+"""`FutureTokens`: the device-side buffer the overlap loop reads next-step input ids from.
+
+In the overlap loop step N+1 is built before the CPU has seen step N's sampled tokens, so a decode
+row cannot take its input id from the request's host-side token list (that would be one step
+stale). Sampling writes each request's token into its slot here, on the device, and the next
+step's batch gathers its decode inputs from the slots: no host round trip sits between steps.
+Slots are per request (not per batch row) because a request's row moves as the batch changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FutureSlotsExhausted(RuntimeError):
+    pass
+
+
+class FutureTokens:
+    def __init__(self, capacity: int, device: str = "cpu") -> None:
+        self.tokens = torch.full((capacity,), -1, dtype=torch.long, device=device)  # [capacity]
+        self._slot: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest slot first
+
+    @property
+    def live(self) -> int:
+        return len(self._slot)
+
+    def slot(self, rid: str) -> int:
+        """The request's slot, assigned on first use (its prefill)."""
+        if rid not in self._slot:
+            if not self._free:
+                raise FutureSlotsExhausted(f"no future-token slot left for {rid} ({self.tokens.shape[0]} live)")
+            self._slot[rid] = self._free.pop()
+        return self._slot[rid]
+
+    def release(self, rid: str) -> None:
+        """Free the slot of a finished, aborted or preempted request. Safe while one of its rows is
+        still in flight: execution is in order, so a later owner's write lands after that row's."""
+        slot = self._slot.pop(rid, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def read(self, rids: list[str]) -> torch.Tensor:
+        # -> [len(rids)] long, gathered on the device
+        index = torch.tensor([self._slot[rid] for rid in rids], dtype=torch.long, device=self.tokens.device)
+        return self.tokens[index]
+
+    def write(self, rids: list[str], tokens: torch.Tensor) -> None:
+        index = torch.tensor([self.slot(rid) for rid in rids], dtype=torch.long, device=self.tokens.device)
+        self.tokens[index] = tokens.to(self.tokens.device)
