@@ -255,7 +255,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--tune-out", type=Path, default=None)
     parser.add_argument("--only", default="moe,mla,indexer")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes (MoE and MLA)")
     args = parser.parse_args()
+    BATCHES[:] = [int(b) for b in args.batches.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() \
         or os.environ.get("COMMIT", "unknown")  # the device copy of the tree has no .git
     ceilings = measure_ceilings()

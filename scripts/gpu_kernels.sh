@@ -2,7 +2,7 @@
 # GPU part of the Triton kernel work, in one device call: the gpu-marked kernel tests (bf16, fp8,
 # CUDA-graph replay, side stream), then bench/kernels.py (figures for docs/results.md).
 # Usage (device tool): bash scripts/gpu_kernels.sh   -> $OUT/tests.log, bench.log, bench.json, tuned.json
-# TUNE=1 also sweeps the MoE launch configs; ONLY limits the benchmarks (moe,mla,indexer).
+# TUNE=1 also sweeps the MoE launch configs; ONLY (moe,mla,indexer) and BATCHES (1,2,...) limit the benchmarks.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_kernels}
 mkdir -p "$OUT"
@@ -17,5 +17,5 @@ fi
 tune=()
 [ "${TUNE:-0}" = 1 ] && tune=(--tune-out "$OUT/tuned.json")
 timeout "${BENCH_S:-300}" python3 bench/kernels.py --json "$OUT/bench.json" --only "${ONLY:-moe,mla,indexer}" \
-    "${tune[@]}" 2>&1 | tee "$OUT/bench.log" || status=1
+    --batches "${BATCHES:-1,2,4,8,16,32,64,128}" "${tune[@]}" 2>&1 | tee "$OUT/bench.log" || status=1
 exit $status

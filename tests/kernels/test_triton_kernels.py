@@ -353,6 +353,34 @@ def test_fp8_fused_moe_matches_dequantized_reference(seed, tokens, shape, shared
     assert_prefix_invariant(out, lambda k: _run_moe(x[:k], packed, ids[:k], route_w[:k], split_k), tokens)
 
 
+@gpu
+def test_fused_moe_full_size_tuned_buckets_and_per_row_path_keep_a_rows_bits():
+    """E=256, top-6, hidden 4096, I=256 (TP8 shard): batches of 1, 16, 32 and 33 use different tuned
+    configs from the device's config file, and a single token takes the per-row path (no alignment);
+    a row's bits must not change, and the rows must match the reference."""
+    experts, top_k, hidden, inter, tokens = 256, 6, 4096, 256, 33
+    if moe.moe_config(experts, inter, False, 1) == moe.moe_config(experts, inter, False, tokens):
+        pytest.skip("no tuned config file with distinct buckets for this device")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * hidden ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) * inter ** -0.5).to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).argsort(dim=1)[:, :top_k]
+    route_w = torch.rand(tokens, top_k, device="cuda", generator=gen) + 0.1
+    packed = moe.PackedMoE(w13, w2)
+    split_k = moe.gate_up_splits(hidden, inter)
+    out = _run_moe(x, packed, ids, route_w, split_k)
+    for t in (0, 16, 32):
+        expected = torch.zeros(hidden, dtype=torch.float64)
+        for j in range(top_k):
+            e = int(ids[t, j])
+            expected += float(route_w[t, j]) * reference.swiglu_expert(
+                x[t].cpu(), w13[e, :inter].cpu(), w13[e, inter:].cpu(), w2[e].cpu())
+        assert_close_scaled(out[t], expected, torch.bfloat16, msg=f"token {t}")
+    assert_prefix_invariant(out, lambda k: _run_moe(x[:k], packed, ids[:k], route_w[:k], split_k), tokens)
+    assert torch.equal(out[16:17], _run_moe(x[16:17], packed, ids[16:17], route_w[16:17], split_k))
+
+
 def _graph_and_stream_equal_eager(make_inputs, run):
     """Capture run(*inputs) in a CUDA graph with one set of inputs, replay on new ones: equal to
     eager on the new ones bit for bit; and the same on a side stream."""

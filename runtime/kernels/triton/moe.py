@@ -28,6 +28,10 @@ from runtime.kernels.triton.elementwise import FP8_GROUP, quantize_groups
 
 BLOCK_M = 16  # rows per tile: decode has ~TK/E <= 3 rows per expert at bs 128, E 256, K 6
 BLOCK_K = 128  # reduction step; equal to the fp8 scale block, so one scale per step
+ALIGNED, DENSE, PER_ROW = 0, 1, 2  # how a tile finds its rows and expert (see _gate_up_kernel)
+# Up to this many routed rows, each row gets its own tile and no alignment launch: a row's bits do
+# not change (tile rows are independent, same BLOCK_M/BLOCK_K), only which tile it rides in.
+PER_ROW_MAX_ROWS = 16
 DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
 
 
@@ -113,18 +117,22 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
                     num_rows, top_k, hidden, inter,
                     stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
                     part_ptr, k_chunk,
-                    FP8: tl.constexpr, DENSE: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+                    FP8: tl.constexpr, ROUTING: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # act[r, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, I + n]) for the rows r of this tile.
-    # DENSE: one expert (the shared one) for every row, rows in order (no alignment).
+    # ROUTING: ALIGNED (tiles from align_tokens), DENSE (one expert, the shared one, for every row in
+    # order) or PER_ROW (tile m = routed row m alone, expert ids[m]: small batches skip the alignment).
     # SPLIT_K > 1: this program sums D over [pid_k * k_chunk, +k_chunk) and writes float32 partials
     # part[pid_k, r, :2I]; _split_act_kernel adds them in split order and applies SiLU-and-mul.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if DENSE:
+    if ROUTING == 1:
         expert = tl.zeros((), dtype=tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    elif ROUTING == 2:
+        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
     else:
         expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
         if expert < 0:
@@ -185,14 +193,17 @@ def _split_act_kernel(part_ptr, act_ptr, num_rows, inter, stride_act, SPLIT_K: t
 def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_rows_ptr, tile_expert_ptr,
                  route_w_ptr, num_rows, hidden, inter,
                  stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-                 FP8: tl.constexpr, DENSE: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+                 FP8: tl.constexpr, ROUTING: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # out[r, n] = route_w[r] * (act[r] . w2[e, n]), float32.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if DENSE:
+    if ROUTING == 1:
         expert = tl.zeros((), dtype=tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    elif ROUTING == 2:
+        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
     else:
         expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
         if expert < 0:
@@ -252,16 +263,17 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_expert, route_w, top_k,
+def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows, tile_expert, route_w, top_k,
                  num_rows, config, split_k, out):
     """gate/up + SiLU-and-mul, then down (weighted when route_w is given) into out [num_rows, D].
-    sorted_rows None: dense mode, every row through expert 0 (the shared expert)."""
+    routing: ALIGNED (sorted_rows, tile_expert from align_tokens), DENSE (every row through expert 0,
+    the shared expert) or PER_ROW (tile_expert = the flat expert ids, one row per tile)."""
     hidden, inter = x.shape[1], w2.shape[2]
     fp8 = w13_scale is not None
-    dense = sorted_rows is None
-    num_tiles = triton.cdiv(num_rows, BLOCK_M) if dense else tile_expert.numel()
-    if dense:
-        sorted_rows = tile_expert = out  # never read
+    num_tiles = {ALIGNED: tile_expert.numel() if routing == ALIGNED else 0,
+                 DENSE: triton.cdiv(num_rows, BLOCK_M), PER_ROW: num_rows}[routing]
+    sorted_rows = out if sorted_rows is None else sorted_rows  # never read outside ALIGNED
+    tile_expert = out if tile_expert is None else tile_expert  # never read in DENSE
     block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
     if INTERPRETED:
         warps, stages = 4, 1
@@ -277,7 +289,7 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_exp
         num_rows, top_k, hidden, inter,
         x.stride(0), x_scale.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1),
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0), part, k_chunk,
-        FP8=fp8, DENSE=dense, SPLIT_K=split_k, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        FP8=fp8, ROUTING=routing, SPLIT_K=split_k, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
     if split_k > 1:
         _split_act_kernel[(num_rows, triton.cdiv(inter, 512))](part, act, num_rows, inter, act.stride(0),
@@ -291,7 +303,7 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, sorted_rows, tile_exp
         route_w if route_w is not None else out, num_rows, hidden, inter,
         act.stride(0), act_scale.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1),
         w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0, out.stride(0),
-        FP8=fp8, DENSE=dense, WEIGHTED=route_w is not None, PRECISION=precision,
+        FP8=fp8, ROUTING=routing, WEIGHTED=route_w is not None, PRECISION=precision,
         BLOCK_M=BLOCK_M, BLOCK_N=down_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
 
 
@@ -311,16 +323,19 @@ def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, t
     config = config or moe_config(num_experts, inter, weights.fp8, num_tokens)
     split_k = split_k or gate_up_splits(hidden, inter)
     x_in, x_scale = quantize_groups(x) if weights.fp8 else (x, None)
-    sorted_rows, tile_expert = align_tokens(topk_ids, num_experts)
+    if num_tokens * top_k <= PER_ROW_MAX_ROWS:
+        routing, sorted_rows, tile_expert = PER_ROW, None, topk_ids.reshape(-1)
+    else:
+        routing, (sorted_rows, tile_expert) = ALIGNED, align_tokens(topk_ids, num_experts)
     routed = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    _expert_pass(x_in, x_scale, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale, sorted_rows,
+    _expert_pass(x_in, x_scale, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale, routing, sorted_rows,
                  tile_expert, topk_weights.reshape(-1).to(torch.float32).contiguous(), top_k,
                  num_tokens * top_k, config, split_k, routed)
     shared = None
     if weights.shared_w13 is not None:
         shared = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
         _expert_pass(x_in, x_scale, weights.shared_w13, weights.shared_w13_scale, weights.shared_w2,
-                     weights.shared_w2_scale, None, None, None, 1, num_tokens, config, split_k, shared)
+                     weights.shared_w2_scale, DENSE, None, None, None, 1, num_tokens, config, split_k, shared)
     block_d = 1024
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         routed, shared if shared is not None else routed, out, top_k, hidden,
