@@ -22,7 +22,7 @@ class FaultSpec:
 REGISTRY: dict[str, FaultSpec] = {
     spec.name: spec
     for spec in (
-        FaultSpec("stream-race", "side-stream indexer output read before its join (missing event wait)", False),
+        FaultSpec("stream-race", "side-stream indexer output read before its join (missing event wait)", True),
         FaultSpec("stale-graph-metadata", "capture-time sequence length baked into a CUDA graph", False),
         FaultSpec("kv-slot-reuse", "page allocator hands out a KV page another live request still owns", True),
         FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own", True),

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from runtime.config import ModelConfig
+from runtime.faults import NO_FAULTS, FaultSet
 from runtime.kernels.types import MoEWeights
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.batch import ForwardBatch
@@ -36,9 +37,11 @@ class Workspace:
 
 class DSV4Mini:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: ModuleType,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 faults: FaultSet = NO_FAULTS) -> None:
         self.cfg = cfg
         self.w = weights
+        self.faults = faults
         self.all_reduce = all_reduce or (lambda t: t)
         self.num_heads = weights["layers.0.attn.wq.weight"].shape[0] // cfg.qk_head_dim  # this rank's heads
         self.k = kernels
@@ -93,7 +96,8 @@ class DSV4Mini:
         key_rope = self._cast(k.rope(latent_and_rope[:, C:], batch.positions, cfg.rope_theta))
         kv.latent[layer, batch.slots] = torch.cat([latent, key_rope], dim=-1)
 
-        out = torch.empty(T, self.num_heads, C, dtype=self.dtype)
+        # NaN-poisoned: a row attention never wrote (e.g. after a stale selection) cannot pass for data.
+        out = torch.full((T, self.num_heads, C), float("nan"), dtype=self.dtype)
 
         def attend() -> None:
             for seg, mask in zip(batch.segments, ws.selection):
@@ -101,7 +105,10 @@ class DSV4Mini:
                 out[seg.start:seg.end] = self._cast(
                     k.sparse_attention(q[seg.start:seg.end], context, mask, C, cfg.softmax_scale))
 
-        streams.join(INDEXER_STREAM)
+        # The `stream-race` fault drops this join: attention may then read the selection before the
+        # indexer wrote it (the production bug); the step-end synchronize still drains the stream.
+        if not self.faults.enabled("stream-race"):
+            streams.join(INDEXER_STREAM)
         streams.submit(Task(f"attention.{layer}", MAIN, reads=("latent_cache", "selection"),
                             writes=("attn_out",), fn=attend))
         partial = self._cast(k.linear(out.view(T, self.num_heads * C), self.w[p + "attn.wo.weight"]))
