@@ -35,6 +35,10 @@ class Env:
     reference_kernels: bool = False
     # Torch intra-op threads for the CPU engine; 0 keeps torch's default.
     num_threads: int = 0
+    # Server: largest request body accepted, in bytes (a larger one gets a 413).
+    server_max_body_bytes: int = 4 * 1024 * 1024
+    # Fraction of tool calls whose arguments the `tool-json-corrupt` fault corrupts.
+    tool_corrupt_rate: float = 0.1
 
     @classmethod
     def load(cls, environ: dict[str, str] | None = None) -> "Env":
@@ -52,4 +56,8 @@ class Env:
             kwargs["reference_kernels"] = _bool(value)
         if (value := get("NUM_THREADS")) is not None:
             kwargs["num_threads"] = int(value)
+        if (value := get("SERVER_MAX_BODY_BYTES")) is not None:
+            kwargs["server_max_body_bytes"] = int(value)
+        if (value := get("TOOL_CORRUPT_RATE")) is not None:
+            kwargs["tool_corrupt_rate"] = float(value)
         return cls(**kwargs)

@@ -27,7 +27,7 @@ REGISTRY: dict[str, FaultSpec] = {
         FaultSpec("kv-slot-reuse", "page allocator hands out a KV page another live request still owns", True),
         FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own", True),
         FaultSpec("overlap-stale-token", "overlap loop feeds the previous step's token as the next input", True),
-        FaultSpec("tool-json-corrupt", "tool-call arguments corrupted on their way out of the server", False),
+        FaultSpec("tool-json-corrupt", "tool-call arguments corrupted on their way out of the server", True),
         FaultSpec("slow-step", "every engine step takes extra wall time (throughput regression)", True),
     )
 }

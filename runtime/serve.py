@@ -1,0 +1,72 @@
+"""Start the OpenAI-compatible server.
+
+    python -m runtime.serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 30000]
+        [--max-running N] [--api-key KEY] [--inject-fault NAME ...]
+
+Binds loopback by default: exposing the server is a deliberate `--host 0.0.0.0`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from runtime.config import EngineConfig
+from runtime.faults import REGISTRY, FaultSet, UnknownFaultError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model directory or preset name (e.g. tiny-random)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--max-running", type=int, default=EngineConfig.max_running_requests)
+    parser.add_argument("--num-pages", type=int, default=EngineConfig.num_pages)
+    parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
+    parser.add_argument("--max-model-len", type=int, default=EngineConfig.max_model_len)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    parser.add_argument("--inject-fault", action="append", default=[], choices=sorted(REGISTRY), metavar="NAME",
+                        help="switch on a named fault (repeatable): " + ", ".join(sorted(REGISTRY)))
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def build_state(args: argparse.Namespace):
+    from runtime.engine.engine import Engine
+    from runtime.env import Env
+    from runtime.models.loader import load_model
+    from runtime.server.app import ServerState
+    from runtime.server.chat_template import ChatTemplate
+
+    env = Env.load()
+    loaded = load_model(args.model)
+    cfg = EngineConfig(num_pages=args.num_pages, page_size=args.page_size, max_running_requests=args.max_running,
+                       max_model_len=args.max_model_len,
+                       max_prefill_tokens=max(EngineConfig.max_prefill_tokens, args.max_model_len))
+    engine = Engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env)
+    template = ChatTemplate.for_model(Path(loaded.path) if loaded.path else None)
+    return ServerState(loaded, engine, template, env, api_key=args.api_key)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        state = build_state(args)
+    except (ValueError, FileNotFoundError, UnknownFaultError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from runtime.server.app import create_app
+
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

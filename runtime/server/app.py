@@ -1,0 +1,321 @@
+"""The FastAPI application: OpenAI-compatible chat completions over the engine bridge.
+
+Handlers validate everything before the engine sees a request (bad input is a 4xx with an
+OpenAI-shaped body), render the chat template, submit through the bridge and turn engine tokens
+into a response with `ChoiceBuilder`. A stream that loses its client aborts its request, so the
+request's KV pages return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import random
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.engine.engine import Engine
+from runtime.engine.request import SamplingParams
+from runtime.env import Env
+from runtime.models.loader import LoadedModel
+from runtime.server import dsml
+from runtime.server.bridge import Aborted, Accepted, EngineBridge, Rejected, TokenOut
+from runtime.server.chat_template import ChatTemplate, TemplateError
+from runtime.server.corrupt import ToolJsonCorruptor, request_key
+from runtime.server.errors import ApiError, bad_request, from_validation_errors
+from runtime.server.metrics import ServerMetrics
+from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
+from runtime.server.protocol import ChatCompletionRequest, NamedToolChoice
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerState:
+    loaded: LoadedModel
+    engine: Engine
+    template: ChatTemplate
+    env: Env
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics()
+        self.bridge = EngineBridge(self.engine, self.metrics)
+        self.model_name = self.loaded.name
+        self.model_hash = self.loaded.weights_hash
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.bridge.start()
+        yield
+        state.bridge.stop()
+
+    app = FastAPI(title="dsv4 runtime", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        state.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await _api_error(request, from_validation_errors(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return await _api_error(request, ApiError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a bad input; still an OpenAI-shaped body so clients report it sensibly.
+        state.metrics.requests.labels(request.url.path, "500").inc()
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {state.api_key}":
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.bridge.alive:
+            return JSONResponse({"status": "engine down", "error": repr(state.bridge.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        import fastapi
+        import torch
+
+        return {"model": state.model_name, "model_hash": state.model_hash,
+                "config_fingerprint": state.loaded.config.fingerprint,
+                "model_config": state.loaded.config.to_dict(), "engine_config": asdict(state.engine.cfg),
+                "faults": list(state.engine.faults.names), "chat_template": state.template.origin,
+                "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                             "fastapi": fastapi.__version__}}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorize(request)
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "dsv4-runtime",
+                                            "max_model_len": state.engine.cfg.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        req = await _parse_body(request, state.env.server_max_body_bytes)
+        prepared = _prepare(state, req)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        sink = state.bridge.submit(rid, prepared.prompt_ids, prepared.params)
+        first = await sink.get()
+        if isinstance(first, Rejected):
+            raise bad_request(f"request rejected: {first.message}", code="context_length_exceeded"
+                              if "exceeds" in first.message else None)
+        assert isinstance(first, Accepted)
+        builder = ChoiceBuilder(state.engine.tokenizer, prepared.output, prepared.corruptor)
+        if req.stream:
+            state.metrics.requests.labels(request.url.path, "200").inc()
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(state, rid, sink, builder, len(prepared.prompt_ids), include_usage),
+                                     media_type="text/event-stream")
+        return await _unary(state, request, rid, sink, builder, len(prepared.prompt_ids))
+
+    return app
+
+
+# ---- request preparation ------------------------------------------------------------------------
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+    output: OutputOptions
+    corruptor: ToolJsonCorruptor | None
+
+
+async def _parse_body(request: Request, limit: int) -> ChatCompletionRequest:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        req = ChatCompletionRequest.model_validate(payload)
+    except ValidationError as exc:
+        raise from_validation_errors(list(exc.errors())) from None
+    req.check()
+    return req
+
+
+def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
+    if req.model != state.model_name:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    mode = req.tool_choice_mode
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    forced = ""
+    template_choice = mode
+    if isinstance(req.tool_choice, NamedToolChoice):
+        # A named function is guaranteed by writing the call's opening into the prompt: the model
+        # continues inside the invoke, and the parser sees the same opening first.
+        name = req.tool_choice.function.name
+        tools = [t for t in tools if t["function"]["name"] == name]
+        forced = f'{dsml.BLOCK_OPEN}\n<{dsml.DSML}invoke name="{name}">\n'
+        template_choice = "required"
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    try:
+        prompt = state.template.render(messages, tools, template_choice) + forced
+    except TemplateError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    tok = state.engine.tokenizer
+    ids = tok.encode(prompt)
+    if not ids or ids[0] != tok.bos_token_id:
+        ids = [tok.bos_token_id, *ids]
+    limit = state.engine.cfg.max_model_len
+    if len(ids) >= limit:
+        raise bad_request(f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
+                          param="messages", code="context_length_exceeded")
+    max_tokens = req.requested_max_tokens or (limit - len(ids))
+    if len(ids) + max_tokens > limit:
+        raise bad_request(f"max_tokens={max_tokens} plus the {len(ids)}-token prompt exceeds the {limit}-token "
+                          f"context", param="max_tokens", code="context_length_exceeded")
+    seed = req.seed if req.seed is not None else (random.getrandbits(31) if req.temperature > 0 else None)
+    params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
+                            stop=req.stop_strings, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+    output = OutputOptions(stop=req.stop_strings, parse_tools=mode != "none" and bool(req.tools),
+                           tool_names=frozenset(t["function"]["name"] for t in tools), forced_prefix=forced,
+                           logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+                           max_calls=None if req.parallel_tool_calls else 1)
+    corruptor = None
+    if state.engine.faults.enabled("tool-json-corrupt"):
+        corruptor = ToolJsonCorruptor(request_key(ids, req.seed), state.env.tool_corrupt_rate)
+    return Prepared(ids, params, output, corruptor)
+
+
+# ---- responses ----------------------------------------------------------------------------------
+def _chunk(state: ServerState, rid: str, created: int, delta: dict, logprobs: list | None,
+           finish_reason: str | None) -> str:
+    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+            "system_fingerprint": state.loaded.config.fingerprint,
+            "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                         "finish_reason": finish_reason}]}
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _delta_body(delta: Delta) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if delta.content:
+        body["content"] = delta.content
+    if delta.tool_calls:
+        body["tool_calls"] = delta.tool_calls
+    return body
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: ChoiceBuilder, prompt_tokens: int,
+                  include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    completion = 0
+    done = False
+    try:
+        yield _chunk(state, rid, created, {"role": "assistant", "content": ""}, None, None)
+        while not done:
+            event = await sink.get()
+            if isinstance(event, Rejected):  # the engine died under us: say so inside the stream
+                yield f"data: {json.dumps(ApiError(500, event.message, type='server_error').body())}\n\n"
+                done = True
+                break
+            reason = "abort" if isinstance(event, Aborted) else None
+            if isinstance(event, TokenOut):
+                completion += 1
+                delta = builder.push(event.token, event.logprob, event.top, event.is_stop_token)
+                if delta:
+                    yield _chunk(state, rid, created, _delta_body(delta), delta.logprobs, None)
+                reason = event.finish_reason
+            if reason is not None:
+                last, finish = builder.finish(reason)
+                done = True
+                yield _chunk(state, rid, created, _delta_body(last), last.logprobs, finish)
+        if include_usage:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                    "choices": [], "usage": _usage(prompt_tokens, completion)}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not done:  # the client went away (or the server is stopping): free the request's pages
+            state.bridge.abort(rid)
+
+
+async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Queue, builder: ChoiceBuilder,
+                 prompt_tokens: int) -> JSONResponse:
+    deltas: list[Delta] = []
+    completion = 0
+    finish = None
+    try:
+        while finish is None:
+            try:
+                event = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    state.bridge.abort(rid)
+                    return JSONResponse({}, status_code=499)
+                continue
+            if isinstance(event, Rejected):
+                raise ApiError(500, event.message, type="server_error")
+            reason = "abort" if isinstance(event, Aborted) else None
+            if isinstance(event, TokenOut):
+                completion += 1
+                deltas.append(builder.push(event.token, event.logprob, event.top, event.is_stop_token))
+                reason = event.finish_reason
+            if reason is not None:
+                last, finish = builder.finish(reason)
+                deltas.append(last)
+    except asyncio.CancelledError:
+        state.bridge.abort(rid)
+        raise
+    folded = fold(deltas)
+    state.metrics.requests.labels(request.url.path, "200").inc()
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+        "system_fingerprint": state.loaded.config.fingerprint,
+        "choices": [{"index": 0, "message": folded["message"],
+                     "logprobs": {"content": folded["logprobs"]} if builder.options.logprobs else None,
+                     "finish_reason": finish}],
+        "usage": _usage(prompt_tokens, completion)})
+
+
+__all__ = ["ServerState", "create_app"]

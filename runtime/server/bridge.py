@@ -1,0 +1,156 @@
+"""The engine thread and its bridge to the asyncio event loop.
+
+The Engine is not thread-safe and its steps are long CPU work, so it lives on one thread of its
+own: the event loop sends commands (add, abort) through a thread-safe queue and never waits on
+the model; the engine thread sends each request's results back onto that request's asyncio queue
+with `loop.call_soon_threadsafe`. Finished requests are dropped from the scheduler's table so a
+long-running server does not accumulate them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from runtime.engine.engine import Engine
+from runtime.engine.request import SamplingParams
+from runtime.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class Accepted:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    message: str
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+    finish_reason: str | None  # set on the request's last token
+    is_stop_token: bool  # EOS or a stop_token_id: counted, not shown as text
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The request ended without a token this step (client disconnect)."""
+
+
+Event = Accepted | Rejected | TokenOut | Aborted
+
+
+class EngineBridge:
+    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.error: BaseException | None = None  # set if the engine thread died
+        metrics.kv_pages_total.set(engine.pool.num_pages)
+
+    # ---- event-loop side ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queue a request; its events (Accepted or Rejected first) arrive on the returned queue."""
+        sink: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("add", rid, prompt_ids, params, (asyncio.get_running_loop(), sink)))
+        self._wake.set()
+        return sink
+
+    def abort(self, rid: str) -> None:
+        self._commands.put(("abort", rid))
+        self._wake.set()
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_work:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self._step()
+        except BaseException as exc:  # the server must report a dead engine, not hang its clients
+            log.exception("engine thread died")
+            self.error = exc
+            for rid in list(self._sinks):
+                self._send(rid, Rejected(f"engine failure: {exc}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, prompt_ids, params, sink = command
+                self._sinks[rid] = sink
+                try:
+                    self.engine.add_request(prompt_ids, params, rid=rid)
+                except ValueError as exc:  # RequestRejected and out-of-vocabulary prompts
+                    self._send(rid, Rejected(str(exc)))
+                    del self._sinks[rid]
+                    continue
+                self.metrics.prompt_tokens.inc(len(prompt_ids))
+                self._send(rid, Accepted(len(prompt_ids)))
+            elif command[0] == "abort":
+                self.engine.abort(command[1])
+
+    def _step(self) -> None:
+        result = self.engine.step()
+        requests = self.engine.scheduler.requests
+        eos = self.engine.tokenizer.eos_token_id
+        for rid, out in result.outputs.items():
+            req = requests[rid]
+            # postprocess() never extends a finished request, so a finished one just produced its last token.
+            reason = req.finish_reason if req.finished else None
+            stop_token = reason == "stop" and isinstance(req.matched_stop, int) and (
+                out.token == eos or out.token in req.params.stop_token_ids)
+            self._send(rid, TokenOut(out.token, out.logprob, out.top, reason, stop_token))
+        self.metrics.generated_tokens.inc(len(result.outputs))
+        for req in result.finished:
+            if req.finish_reason == "abort":
+                self._send(req.rid, Aborted())
+            self.metrics.finished.labels(req.finish_reason).inc()
+            self._sinks.pop(req.rid, None)
+            requests.pop(req.rid, None)
+        self.metrics.step_seconds.observe(result.seconds)
+        self.metrics.running.set(len(self.engine.scheduler.running))
+        self.metrics.waiting.set(len(self.engine.scheduler.waiting))
+        self.metrics.kv_pages.set(self.engine.pages_in_use)
+
+    def _send(self, rid: str, event: Event) -> None:
+        sink = self._sinks.get(rid)
+        if sink is None:
+            return
+        loop, q = sink
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server shutting down)
+            pass

@@ -1,0 +1,85 @@
+"""Chat template loading and rendering: the model directory's `chat_template.jinja`, or our
+default DSV4-style template (runtime/chat_templates/) when the model ships none.
+
+Rendering runs in jinja2's immutable sandbox: a template comes with a model directory and must
+not reach the server's objects. Messages are normalised first so every template sees one shape:
+text content as a string, tool-call arguments as a dict when they are a JSON object (the DSML
+parameter form a DSV4 model was trained on) and as the raw string otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "chat_templates" / "dsv4_default.jinja"
+TEMPLATE_NAME = "chat_template.jinja"
+
+
+class TemplateError(ValueError):
+    """The template could not render these messages (reported to the client as a 400)."""
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str):
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       undefined=jinja2.StrictUndefined)
+    return env.from_string(source)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, origin: str) -> None:
+        self.source = source
+        self.origin = origin  # where it came from, for /server_info
+        _compile(source)  # a broken template fails at startup, not on the first request
+
+    @classmethod
+    def for_model(cls, model_dir: Path | None) -> "ChatTemplate":
+        if model_dir is not None and (model_dir / TEMPLATE_NAME).is_file():
+            path = model_dir / TEMPLATE_NAME
+        else:
+            path = DEFAULT_TEMPLATE
+        return cls(path.read_text(), str(path))
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               tool_choice: str = "auto") -> str:
+        import jinja2
+
+        try:
+            return _compile(self.source).render(messages=[normalise(m) for m in messages], tools=tools or None,
+                                                tool_choice=tool_choice)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"the chat template cannot render these messages: {exc}") from exc
+
+
+def normalise(message: dict[str, Any]) -> dict[str, Any]:
+    out = {"role": message["role"], "content": text_of(message.get("content"))}
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"id": call.get("id"), "type": "function",
+                              "function": {"name": call["function"]["name"],
+                                           "arguments": _arguments(call["function"]["arguments"])}}
+                             for call in message["tool_calls"]]
+    return out
+
+
+def text_of(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content)
+
+
+def _arguments(arguments: str) -> dict[str, Any] | str:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments

@@ -1,0 +1,47 @@
+"""OpenAI-shaped API errors: `{"error": {"message", "type", "param", "code"}}` with a 4xx status.
+
+Every way a request can be wrong ends here with a message that says what is wrong, so a bad input
+never reaches the engine and never becomes a 5xx.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_validation_errors(errors: list[dict]) -> ApiError:
+    """Turn pydantic/FastAPI validation errors into one 400 naming the first offending field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Union members add their type name to the location ("content.str"); keep only the field path.
+    param = ".".join(p for p in loc if not p[:1].isupper() and p not in ("str", "list", "int", "float",
+                                                                          "bool", "function-after"))
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+                           code="invalid_json")
+    if first.get("type") == "missing" and not param:
+        return bad_request("request body is required")
+    where = f"{param}: " if param else ""
+    return bad_request(f"{where}{first.get('msg', 'invalid value')}", param=param or None)

@@ -1,0 +1,28 @@
+"""Prometheus metrics of one server, in a private registry (several servers can live in one test
+process). Names carry the `dsv4_` prefix; the canary gate reads `dsv4_kv_pages_in_use`."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("dsv4_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"],
+                                registry=r)
+        self.finished = Counter("dsv4_request_finish", "Finished generations by finish reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter("dsv4_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("dsv4_generation_tokens", "Tokens generated", registry=r)
+        self.running = Gauge("dsv4_running_requests", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("dsv4_waiting_requests", "Requests queued for admission", registry=r)
+        self.kv_pages = Gauge("dsv4_kv_pages_in_use", "KV-cache pages held by requests", registry=r)
+        self.kv_pages_total = Gauge("dsv4_kv_pages_total", "KV-cache pages in the pool", registry=r)
+        self.step_seconds = Histogram("dsv4_engine_step_seconds", "Wall time of one engine step",
+                                      buckets=STEP_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

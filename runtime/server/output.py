@@ -1,0 +1,130 @@
+"""From generated tokens to OpenAI chat deltas: detokenize, parse DSML tool calls, add logprobs.
+
+`ChoiceBuilder` is the one output path for both modes: streaming sends each `Delta` as a chunk,
+non-streaming folds the same deltas into one message. That makes "streamed reconstruction ==
+non-streamed result" a property of the code, and lets unit tests drive the builder with controlled
+text instead of a model.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.server.corrupt import ToolJsonCorruptor
+from runtime.server.detokenizer import Detokenizer
+from runtime.server.dsml import ArgumentsDelta, ContentDelta, DsmlParser, ToolCallStart
+from runtime.tokenizer import Tokenizer
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls or self.logprobs)
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    stop: tuple[str, ...] = ()
+    parse_tools: bool = False
+    tool_names: frozenset[str] | None = None
+    forced_prefix: str = ""  # DSML already placed in the prompt (named tool_choice): parsed, never sent
+    logprobs: bool = False
+    top_logprobs: int = 0
+    max_calls: int | None = None  # parallel_tool_calls=false: only the first call is returned
+
+
+class ChoiceBuilder:
+    def __init__(self, tokenizer: Tokenizer, options: OutputOptions,
+                 corruptor: ToolJsonCorruptor | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.options = options
+        self.detok = Detokenizer(tokenizer, options.stop)
+        self.parser = DsmlParser(set(options.tool_names) if options.tool_names is not None else None) \
+            if options.parse_tools else None
+        self.corruptor = corruptor
+        self.num_calls = 0
+        self._call_ids: dict[int, str] = {}
+        self._pending = self.parser.feed(options.forced_prefix) if self.parser and options.forced_prefix else []
+
+    def push(self, token: int, logprob: float, top: list[tuple[int, float]], is_stop_token: bool) -> Delta:
+        """One generated token. A stop token (EOS, stop_token_ids) counts but adds no text."""
+        delta = Delta()
+        if self.options.logprobs:
+            delta.logprobs.append(self._logprob_entry(token, logprob, top))
+        if not is_stop_token:
+            self._apply(delta, self._events(self.detok.push(token)))
+        return delta
+
+    def finish(self, reason: str) -> tuple[Delta, str]:
+        """Flush held-back text; return the last delta and the OpenAI finish_reason."""
+        delta = Delta()
+        events = self._events(self.detok.flush())
+        if self.parser is not None:
+            truncated = self.parser.in_call  # stopped inside an invoke: the call is incomplete
+            events += self.parser.finish()
+            self._apply(delta, events)
+            if self.num_calls and reason != "abort" and not (reason == "length" and truncated):
+                reason = "tool_calls"
+        else:
+            self._apply(delta, events)
+        return delta, reason
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _events(self, text: str) -> list:
+        if self.parser is None:
+            return [ContentDelta(text)] if text else []
+        pending, self._pending = self._pending, []
+        return pending + (self.parser.feed(text) if text else [])
+
+    def _apply(self, delta: Delta, events) -> None:
+        for event in events:
+            if not isinstance(event, ContentDelta) and self.options.max_calls is not None \
+                    and event.index >= self.options.max_calls:
+                continue
+            if isinstance(event, ContentDelta):
+                delta.content += event.text
+            elif isinstance(event, ToolCallStart):
+                self.num_calls += 1
+                self._call_ids[event.index] = f"call_{uuid.uuid4().hex[:24]}"
+                if self.corruptor is not None:
+                    self.corruptor.start_call(event.index)
+                delta.tool_calls.append({"index": event.index, "id": self._call_ids[event.index], "type": "function",
+                                         "function": {"name": event.name, "arguments": ""}})
+            elif isinstance(event, ArgumentsDelta) and event.text:
+                text = self.corruptor.arguments(event.index, event.text) if self.corruptor else event.text
+                last = delta.tool_calls[-1] if delta.tool_calls else None
+                if last is not None and last["index"] == event.index:
+                    last["function"]["arguments"] += text  # one entry per call per chunk
+                else:
+                    delta.tool_calls.append({"index": event.index, "function": {"arguments": text}})
+
+    def _logprob_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+        def item(tid: int, lp: float) -> dict[str, Any]:
+            text = self.tokenizer.decode([tid])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        entry = item(token, logprob)
+        entry["top_logprobs"] = [item(t, lp) for t, lp in top[: self.options.top_logprobs]]
+        return entry
+
+
+def fold(deltas: list[Delta]) -> dict[str, Any]:
+    """Non-streaming: the assistant message (and logprobs) the deltas add up to."""
+    content = "".join(d.content for d in deltas)
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        for tc in d.tool_calls:
+            call = calls.setdefault(tc["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            call["id"] = call["id"] or tc.get("id", "")
+            call["function"]["name"] += tc["function"].get("name", "")
+            call["function"]["arguments"] += tc["function"].get("arguments", "")
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return {"message": message, "logprobs": [lp for d in deltas for lp in d.logprobs]}

@@ -1,0 +1,158 @@
+"""Request models of the OpenAI chat-completions API, validated strictly (no type coercion), and
+the checks that need more than one field (tool_choice against tools, JSON Schemas of tools)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from runtime.server.errors import bad_request
+
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    # Unknown fields are ignored (clients send extras such as `user`); known ones must have the
+    # right JSON type: "5" is not an integer.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-.]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_rules(self) -> "Message":
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        if self.role == "assistant":
+            if not text and not self.tool_calls:
+                raise ValueError("an assistant message needs content or tool_calls")
+        elif not text:
+            raise ValueError(f"a {self.role} message needs non-empty content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        return self
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    n: int = Field(default=1, ge=1, le=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_rules(cls, stop):
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """none | auto | required | function (a named function)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def check(self) -> None:
+        """Cross-field checks pydantic cannot express on one field; raises ApiError."""
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise bad_request("tools contain duplicate function names", param="tools")
+        if self.tool_choice_mode in ("required", "function") and not self.tools:
+            raise bad_request(f"tool_choice {self.tool_choice_mode!r} needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise bad_request(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                              f"in tools", param="tool_choice")
+        for i, tool in enumerate(self.tools or []):
+            check_tool_schema(tool.function, f"tools[{i}].function.parameters")
+
+
+def check_tool_schema(function: FunctionDef, param: str) -> None:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    schema = function.parameters
+    if schema is None:
+        return
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise bad_request(f"invalid JSON Schema for tool {function.name!r}: {exc.message}", param=param) from None
+    if schema.get("type", "object") != "object":
+        raise bad_request(f"parameters of tool {function.name!r} must be a JSON Schema of type object", param=param)
