@@ -1,0 +1,76 @@
+"""`python -m runtime.train --out DIR ...`: tokenizer, then model, written as a loadable model dir.
+
+DIR receives config.json, model.safetensors, tokenizer.json, chat_template.jinja (what the server
+renders with), train_log.jsonl and train_summary.json. `--preset smoke` is the few-step CPU run
+the test suite makes; `--preset canary` is the shipped model (run on the GPU by
+scripts/gpu_train_canary.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from runtime.config import ModelConfig
+from runtime.models.loader import save_model
+from runtime.train.encode import load_tokenizer, special_ids
+from runtime.train.loop import TrainConfig, train
+from runtime.train.template import BOS, EOS, PAD, TEMPLATE_PATH
+from runtime.train.tokenizer_train import train_tokenizer
+
+# The shipped architecture: small enough for the 2-core CPU stress gate, window + topk = 64 so
+# every late-turn context (hundreds of tokens) runs the sparse path.
+CANARY = ModelConfig(hidden_size=192, num_layers=3, num_heads=4, kv_latent_dim=64, rope_dim=16,
+                     index_heads=4, index_dim=32, index_topk=32, sliding_window=32, n_routed_experts=8,
+                     num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=96,
+                     routed_scaling_factor=1.5, max_position_embeddings=4096)
+SMOKE = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, kv_latent_dim=16, rope_dim=8, index_heads=2,
+                    index_dim=8, index_topk=8, sliding_window=8, n_routed_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=16)
+PRESETS = {
+    "canary": (CANARY, dict(vocab=1280, tokenizer_sessions=3000, batch_size=64, steps=100_000, log_every=25)),
+    "smoke": (SMOKE, dict(vocab=400, tokenizer_sessions=40, batch_size=4, steps=3, log_every=1)),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="canary")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--time-budget-s", type=float, default=1e9)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--dense-fraction", type=float, default=0.25)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    arch, opts = PRESETS[args.preset]
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    tok_path = out / "tokenizer.json"
+    train_tokenizer(opts["vocab"], opts["tokenizer_sessions"], tok_path)
+    tok = load_tokenizer(str(tok_path))
+    ids = special_ids(tok)
+    vocab = -(-tok.get_vocab_size() // 64) * 64  # pad the embedding to a multiple of 64 rows
+    cfg = replace(arch, vocab_size=vocab, bos_token_id=tok.token_to_id(BOS), eos_token_id=ids["eos"],
+                  pad_token_id=tok.token_to_id(PAD))
+    assert tok.token_to_id(PAD) == ids["pad"]
+    tc = TrainConfig(steps=args.steps or opts["steps"], time_budget_s=args.time_budget_s,
+                     batch_size=args.batch_size or opts["batch_size"], lr=args.lr,
+                     dense_fraction=args.dense_fraction, seed=args.seed, workers=args.workers,
+                     log_every=opts["log_every"], device=args.device)
+    weights, summary = train(cfg, tc, str(tok_path), ids["pad"], out / "train_log.jsonl")
+    save_model(out, cfg, weights)
+    shutil.copyfile(TEMPLATE_PATH, out / "chat_template.jinja")
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({"out": str(out), **{k: summary[k] for k in ("steps", "tokens", "elapsed_s")}}))
+
+
+if __name__ == "__main__":
+    main()
