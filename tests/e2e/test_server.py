@@ -1,0 +1,158 @@
+"""The real server through the openai client and httpx: chat completions streaming and not, every
+bad input a 4xx with an OpenAI-shaped body, auth, disconnect frees pages, 64 concurrent streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import API_KEY
+
+pytestmark = pytest.mark.e2e
+
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def root(server) -> str:
+    return server.base_url.removesuffix("/v1")
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+
+
+def pages_in_use(server) -> float:
+    text = httpx.get(root(server) + "/metrics").text
+    return float(next(l for l in text.splitlines() if l.startswith("dsv4_kv_pages_in_use")).split()[1])
+
+
+def wait_idle(server, timeout_s: float = 10.0) -> float:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (pages := pages_in_use(server)) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pages
+
+
+def test_non_streaming_completion(server):
+    resp = client(server).chat.completions.create(model=server.model, messages=USER, max_tokens=8, temperature=0,
+                                                  logprobs=True, top_logprobs=3, tools=TOOLS)
+    choice = resp.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert resp.usage.completion_tokens == len(choice.logprobs.content) <= 8
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 3 for item in choice.logprobs.content)
+
+
+def test_streaming_equals_non_streaming_greedy(server):
+    kwargs = dict(model=server.model, messages=USER, max_tokens=12, temperature=0, seed=7, logprobs=True)
+    unary = client(server).chat.completions.create(**kwargs)
+    chunks = list(client(server).chat.completions.create(**kwargs, stream=True,
+                                                         stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert text == (unary.choices[0].message.content or "")
+    assert tokens == [t.token for t in unary.choices[0].logprobs.content]
+    assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == unary.choices[0].finish_reason
+
+
+def test_stop_sequences_and_seeded_sampling(server):
+    c = client(server)
+    a = c.chat.completions.create(model=server.model, messages=USER, max_tokens=10, temperature=0.8, seed=3)
+    b = c.chat.completions.create(model=server.model, messages=USER, max_tokens=10, temperature=0.8, seed=3)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_models_health_info(server):
+    assert [m.id for m in client(server).models.list().data] == ["tiny-random"]
+    assert httpx.get(root(server) + "/health").status_code == 200
+    info = httpx.get(root(server) + "/server_info").json()
+    assert info["model"] == "tiny-random" and info["config_fingerprint"] and "torch" in info["versions"]
+
+
+BAD = [
+    ("not json", b"{not json", 400, "not valid JSON"),
+    ("wrong type", {"model": "tiny-random", "messages": USER, "max_tokens": "5"}, 400, "max_tokens"),
+    ("missing messages", {"model": "tiny-random"}, 400, "messages"),
+    ("empty messages", {"model": "tiny-random", "messages": []}, 400, "messages"),
+    ("unknown role", {"model": "tiny-random", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("empty content", {"model": "tiny-random", "messages": [{"role": "user", "content": ""}]}, 400, "content"),
+    ("prompt too long", {"model": "tiny-random", "messages": [{"role": "user", "content": "x" * 5000}],
+                         "max_tokens": 4}, 400, "context"),
+    ("max_tokens zero", {"model": "tiny-random", "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens huge", {"model": "tiny-random", "messages": USER, "max_tokens": 10**6}, 400, "max_tokens"),
+    ("unknown model", {"model": "gpt-17", "messages": USER}, 404, "gpt-17"),
+    ("invalid tool schema", {"model": "tiny-random", "messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}]}, 400, "Schema"),
+    ("named tool not in tools", {"model": "tiny-random", "messages": USER, "tools": TOOLS,
+                                 "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "nope"),
+    ("temperature out of range", {"model": "tiny-random", "messages": USER, "temperature": 9}, 400, "temperature"),
+    ("body not an object", [1, 2], 400, "object"),
+]
+
+
+@pytest.mark.parametrize("name, body, status, needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_4xx_with_an_openai_error_body(server, name, body, status, needle):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(server.base_url + "/chat/completions", content=content,
+                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert needle.lower() in error["message"].lower(), error
+
+
+def test_too_large_body_is_413(server):
+    big = json.dumps({"model": "tiny-random", "messages": [{"role": "user", "content": "x" * (5 << 20)}]})
+    resp = httpx.post(server.base_url + "/chat/completions", content=big,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    assert resp.status_code == 413 and "exceeds" in resp.json()["error"]["message"]
+
+
+def test_api_key_required(server):
+    bad = openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=server.model, messages=USER, max_tokens=2)
+    assert httpx.get(server.base_url + "/models").status_code == 401
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    with httpx.stream("POST", server.base_url + "/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "tiny-random", "messages": USER, "max_tokens": 3000, "stream": True,
+                            "temperature": 0}) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i > 6:
+                assert pages_in_use(server) > 0  # the request really holds pages while it streams
+                break
+    assert wait_idle(server) == 0
+
+
+def test_64_concurrent_streaming_clients_complete_and_server_stays_healthy(server):
+    async def one(c: openai.AsyncOpenAI, i: int) -> str:
+        stream = await c.chat.completions.create(model=server.model, max_tokens=8, temperature=0, stream=True,
+                                                 messages=[{"role": "user", "content": f"request {i}"}])
+        reasons = [ch.choices[0].finish_reason async for ch in stream if ch.choices]
+        return reasons[-1]
+
+    async def main() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+        finally:
+            await c.close()
+
+    reasons = asyncio.run(main())
+    assert len(reasons) == 64 and set(reasons) <= {"stop", "length"}
+    assert wait_idle(server) == 0
+    assert httpx.get(root(server) + "/health").status_code == 200
+    metrics = httpx.get(root(server) + "/metrics").text
+    assert 'status="500"' not in metrics
