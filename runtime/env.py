@@ -35,6 +35,14 @@ class Env:
     reference_kernels: bool = False
     # Torch intra-op threads for the CPU engine; 0 keeps torch's default.
     num_threads: int = 0
+    # Tensor parallel: all-gather a digest of every rank's plan each step (DesyncError on mismatch).
+    tp_check: bool = False
+    # Tensor parallel: a step collective that takes longer than this raises (a stuck peer).
+    tp_timeout_s: float = 60.0
+    # Tensor parallel: how long the watchdog waits past the timeout before killing a stuck rank.
+    tp_watchdog_grace_s: float = 10.0
+    # Tensor parallel: rendezvous + model loading on the workers.
+    tp_startup_timeout_s: float = 300.0
     # Server: largest request body accepted, in bytes (a larger one gets a 413).
     server_max_body_bytes: int = 4 * 1024 * 1024
     # Fraction of tool calls whose arguments the `tool-json-corrupt` fault corrupts.
@@ -56,6 +64,11 @@ class Env:
             kwargs["reference_kernels"] = _bool(value)
         if (value := get("NUM_THREADS")) is not None:
             kwargs["num_threads"] = int(value)
+        if (value := get("TP_CHECK")) is not None:
+            kwargs["tp_check"] = _bool(value)
+        for knob in ("tp_timeout_s", "tp_watchdog_grace_s", "tp_startup_timeout_s"):
+            if (value := get(knob.upper())) is not None:
+                kwargs[knob] = float(value)
         if (value := get("SERVER_MAX_BODY_BYTES")) is not None:
             kwargs["server_max_body_bytes"] = int(value)
         if (value := get("TOOL_CORRUPT_RATE")) is not None:

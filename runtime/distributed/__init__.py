@@ -1,0 +1,6 @@
+"""Tensor parallelism on torch.distributed: rank 0 decides, every rank executes the same plan.
+
+launcher.py (rank 0: spawn workers, broadcast plans, shut down), worker.py (ranks >= 1: follow the
+plans), collectives.py (timed collectives + watchdog), messages.py (what is broadcast, plan
+digests, the desync check), sharding.py (column/row-parallel weight shards), errors.py.
+"""
