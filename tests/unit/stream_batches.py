@@ -46,7 +46,9 @@ class ExtendCase:
         self.prefix.append(2 * cfg.selected_tokens)  # at least one request on the sparse path
         self.new = [rng.randint(1, 4) for _ in range(num_requests)]
         self.ids = [[rng.randrange(cfg.vocab_size) for _ in range(p + n)] for p, n in zip(self.prefix, self.new)]
-        engine_cfg = EngineConfig(page_size=16, num_pages=num_requests * SLOTS_PER_REQUEST // 16)
+        # One extra page past the requests: the graph runner's scratch page for padded rows.
+        self.scratch_page = num_requests * SLOTS_PER_REQUEST // 16
+        engine_cfg = EngineConfig(page_size=16, num_pages=self.scratch_page + 1)
         self.kv = KVCache(cfg, engine_cfg, torch.float32)
         filled = [i for i, p in enumerate(self.prefix) if p > 0]
         if filled:

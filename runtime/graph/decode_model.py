@@ -1,0 +1,143 @@
+"""`StaticDecodeModel`: the dsv4-mini decode step with static shapes and no host syncs, so it can
+be captured into a CUDA graph; same math as models/dsv4_mini.py (one new token per request).
+
+The indexer runs on the "indexer" side stream through the declared-stream API and writes its
+selection into persistent workspace buffers (as a captured graph's buffers are); attention joins
+the stream before reading them. The `stream-race` fault drops that join. Rows are processed in
+tiles of cuda_torch.TILE so every kernel sees one shape whatever the batch (batch invariance).
+B = TILE rows, L = context capacity (pages per request * page size), S = window + topk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.config import ModelConfig
+from runtime.faults import NO_FAULTS, FaultSet
+from runtime.kernels import cuda_torch as k
+from runtime.kvcache.kv_cache import KVCache
+from runtime.streams.tasks import MAIN, StreamScheduler, Task
+
+INDEXER_STREAM = "indexer"
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """One new token per request; its context is positions 0..position (page_table: [N, P])."""
+
+    token_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long
+    write_slots: torch.Tensor  # [N] long, where the new token's KV goes
+    page_table: torch.Tensor  # [N, P] long, unused entries point at any valid page
+
+    @property
+    def batch_size(self) -> int:
+        return self.token_ids.shape[0]
+
+
+class StaticDecodeModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, page_size: int, max_pages: int,
+                 max_batch: int, faults: FaultSet = NO_FAULTS) -> None:
+        self.cfg, self.w, self.faults = cfg, weights, faults
+        self.page_size, self.max_pages = page_size, max_pages
+        embed = weights["embed.weight"]
+        self.device, self.dtype = embed.device, embed.dtype
+        self.lm_head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.cos, self.sin = k.rope_table(cfg.rope_dim // 2, cfg.rope_theta, page_size * max_pages,
+                                          self.device, self.dtype)
+        rows = -(-max_batch // k.TILE) * k.TILE
+        S = cfg.sliding_window + cfg.index_topk
+        # Workspace shared between streams; persistent so a graph captures fixed addresses.
+        self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self.sel_pos = torch.zeros(rows, S, dtype=torch.long, device=self.device)
+        self.sel_ok = torch.zeros(rows, S, dtype=torch.bool, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, inp: DecodeInputs, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+        """Writes each token's KV; returns float32 logits [N, V]. N must be a multiple of TILE."""
+        n = inp.batch_size
+        assert n % k.TILE == 0 and n <= self.hidden.shape[0], f"batch {n} not padded to a TILE multiple"
+        assert inp.page_table.shape[1] == self.max_pages, "page table width is fixed at construction"
+        logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        for start in range(0, n, k.TILE):
+            logits[start:start + k.TILE] = self._tile(slice(start, start + k.TILE), inp, kv, streams)
+        streams.synchronize()
+        return logits
+
+    def _tile(self, rows: slice, inp: DecodeInputs, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+        pos, write = inp.positions[rows], inp.write_slots[rows]
+        ctx = k.context_slots(inp.page_table[rows], self.page_size)  # [B, L]
+        x = self.w["embed.weight"][inp.token_ids[rows]]
+        for layer in range(self.cfg.num_layers):
+            x = x + self._attention(layer, rows, x, pos, write, ctx, kv, streams)
+            x = x + self._moe(layer, x)
+        last = k.rms_norm(x, self.w["norm.weight"], self.cfg.rms_norm_eps)
+        return k.linear(last, self.lm_head).float()
+
+    def _attention(self, layer: int, rows: slice, x: torch.Tensor, pos: torch.Tensor, write: torch.Tensor,
+                   ctx: torch.Tensor, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+        cfg, w, p = self.cfg, self.w, f"layers.{layer}."
+        C, R, B = cfg.kv_latent_dim, cfg.rope_dim, x.shape[0]
+        h = k.rms_norm(x, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
+        self.hidden[rows].copy_(h)
+
+        streams.fork(INDEXER_STREAM)
+        streams.submit(Task(f"indexer.{layer}", INDEXER_STREAM, reads=("hidden", "index_cache"),
+                            writes=("index_cache", "selection"),
+                            fn=lambda: self._indexer(layer, rows, pos, write, ctx, kv)))
+
+        q = k.linear(h, w[p + "attn.wq.weight"]).view(B, -1, C + R)
+        q = torch.cat([q[..., :C], k.rope(q[..., C:], pos, self.cos, self.sin)], dim=-1)
+        latent_and_rope = k.linear(h, w[p + "attn.wkv.weight"])
+        latent = k.rms_norm(latent_and_rope[:, :C], w[p + "attn.kv_norm.weight"], cfg.rms_norm_eps)
+        key_rope = k.rope(latent_and_rope[:, C:], pos, self.cos, self.sin)
+        kv.latent[layer, write] = torch.cat([latent, key_rope], dim=-1)
+        out = torch.empty(B, q.shape[1], C, dtype=self.dtype, device=self.device)
+
+        def attend() -> None:
+            ok = self.sel_ok[rows]
+            gathered = kv.latent[layer][ctx.gather(1, self.sel_pos[rows])]  # [B, S, C+R]
+            # Unselected entries may be never-written (NaN-poisoned) slots: zero them, as 0 * NaN = NaN.
+            gathered = torch.where(ok[..., None], gathered, torch.zeros((), dtype=self.dtype, device=self.device))
+            out.copy_(k.gathered_attention(q, gathered, ok, C, cfg.softmax_scale))
+
+        # `stream-race` drops this join: attention may read the selection before the indexer wrote it.
+        if not self.faults.enabled("stream-race"):
+            streams.join(INDEXER_STREAM)
+        streams.submit(Task(f"attention.{layer}", MAIN, reads=("latent_cache", "selection"),
+                            writes=("attn_out",), fn=attend))
+        return k.linear(out.view(B, -1), w[p + "attn.wo.weight"])
+
+    def _indexer(self, layer: int, rows: slice, pos: torch.Tensor, write: torch.Tensor, ctx: torch.Tensor,
+                 kv: KVCache) -> None:
+        cfg, w, p = self.cfg, self.w, f"layers.{layer}.indexer."
+        HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.rope_dim
+        h = self.hidden[rows]
+        q = k.linear(h, w[p + "wq.weight"]).view(h.shape[0], HI, DI)
+        q = torch.cat([q[..., :DI - R], k.rope(q[..., DI - R:], pos, self.cos, self.sin)], -1)
+        key = k.linear(h, w[p + "wk.weight"])
+        key = torch.cat([key[:, :DI - R], k.rope(key[:, DI - R:], pos, self.cos, self.sin)], -1)
+        head_weights = k.linear(h, w[p + "weights_proj.weight"]) * (HI * DI) ** -0.5
+        kv.index_keys[layer, write] = key
+        scores = k.indexer_scores(q, head_weights, kv.index_keys[layer][ctx])
+        selected, ok = k.select_slots(scores.float(), pos, cfg.sliding_window, cfg.index_topk)
+        self.sel_pos[rows].copy_(selected)
+        self.sel_ok[rows].copy_(ok)
+
+    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        cfg, w, p = self.cfg, self.w, f"layers.{layer}."
+        h = k.rms_norm(x, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
+        weights, ids = k.route(k.linear(h, w[p + "moe.gate.weight"]), w[p + "moe.gate.e_score_correction_bias"],
+                               cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
+                               cfg.norm_topk_prob)
+        per_slot = k.gathered_experts(h, ids, w[p + "moe.experts.w_gate"], w[p + "moe.experts.w_up"],
+                                      w[p + "moe.experts.w_down"])
+        out = torch.zeros_like(h)
+        for slot in range(ids.shape[1]):  # rank order, as cpu.moe
+            out = out + weights[:, slot:slot + 1].to(h.dtype) * per_slot[:, slot]
+        if cfg.n_shared_experts:
+            out = out + k.shared_expert(h, w[p + "moe.shared.w_gate"], w[p + "moe.shared.w_up"],
+                                        w[p + "moe.shared.w_down"])
+        return out
