@@ -23,7 +23,7 @@ REGISTRY: dict[str, FaultSpec] = {
     spec.name: spec
     for spec in (
         FaultSpec("stream-race", "side-stream indexer output read before its join (missing event wait)", True),
-        FaultSpec("stale-graph-metadata", "capture-time sequence length baked into a CUDA graph", False),
+        FaultSpec("stale-graph-metadata", "capture-time sequence length baked into a CUDA graph", True),
         FaultSpec("kv-slot-reuse", "page allocator hands out a KV page another live request still owns", True),
         FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own", True),
         FaultSpec("overlap-stale-token", "overlap loop feeds the previous step's token as the next input", True),
