@@ -1,6 +1,7 @@
 """Offline generation CLI.
 
     python -m runtime.generate --model tiny-random --requests N --max-tokens T --seed S [--solo] --json
+                               [--tp N] [--overlap]
 
 Draws N prompts of mixed lengths from the seed (long enough that the indexer must drop tokens),
 generates them batched (or each alone with --solo, same prompts) and prints the token ids,
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 
@@ -40,7 +42,12 @@ def request_params(args: argparse.Namespace, index: int) -> SamplingParams:
 def run(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model)
     cfg = EngineConfig(num_pages=args.num_pages, page_size=args.page_size, max_running_requests=args.max_running)
-    engine = Engine(loaded, cfg, faults=FaultSet(args.inject_fault))
+    engine = Engine(loaded, cfg, faults=FaultSet(args.inject_fault), overlap=args.overlap, tp=args.tp)
+    with engine:  # tp > 1: the worker ranks stop with the engine, also on SIGTERM / Ctrl-C
+        return _generate(args, engine, loaded)
+
+
+def _generate(args: argparse.Namespace, engine: Engine, loaded) -> dict:
     prompts = draw_prompts(loaded.config, args.requests, args.seed)
     params = [request_params(args, i) for i in range(len(prompts))]
     started = time.perf_counter()
@@ -82,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-pages", type=int, default=EngineConfig.num_pages)
     parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
     parser.add_argument("--max-running", type=int, default=EngineConfig.max_running_requests)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo on CPU)")
+    parser.add_argument("--overlap", action="store_true", help="overlap scheduler loop (same tokens as normal)")
     parser.add_argument("--inject-fault", action="append", default=[], choices=sorted(REGISTRY), metavar="NAME",
                         help="switch on a named fault (repeatable): " + ", ".join(sorted(REGISTRY)))
     args = parser.parse_args(argv)
@@ -89,16 +98,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--requests must be >= 1")
     if args.max_tokens < 1:
         parser.error("--max-tokens must be >= 1")
+    if args.tp < 1:
+        parser.error("--tp must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C does, so the engine's shutdown stops the worker ranks.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         result = run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
     if args.json:
         print(json.dumps(result))
     else:

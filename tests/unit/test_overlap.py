@@ -108,7 +108,8 @@ def mismatches(items, normal, overlap) -> list[int]:
         if a.num_preemptions or b.num_preemptions:
             n = min(len(a.output_ids), len(b.output_ids))
             close = all(abs(x - y) <= RECOMPUTED_LOGPROB_ATOL for x, y in zip(a.output_logprobs, b.output_logprobs))
-            same_end = it.abort_at is not None or (a.finish_reason, len(a.output_ids)) == (b.finish_reason, n)
+            same_end = it.abort_at is not None or \
+                (a.finish_reason, len(a.output_ids)) == (b.finish_reason, len(b.output_ids))
             if a.output_ids[:n] != b.output_ids[:n] or not close or not same_end:
                 bad.append(i)
             continue
