@@ -94,6 +94,7 @@ class GraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
+        self._snapshots: list[torch.Tensor] = []
 
     def _dummy(self, rows: int) -> DecodeInputs:
         empty = torch.zeros(0, dtype=torch.long, device=self.model.device)
@@ -109,8 +110,10 @@ class GraphRunner:
             static = self.buffer.view(rows)
             if self.faults.enabled("stale-graph-metadata"):
                 # The bug: metadata snapshotted at capture time; replays read the snapshot forever.
+                # (kept alive in `_snapshots`: the graph reads its address on every replay)
                 static = DecodeInputs(static.token_ids, static.positions.clone(), static.write_slots,
                                       static.page_table)
+                self._snapshots.append(static.positions)
             warmup = torch.cuda.Stream()
             warmup.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(warmup):
