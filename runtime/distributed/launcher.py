@@ -67,9 +67,11 @@ class TPLauncher:
         try:
             coll = init_collectives(0, world, init_file, env.tp_startup_timeout_s, env.tp_timeout_s,
                                     env.tp_watchdog_grace_s)
-        except BaseException as exc:
+        except BaseException as exc:  # also SIGTERM / Ctrl-C while the group forms: no orphan
             cls._reap(procs, 1.0)
             shutil.rmtree(rundir, ignore_errors=True)
+            if not isinstance(exc, Exception):
+                raise
             raise WorkerStartError(f"tensor-parallel group of {world} did not form: {exc}") from exc
         launcher = cls(coll, procs, pipes, rundir, env)
         try:
