@@ -9,10 +9,10 @@ production bug did: the last rank drops a request on a local whim (as if a local
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import threading
-import os
 import traceback
 
 import torch

@@ -140,3 +140,33 @@ def test_near_tie_check_rejects_real_divergences(tiny):
     with pytest.raises(NotClose):
         check_logprobs_close(generations(normal), generations(stale), margin=NEAR_TIE_MARGIN,
                              logprob_atol=LOGPROB_ATOL)
+
+
+def test_watchdog_ends_a_rank_stuck_past_its_deadline():
+    """Backstop for a backend that never times out: the rank prints where it is stuck and exits."""
+    import subprocess
+    import sys
+
+    from runtime.distributed.collectives import WATCHDOG_EXIT_CODE
+
+    code = ("import time; from runtime.distributed.collectives import Watchdog\n"
+            "w = Watchdog(rank=3, timeout_s=0.2, grace_s=0.1); w.arm('all_reduce', 17); time.sleep(60)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == WATCHDOG_EXIT_CODE
+    assert "rank 3 stuck in all_reduce at step 17" in proc.stderr
+
+
+def test_mirror_pool_refuses_a_page_another_request_holds():
+    from runtime.distributed.mirror_pool import MirrorPool
+    from runtime.kvcache.page_pool import PageAccountingError
+
+    pool = MirrorPool(num_pages=8, page_size=4)
+    pool.claim("a", (0, 1))
+    pool.claim("a", (0, 1, 2))
+    with pytest.raises(PageAccountingError):
+        pool.claim("b", (2,))
+    with pytest.raises(PageAccountingError):
+        pool.check_owned("b", [0])
+    pool.release("a")
+    pool.claim("b", (2,))
+    assert pool.pages_in_use == 1
