@@ -26,8 +26,8 @@ class TemplateError(ValueError):
 def _compile(source: str):
     import jinja2.sandbox
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       undefined=jinja2.StrictUndefined)
+    # Lenient undefined, as HF renders templates: `message.tool_calls` on a plain message is falsy.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     return env.from_string(source)
 
 
