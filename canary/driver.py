@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from canary.golden import Transcript
-from canary.oracles import (Failure, ToolCall, Turn, check_finish_and_usage, check_gibberish, check_nonce,
-                            check_stream_equivalence, check_tool_calls)
+from canary.oracles import (Failure, ToolCall, Turn, check_finish_and_usage, check_gibberish,
+                            check_grounded_arguments, check_nonce, check_stream_equivalence, check_tool_calls)
 from canary.scenarios import Scenario, execute_tool, make_scenario
 from canary.targets import Target
 
@@ -120,7 +120,7 @@ class SessionDriver:
                 if record.aborted:
                     self._result.sessions_aborted += 1
                     return
-                failures = self._check(scenario, record)
+                failures = self._check(scenario, record, messages)
                 if streamed and not failures:
                     # Same request, not streamed: the reconstruction must be identical.
                     reference = await self._request(client, scenario, messages, hop, turn_index, False, None,
@@ -139,9 +139,13 @@ class SessionDriver:
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         self._result.sessions_completed += 1
 
-    def _check(self, scenario: Scenario, record: RequestRecord) -> list[Failure]:
+    def _check(self, scenario: Scenario, record: RequestRecord, messages: list[dict]) -> list[Failure]:
         turn = record.turn
         failures = check_tool_calls(turn, scenario.schemas)
+        if not self.options.generic_prompts:
+            # The canary model copies values verbatim; a real LLM may legitimately normalise them.
+            conversation = "\n".join(str(m.get("content") or "") for m in messages if m["role"] != "assistant")
+            failures += check_grounded_arguments(turn, conversation)
         failures += check_nonce(turn, scenario.nonce, lambda: self._nonces, must_echo=not turn.tool_calls
                                 and turn.finish_reason == "stop")
         failures += check_gibberish(turn)

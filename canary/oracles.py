@@ -147,3 +147,32 @@ def check_finish_and_usage(turn: Turn) -> list[Failure]:
             failures.append(_fail("usage", turn, f"{len(turn.tokens)} logprob tokens but completion_tokens "
                                   f"{completion}", str(usage)))
     return failures
+
+
+def _leaf_values(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaf_values(v)]
+    if isinstance(value, list):
+        return [leaf for v in value for leaf in _leaf_values(v)]
+    return [value]
+
+
+def check_grounded_arguments(turn: Turn, conversation: str) -> list[Failure]:
+    """Every string and number in the tool arguments must occur verbatim in the conversation so far
+    (the user asked for exactly these values). A single flipped character in a value that still
+    parses and validates (`Paris` -> `Qaris`, 9 -> 8) is invisible to the JSON oracles but not here.
+    Booleans and enum members are left to the schema."""
+    failures = []
+    for call in turn.tool_calls:
+        try:
+            args = json.loads(call.arguments)
+        except json.JSONDecodeError:
+            continue  # reported by check_tool_calls
+        for leaf in _leaf_values(args):
+            if isinstance(leaf, bool) or leaf is None:
+                continue
+            text = leaf if isinstance(leaf, str) else json.dumps(leaf)
+            if text not in conversation:
+                failures.append(_fail("ungrounded-argument", turn, f"{call.name}: value {text!r} appears nowhere "
+                                      "in the conversation", call.arguments))
+    return failures

@@ -49,12 +49,16 @@ def wait_healthy(root_url: str, proc: subprocess.Popen | None, timeout_s: float,
 
 
 @contextmanager
-def embedded_server(model: str, faults: list[str] = (), max_running: int = 128, log_dir: Path | None = None,
-                    extra_args: list[str] = (), startup_timeout_s: float = 120.0) -> Iterator[Target]:
-    """Start `python -m runtime.serve` on a free loopback port; stop it (and its children) on exit."""
+def embedded_server(model: str, faults: list[str] = (), max_running: int = 128, num_pages: int = 8192,
+                    log_dir: Path | None = None, extra_args: list[str] = (),
+                    startup_timeout_s: float = 120.0) -> Iterator[Target]:
+    """Start `python -m runtime.serve` on a free loopback port; stop it (and its children) on exit.
+
+    The pool holds every session's whole context at once (80 sessions x a few hundred tokens):
+    a smaller pool would turn the gate into a preemption benchmark."""
     port = free_port()
     cmd = [sys.executable, "-m", "runtime.serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--max-running", str(max_running), *extra_args]
+           "--max-running", str(max_running), "--num-pages", str(num_pages), *extra_args]
     for fault in faults:
         cmd += ["--inject-fault", fault]
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))

@@ -90,3 +90,14 @@ def test_finish_and_usage_oracles_fire():
     assert oracles_fired(check_finish_and_usage(bad_total)) == ["usage"]
     miscounted = answer_turn(tokens=["a"] * 8)
     assert oracles_fired(check_finish_and_usage(miscounted)) == ["usage"]
+
+
+def test_grounding_oracle_passes_copied_values_and_fires_on_a_flipped_character():
+    from canary.oracles import check_grounded_arguments
+
+    conversation = "Where is order N7Q4-ZX81? I need 3 of them."
+    assert check_grounded_arguments(tool_turn(), conversation) == []
+    flipped = tool_turn('{"order_id": "N7Q4-ZX80", "qty": 3}')
+    assert oracles_fired(check_grounded_arguments(flipped, conversation)) == ["ungrounded-argument"]
+    off_by_one = tool_turn('{"order_id": "N7Q4-ZX81", "qty": 2}')
+    assert oracles_fired(check_grounded_arguments(off_by_one, conversation)) == ["ungrounded-argument"]
