@@ -17,7 +17,7 @@ from pathlib import Path
 
 from runtime.config import PRESETS, EngineConfig
 from runtime.distributed.collectives import Collectives, init_collectives
-from runtime.distributed.errors import DesyncError, WorkerStartError
+from runtime.distributed.errors import WorkerStartError
 from runtime.distributed.messages import RequestSpec, StepMessage, find_desync, plan_field_digests
 from runtime.distributed.sharding import check_divisible
 from runtime.distributed.worker import worker_main
@@ -142,6 +142,3 @@ class TPLauncher:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-
-
-__all__ = ["TPLauncher", "DesyncError"]

@@ -34,12 +34,20 @@ class Launched:
     outputs: dict[str, SampleOutput]
 
 
+def deliverable(engine: "Engine", outputs: dict[str, SampleOutput]) -> dict[str, SampleOutput]:
+    """The outputs postprocess will append: not those of requests that finished (or were aborted)
+    while their row was in flight. Callers stream exactly these, so no token is sent twice."""
+    requests = engine.scheduler.requests
+    return {rid: out for rid, out in outputs.items() if rid in requests and not requests[rid].finished}
+
+
 def normal_step(engine: "Engine") -> "StepResult":
     started = time.perf_counter()
     plan = engine.scheduler.schedule()
     outputs = engine.dispatch(plan)
+    delivered = deliverable(engine, outputs)
     engine.scheduler.postprocess(plan, outputs)
-    return engine.finish_step(plan, outputs, started)
+    return engine.finish_step(plan, delivered, started)
 
 
 def overlap_step(engine: "Engine") -> "StepResult":
@@ -52,5 +60,6 @@ def overlap_step(engine: "Engine") -> "StepResult":
     if last is None:  # the first step of a burst (or an idle call): nothing has landed yet
         plan = launched.plan if launched else StepPlan(engine.scheduler.step, (), ())
         return engine.finish_step(plan, {}, started)
+    delivered = deliverable(engine, last.outputs)
     engine.scheduler.postprocess(last.plan, last.outputs)
-    return engine.finish_step(last.plan, last.outputs, started)
+    return engine.finish_step(last.plan, delivered, started)

@@ -152,11 +152,11 @@ class Scheduler:
     def postprocess(self, plan: StepPlan, outputs: dict[str, SampleOutput]) -> list[Request]:
         done = []
         for ext in plan.extends:
-            req = self.requests[ext.rid]
+            req = self.requests.get(ext.rid)  # a caller may drop a finished request from the table
             self.in_flight[ext.rid] -= 1
             if not self.in_flight[ext.rid]:
                 del self.in_flight[ext.rid]
-            if req.finished:
+            if req is None or req.finished:
                 self.discarded_rows += 1  # finished (stop or abort) while this row was in flight
                 continue
             if req.status is Status.RUNNING:  # a preempted request keeps its token, not its KV

@@ -58,7 +58,8 @@ def make_workload(seed: int, num: int, *, aborts: bool, stops: dict[int, tuple[s
 
 
 def drive(engine: Engine, items: list[Item]) -> tuple[list, dict[str, int]]:
-    """Run the workload; returns the requests in workload order and the rows scheduled per request."""
+    """Run the workload like the server does (stream each step's outputs, drop finished requests
+    from the table); returns the requests in workload order and the rows scheduled per request."""
     rows: dict[str, int] = {}
     dispatch = engine.dispatch
 
@@ -68,22 +69,30 @@ def drive(engine: Engine, items: list[Item]) -> tuple[list, dict[str, int]]:
         return dispatch(plan)
 
     engine.dispatch = counting_dispatch
-    rids: list[str | None] = [None] * len(items)
+    reqs: list = [None] * len(items)
+    streamed: dict[str, list[int]] = {}
     iteration = 0
     while iteration <= max(it.arrival for it in items) or engine.has_work:
         for i, it in enumerate(items):
             if it.arrival == iteration:
-                rids[i] = engine.add_request(it.prompt, it.params, rid=f"r{i}")
+                reqs[i] = engine.scheduler.requests[engine.add_request(it.prompt, it.params, rid=f"r{i}")]
         for i, it in enumerate(items):
-            req = engine.scheduler.requests.get(rids[i]) if rids[i] else None
+            req = reqs[i]
             if req is None or req.finished:
                 continue
             if (it.abort_after is not None and len(req.output_ids) >= it.abort_after) or it.abort_at == iteration:
                 engine.abort(req.rid)
-        engine.step()
+        result = engine.step()
+        for rid, out in result.outputs.items():
+            streamed.setdefault(rid, []).append(out.token)
+        for req in result.finished:
+            del engine.scheduler.requests[req.rid]  # as the server does once a request is done
         iteration += 1
         assert iteration < 10_000, "workload did not drain"
-    return [engine.scheduler.requests[rid] for rid in rids], rows
+    assert not engine.scheduler.requests
+    for req in reqs:
+        assert streamed.get(req.rid, []) == req.output_ids, f"{req.rid}: streamed tokens differ from its output"
+    return reqs, rows
 
 
 def run(tiny, items, *, overlap: bool, faults=(), **cfg):
