@@ -128,6 +128,20 @@ def test_multi_stream_equals_single_stream(tiny_gpu, captured):
         assert torch.equal(multi[1], one[1]), f"bs={n}"
 
 
+def test_two_identically_built_runners_agree(tiny_gpu, captured):
+    """Separates the two failure explanations of the multi-stream test: if a second runner built
+    exactly like `captured` already disagrees, the difference is per-instance (state or kernel
+    choice), not the stream layout."""
+    twin = Setup(tiny_gpu)
+    twin.runner.capture()
+    for n in (40, 64):
+        snap = captured.snapshot()
+        ours = decode(captured, captured.runner.forward, n, seed=n)
+        captured.restore(snap)
+        theirs = decode(twin, twin.runner.forward, n, seed=n)
+        assert torch.equal(ours[0], theirs[0]), f"bs={n}: {differing_rows(ours[0], theirs[0])}"
+
+
 def test_jitter_leaves_the_fixed_runtime_unchanged(tiny_gpu, captured):
     jittery = Setup(tiny_gpu, streams=CudaStreamExecutor(jitter_cycles=JITTER, seed=1))
     jittery.runner.capture()
