@@ -47,6 +47,8 @@ class Env:
     server_max_body_bytes: int = 4 * 1024 * 1024
     # Fraction of tool calls whose arguments the `tool-json-corrupt` fault corrupts.
     tool_corrupt_rate: float = 0.1
+    # CUDA-graph batch-size buckets, comma-separated (empty: runtime/graph/runner.py FINE_BUCKETS).
+    graph_buckets: tuple[int, ...] = field(default_factory=tuple)
 
     @classmethod
     def load(cls, environ: dict[str, str] | None = None) -> "Env":
@@ -73,4 +75,6 @@ class Env:
             kwargs["server_max_body_bytes"] = int(value)
         if (value := get("TOOL_CORRUPT_RATE")) is not None:
             kwargs["tool_corrupt_rate"] = float(value)
+        if (value := get("GRAPH_BUCKETS")) is not None:
+            kwargs["graph_buckets"] = tuple(int(part) for part in _names(value))
         return cls(**kwargs)

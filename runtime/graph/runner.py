@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.env import Env
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.kernels.cuda_torch import TILE
@@ -86,9 +87,12 @@ class GraphCaptureBuffer:
 
 class GraphRunner:
     def __init__(self, model: StaticDecodeModel, kv: KVCache, streams: StreamScheduler, *,
-                 buckets: tuple[int, ...] = FINE_BUCKETS, scratch_page: int, faults: FaultSet = NO_FAULTS) -> None:
+                 buckets: tuple[int, ...] | None = None, scratch_page: int, faults: FaultSet = NO_FAULTS,
+                 env: Env | None = None) -> None:
         self.model, self.kv, self.streams, self.faults = model, kv, streams, faults
-        self.buckets = tuple(sorted(set(buckets)))
+        self.buckets = tuple(sorted(set(buckets or (env or Env.load()).graph_buckets or FINE_BUCKETS)))
+        if self.buckets[0] <= 0:
+            raise ValueError(f"graph buckets must be positive, got {self.buckets}")
         self.scratch_page = scratch_page
         self.buffer = GraphCaptureBuffer.allocate(tile_rows(max(self.buckets)), model.max_pages, model.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -39,6 +39,22 @@ def test_pad_batch_picks_the_smallest_bucket_that_fits():
         pad_batch(129, COARSE_BUCKETS)
 
 
+def test_buckets_come_from_the_env_knob_or_the_fine_default():
+    from runtime.env import Env
+    from runtime.graph.runner import GraphRunner
+
+    class Model:  # the runner only needs these attributes before capture
+        max_pages, device = 2, "cpu"
+
+    def buckets(env):
+        return GraphRunner(Model(), None, InOrderExecutor(), scratch_page=0, env=env).buckets
+
+    assert buckets(Env.load({"DSV4_GRAPH_BUCKETS": "64,16, 32"})) == (16, 32, 64)
+    assert buckets(Env()) == FINE_BUCKETS
+    with pytest.raises(ValueError):
+        buckets(Env.load({"DSV4_GRAPH_BUCKETS": "0,16"}))
+
+
 def decode_case(tiny, seed: int):
     """ExtendCase's requests, cached up to their last token, which each then decodes."""
     case = ExtendCase(tiny, seed)
