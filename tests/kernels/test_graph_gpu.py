@@ -142,6 +142,30 @@ def test_two_identically_built_runners_agree(tiny_gpu, captured):
         assert torch.equal(ours[0], theirs[0]), f"bs={n}: {differing_rows(ours[0], theirs[0])}"
 
 
+def test_indexer_bits_do_not_depend_on_the_stream(tiny_gpu):
+    """Narrows the multi-stream mismatch seen on the H200: only rows with a top-k near-tie
+    differed, as if the indexer's GEMM bits depended on the stream (per-stream cuBLAS workspace)."""
+    from runtime.kernels import cuda_torch as k
+    cfg, weights = tiny_gpu
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(k.TILE, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    keys = torch.randn(k.TILE, 384, cfg.index_dim, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def scores():
+        w = weights["layers.0.indexer.wq.weight"]
+        q = k.linear(h, w).view(k.TILE, cfg.index_heads, cfg.index_dim)
+        head_weights = k.linear(h, weights["layers.0.indexer.weights_proj.weight"])
+        return k.indexer_scores(q, head_weights, keys)
+
+    on_main = scores()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = scores()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_main, on_side)
+
+
 def test_jitter_leaves_the_fixed_runtime_unchanged(tiny_gpu, captured):
     jittery = Setup(tiny_gpu, streams=CudaStreamExecutor(jitter_cycles=JITTER, seed=1))
     jittery.runner.capture()
