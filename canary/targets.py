@@ -64,8 +64,11 @@ def embedded_server(model: str, faults: list[str] = (), max_running: int = 128, 
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"embedded-server-{port}.log"
+    # One torch thread for the engine: the harness (HTTP client, oracles) needs the other core, and
+    # two torch threads fighting a busy client thrash (a 21 us matmul took 5 ms that way).
+    env = {**os.environ, "DSV4_NUM_THREADS": os.environ.get("DSV4_NUM_THREADS", "1")}
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     root = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(root, proc, startup_timeout_s, log_path)
