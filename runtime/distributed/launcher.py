@@ -46,6 +46,9 @@ class TPLauncher:
         self._sent: set[str] = set()
         self._released: list[str] = []
         self._stopped = False
+        # True from a plan's broadcast until rank 0 has executed it: a shutdown in between (a
+        # signal mid-step) cannot say goodbye in order, the workers are inside the step's collectives.
+        self.mid_step = False
 
     @classmethod
     def start(cls, loaded: LoadedModel, cfg: EngineConfig, faults: FaultSet, env: Env, world: int,
@@ -92,6 +95,7 @@ class TPLauncher:
                 self._sent.add(ext.rid)
         released, self._released = tuple(self._released), []
         self.collectives.step = plan.step
+        self.mid_step = True
         self.collectives.broadcast(StepMessage("step", plan, tuple(new), released))
         if self._check:
             gathered = self.collectives.all_gather(plan_field_digests(plan, released))
@@ -119,12 +123,13 @@ class TPLauncher:
             return
         self._stopped = True
         coll = self.collectives
-        if not coll.broken and all(p.is_alive() for p in self.procs):
+        orderly = not coll.broken and not self.mid_step and all(p.is_alive() for p in self.procs)
+        if orderly:
             try:
                 coll.broadcast(StepMessage("stop"))
             except Exception:  # noqa: BLE001 - a failed goodbye only means we escalate below
-                pass
-        self._reap(self.procs, self._join_s if not coll.broken else 1.0)
+                orderly = False
+        self._reap(self.procs, self._join_s if orderly else 0.5)
         for pipe in self._pipes:
             pipe.close()
         coll.close()

@@ -101,9 +101,12 @@ class Engine:
 
     def dispatch(self, plan: StepPlan) -> dict[str, SampleOutput]:
         """Run a plan on every rank: broadcast it first (tp > 1), then execute it here."""
-        if self.tp is not None:
-            self.tp.publish(plan, self.scheduler.requests)
-        return self.runner.execute(plan, self.scheduler.requests)
+        if self.tp is None:
+            return self.runner.execute(plan, self.scheduler.requests)
+        self.tp.publish(plan, self.scheduler.requests)
+        outputs = self.runner.execute(plan, self.scheduler.requests)
+        self.tp.mid_step = False
+        return outputs
 
     def finish_step(self, plan: StepPlan, outputs: dict[str, SampleOutput], started: float) -> StepResult:
         if self.faults.enabled("slow-step"):
