@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from runtime.kernels.types import MoEWeights
 
 # Rows per matmul call. Every call has exactly this many rows (the last tile is zero-padded).
-ROW_TILE = 16
+ROW_TILE = 32
 # Transcendental elementwise ops (exp, silu, softplus, cos) take a SIMD path for whole vectors and a
 # scalar path for the tail, and the two can differ in the last bit. Padding every row to a multiple
 # of this many elements (two AVX-512 vectors) keeps each row entirely on the vector path.
@@ -87,19 +87,25 @@ def indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tens
 
 def selection_mask(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int) -> torch.Tensor:
     """Boolean [T, L] mask of the tokens each query attends to (see reference.select_tokens).
-    Ties go to the earlier position: a stable descending sort keeps equal scores in index order."""
+
+    Ties go to the earlier position. Instead of a full stable sort (O(L log L) per query, the
+    hottest op of a CPU prefill), take the exact k-th largest score with topk, keep everything
+    above it, and fill the remaining quota with the earliest candidates equal to it: the same set
+    a stable descending sort would pick, bit for bit."""
     num_queries, length = scores.shape
     cols = torch.arange(length)[None, :]
     pos = positions[:, None]
     in_window = (cols <= pos) & (cols > pos - window)
     candidate = cols <= pos - window
-    if topk == 0:
+    if topk == 0 or length == 0:
         return in_window
     ranked = torch.where(candidate, scores, torch.full_like(scores, float("-inf")))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :topk]
-    chosen = torch.zeros_like(in_window)
-    chosen.scatter_(1, order, torch.gather(candidate, 1, order))
-    return in_window | chosen
+    kth = torch.topk(ranked, min(topk, length), dim=-1).values[:, -1:]  # [T, 1]
+    above = candidate & (ranked > kth)
+    quota = topk - above.sum(-1, keepdim=True)
+    tied = candidate & (ranked == kth)
+    earliest_tied = tied & (torch.cumsum(tied, dim=-1) <= quota)
+    return in_window | above | earliest_tied
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, latent_dim: int,
