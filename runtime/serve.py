@@ -1,7 +1,7 @@
 """Start the OpenAI-compatible server.
 
     python -m runtime.serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 30000]
-        [--max-running N] [--api-key KEY] [--inject-fault NAME ...]
+        [--max-running N] [--api-key KEY] [--inject-fault NAME ...] [--tp N] [--overlap]
 
 Binds loopback by default: exposing the server is a deliberate `--host 0.0.0.0`.
 """
@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     parser.add_argument("--inject-fault", action="append", default=[], choices=sorted(REGISTRY), metavar="NAME",
                         help="switch on a named fault (repeatable): " + ", ".join(sorted(REGISTRY)))
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo on CPU)")
+    parser.add_argument("--overlap", action="store_true", help="overlap scheduler: plan step N+1 while N runs")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -46,7 +48,8 @@ def build_state(args: argparse.Namespace):
     cfg = EngineConfig(num_pages=args.num_pages, page_size=args.page_size, max_running_requests=args.max_running,
                        max_model_len=args.max_model_len,
                        max_prefill_tokens=max(EngineConfig.max_prefill_tokens, args.max_model_len))
-    engine = Engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env)
+    engine = Engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=args.overlap,
+                    tp=args.tp)
     template = ChatTemplate.for_model(Path(loaded.path) if loaded.path else None)
     return ServerState(loaded, engine, template, env, api_key=args.api_key)
 
@@ -63,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from runtime.server.app import create_app
 
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=5)
+    finally:
+        state.engine.shutdown()  # stops TP worker processes; a no-op at --tp 1
     return 0
 
 

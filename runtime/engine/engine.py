@@ -64,7 +64,7 @@ class Engine:
             self.tp = TPLauncher.start(loaded, self.cfg, self.faults, self.env, tp, overlap)
             weights = shard_weights(loaded.config, weights, 0, tp)
             all_reduce = self.tp.collectives.all_reduce
-        self.model = DSV4Mini(loaded.config, weights, kernels, all_reduce=all_reduce)
+        self.model = DSV4Mini(loaded.config, weights, kernels, all_reduce=all_reduce, faults=self.faults)
         self.pool = PagePool(self.cfg.num_pages, self.cfg.page_size, self.faults)
         self.kv = KVCache(loaded.config, self.cfg, DTYPES[self.cfg.dtype])
         self.streams = streams or InOrderExecutor()

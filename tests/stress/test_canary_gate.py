@@ -16,7 +16,7 @@ pytestmark = pytest.mark.stress
 
 
 def test_canary_gate(canary_target, canary_options, pytestconfig):
-    options = driver_options(canary_options)
+    options = driver_options(canary_options, canary_target)
     if canary_options.baseline_url:
         from canary.targets import remote_target
 
