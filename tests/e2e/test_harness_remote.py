@@ -57,3 +57,14 @@ def test_reports_write_summary_and_plots(tmp_path):
     assert sorted(p.name for p in plots) == ["failures_over_time.png", "step_time_fit.png",
                                              "throughput_vs_concurrency.png"]
     assert all(p.stat().st_size > 1000 for p in plots)
+
+
+def test_client_aborts_mid_stream_leave_no_pages_and_no_false_alarm(tmp_path):
+    from canary.targets import embedded_server
+
+    options = DriverOptions(sessions=8, turns=2, stream_ratio=1.0, abort_ratio=0.5)
+    with embedded_server(DEFAULT_MODEL, [], log_dir=tmp_path) as target:
+        outcome = run_gate(target, options, progress=False, baseline=tmp_path / "baseline.json")
+    assert outcome.summary["metrics"]["aborted_requests"] >= 2, "the run must really abort streams"
+    assert outcome.passed, outcome.failures  # includes the KV-leak oracle: pages back to idle
+    assert "golden" in outcome.summary and outcome.summary["golden"]["checked"] > 0
