@@ -120,13 +120,20 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, late
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
           scaling: float, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     affinity = rowwise(lambda t: torch.sqrt(F.softplus(t)), logits.float())
+    return select_experts(affinity, bias, top_k, n_group, topk_group, scaling, normalize)
+
+
+def select_experts(affinity: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                   scaling: float, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc on precomputed affinities [T, E]: group-limited, bias-corrected choice, weights from
+    the unbiased affinity; ties to the lower id. Device-agnostic, no host syncs (the GPU path shares it)."""
     choice = affinity + bias.float()
-    num_tokens, num_experts = logits.shape
+    num_tokens, num_experts = affinity.shape
     if n_group > 1:
         grouped = choice.view(num_tokens, n_group, -1)
         best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, G]
         group_order = torch.sort(best_two, dim=-1, descending=True, stable=True).indices[:, :topk_group]
-        allowed = torch.zeros(num_tokens, n_group, dtype=torch.bool)
+        allowed = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=affinity.device)
         allowed.scatter_(1, group_order, True)
         allowed = allowed[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
         choice = choice.masked_fill(~allowed, float("-inf"))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels.cpu import select_experts
+
 TILE = 16
 
 
@@ -87,21 +89,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, to
           scaling: float, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """As cpu.route (sqrtsoftplus, noaux_tc, group-limited), with every tensor on logits' device."""
     affinity = torch.sqrt(F.softplus(logits.float()))
-    choice = affinity + bias.float()
-    num_tokens, num_experts = logits.shape
-    if n_group > 1:
-        grouped = choice.view(num_tokens, n_group, -1)
-        best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [B, G]
-        group_order = torch.sort(best_two, dim=-1, descending=True, stable=True).indices[:, :topk_group]
-        allowed = torch.zeros(num_tokens, n_group, dtype=torch.bool, device=logits.device)
-        allowed.scatter_(1, group_order, True)
-        allowed = allowed[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
-        choice = choice.masked_fill(~allowed, float("-inf"))
-    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = affinity.gather(1, ids)
-    if normalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights * scaling, ids
+    return select_experts(affinity, bias, top_k, n_group, topk_group, scaling, normalize)
 
 
 def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
