@@ -64,6 +64,24 @@ def pack_weights(w_gate, w_up, w_down, shared_gate=None, shared_up=None, shared_
 
 
 @triton.jit
+def _tile_rows(pid_m, tile_expert_ptr, sorted_rows_ptr, num_rows, ROUTING: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, rows) of tile pid_m. ROUTING 1 = DENSE (the shared expert, rows in order), 2 = PER_ROW
+    (routed row pid_m alone; other lanes padded with num_rows), else ALIGNED (from align_tokens;
+    expert -1 marks an empty tile). Shared by the gate/up and down kernels so both read tiles alike."""
+    if ROUTING == 1:
+        expert = tl.zeros((), dtype=tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    elif ROUTING == 2:
+        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
+    else:
+        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+        # In bounds for empty tiles too: align_tokens sizes sorted_rows to every tile, padded with num_rows.
+        rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, rows
+
+
+@triton.jit
 def _align_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_experts, num_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     # One program: counting sort of the routed rows by expert, stable, padded to BLOCK_M per expert.
@@ -127,17 +145,9 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if ROUTING == 1:
-        expert = tl.zeros((), dtype=tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    elif ROUTING == 2:
-        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-        rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
-    else:
-        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-        if expert < 0:
-            return
-        rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, rows = _tile_rows(pid_m, tile_expert_ptr, sorted_rows_ptr, num_rows, ROUTING, BLOCK_M)
+    if expert < 0:  # an empty tile of the aligned layout
+        return
     row_ok = rows < num_rows
     tokens = (rows // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,17 +208,9 @@ def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_row
     # out[r, n] = route_w[r] * (act[r] . w2[e, n]), float32.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if ROUTING == 1:
-        expert = tl.zeros((), dtype=tl.int64)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    elif ROUTING == 2:
-        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-        rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
-    else:
-        expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-        if expert < 0:
-            return
-        rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, rows = _tile_rows(pid_m, tile_expert_ptr, sorted_rows_ptr, num_rows, ROUTING, BLOCK_M)
+    if expert < 0:  # an empty tile of the aligned layout
+        return
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
