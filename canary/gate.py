@@ -4,7 +4,6 @@ pass/fail with a message that names each oracle that fired."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,7 +235,3 @@ def sweep(target: Target, options: DriverOptions, progress: bool = True) -> dict
         fit = perf.fit_step_time([p[0] for p in points], [p[1] for p in points])
         out["step_fit"] = {"a": fit.a, "b": fit.b, "r2": fit.r2, "points": points}
     return out
-
-
-def dump(outcome: GateOutcome) -> str:
-    return json.dumps(outcome.summary, indent=2, default=str)[:4000]

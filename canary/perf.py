@@ -35,9 +35,6 @@ class LinearFit:
     b: float  # marginal cost per request in the batch (s)
     r2: float
 
-    def predict(self, bs: float) -> float:
-        return self.a + self.b * bs
-
 
 def fit_step_time(batch_sizes: list[float], step_times: list[float]) -> LinearFit:
     """Least-squares fit of step time against batch size."""

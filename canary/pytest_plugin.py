@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-DEFAULT_MODEL = "golden/models/canary-moe-v1"
+from canary.golden_cli import DEFAULT_MODEL  # one place names the canary model
 
 
 @dataclass(frozen=True)

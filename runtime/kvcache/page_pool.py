@@ -55,9 +55,6 @@ class PagePool:
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= len(self._free)
 
-    def owner_of(self, page: int) -> str | None:
-        return self._owner.get(page)
-
     def allocate(self, owner: str, num_pages: int) -> list[int]:
         if num_pages < 0:
             raise ValueError("num_pages must be >= 0")
