@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
 from canary import perf
-from canary.driver import DriverOptions, RunResult, SessionDriver
+from canary.driver import DriverOptions, RequestRecord, RunResult, SessionDriver
 from canary.golden import Transcript, first_divergence, read_store, write_store
 from canary.metrics import gated_figures, run_metrics
 from canary.provenance import device_name, fingerprint, git_commit, versions
@@ -59,7 +60,8 @@ def kv_pages_in_use(target: Target) -> float | None:
     return None
 
 
-def run_driver(target: Target, options: DriverOptions, progress: bool = True) -> RunResult:
+def run_driver(target: Target, options: DriverOptions, progress: bool = True,
+               on_request_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
     bar = None
     if progress:
         from tqdm import tqdm
@@ -73,6 +75,8 @@ def run_driver(target: Target, options: DriverOptions, progress: bool = True) ->
             bar.update(1)
             elapsed = bar.format_dict.get("elapsed") or 1e-9
             bar.set_postfix(tok_s=f"{tokens[0] / elapsed:.0f}", refresh=False)
+        if on_request_done is not None:
+            on_request_done(record)
 
     try:
         return SessionDriver(target, options, on_request_done=done).run()
@@ -153,10 +157,11 @@ def gate_against_baseline(figures: dict, fp: dict, baseline: Path | None, tolera
 
 
 def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = False, baseline: Path | None = None,
-             perf_tolerance: float = 0.25, near_tie: float = 0.05, progress: bool = True) -> GateOutcome:
+             perf_tolerance: float = 0.25, near_tie: float = 0.05, progress: bool = True,
+             on_request_done: Callable[[RequestRecord], None] | None = None) -> GateOutcome:
     outcome = GateOutcome()
     info = server_info(target)
-    result = run_driver(target, options, progress)
+    result = run_driver(target, options, progress, on_request_done)
     outcome.failures += [f.describe() for _, f in result.failures]
     metrics = run_metrics(result)
     metadata = {"commit": git_commit(), "target": target.name, "model": info.get("model", target.model),

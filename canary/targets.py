@@ -25,6 +25,7 @@ class Target:
     embedded: bool
     api_key: str = "EMPTY"
     log_path: Path | None = None
+    pid: int | None = None  # the embedded server's process id (the soak samples its memory); None if remote
 
 
 def free_port() -> int:
@@ -73,7 +74,7 @@ def embedded_server(model: str, faults: list[str] = (), max_running: int = 128, 
     try:
         wait_healthy(root, proc, startup_timeout_s, log_path)
         yield Target(f"embedded:{Path(model).name}{'+' + '+'.join(faults) if faults else ''}", root + "/v1",
-                     Path(model).name if Path(model).exists() else model, True, log_path=log_path)
+                     Path(model).name if Path(model).exists() else model, True, log_path=log_path, pid=proc.pid)
     finally:
         _stop(proc)
 
