@@ -1,10 +1,12 @@
-"""Run reports: `summary.json` (every figure, every failure) and PNG plots."""
+"""Run reports: `summary.json` (every figure, every failure) and PNG plots (the soak's server RSS too)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from canary.rss import MIB, Flatness, RssSample
 
 
 def write_summary(report_dir: Path, summary: dict[str, Any]) -> Path:
@@ -53,6 +55,30 @@ def write_plots(report_dir: Path, summary: dict[str, Any]) -> list[Path]:
         ax.set(xlabel="seconds into the run", ylabel="failures (cumulative)", title="failures over time")
         written.append(_save(fig, report_dir / "failures_over_time.png"))
     return written
+
+
+def write_rss_plot(report_dir: Path, samples: list[RssSample], flatness: Flatness) -> Path:
+    """Server RSS over the run: against time, and against work done with the warm-up and the bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report_dir.mkdir(parents=True, exist_ok=True)
+    mib = [s.rss_bytes / MIB for s in samples]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot([s.t_s for s in samples], mib)
+    ax1.set(xlabel="seconds into the run", ylabel="server RSS (MiB)", title="server memory over time")
+    ax2.plot([s.progress for s in samples], mib)
+    ax2.axvline(flatness.warmup_progress, color="gray", linestyle=":",
+                label=f"end of warm-up ({flatness.warmup_fraction:.0%})")
+    ax2.axhline((flatness.warmup_peak_bytes + flatness.bound_bytes) / MIB, color="red", linestyle="--",
+                label=f"warm-up peak + {flatness.bound_bytes / MIB:.0f} MiB bound")
+    ax2.set(xlabel="requests completed", ylabel="server RSS (MiB)",
+            title=f"growth after warm-up {flatness.growth_bytes / MIB:+.1f} MiB")
+    ax2.legend(loc="lower right")
+    fig.tight_layout()
+    return _save(fig, report_dir / "rss.png")
 
 
 def _save(fig, path: Path) -> Path:
