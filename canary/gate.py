@@ -44,10 +44,10 @@ def server_info(target: Target) -> dict:
 
 
 def kv_pages_in_use(target: Target) -> float | None:
-    """Read the KV-pages gauge from the embedded server's Prometheus text."""
+    """Read the KV-pages gauge from the embedded server's Prometheus text (keyed like every route)."""
     root = target.base_url.removesuffix("/v1")
     try:
-        text = httpx.get(root + "/metrics", timeout=10.0).text
+        text = httpx.get(root + "/metrics", timeout=10.0, headers={"Authorization": f"Bearer {target.api_key}"}).text
     except httpx.HTTPError:
         return None
     for line in text.splitlines():

@@ -45,10 +45,20 @@ class Env:
     tp_startup_timeout_s: float = 300.0
     # Server: largest request body accepted, in bytes (a larger one gets a 413).
     server_max_body_bytes: int = 4 * 1024 * 1024
+    # Server: generation requests in flight at once (one more gets a 429 with Retry-After). Far
+    # above the canary gate's 80 sessions: the limit guards memory, not throughput.
+    server_max_concurrent: int = 512
+    # Server: the API key when --api-key is not given (an argument is visible to every local user
+    # in the process list; the environment is not). Kept out of repr so a logged Env cannot leak it.
+    server_api_key: str | None = field(default=None, repr=False)
     # Fraction of tool calls whose arguments the `tool-json-corrupt` fault corrupts.
     tool_corrupt_rate: float = 0.1
     # CUDA-graph batch-size buckets, comma-separated (empty: runtime/graph/runner.py FINE_BUCKETS).
     graph_buckets: tuple[int, ...] = field(default_factory=tuple)
+    # GPU: random busy-waits of up to this many cycles at every stream event record and wait (0 =
+    # off), also inside graph capture, so a missing join becomes a visible race (a debug aid in
+    # the spirit of SGLang's cache_consistency_jitter; the canary turns it on to hunt races).
+    stream_jitter_cycles: int = 0
 
     @classmethod
     def load(cls, environ: dict[str, str] | None = None) -> "Env":
@@ -73,8 +83,14 @@ class Env:
                 kwargs[knob] = float(value)
         if (value := get("SERVER_MAX_BODY_BYTES")) is not None:
             kwargs["server_max_body_bytes"] = int(value)
+        if (value := get("SERVER_MAX_CONCURRENT")) is not None:
+            kwargs["server_max_concurrent"] = int(value)
+        if value := get("SERVER_API_KEY"):
+            kwargs["server_api_key"] = value
         if (value := get("TOOL_CORRUPT_RATE")) is not None:
             kwargs["tool_corrupt_rate"] = float(value)
         if (value := get("GRAPH_BUCKETS")) is not None:
             kwargs["graph_buckets"] = tuple(int(part) for part in _names(value))
+        if (value := get("STREAM_JITTER_CYCLES")) is not None:
+            kwargs["stream_jitter_cycles"] = int(value)
         return cls(**kwargs)

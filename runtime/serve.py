@@ -1,9 +1,12 @@
 """Start the OpenAI-compatible server.
 
     python -m runtime.serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 30000]
-        [--max-running N] [--api-key KEY] [--inject-fault NAME ...] [--tp N] [--overlap]
+        [--max-running N] [--api-key KEY] [--max-concurrent-requests N] [--inject-fault NAME ...]
+        [--tp N] [--overlap]
 
-Binds loopback by default: exposing the server is a deliberate `--host 0.0.0.0`.
+Binds loopback by default: exposing the server is a deliberate `--host 0.0.0.0`. With an API key
+(`--api-key`, or DSV4_SERVER_API_KEY to keep it out of the process list) every route but /health
+needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -16,24 +19,47 @@ from pathlib import Path
 from runtime.config import EngineConfig
 from runtime.faults import REGISTRY, FaultSet, UnknownFaultError
 
+DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from other machines only when asked for
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="model directory or preset name (e.g. tiny-random)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--max-running", type=int, default=EngineConfig.max_running_requests)
     parser.add_argument("--num-pages", type=int, default=EngineConfig.num_pages)
     parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
     parser.add_argument("--max-model-len", type=int, default=EngineConfig.max_model_len)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health "
+                             "(default: DSV4_SERVER_API_KEY, else no key)")
+    parser.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                        help="generation requests in flight at once; one more gets a 429 "
+                             "(default: DSV4_SERVER_MAX_CONCURRENT)")
     parser.add_argument("--inject-fault", action="append", default=[], choices=sorted(REGISTRY), metavar="NAME",
                         help="switch on a named fault (repeatable): " + ", ".join(sorted(REGISTRY)))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo on CPU)")
     parser.add_argument("--overlap", action="store_true", help="overlap scheduler: plan step N+1 while N runs")
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="activation/weight dtype (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="GPU: run decode steps eagerly")
+    parser.add_argument("--single-stream", action="store_true", help="GPU: run the indexer on the main stream")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is visible")
+    return name
 
 
 def build_state(args: argparse.Namespace):
@@ -45,13 +71,17 @@ def build_state(args: argparse.Namespace):
 
     env = Env.load()
     loaded = load_model(args.model)
-    cfg = EngineConfig(num_pages=args.num_pages, page_size=args.page_size, max_running_requests=args.max_running,
+    device = resolve_device(args.device)
+    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    cfg = EngineConfig(device=device, dtype=dtype, cuda_graphs=not args.disable_cuda_graph,
+                       multi_stream=not args.single_stream, num_pages=args.num_pages, page_size=args.page_size, max_running_requests=args.max_running,
                        max_model_len=args.max_model_len,
                        max_prefill_tokens=max(EngineConfig.max_prefill_tokens, args.max_model_len))
     engine = Engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=args.overlap,
                     tp=args.tp)
     template = ChatTemplate.for_model(Path(loaded.path) if loaded.path else None)
-    return ServerState(loaded, engine, template, env, api_key=args.api_key)
+    return ServerState(loaded, engine, template, env, api_key=args.api_key or env.server_api_key,
+                       max_concurrent_requests=args.max_concurrent_requests)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,13 +3,15 @@
 Handlers validate everything before the engine sees a request (bad input is a 4xx with an
 OpenAI-shaped body), render the chat template, submit through the bridge and turn engine tokens
 into a response with `ChoiceBuilder`. A stream that loses its client aborts its request, so the
-request's KV pages return to the pool.
+request's KV pages return to the pool. Authentication and admission limits are ASGI middleware in
+front of the router (runtime/server/auth.py, limits.py), so no route can forget them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import platform
 import random
 import time
@@ -23,21 +25,28 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.models.loader import LoadedModel
 from runtime.server import dsml
+from runtime.server.auth import BearerAuth
 from runtime.server.bridge import Aborted, Accepted, EngineBridge, Rejected, TokenOut
 from runtime.server.chat_template import ChatTemplate, TemplateError
 from runtime.server.corrupt import ToolJsonCorruptor, request_key
 from runtime.server.errors import ApiError, bad_request, from_validation_errors
+from runtime.server.limits import ConcurrencyLimit, HeaderSizeLimit, RequestSlots
 from runtime.server.metrics import ServerMetrics
 from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
 from runtime.server.protocol import ChatCompletionRequest, NamedToolChoice
+from runtime.server.request_body import check_content_type, decode_json, read_limited
 
+log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
+CHAT_PATH = "/v1/chat/completions"
+GENERATION_PATHS = frozenset({CHAT_PATH})  # the routes that hold engine work, hence a concurrency slot
 
 
 @dataclass
@@ -47,10 +56,13 @@ class ServerState:
     template: ChatTemplate
     env: Env
     api_key: str | None = None
+    max_concurrent_requests: int | None = None  # None: env.server_max_concurrent
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics()
         self.bridge = EngineBridge(self.engine, self.metrics)
+        self.slots = RequestSlots(self.max_concurrent_requests or self.env.server_max_concurrent,
+                                  self.metrics.in_flight.set)
         self.model_name = self.loaded.name
         self.model_hash = self.loaded.weights_hash
 
@@ -64,34 +76,32 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="dsv4 runtime", lifespan=lifespan)
     app.state.server = state
+    route_paths: set[str] = set()  # filled once the routes exist, below
+
+    def count(scope: Scope, status: int) -> None:
+        # Label by route, not by raw path: a scanner's random paths must not grow the registry.
+        path = scope["path"] if scope["path"] in route_paths else "unmatched"
+        state.metrics.requests.labels(path, str(status)).inc()
 
     @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        state.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        count(request.scope, exc.status)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
         return await _api_error(request, from_validation_errors(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
-        return await _api_error(request, ApiError(exc.status_code, str(exc.detail), code=code))
+        return await _api_error(request, ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         # A bug, not a bad input; still an OpenAI-shaped body so clients report it sensibly.
-        state.metrics.requests.labels(request.url.path, "500").inc()
+        count(request.scope, 500)
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
-
-    def authorize(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {state.api_key}":
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key")
 
     @app.get("/health")
     async def health() -> Response:
@@ -116,18 +126,18 @@ def create_app(state: ServerState) -> FastAPI:
                              "fastapi": fastapi.__version__}}
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        authorize(request)
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "dsv4-runtime",
                                             "max_model_len": state.engine.cfg.max_model_len}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH)
     async def chat_completions(request: Request) -> Response:
-        authorize(request)
         req = await _parse_body(request, state.env.server_max_body_bytes)
         prepared = _prepare(state, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        # Prompts are user data: only at debug level, which an operator switches on deliberately.
+        log.debug("%s: %d prompt tokens: %r", rid, len(prepared.prompt_ids), prepared.prompt)
         sink = state.bridge.submit(rid, prepared.prompt_ids, prepared.params)
         first = await sink.get()
         if isinstance(first, Rejected):
@@ -142,12 +152,18 @@ def create_app(state: ServerState) -> FastAPI:
                                      media_type="text/event-stream")
         return await _unary(state, request, rid, sink, builder, len(prepared.prompt_ids))
 
+    route_paths.update(route.path for route in app.routes)
+    # add_middleware wraps: the last one added runs first (headers, then the key, then a slot).
+    app.add_middleware(ConcurrencyLimit, slots=state.slots, paths=GENERATION_PATHS, on_reject=count)
+    app.add_middleware(BearerAuth, api_key=state.api_key, on_reject=count)
+    app.add_middleware(HeaderSizeLimit, on_reject=count)
     return app
 
 
 # ---- request preparation ------------------------------------------------------------------------
 @dataclass
 class Prepared:
+    prompt: str
     prompt_ids: list[int]
     params: SamplingParams
     output: OutputOptions
@@ -155,19 +171,8 @@ class Prepared:
 
 
 async def _parse_body(request: Request, limit: int) -> ChatCompletionRequest:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                       code="request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-    try:
-        payload = json.loads(body)
-    except ValueError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    check_content_type(request.headers.get("content-type"))
+    payload = decode_json(await read_limited(request.stream(), request.headers.get("content-length"), limit))
     if not isinstance(payload, dict):
         raise bad_request("request body must be a JSON object")
     try:
@@ -220,7 +225,7 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     corruptor = None
     if state.engine.faults.enabled("tool-json-corrupt"):
         corruptor = ToolJsonCorruptor(request_key(ids, req.seed), state.env.tool_corrupt_rate)
-    return Prepared(ids, params, output, corruptor)
+    return Prepared(prompt, ids, params, output, corruptor)
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -6,25 +6,31 @@ never reaches the engine and never becomes a 5xx.
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import json
+
+from fastapi.responses import Response
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self) -> Response:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        headers.update(self.headers)
+        # ASCII-escaped: a message quoting client input (a lone surrogate, say) must still encode.
+        return Response(json.dumps(self.body(), ensure_ascii=True), status_code=self.status, headers=headers,
+                        media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

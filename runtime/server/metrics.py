@@ -18,6 +18,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("dsv4_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("dsv4_generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge("dsv4_running_requests", "Requests in the running batch", registry=r)
+        self.in_flight = Gauge("dsv4_http_requests_in_flight", "Generation requests holding a concurrency slot",
+                               registry=r)
         self.waiting = Gauge("dsv4_waiting_requests", "Requests queued for admission", registry=r)
         self.kv_pages = Gauge("dsv4_kv_pages_in_use", "KV-cache pages held by requests", registry=r)
         self.kv_pages_total = Gauge("dsv4_kv_pages_total", "KV-cache pages in the pool", registry=r)

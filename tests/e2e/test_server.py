@@ -14,6 +14,7 @@ from tests.e2e.conftest import API_KEY
 
 pytestmark = pytest.mark.e2e
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -29,7 +30,7 @@ def client(server) -> openai.OpenAI:
 
 
 def pages_in_use(server) -> float:
-    text = httpx.get(root(server) + "/metrics").text
+    text = httpx.get(root(server) + "/metrics", headers=AUTH).text
     return float(next(l for l in text.splitlines() if l.startswith("dsv4_kv_pages_in_use")).split()[1])
 
 
@@ -75,7 +76,7 @@ def test_stop_sequences_and_seeded_sampling(server):
 def test_models_health_info(server):
     assert [m.id for m in client(server).models.list().data] == ["tiny-random"]
     assert httpx.get(root(server) + "/health").status_code == 200
-    info = httpx.get(root(server) + "/server_info").json()
+    info = httpx.get(root(server) + "/server_info", headers=AUTH).json()
     assert info["model"] == "tiny-random" and info["config_fingerprint"] and "torch" in info["versions"]
 
 
@@ -154,5 +155,5 @@ def test_64_concurrent_streaming_clients_complete_and_server_stays_healthy(serve
     assert len(reasons) == 64 and set(reasons) <= {"stop", "length"}
     assert wait_idle(server) == 0
     assert httpx.get(root(server) + "/health").status_code == 200
-    metrics = httpx.get(root(server) + "/metrics").text
+    metrics = httpx.get(root(server) + "/metrics", headers=AUTH).text
     assert 'status="500"' not in metrics
