@@ -181,3 +181,13 @@ def test_log_oracle_sees_a_prompt_or_key_that_is_logged(tmp_path):
     text = log.read_text()
     assert marker in text
     assert KEY in text
+
+
+def test_api_key_from_the_environment_and_never_in_a_repr(monkeypatch):
+    # The environment keeps the key out of the process list; repr(Env) must not print it either.
+    from runtime.env import Env
+
+    monkeypatch.setenv("DSV4_SERVER_API_KEY", KEY)
+    assert KEY not in repr(Env.load())
+    assert tiny_state().api_key == KEY
+    assert tiny_state("--api-key", "from-the-command-line").api_key == "from-the-command-line"
