@@ -1,11 +1,11 @@
-"""`python -m canary <command>`: golden record/check and bisect."""
+"""`python -m canary <command>`: golden record/check, bisect and the fault matrix."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from canary import bisect, golden_cli
+from canary import bisect, faults_cli, golden_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     golden_cli.add_parser(sub)
     bisect.add_parser(sub)
+    faults_cli.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

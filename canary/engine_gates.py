@@ -1,0 +1,203 @@
+"""In-process gates over the engine and the model (no server), each returning a `GateResult`.
+
+- overlap vs normal: one seeded workload (staggered arrivals, greedy and seeded sampling, a pool
+  large enough that nothing is preempted) through `Engine(overlap=False)` and `Engine(overlap=True)`;
+  every request's tokens, logprobs and finish reason must be identical.
+- TP plan check: a seeded workload at TP=2 with the per-step plan check on; a `DesyncError` is the
+  check firing (any other exception is a crash, not a catch).
+- stream emulator: one prefill step of the model on the in-order executor vs the adversarial CPU
+  stream emulator (late and random modes); the logits must be identical bit for bit.
+Model: the `tiny-random` preset (these gates compare two executions of one build; no golden data).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from canary.fault_matrix import GateResult
+from runtime.config import EngineConfig
+from runtime.engine.engine import Engine
+from runtime.engine.request import Request, SamplingParams
+from runtime.env import Env
+from runtime.faults import FaultSet
+from runtime.generate import draw_prompts
+from runtime.models.loader import LoadedModel, load_model
+
+MODEL = "tiny-random"
+OVERLAP_REQUESTS, TP_REQUESTS = 16, 6
+MAX_ITERATIONS = 10_000  # a workload that has not drained by then is a hang, not a slow run
+
+
+@dataclass(frozen=True)
+class Arrival:
+    iteration: int  # driver iteration at which the request is added
+    prompt: list[int]
+    params: SamplingParams
+
+
+def workload(loaded: LoadedModel, seed: int, num: int, max_tokens: int = 16) -> list[Arrival]:
+    """Mixed prompt lengths (dense and sparse attention), staggered arrivals so decode rows of old
+    requests share steps with prefills of new ones, greedy and seeded temperature sampling."""
+    rng = random.Random(seed)
+    prompts = draw_prompts(loaded.config, num, seed)
+    return [Arrival(rng.randint(0, 8), prompt,
+                    SamplingParams(max_tokens=rng.randint(4, max_tokens), ignore_eos=True, logprobs=True,
+                                   top_logprobs=5, temperature=rng.choice([0.0, 0.8]), seed=seed * 1000 + i))
+            for i, prompt in enumerate(prompts)]
+
+
+def drive(engine: Engine, arrivals: list[Arrival]) -> list[Request]:
+    """Add each request at its iteration, step until everything finished; requests in workload order."""
+    requests: list[Request | None] = [None] * len(arrivals)
+    last_arrival = max(a.iteration for a in arrivals)
+    iteration = 0
+    while iteration <= last_arrival or engine.has_work:
+        for i, arrival in enumerate(arrivals):
+            if arrival.iteration == iteration:
+                rid = engine.add_request(arrival.prompt, arrival.params, rid=f"r{i}")
+                requests[i] = engine.scheduler.requests[rid]
+        engine.step()
+        iteration += 1
+        if iteration > MAX_ITERATIONS:
+            raise RuntimeError(f"workload did not drain in {MAX_ITERATIONS} iterations")
+    return requests
+
+
+def first_difference(a: Request, b: Request) -> str:
+    for pos, (x, y) in enumerate(zip(a.output_ids, b.output_ids)):
+        if x != y:
+            return f"token {pos}: {x} vs {y}"
+    if len(a.output_ids) != len(b.output_ids):
+        return f"lengths {len(a.output_ids)} vs {len(b.output_ids)}"
+    if a.output_logprobs != b.output_logprobs:
+        return "same tokens, different logprobs"
+    return f"finish {a.finish_reason} vs {b.finish_reason}"
+
+
+def overlap_vs_normal(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResult:
+    started = time.perf_counter()
+    loaded = load_model(MODEL)
+    arrivals = workload(loaded, seed, OVERLAP_REQUESTS)
+    setup = time.perf_counter() - started
+    started = time.perf_counter()
+    runs = {}
+    for overlap in (False, True):
+        engine = Engine(loaded, EngineConfig(num_pages=512), faults=FaultSet(faults), env=Env(), overlap=overlap)
+        runs[overlap] = drive(engine, arrivals)
+    normal, overlapped = runs[False], runs[True]
+    differ = [i for i, (a, b) in enumerate(zip(normal, overlapped))
+              if (a.output_ids, a.output_logprobs, a.finish_reason) != (b.output_ids, b.output_logprobs, b.finish_reason)]
+    failures = []
+    if differ:
+        i = differ[0]
+        failures.append(f"[overlap-vs-normal] {len(differ)}/{len(arrivals)} requests differ between the loops "
+                        f"(seed {seed}); first r{i}, normal vs overlap at {first_difference(normal[i], overlapped[i])}")
+    return GateResult(failures, time.perf_counter() - started, setup)
+
+
+@contextmanager
+def stderr_to(path: Path) -> Iterator[None]:
+    """Point file descriptor 2 at `path` (inherited by spawned worker ranks, whose tracebacks of an
+    expected DesyncError would otherwise be printed over the report), then restore it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with path.open("ab") as log:
+            os.dup2(log.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def tp_plan_check(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResult:
+    from runtime.distributed.errors import DesyncError
+
+    loaded = load_model(MODEL)
+    arrivals = workload(loaded, seed, TP_REQUESTS)
+    env = Env(tp_check=True, num_threads=1, tp_timeout_s=30.0)
+    failures = []
+    with stderr_to(workdir / f"tp-workers-{'+'.join(faults) or 'clean'}-seed{seed}.log"):
+        started = time.perf_counter()
+        engine = Engine(loaded, EngineConfig(num_pages=512), faults=FaultSet(faults), env=env, tp=2)
+        setup = time.perf_counter() - started
+        started = time.perf_counter()
+        try:
+            drive(engine, arrivals)
+        except DesyncError as err:
+            failures.append(f"[tp-plan-check] DesyncError: {err}")
+        finally:
+            engine.shutdown()
+    return GateResult(failures, time.perf_counter() - started, setup)
+
+
+def prefill_batch(prompts: list[list[int]]):
+    """One prefill step of every prompt, request i in its own slot range from slot i * stride."""
+    from runtime.models.batch import ForwardBatch, Segment
+
+    stride = max(len(p) for p in prompts)
+    ids, positions, slots, segments, row = [], [], [], [], 0
+    for i, prompt in enumerate(prompts):
+        n = len(prompt)
+        own = i * stride + torch.arange(n)
+        ids.append(torch.tensor(prompt, dtype=torch.long))
+        positions.append(torch.arange(n))
+        slots.append(own)
+        segments.append(Segment(row, row + n, own))
+        row += n
+    batch = ForwardBatch(torch.cat(ids), torch.cat(positions), torch.cat(slots), tuple(segments))
+    return batch, len(prompts) * stride
+
+
+def stream_emulator(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResult:
+    from runtime.kernels import cpu
+    from runtime.kvcache.kv_cache import KVCache
+    from runtime.models.dsv4_mini import DSV4Mini
+    from runtime.streams.emulator import MODES, AdversarialExecutor
+    from runtime.streams.tasks import InOrderExecutor
+
+    started = time.perf_counter()
+    loaded = load_model(MODEL)
+    cfg = loaded.config
+    rng = random.Random(seed)
+    span = cfg.selected_tokens
+    # Mixed lengths; the last prompt is long enough that the indexer really drops tokens, so a
+    # stale selection changes the result.
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 3 * span))] for _ in range(3)]
+    prompts.append([rng.randrange(256) for _ in range(2 * span + rng.randint(1, span))])
+    batch, num_slots = prefill_batch(prompts)
+    page_size = 16
+    engine_cfg = EngineConfig(page_size=page_size, num_pages=-(-num_slots // page_size))
+
+    def forward(model: DSV4Mini, streams) -> torch.Tensor:
+        return model.forward(batch, KVCache(cfg, engine_cfg, torch.float32), streams)  # fresh (NaN-poisoned) cache
+
+    def build() -> DSV4Mini:
+        return DSV4Mini(cfg, loaded.weights, cpu, faults=FaultSet(faults))
+
+    setup = time.perf_counter() - started
+    started = time.perf_counter()
+    reference = forward(build(), InOrderExecutor())
+    failures = []
+    for mode in MODES:
+        model = build()
+        # A serving model has run earlier steps: warm the workspace, so that a read racing its
+        # writer finds real (finite, stale) selections, not only an empty workspace.
+        forward(model, AdversarialExecutor(seed=seed, mode=mode))
+        emulated = forward(model, AdversarialExecutor(seed=seed, mode=mode))
+        if not torch.equal(emulated, reference):
+            rows = int((emulated != reference).flatten(1).any(-1).sum())
+            failures.append(f"[stream-emulator] {mode} mode (seed {seed}): logits differ from in-order execution "
+                            f"in {rows} of {reference.shape[0]} rows")
+    return GateResult(failures, time.perf_counter() - started, setup)

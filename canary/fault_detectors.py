@@ -1,0 +1,89 @@
+"""Which gate catches which fault: `DETECTORS` maps every fault of runtime/faults.py to its gates.
+
+The server gates start the embedded runtime with the canary model (the only model with golden
+transcripts) on a small workload; the engine and GPU gates live in canary/engine_gates.py and
+canary/gpu_gates.py. Each detector says which failure lines are its gate firing for its own
+reason: the canary gate's correctness oracles (anything but a perf regression), the A/B gate's
+`[perf-regression]`, and the tag each in-process comparison writes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from canary import engine_gates, gpu_gates
+from canary.fault_matrix import Detector, GateResult
+from canary.golden_cli import DEFAULT_MODEL
+
+# Small workloads (the 80-session gate is `make gate`): big enough that each fault shows in every
+# run measured so far, small enough that the whole matrix stays within a few CPU minutes.
+# (DriverOptions fields; kept as plain values so that the GPU-only form of the matrix imports no
+# HTTP client: the device image has none.)
+CANARY_WORKLOAD = dict(sessions=16, turns=2, stream_ratio=0.5, max_tokens=160)
+AB_WORKLOAD = dict(sessions=8, turns=1, stream_ratio=1.0, max_tokens=160)
+AB_ROUNDS = 2  # baseline and candidate interleaved twice: a load spike on the shared CPU hits both
+PERF_TOLERANCE = 0.5  # the gate's default for shared CPU runners (canary/pytest_plugin.py)
+
+
+def canary_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResult:
+    from canary.driver import DriverOptions
+    from canary.gate import run_gate
+    from canary.targets import embedded_server
+
+    started = time.perf_counter()
+    with embedded_server(DEFAULT_MODEL, list(faults), log_dir=workdir / "servers") as target:
+        setup = time.perf_counter() - started
+        started = time.perf_counter()
+        outcome = run_gate(target, DriverOptions(**CANARY_WORKLOAD, seed=seed), perf_tolerance=PERF_TOLERANCE,
+                           progress=False)
+    return GateResult(outcome.failures, time.perf_counter() - started, setup)
+
+
+def ab_perf_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResult:
+    """The candidate (with the fault) against a clean baseline server, interleaved."""
+    from canary.driver import DriverOptions
+    from canary.gate import run_ab
+    from canary.targets import embedded_server
+
+    started = time.perf_counter()
+    with embedded_server(DEFAULT_MODEL, [], log_dir=workdir / "servers") as baseline, \
+            embedded_server(DEFAULT_MODEL, list(faults), log_dir=workdir / "servers") as candidate:
+        setup = time.perf_counter() - started
+        started = time.perf_counter()
+        outcome = run_ab(candidate, baseline, DriverOptions(**AB_WORKLOAD, seed=seed), PERF_TOLERANCE,
+                         rounds=AB_ROUNDS, progress=False)
+    return GateResult(outcome.failures, time.perf_counter() - started, setup)
+
+
+def is_correctness_oracle(line: str) -> bool:
+    return line.startswith("[") and not line.startswith("[perf-regression]")
+
+
+def tagged(tag: str):
+    return lambda line: line.startswith(tag)
+
+
+CANARY_GATE = Detector(f"canary gate ({CANARY_WORKLOAD['sessions']} sessions x {CANARY_WORKLOAD['turns']} turns)",
+                       canary_gate, is_correctness_oracle)
+AB_PERF_GATE = Detector(f"A/B perf gate ({AB_WORKLOAD['sessions']} sessions, {AB_ROUNDS} rounds)", ab_perf_gate,
+                        tagged("[perf-regression]"))
+STREAM_EMULATOR = Detector("CPU stream emulator vs in-order", engine_gates.stream_emulator,
+                           tagged("[stream-emulator]"))
+OVERLAP_VS_NORMAL = Detector("overlap loop vs normal loop", engine_gates.overlap_vs_normal,
+                             tagged("[overlap-vs-normal]"))
+TP_PLAN_CHECK = Detector("TP=2 plan check", engine_gates.tp_plan_check, tagged("[tp-plan-check] DesyncError"))
+GPU_JITTER = Detector("GPU jittered streams vs in-order", gpu_gates.jitter_vs_in_order,
+                      tagged("[jitter-vs-in-order]"), needs_gpu=True)
+GPU_GRAPH_VS_EAGER = Detector("GPU graph replay vs eager", gpu_gates.graph_vs_eager, tagged("[graph-vs-eager]"),
+                              needs_gpu=True)
+
+DETECTORS: dict[str, tuple[Detector, ...]] = {
+    "stream-race": (STREAM_EMULATOR, GPU_JITTER),
+    "stale-graph-metadata": (GPU_GRAPH_VS_EAGER,),
+    "kv-slot-reuse": (CANARY_GATE,),
+    "tp-local-abort": (TP_PLAN_CHECK,),
+    "overlap-stale-token": (OVERLAP_VS_NORMAL,),
+    "tool-json-corrupt": (CANARY_GATE,),
+    "slow-step": (AB_PERF_GATE,),
+}

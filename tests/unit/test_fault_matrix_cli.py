@@ -1,0 +1,62 @@
+"""`python -m canary faults`: the registry covers every runtime fault, and the CLI's exit status and
+output follow the matrix's verdict (fake gates stand in for the real ones here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from canary import fault_detectors
+from canary.__main__ import main
+from canary.fault_matrix import Detector, GateResult
+from runtime.faults import REGISTRY
+
+pytestmark = pytest.mark.unit
+
+
+def test_every_runtime_fault_has_a_gate_and_every_gate_a_runtime_fault():
+    assert set(fault_detectors.DETECTORS) == set(REGISTRY)
+    assert all(fault_detectors.DETECTORS[name] for name in REGISTRY)
+
+
+def test_canary_gate_counts_correctness_oracles_not_perf():
+    fires = fault_detectors.CANARY_GATE.fires_for
+    assert fires("[json-parse] session 0 turn 0: ...") and fires("[golden] session-5-req-2 ...")
+    assert not fires("[perf-regression] output_tok_s: ...") and not fires("Traceback (most recent call last)")
+
+
+def fake(failures_with_fault, failures_clean=()):
+    def run(faults, seed, workdir):
+        return GateResult(list(failures_with_fault if faults else failures_clean), 1.25, 0.5)
+
+    return Detector("fake gate", run, lambda line: line.startswith("[fake]"))
+
+
+@pytest.mark.parametrize("detector, status, code", [
+    (fake(["[fake] fired"]), "caught", 0),
+    (fake([]), "missed", 1),
+    (fake(["[fake] fired"], failures_clean=["[fake] fired on clean"]), "caught", 1),
+])
+def test_cli_exit_status_and_json_follow_the_verdict(monkeypatch, capsys, detector, status, code):
+    monkeypatch.setattr(fault_detectors, "DETECTORS", {"slow-step": (detector,)})
+    assert main(["faults", "--only", "slow-step", "--clean-runs", "2", "--json"]) == code
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["faults"] == {"slow-step": status}
+    assert payload["ok"] is (code == 0)
+    assert payload["command"] == "python -m canary faults --json --only slow-step --clean-runs 2"
+    assert payload["rows"][0]["seconds"] == 1.25 and len(payload["clean"][0]["seconds"]) == 2
+
+
+def test_cli_table_names_the_missed_fault(monkeypatch, capsys):
+    monkeypatch.setattr(fault_detectors, "DETECTORS", {"slow-step": (fake([]),)})
+    assert main(["faults", "--only", "slow-step", "--clean-runs", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "| slow-step | fake gate | missed | 1.2 | gate passed with the fault on |" in out
+    assert "mutation score: 0/1 faults run caught (0%)" in out and "verdict: FAIL" in out
+
+
+def test_cli_rejects_an_unknown_fault(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["faults", "--only", "no-such-fault"])
+    assert exit_.value.code == 2
