@@ -48,6 +48,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--abort-ratio", type=float, default=0.0, help="fraction of streamed requests aborted mid-stream")
     add("--inject-fault", action="append", default=[], metavar="NAME",
         help="start the embedded runtime with this fault on (repeatable)")
+    add("--server-arg", action="append", default=[], metavar="ARG",
+        help="extra argument for the embedded `runtime.serve` (repeatable), e.g. --server-arg=--dtype=float32")
     add("--baseline", type=Path, default=None, help="performance baseline JSON (default: by fingerprint)")
     add("--baseline-url", default=None, help="A/B: a baseline server run interleaved with the candidate")
     add("--perf-tolerance", type=float, default=0.5,
@@ -108,7 +110,7 @@ def canary_options(pytestconfig: pytest.Config) -> CanaryOptions:
 
 
 @pytest.fixture(scope="session")
-def canary_target(canary_options: CanaryOptions, tmp_path_factory):
+def canary_target(canary_options: CanaryOptions, tmp_path_factory, request):
     """The target under test: `--base-url`, or the embedded runtime with the canary model."""
     from canary.targets import embedded_server, remote_target
 
@@ -118,8 +120,13 @@ def canary_target(canary_options: CanaryOptions, tmp_path_factory):
     model = canary_options.model or DEFAULT_MODEL
     if not Path(model).exists() and model != "tiny-random":
         pytest.fail(f"canary model {model!r} not found (expected the trained model in {DEFAULT_MODEL})")
-    with embedded_server(model, list(canary_options.faults), log_dir=tmp_path_factory.mktemp("server")) as target:
+    with embedded_server(model, list(canary_options.faults), log_dir=tmp_path_factory.mktemp("server"),
+                         extra_args=config_server_args(request)) as target:
         yield target
+
+
+def config_server_args(request) -> list[str]:
+    return list(request.config.getoption("--server-arg"))
 
 
 def serves_canary_model(model: str | None) -> bool:

@@ -125,6 +125,14 @@ class EngineConfig:
     max_model_len: int = 4096
     dtype: str = "float32"
     device: str = "cpu"
+    # GPU only (runtime/engine/gpu_runner.py): decode steps replay CUDA graphs, and the indexer runs
+    # on a side stream. Both on by default; off only to compare against or to bisect.
+    cuda_graphs: bool = True
+    multi_stream: bool = True
+    # Which model runner executes steps: "eager" (models/dsv4_mini.py, the CPU fast path), "static"
+    # (graph/decode_model.py: one row per token, capturable; what the GPU runs), or "auto" =
+    # static on cuda, eager on cpu. Forcing "static" on CPU lets CI test the GPU runner's logic.
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "max_running_requests", "max_prefill_tokens", "max_model_len"):
@@ -132,6 +140,14 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.runner not in ("auto", "eager", "static"):
+            raise ValueError(f"EngineConfig.runner must be auto, eager or static, got {self.runner!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"EngineConfig.device must be cpu or cuda[:N], got {self.device!r}")
+
+    @property
+    def static_runner(self) -> bool:
+        return self.runner == "static" or (self.runner == "auto" and self.device != "cpu")
 
     @cached_property
     def num_slots(self) -> int:

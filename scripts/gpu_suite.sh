@@ -20,14 +20,48 @@ section() {  # section NAME TIMEOUT_S COMMAND...
     [ $rc -ne 0 ] && status=$rc
     return 0
 }
+negative_control() {  # negative_control NAME TIMEOUT_S COMMAND...: the command must FAIL (not time out)
+    local name=$1 limit=$2; shift 2
+    echo "=== $name, a negative control ($(date +%T))"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.log"
+    if [ $rc -eq 0 ] || [ $rc -ge 124 ]; then echo "=== $name: NOT CAUGHT (rc=$rc)"; status=1
+    else echo "=== $name: caught as it should be (rc=$rc)"; fi
+    return 0
+}
+# The device image lacks the server's packages: carry them as wheels in .whl (device README, Notes).
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+SECTIONS=${SECTIONS:-graph_tests engine_tests bench_decode_canary bench_decode_slice idle_canary idle_slice gate gate_stream_race}
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 
 # ---- issue 7: CUDA-graph runner, multi-stream, eager-vs-graph equivalence
-section graph_tests "${GRAPH_TEST_TIMEOUT:-150}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
+want graph_tests && section graph_tests "${GRAPH_TEST_TIMEOUT:-150}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
     tests/kernels/test_graph_gpu.py tests/kernels/test_graph_static.py
-section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY bench/decode_step.py --model canary \
+want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY bench/decode_step.py --model canary \
     --sawtooth 1,16,17,32,33,48,49,64,65,96,97,128 --out "$OUT/decode_canary.json"
-section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY bench/decode_step.py --model dsv4-slice \
+want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY bench/decode_step.py --model dsv4-slice \
     --batch-sizes 1,8,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
+
+# ---- the engine on the GPU (issues 7, 8): graphs + multi-stream through Engine.step(), overlap
+want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \
+    --run-gpu tests/gpu/test_engine_gpu.py -rA
+want idle_canary && section idle_canary "${BENCH_TIMEOUT:-120}" $PY bench/idle_time.py --model canary \
+    --batch-sizes 1,4,16,64 --out "$OUT/idle_canary.json"
+want idle_slice && section idle_slice "${BENCH_TIMEOUT:-150}" $PY bench/idle_time.py --model dsv4-slice \
+    --batch-sizes 1,4,16,64 --steps 20 --out "$OUT/idle_slice.json"
+
+# ---- the 80-session canary gate against the GPU server (graphs + multi-stream on by default).
+# float32 on the GPU: the golden transcripts were recorded on CPU in float32; bf16 would be a
+# different model numerically. stream-race runs under the jitter injector (timing pressure).
+GATE=($PY -m pytest -m stress --sessions 80 -p no:cacheprovider tests/stress/test_canary_gate.py
+      --server-arg=--dtype=float32 --perf-tolerance 0.1)
+want gate && section gate "${GATE_TIMEOUT:-300}" "${GATE[@]}" --report-dir "$OUT/gate"
+want gate_stream_race && negative_control gate_stream_race "${GATE_TIMEOUT:-300}" \
+    env DSV4_STREAM_JITTER_CYCLES=2000000 "${GATE[@]}" --inject-fault stream-race
 exit $status

@@ -14,6 +14,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.future import FutureTokens
+from runtime.engine.gpu_runner import GpuModelRunner
 from runtime.engine.loops import Launched, normal_step, overlap_step
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.plan import StepPlan
@@ -51,8 +52,10 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         if self.env.num_threads:
             torch.set_num_threads(self.env.num_threads)
-        kernels = select_kernels(device=self.cfg.device, use_reference=self.env.reference_kernels)
-        weights = {k: v.to(DTYPES[self.cfg.dtype]) for k, v in loaded.weights.items()}
+        static = self.cfg.static_runner
+        if static and tp > 1:
+            raise NotImplementedError("tensor parallelism with the static (GPU) runner is not in this build")
+        weights = {k: v.to(self.cfg.device, DTYPES[self.cfg.dtype]) for k, v in loaded.weights.items()}
         self.overlap = overlap
         self.in_flight: Launched | None = None  # overlap loop: the step launched but not processed
         self.tp = None
@@ -64,13 +67,19 @@ class Engine:
             self.tp = TPLauncher.start(loaded, self.cfg, self.faults, self.env, tp, overlap)
             weights = shard_weights(loaded.config, weights, 0, tp)
             all_reduce = self.tp.collectives.all_reduce
-        self.model = DSV4Mini(loaded.config, weights, kernels, all_reduce=all_reduce, faults=self.faults)
         self.pool = PagePool(self.cfg.num_pages, self.cfg.page_size, self.faults)
-        self.kv = KVCache(loaded.config, self.cfg, DTYPES[self.cfg.dtype])
-        self.streams = streams or InOrderExecutor()
-        self.runner = ModelRunner(self.model, self.kv, self.pool, self.streams, self.faults)
+        if static:
+            self.runner = GpuModelRunner(loaded.config, weights, self.cfg, self.pool, self.faults, self.env,
+                                         cuda_graphs=self.cfg.cuda_graphs, multi_stream=self.cfg.multi_stream)
+            self.model, self.kv, self.streams = self.runner.model, self.runner.kv, self.runner.streams
+        else:
+            kernels = select_kernels(device=self.cfg.device, use_reference=self.env.reference_kernels)
+            self.model = DSV4Mini(loaded.config, weights, kernels, all_reduce=all_reduce, faults=self.faults)
+            self.kv = KVCache(loaded.config, self.cfg, DTYPES[self.cfg.dtype])
+            self.streams = streams or InOrderExecutor()
+            self.runner = ModelRunner(self.model, self.kv, self.pool, self.streams, self.faults)
         if overlap:
-            self.runner.future = FutureTokens(2 * self.cfg.max_running_requests)
+            self.runner.future = FutureTokens(2 * self.cfg.max_running_requests, device=self.cfg.device)
         self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer)
         self._ids = itertools.count()
 

@@ -41,11 +41,14 @@ class FutureTokens:
         if slot is not None:
             self._free.append(slot)
 
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        # non_blocking: a blocking host-to-device copy would wait for the GPU to drain, which is
+        # exactly the stall the overlap loop exists to avoid (the staging copy is immediate).
+        return torch.tensor(slots, dtype=torch.long).to(self.tokens.device, non_blocking=True)
+
     def read(self, rids: list[str]) -> torch.Tensor:
         # -> [len(rids)] long, gathered on the device
-        index = torch.tensor([self._slot[rid] for rid in rids], dtype=torch.long, device=self.tokens.device)
-        return self.tokens[index]
+        return self.tokens[self._index([self._slot[rid] for rid in rids])]
 
     def write(self, rids: list[str], tokens: torch.Tensor) -> None:
-        index = torch.tensor([self.slot(rid) for rid in rids], dtype=torch.long, device=self.tokens.device)
-        self.tokens[index] = tokens.to(self.tokens.device)
+        self.tokens[self._index([self.slot(rid) for rid in rids])] = tokens.to(self.tokens.device)

@@ -89,13 +89,20 @@ def differing_rows(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{len(bad)} (step, row) pairs differ, first: {bad[:12]}"
 
 
-def eager_and_graph(setup: Setup, n: int, seed: int):
+def decode_clean(setup: Setup, forward, n: int, seed: int):
+    """`decode` that leaves the KV cache as it found it. Every comparison must start from the same
+    cache: a run writes its tokens into the requests' pages, and a later run whose rows attend over
+    those positions would otherwise read the earlier run's tokens (this, not a stream race, was the
+    multi-stream mismatch first recorded in docs/results.md)."""
     snap = setup.snapshot()
-    eager = decode(setup, setup.runner.eager, n, seed)
-    setup.restore(snap)
-    graph = decode(setup, setup.runner.forward, n, seed)
-    setup.restore(snap)
-    return eager, graph
+    try:
+        return decode(setup, forward, n, seed)
+    finally:
+        setup.restore(snap)
+
+
+def eager_and_graph(setup: Setup, n: int, seed: int):
+    return decode_clean(setup, setup.runner.eager, n, seed), decode_clean(setup, setup.runner.forward, n, seed)
 
 
 @pytest.fixture(scope="module")
@@ -120,25 +127,20 @@ def test_multi_stream_equals_single_stream(tiny_gpu, captured):
     single = Setup(tiny_gpu, streams=InOrderExecutor())
     single.runner.capture()
     for n in (5, 40, 128):
-        snap = captured.snapshot()
-        multi = decode(captured, captured.runner.forward, n, seed=n)
-        captured.restore(snap)
-        one = decode(single, single.runner.forward, n, seed=n)
+        multi = decode_clean(captured, captured.runner.forward, n, seed=n)
+        one = decode_clean(single, single.runner.forward, n, seed=n)
         assert torch.equal(multi[0], one[0]), f"bs={n}: {differing_rows(multi[0], one[0])}"
         assert torch.equal(multi[1], one[1]), f"bs={n}"
 
 
 def test_two_identically_built_runners_agree(tiny_gpu, captured):
-    """Separates the two failure explanations of the multi-stream test: if a second runner built
-    exactly like `captured` already disagrees, the difference is per-instance (state or kernel
-    choice), not the stream layout."""
+    """No per-instance state: a second runner built exactly like `captured` gives the same bits, so
+    a multi-stream vs single-stream difference could only come from the stream layout."""
     twin = Setup(tiny_gpu)
     twin.runner.capture()
     for n in (40, 64):
-        snap = captured.snapshot()
-        ours = decode(captured, captured.runner.forward, n, seed=n)
-        captured.restore(snap)
-        theirs = decode(twin, twin.runner.forward, n, seed=n)
+        ours = decode_clean(captured, captured.runner.forward, n, seed=n)
+        theirs = decode_clean(twin, twin.runner.forward, n, seed=n)
         assert torch.equal(ours[0], theirs[0]), f"bs={n}: {differing_rows(ours[0], theirs[0])}"
 
 
@@ -170,11 +172,9 @@ def test_jitter_leaves_the_fixed_runtime_unchanged(tiny_gpu, captured):
     jittery = Setup(tiny_gpu, streams=CudaStreamExecutor(jitter_cycles=JITTER, seed=1))
     jittery.runner.capture()
     for n in (7, 64):
-        snap = captured.snapshot()
-        calm = decode(captured, captured.runner.forward, n, seed=n)
-        captured.restore(snap)
-        eager = decode(jittery, jittery.runner.eager, n, seed=n)
-        jittered = decode(jittery, jittery.runner.forward, n, seed=n)
+        calm = decode_clean(captured, captured.runner.forward, n, seed=n)
+        eager = decode_clean(jittery, jittery.runner.eager, n, seed=n)
+        jittered = decode_clean(jittery, jittery.runner.forward, n, seed=n)
         assert torch.equal(eager[0], calm[0]), f"bs={n} eager: {differing_rows(eager[0], calm[0])}"
         assert torch.equal(jittered[0], calm[0]), f"bs={n} graph: {differing_rows(jittered[0], calm[0])}"
 
@@ -184,10 +184,8 @@ def test_jitter_exposes_stream_race(tiny_gpu, captured):
     raced = Setup(tiny_gpu, faults=("stream-race",), streams=CudaStreamExecutor(jitter_cycles=JITTER, seed=1))
     raced.runner.capture()
     n = 64
-    snap = captured.snapshot()
-    clean = decode(captured, captured.runner.forward, n, seed=n)
-    captured.restore(snap)
-    bad = decode(raced, raced.runner.forward, n, seed=n)
+    clean = decode_clean(captured, captured.runner.forward, n, seed=n)
+    bad = decode_clean(raced, raced.runner.forward, n, seed=n)
     assert not torch.equal(bad[0], clean[0]), "jitter failed to expose the missing join"
 
 

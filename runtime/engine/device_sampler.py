@@ -1,0 +1,77 @@
+"""Sampling on the device, with results handed to the host without a blocking sync.
+
+The overlap loop only hides the CPU's scheduling work if nothing on the host waits for the GPU
+between launching step N+1 and processing step N. So a step's sampled tokens, logprobs and top
+logprobs are copied to pinned host memory asynchronously and `PendingOutputs` waits on the copy's
+event only when the loop first reads them (normal loop: at once; overlap loop: after launching
+the next step).
+
+Greedy rows are sampled on the device (argmax: first maximum, as `sample_row`). Rows with a
+temperature use `sample_row` on the host with the request's own generator, so a seeded request
+gives the same tokens as on CPU given the same logits; that row costs a host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from runtime.engine.request import Request
+from runtime.engine.sampler import SampleOutput, sample_row
+
+
+class PendingOutputs(Mapping):
+    """rid -> SampleOutput, materialised on first access (waits for the copy event there)."""
+
+    def __init__(self, rids: list[str], host: dict[str, torch.Tensor], top_counts: list[int],
+                 event: torch.cuda.Event | None) -> None:
+        self._rids, self._host, self._top_counts, self._event = rids, host, top_counts, event
+        self._outputs: dict[str, SampleOutput] | None = None
+
+    def _resolve(self) -> dict[str, SampleOutput]:
+        if self._outputs is None:
+            if self._event is not None:
+                self._event.synchronize()
+            tokens = self._host["tokens"].tolist()
+            logprobs = self._host["logprobs"].tolist()
+            top_ids = self._host["top_ids"].tolist() if "top_ids" in self._host else None
+            top_vals = self._host["top_vals"].tolist() if "top_vals" in self._host else None
+            outputs = {}
+            for i, rid in enumerate(self._rids):
+                k = self._top_counts[i]
+                top = [(top_ids[i][j], top_vals[i][j]) for j in range(k)] if k else []
+                outputs[rid] = SampleOutput(tokens[i], logprobs[i], top)
+            self._outputs = outputs
+        return self._outputs
+
+    def __getitem__(self, rid: str) -> SampleOutput:
+        return self._resolve()[rid]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolve())
+
+    def __len__(self) -> int:
+        return len(self._rids)
+
+
+def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, PendingOutputs]:
+    """logits: [n, V] float32 on the device, one row per request -> (tokens [n] on the device,
+    their host-side outputs, pending)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    for i, req in enumerate(requests):
+        if req.params.temperature != 0:
+            tokens[i] = sample_row(logits[i].cpu(), req).token  # host sync, own generator
+    host = {"tokens": tokens, "logprobs": logprobs.gather(1, tokens[:, None])[:, 0]}
+    top_counts = [req.params.top_logprobs or 0 for req in requests]
+    k = max(top_counts, default=0)
+    if k:
+        top = torch.topk(logprobs, k, dim=-1)
+        host["top_vals"], host["top_ids"] = top.values, top.indices
+    if logits.device.type != "cuda":  # the static runner under test on CPU: already on the host
+        return tokens, PendingOutputs([r.rid for r in requests], host, top_counts, None)
+    host = {name: t.to("cpu", non_blocking=True) for name, t in host.items()}
+    event = torch.cuda.Event()
+    event.record()
+    return tokens, PendingOutputs([r.rid for r in requests], host, top_counts, event)

@@ -1,0 +1,173 @@
+"""`GpuModelRunner`: executes a `StepPlan` on a CUDA device with the capturable decode model.
+
+Every new token is one row of `StaticDecodeModel`: a prefill of 300 tokens is 300 rows at
+positions start..start+299 sharing one page table, a decode is one row. This is causal as it
+stands because rows run in tiles, in order, and each tile writes its KV (every layer) before its
+attention reads it, so row p sees exactly positions 0..p. One code path for prefill and decode
+means a request's logits do not depend on how its tokens were batched (batch invariance, and
+preemption recompute is exact).
+
+Decode-only steps up to the largest bucket replay a CUDA graph (`GraphRunner`); other steps run
+the same tiles eagerly in chunks of at most `max_rows` rows. The indexer runs on a side stream
+(`CudaStreamExecutor`) unless multi-stream is switched off. The KV cache has one page more than
+the pool hands out: the scratch page that padded rows write and read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from runtime.config import EngineConfig, ModelConfig
+from runtime.engine.device_sampler import PendingOutputs, sample_on_device
+from runtime.engine.future import FutureTokens
+from runtime.engine.plan import StepPlan
+from runtime.engine.request import Request
+from runtime.env import Env
+from runtime.faults import NO_FAULTS, FaultSet
+from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
+from runtime.graph.runner import FINE_BUCKETS, GraphRunner, tile_rows
+from runtime.kvcache.kv_cache import KVCache
+from runtime.kvcache.page_pool import PagePool
+from runtime.streams.cuda import CudaStreamExecutor
+from runtime.streams.tasks import InOrderExecutor
+
+DEFAULT_MAX_ROWS = 1024  # eager chunk: bounds the workspace, not the prefill length
+
+
+class StepTimeline:
+    """CUDA events at the start and end of each executed step's device work, to measure how long
+    the GPU sat idle between steps (the overlap loop's figure of merit)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def begin(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def end(self, begin: torch.cuda.Event) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((begin, event))
+
+    def summary(self, skip: int = 0) -> dict[str, float]:
+        """Busy and idle milliseconds over the recorded steps (after `skip` warm-up steps)."""
+        torch.cuda.synchronize()
+        marks = self.marks[skip:]
+        busy = sum(b.elapsed_time(e) for b, e in marks)
+        idle = sum(max(0.0, prev_end.elapsed_time(b)) for (_, prev_end), (b, _) in zip(marks, marks[1:]))
+        return {"steps": len(marks), "busy_ms": busy, "idle_ms": idle,
+                "idle_fraction": idle / (busy + idle) if busy + idle else 0.0}
+
+
+class GpuModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ecfg: EngineConfig, pool: PagePool,
+                 faults: FaultSet = NO_FAULTS, env: Env | None = None, *, cuda_graphs: bool = True,
+                 multi_stream: bool = True, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        env = env or Env.load()
+        self.device = torch.device(ecfg.device)
+        self.pool, self.faults = pool, faults
+        self.page_size = ecfg.page_size
+        self.max_pages = -(-ecfg.max_model_len // ecfg.page_size)
+        self.scratch_page = ecfg.num_pages  # one past the pool's pages: no request ever owns it
+        dtype = next(iter(weights.values())).dtype
+        self.kv = KVCache(cfg, dataclasses.replace(ecfg, num_pages=ecfg.num_pages + 1), dtype)
+        on_gpu = self.device.type == "cuda"
+        self.streams = CudaStreamExecutor(env.stream_jitter_cycles) if multi_stream and on_gpu else InOrderExecutor()
+        buckets = tuple(env.graph_buckets or FINE_BUCKETS)
+        self.max_rows = tile_rows(max(max_rows, max(buckets)))
+        self.model = StaticDecodeModel(cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
+                                       max_batch=self.max_rows, faults=faults)
+        self.graphs = GraphRunner(self.model, self.kv, self.streams, buckets=buckets,
+                                  scratch_page=self.scratch_page, faults=faults, env=env)
+        if cuda_graphs and on_gpu:
+            self.graphs.capture()
+        self.future: FutureTokens | None = None  # set by the engine for the overlap loop
+        self.timeline: StepTimeline | None = None  # set by benchmarks
+
+    # ---- building the rows ---------------------------------------------------------------------
+    def _page_row(self, pages: tuple[int, ...]) -> torch.Tensor:
+        if len(pages) > self.max_pages:
+            raise RuntimeError(f"{len(pages)} pages exceed max_model_len ({self.max_pages} pages)")
+        row = torch.full((self.max_pages,), self.scratch_page, dtype=torch.long)
+        row[:len(pages)] = torch.tensor(pages, dtype=torch.long)
+        return row
+
+    def build_inputs(self, plan: StepPlan, requests: dict[str, Request]) -> tuple[DecodeInputs, list[int]]:
+        """All rows of the step on the device, and the row of each extend's last token."""
+        tokens, positions, slots, tables, last_rows = [], [], [], [], []
+        future_rows, future_rids = [], []
+        row = 0
+        for index, ext in enumerate(plan.extends):
+            req = requests[ext.rid]
+            end = ext.start + ext.num_new
+            if len(ext.pages) * self.page_size < end:
+                raise RuntimeError(f"{ext.rid}: plan gives {len(ext.pages)} pages for {end} tokens")
+            self.pool.check_owned(ext.rid, list(ext.pages))
+            if self.future is not None and index >= len(plan.prefill):
+                if self.faults.enabled("overlap-stale-token"):
+                    tokens.extend(req.all_ids[-1:])  # the bug: the host's token, one step behind
+                else:
+                    tokens.append(0)  # filled from the device-side future buffer below
+                    future_rows.append(row)
+                    future_rids.append(ext.rid)
+            else:
+                ids = req.all_ids[ext.start:end]
+                assert len(ids) == ext.num_new, f"{ext.rid}: plan asks for tokens the request does not have"
+                tokens.extend(ids)
+            pos = torch.arange(ext.start, end)
+            page_ids = torch.tensor(ext.pages, dtype=torch.long)[pos // self.page_size]
+            positions.append(pos)
+            slots.append(page_ids * self.page_size + pos % self.page_size)
+            tables.append(self._page_row(ext.pages).expand(ext.num_new, -1))
+            row += ext.num_new
+            last_rows.append(row - 1)
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.device, non_blocking=True)
+
+        token_ids = dev(torch.tensor(tokens, dtype=torch.long))
+        if future_rows:
+            token_ids[dev(torch.tensor(future_rows))] = self.future.read(future_rids)
+        inp = DecodeInputs(token_ids, dev(torch.cat(positions)), dev(torch.cat(slots)), dev(torch.cat(tables)))
+        return inp, last_rows
+
+    # ---- running them --------------------------------------------------------------------------
+    def forward(self, inp: DecodeInputs, last_rows: list[int], decode_only: bool) -> torch.Tensor:
+        """float32 logits [len(last_rows), V]."""
+        if decode_only and inp.batch_size <= max(self.graphs.buckets):
+            return self.graphs.forward(inp)  # one row per request: every row is a last row
+        picked = []
+        last = torch.tensor(last_rows, dtype=torch.long)
+        for start in range(0, inp.batch_size, self.max_rows):
+            stop = min(start + self.max_rows, inp.batch_size)
+            chunk = DecodeInputs(inp.token_ids[start:stop], inp.positions[start:stop], inp.write_slots[start:stop],
+                                 inp.page_table[start:stop])
+            wanted = last[(last >= start) & (last < stop)] - start
+            if len(wanted):
+                picked.append(self.graphs.eager(chunk)[wanted.to(self.device, non_blocking=True)])
+            else:
+                self.graphs.eager(chunk)  # a prefill chunk with no last token: KV only
+        return torch.cat(picked)
+
+    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> PendingOutputs | dict:
+        if self.future is not None:
+            for rid in plan.aborted + plan.preempted:
+                self.future.release(rid)
+        if plan.empty:
+            return {}
+        inp, last_rows = self.build_inputs(plan, requests)
+        # After the inputs are built: in the normal loop the GPU idles while the host builds them.
+        begin = self.timeline.begin() if self.timeline is not None else None
+        decode_only = all(ext.num_new == 1 for ext in plan.extends) and not plan.prefill
+        logits = self.forward(inp, last_rows, decode_only)
+        rows = [requests[ext.rid] for ext in plan.extends]
+        tokens, pending = sample_on_device(logits, rows)
+        if self.future is not None:
+            self.future.write([ext.rid for ext in plan.extends], tokens)
+        if begin is not None:
+            self.timeline.end(begin)
+        return pending
