@@ -1,0 +1,59 @@
+"""The fault matrix (`python -m canary faults`) as tests.
+
+CI form: every fault through its gates once (one test per fault, so xdist can spread them) and
+every gate once against the clean runtime; GPU-only gates skip without CUDA (the matrix reports
+them as "not run", tests/unit/test_fault_matrix_report.py). About 2.5 CPU-minutes in all, in the
+`make test` stage beside the other negative controls (tests/stress/test_fault_controls.py).
+Long form (slow): the whole CLI with --clean-runs 10 (about 10 minutes on the 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from canary.__main__ import main
+from canary.fault_detectors import DETECTORS
+from canary.fault_matrix import CAUGHT, MatrixReport, distinct_gates, render_table, run_clean, run_fault
+from runtime.faults import REGISTRY
+
+pytestmark = pytest.mark.e2e
+
+GPU = torch.cuda.is_available()
+
+
+def gpu_only(detectors) -> bool:
+    return all(d.needs_gpu for d in detectors)
+
+
+FAULTS = [pytest.param(name, marks=[pytest.mark.gpu] if gpu_only(DETECTORS[name]) else [], id=name)
+          for name in REGISTRY]
+GATES = [pytest.param(d, marks=[pytest.mark.gpu] if d.needs_gpu else [], id=d.gate)
+         for d in distinct_gates(DETECTORS, list(REGISTRY))]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_is_caught_by_its_gates(fault, tmp_path):
+    rows = run_fault(fault, DETECTORS[fault], gpu=GPU, workdir=tmp_path)
+    report = MatrixReport(rows)
+    assert report.fault_status(fault) == CAUGHT, render_table(report)
+
+
+@pytest.mark.parametrize("detector", GATES)
+def test_clean_runtime_raises_no_alarm(detector, tmp_path):
+    row = run_clean(detector, 1, gpu=GPU, workdir=tmp_path)
+    assert row.runs == 1 and row.alarms == 0, row.messages
+
+
+@pytest.mark.slow
+def test_long_form_matrix_catches_every_fault_with_no_clean_alarm(capsys):
+    code = main(["faults", "--json", "--clean-runs", "10", *(["--gpu"] if GPU else [])])
+    report = json.loads(capsys.readouterr().out)
+    expected_not_run = 0 if GPU else sum(gpu_only(DETECTORS[name]) for name in REGISTRY)
+    assert report["score"]["not_run"] == expected_not_run
+    assert report["score"]["caught"] == report["score"]["run"] == len(REGISTRY) - expected_not_run, report["rows"]
+    assert report["clean_alarms"] == 0, report["clean"]
+    assert all(c["runs"] == 10 for c in report["clean"] if c["status"] == "ran")
+    assert code == 0
