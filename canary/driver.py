@@ -107,6 +107,21 @@ class SessionDriver:
 
     # ---- one session ---------------------------------------------------------------------------
     async def _session(self, client, scenario: Scenario) -> None:
+        """One session; an HTTP error or a dropped connection ends it as a named failure (a server
+        that answers 500 to a valid canary request is broken) instead of aborting the whole run."""
+        import openai
+
+        try:
+            await self._conversation(client, scenario)
+        except (openai.APIStatusError, openai.APIConnectionError) as exc:
+            status = getattr(exc, "status_code", None)
+            oracle = "http-status" if status is not None else "transport"
+            now = time.perf_counter() - self._t0
+            self._result.failures.append((now, Failure(oracle, scenario.index, -1,
+                                                       f"{type(exc).__name__} {status or ''}".strip(),
+                                                       str(exc)[:300])))
+
+    async def _conversation(self, client, scenario: Scenario) -> None:
         rng = random.Random(f"{self.options.seed}:{scenario.seed}")
         messages: list[dict[str, Any]] = [{"role": "system", "content": scenario.system}]
         hop = 0

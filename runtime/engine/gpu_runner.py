@@ -7,8 +7,9 @@ attention reads it, so row p sees exactly positions 0..p. One code path for pref
 means a request's logits do not depend on how its tokens were batched (batch invariance, and
 preemption recompute is exact).
 
-Decode-only steps up to the largest bucket replay a CUDA graph (`GraphRunner`); other steps run
-the same tiles eagerly in chunks of at most `max_rows` rows. The indexer runs on a side stream
+A step runs as two groups: its prompt rows eagerly in tiles of PREFILL_TILE, its decode rows in
+tiles of TILE, replaying a CUDA graph up to the largest bucket (`GraphRunner`), eagerly above.
+Each kind of row always sees one tile size, so its bits never depend on its batch. The indexer runs on a side stream
 (`CudaStreamExecutor`) unless multi-stream is switched off. The KV cache has one page more than
 the pool hands out: the scratch page that padded rows write and read.
 """
@@ -22,18 +23,22 @@ import torch
 from runtime.config import EngineConfig, ModelConfig
 from runtime.engine.device_sampler import PendingOutputs, sample_on_device
 from runtime.engine.future import FutureTokens
-from runtime.engine.plan import StepPlan
+from runtime.engine.plan import Extend, StepPlan
 from runtime.engine.request import Request
 from runtime.env import Env
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.graph.runner import FINE_BUCKETS, GraphRunner, tile_rows
+from runtime.kernels.cuda_torch import TILE
 from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
 from runtime.streams.cuda import CudaStreamExecutor
 from runtime.streams.tasks import InOrderExecutor
 
 DEFAULT_MAX_ROWS = 1024  # eager chunk: bounds the workspace, not the prefill length
+# Prompt rows run in tiles of this many rows (decode rows: TILE). Fixed per kind of row, so batch
+# invariance holds; larger, because a prefill of thousands of rows in 16-row tiles is launch-bound.
+PREFILL_TILE = 128
 
 
 class StepTimeline:
@@ -78,7 +83,7 @@ class GpuModelRunner:
         on_gpu = self.device.type == "cuda"
         self.streams = CudaStreamExecutor(env.stream_jitter_cycles) if multi_stream and on_gpu else InOrderExecutor()
         buckets = tuple(env.graph_buckets or FINE_BUCKETS)
-        self.max_rows = tile_rows(max(max_rows, max(buckets)))
+        self.max_rows = tile_rows(max(max_rows, max(buckets)), PREFILL_TILE)
         self.model = StaticDecodeModel(cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
                                        max_batch=self.max_rows, faults=faults)
         self.graphs = GraphRunner(self.model, self.kv, self.streams, buckets=buckets,
@@ -96,18 +101,19 @@ class GpuModelRunner:
         row[:len(pages)] = torch.tensor(pages, dtype=torch.long)
         return row
 
-    def build_inputs(self, plan: StepPlan, requests: dict[str, Request]) -> tuple[DecodeInputs, list[int]]:
-        """All rows of the step on the device, and the row of each extend's last token."""
+    def build_inputs(self, extends: tuple[Extend, ...], requests: dict[str, Request],
+                     decode: bool) -> tuple[DecodeInputs, list[int]]:
+        """The rows of these extends on the device, and the row of each extend's last token."""
         tokens, positions, slots, tables, last_rows = [], [], [], [], []
         future_rows, future_rids = [], []
         row = 0
-        for index, ext in enumerate(plan.extends):
+        for ext in extends:
             req = requests[ext.rid]
             end = ext.start + ext.num_new
             if len(ext.pages) * self.page_size < end:
                 raise RuntimeError(f"{ext.rid}: plan gives {len(ext.pages)} pages for {end} tokens")
             self.pool.check_owned(ext.rid, list(ext.pages))
-            if self.future is not None and index >= len(plan.prefill):
+            if decode and self.future is not None:
                 if self.faults.enabled("overlap-stale-token"):
                     tokens.extend(req.all_ids[-1:])  # the bug: the host's token, one step behind
                 else:
@@ -136,10 +142,19 @@ class GpuModelRunner:
         return inp, last_rows
 
     # ---- running them --------------------------------------------------------------------------
-    def forward(self, inp: DecodeInputs, last_rows: list[int], decode_only: bool) -> torch.Tensor:
-        """float32 logits [len(last_rows), V]."""
-        if decode_only and inp.batch_size <= max(self.graphs.buckets):
-            return self.graphs.forward(inp)  # one row per request: every row is a last row
+    def forward_decode(self, inp: DecodeInputs) -> torch.Tensor:
+        """One row per request, always in tiles of TILE: graph replay up to the largest bucket."""
+        if inp.batch_size <= max(self.graphs.buckets):
+            return self.graphs.forward(inp)
+        return self._eager_chunks(inp, list(range(inp.batch_size)), TILE)
+
+    def forward_prefill(self, inp: DecodeInputs, last_rows: list[int]) -> torch.Tensor:
+        """Prompt rows, always in tiles of PREFILL_TILE (fewer, larger kernels for long prompts)."""
+        return self._eager_chunks(inp, last_rows, PREFILL_TILE)
+
+    def _eager_chunks(self, inp: DecodeInputs, last_rows: list[int], tile: int) -> torch.Tensor:
+        """float32 logits [len(last_rows), V], running at most `max_rows` rows at a time. Chunks run
+        in row order, so a prompt split across chunks is still causal."""
         picked = []
         last = torch.tensor(last_rows, dtype=torch.long)
         for start in range(0, inp.batch_size, self.max_rows):
@@ -147,10 +162,9 @@ class GpuModelRunner:
             chunk = DecodeInputs(inp.token_ids[start:stop], inp.positions[start:stop], inp.write_slots[start:stop],
                                  inp.page_table[start:stop])
             wanted = last[(last >= start) & (last < stop)] - start
+            logits = self.graphs.eager(chunk, tile)
             if len(wanted):
-                picked.append(self.graphs.eager(chunk)[wanted.to(self.device, non_blocking=True)])
-            else:
-                self.graphs.eager(chunk)  # a prefill chunk with no last token: KV only
+                picked.append(logits[wanted.to(self.device, non_blocking=True)])
         return torch.cat(picked)
 
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> PendingOutputs | dict:
@@ -159,11 +173,16 @@ class GpuModelRunner:
                 self.future.release(rid)
         if plan.empty:
             return {}
-        inp, last_rows = self.build_inputs(plan, requests)
+        groups = []
+        if plan.prefill:
+            groups.append((self.build_inputs(plan.prefill, requests, decode=False), self.forward_prefill))
+        if plan.decode:
+            inp, _ = self.build_inputs(plan.decode, requests, decode=True)
+            groups.append(((inp, None), lambda inp, _: self.forward_decode(inp)))
         # After the inputs are built: in the normal loop the GPU idles while the host builds them.
         begin = self.timeline.begin() if self.timeline is not None else None
-        decode_only = all(ext.num_new == 1 for ext in plan.extends) and not plan.prefill
-        logits = self.forward(inp, last_rows, decode_only)
+        # plan.extends order: prefill rows first, then decode rows (their requests are disjoint).
+        logits = torch.cat([forward(inp, last_rows) for (inp, last_rows), forward in groups])
         rows = [requests[ext.rid] for ext in plan.extends]
         tokens, pending = sample_on_device(logits, rows)
         if self.future is not None:

@@ -55,14 +55,16 @@ class StaticDecodeModel:
         self.sel_ok = torch.zeros(rows, S, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, inp: DecodeInputs, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
-        """Writes each token's KV; returns float32 logits [N, V]. N must be a multiple of TILE."""
+    def forward(self, inp: DecodeInputs, kv: KVCache, streams: StreamScheduler, tile: int = k.TILE) -> torch.Tensor:
+        """Writes each token's KV; returns float32 logits [N, V]. N must be a multiple of `tile`.
+        Every row of one kind must always see the same `tile` (decode rows: TILE; the GPU runner
+        gives prefill rows a larger one), or its bits would depend on the batch."""
         n = inp.batch_size
-        assert n % k.TILE == 0 and n <= self.hidden.shape[0], f"batch {n} not padded to a TILE multiple"
+        assert n % tile == 0 and n <= self.hidden.shape[0], f"batch {n} not padded to a multiple of {tile}"
         assert inp.page_table.shape[1] == self.max_pages, "page table width is fixed at construction"
         logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
-        for start in range(0, n, k.TILE):
-            logits[start:start + k.TILE] = self._tile(slice(start, start + k.TILE), inp, kv, streams)
+        for start in range(0, n, tile):
+            logits[start:start + tile] = self._tile(slice(start, start + tile), inp, kv, streams)
         streams.synchronize()
         return logits
 

@@ -39,8 +39,8 @@ def can_use_cuda_graph(batch_size: int, buckets: tuple[int, ...]) -> bool:
     return 0 < batch_size <= max(buckets)
 
 
-def tile_rows(batch_size: int) -> int:
-    return -(-batch_size // TILE) * TILE
+def tile_rows(batch_size: int, tile: int = TILE) -> int:
+    return -(-batch_size // tile) * tile
 
 
 def pad_inputs(inp: DecodeInputs, rows: int, scratch_page: int, page_size: int) -> DecodeInputs:
@@ -140,6 +140,6 @@ class GraphRunner:
         self.replays += 1
         return self.outputs[bucket][:n].clone()
 
-    def eager(self, inp: DecodeInputs) -> torch.Tensor:
-        padded = pad_inputs(inp, tile_rows(inp.batch_size), self.scratch_page, self.model.page_size)
-        return self.model.forward(padded, self.kv, self.streams)[:inp.batch_size]
+    def eager(self, inp: DecodeInputs, tile: int = TILE) -> torch.Tensor:
+        padded = pad_inputs(inp, tile_rows(inp.batch_size, tile), self.scratch_page, self.model.page_size)
+        return self.model.forward(padded, self.kv, self.streams, tile)[:inp.batch_size]
