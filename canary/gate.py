@@ -4,6 +4,7 @@ pass/fail with a message that names each oracle that fired."""
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,8 +87,16 @@ def run_driver(target: Target, options: DriverOptions, progress: bool = True,
 
 
 def golden_path(target: Target, info: dict) -> Path:
-    model = info.get("model") or target.model
-    return GOLDEN_DIR / f"stress-{Path(str(model)).name}.jsonl"
+    """Golden tokens are per numerics: the CPU float32 store (what CI checks) or one per GPU model
+    and dtype (its kernels reduce in other orders, so an indexer or logit near-tie may resolve
+    differently; a GPU is checked against transcripts recorded on its own kind)."""
+    model = Path(str(info.get("model") or target.model)).name
+    engine = info.get("engine_config") or {}
+    device, dtype = engine.get("device", "cpu"), engine.get("dtype", "float32")
+    if device == "cpu" and dtype == "float32":
+        return GOLDEN_DIR / f"stress-{model}.jsonl"
+    kind = re.sub(r"[^a-z0-9]+", "-", str(info.get("device_name") or device).lower()).strip("-")
+    return GOLDEN_DIR / f"stress-{model}@{kind}-{dtype}.jsonl"
 
 
 def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, outcome: GateOutcome,

@@ -35,7 +35,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
-SECTIONS=${SECTIONS:-graph_tests engine_tests bench_decode_canary bench_decode_slice idle_canary idle_slice gate gate_stream_race}
+SECTIONS=${SECTIONS:-graph_tests engine_tests bench_decode_canary bench_decode_slice idle_canary idle_slice gate_record gate gate_stream_race}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
@@ -57,10 +57,17 @@ want idle_slice && section idle_slice "${BENCH_TIMEOUT:-150}" $PY bench/idle_tim
     --batch-sizes 1,4,16,64 --steps 20 --out "$OUT/idle_slice.json"
 
 # ---- the 80-session canary gate against the GPU server (graphs + multi-stream on by default).
-# float32 on the GPU: the golden transcripts were recorded on CPU in float32; bf16 would be a
-# different model numerically. stream-race runs under the jitter injector (timing pressure).
+# Golden tokens are per numerics (canary/gate.py golden_path): `gate_record` records this GPU's
+# store and perf baseline (every other oracle still applies), `gate` checks a fresh server against
+# them, `gate_stream_race` must fail. float32: bf16 is a different model numerically.
 GATE=($PY -m pytest -m stress --sessions 80 -p no:cacheprovider tests/stress/test_canary_gate.py
       --server-arg=--dtype=float32 --perf-tolerance 0.1)
+if want gate_record; then
+    section gate_record "${GATE_TIMEOUT:-300}" "${GATE[@]}" --golden-update
+    mkdir -p "$OUT/golden"
+    cp golden/transcripts/stress-*@*.jsonl "$OUT/golden/" 2>/dev/null
+    find golden/baselines -newer "$OUT/gpu.txt" -name "*.json" -exec cp {} "$OUT/golden/" \;
+fi
 want gate && section gate "${GATE_TIMEOUT:-300}" "${GATE[@]}" --report-dir "$OUT/gate"
 want gate_stream_race && negative_control gate_stream_race "${GATE_TIMEOUT:-300}" \
     env DSV4_STREAM_JITTER_CYCLES=2000000 "${GATE[@]}" --inject-fault stream-race

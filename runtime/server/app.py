@@ -122,6 +122,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "config_fingerprint": state.loaded.config.fingerprint,
                 "model_config": state.loaded.config.to_dict(), "engine_config": asdict(state.engine.cfg),
                 "faults": list(state.engine.faults.names), "chat_template": state.template.origin,
+                "device_name": (torch.cuda.get_device_name(state.engine.cfg.device)
+                                if state.engine.cfg.device != "cpu" else "cpu"),
                 "versions": {"python": platform.python_version(), "torch": torch.__version__,
                              "fastapi": fastapi.__version__}}
 

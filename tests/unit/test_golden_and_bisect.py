@@ -126,3 +126,20 @@ def test_bisect_with_the_real_golden_check_finds_a_commit_that_turns_a_fault_on(
     check = f"{sys.executable} -m canary golden check --model tiny-random --store {store}"
     result = bisect(repo, good, bad, check)
     assert result["first_bad"] == planted, result["log"]
+
+
+def test_golden_store_is_per_numerics():
+    """CPU float32 keeps the store CI checks; a GPU gets one per device model and dtype."""
+    from canary.gate import golden_path
+    from canary.targets import Target
+
+    target = Target("t", "http://x/v1", "canary-moe-v1", True)
+    cpu = golden_path(target, {"model": "canary-moe-v1", "engine_config": {"device": "cpu", "dtype": "float32"}})
+    gpu = golden_path(target, {"model": "canary-moe-v1", "device_name": "NVIDIA H200",
+                               "engine_config": {"device": "cuda", "dtype": "float32"}})
+    bf16 = golden_path(target, {"model": "canary-moe-v1", "device_name": "NVIDIA H200",
+                                "engine_config": {"device": "cuda", "dtype": "bfloat16"}})
+    assert cpu.name == "stress-canary-moe-v1.jsonl"
+    assert gpu.name == "stress-canary-moe-v1@nvidia-h200-float32.jsonl"
+    assert len({cpu, gpu, bf16}) == 3
+    assert golden_path(target, {"model": "canary-moe-v1"}) == cpu  # an older server without engine_config
