@@ -96,7 +96,7 @@ def golden_path(target: Target, info: dict) -> Path:
     if device == "cpu" and dtype == "float32":
         return GOLDEN_DIR / f"stress-{model}.jsonl"
     kind = re.sub(r"[^a-z0-9]+", "-", str(info.get("device_name") or device).lower()).strip("-")
-    return GOLDEN_DIR / f"stress-{model}@{kind}-{dtype}.jsonl"
+    return GOLDEN_DIR / f"stress-{model}.{kind}-{dtype}.jsonl"
 
 
 def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, outcome: GateOutcome,

@@ -65,7 +65,7 @@ GATE=($PY -m pytest -m stress --sessions 80 -p no:cacheprovider tests/stress/tes
 if want gate_record; then
     section gate_record "${GATE_TIMEOUT:-300}" "${GATE[@]}" --golden-update
     mkdir -p "$OUT/golden"
-    cp golden/transcripts/stress-*@*.jsonl "$OUT/golden/" 2>/dev/null
+    cp golden/transcripts/stress-*.*-*.jsonl "$OUT/golden/" 2>/dev/null
     find golden/baselines -newer "$OUT/gpu.txt" -name "*.json" -exec cp {} "$OUT/golden/" \;
 fi
 want gate && section gate "${GATE_TIMEOUT:-300}" "${GATE[@]}" --report-dir "$OUT/gate"

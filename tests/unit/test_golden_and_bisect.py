@@ -140,6 +140,6 @@ def test_golden_store_is_per_numerics():
     bf16 = golden_path(target, {"model": "canary-moe-v1", "device_name": "NVIDIA H200",
                                 "engine_config": {"device": "cuda", "dtype": "bfloat16"}})
     assert cpu.name == "stress-canary-moe-v1.jsonl"
-    assert gpu.name == "stress-canary-moe-v1@nvidia-h200-float32.jsonl"
+    assert gpu.name == "stress-canary-moe-v1.nvidia-h200-float32.jsonl"
     assert len({cpu, gpu, bf16}) == 3
     assert golden_path(target, {"model": "canary-moe-v1"}) == cpu  # an older server without engine_config
