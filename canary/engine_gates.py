@@ -72,6 +72,10 @@ def drive(engine: Engine, arrivals: list[Arrival]) -> list[Request]:
     return requests
 
 
+def outcome(req: Request) -> tuple:
+    return req.output_ids, req.output_logprobs, req.finish_reason
+
+
 def first_difference(a: Request, b: Request) -> str:
     for pos, (x, y) in enumerate(zip(a.output_ids, b.output_ids)):
         if x != y:
@@ -94,8 +98,7 @@ def overlap_vs_normal(faults: tuple[str, ...], seed: int, workdir: Path) -> Gate
         engine = Engine(loaded, EngineConfig(num_pages=512), faults=FaultSet(faults), env=Env(), overlap=overlap)
         runs[overlap] = drive(engine, arrivals)
     normal, overlapped = runs[False], runs[True]
-    differ = [i for i, (a, b) in enumerate(zip(normal, overlapped))
-              if (a.output_ids, a.output_logprobs, a.finish_reason) != (b.output_ids, b.output_logprobs, b.finish_reason)]
+    differ = [i for i, (a, b) in enumerate(zip(normal, overlapped)) if outcome(a) != outcome(b)]
     failures = []
     if differ:
         i = differ[0]

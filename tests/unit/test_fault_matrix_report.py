@@ -49,7 +49,8 @@ def test_a_gate_that_fires_for_its_reason_is_a_catch(tmp_path):
     detector = Detector("good gate", gate(["[oracle] wrong answer in session 3", "[other] too"]), fires_on("[oracle]"))
     report = matrix({"some-fault": (detector,)}, tmp_path=tmp_path)
     row = report.rows[0]
-    assert (row.status, row.message, row.seconds, row.setup_s) == (CAUGHT, "[oracle] wrong answer in session 3", 0.5, 0.1)
+    assert (row.status, row.message) == (CAUGHT, "[oracle] wrong answer in session 3")
+    assert (row.seconds, row.setup_s) == (0.5, 0.1)
     assert report.ok and report.score["mutation_score"] == 1.0
 
 
