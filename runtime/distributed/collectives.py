@@ -69,8 +69,10 @@ class Watchdog:
 class Collectives:
     """The step-time collectives of one rank, each bounded by the timeout and the watchdog."""
 
-    def __init__(self, rank: int, world: int, group, timeout_s: float, grace_s: float) -> None:
+    def __init__(self, rank: int, world: int, group, timeout_s: float, grace_s: float, tensor_group=None) -> None:
         self.rank, self.world, self.group, self.timeout_s = rank, world, group, timeout_s
+        # GPU ranks all-reduce activations over NCCL; plans and digests stay on the gloo group.
+        self.tensor_group = tensor_group if tensor_group is not None else group
         self.step = 0  # the plan step being executed, named in errors
         self.broken = False  # a collective failed: the group cannot be trusted any more
         self.watchdog = Watchdog(rank, timeout_s, grace_s)
@@ -97,7 +99,8 @@ class Collectives:
         return out
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._run("all_reduce", lambda: dist.all_reduce(tensor, group=self.group))
+        group = self.tensor_group if tensor.is_cuda else self.group
+        self._run("all_reduce", lambda: dist.all_reduce(tensor, group=group))
         return tensor
 
     def close(self) -> None:
@@ -106,9 +109,20 @@ class Collectives:
             dist.destroy_process_group()
 
 
+def uses_nccl(cfg) -> bool:
+    """GPU ranks of the static runner all-reduce over NCCL (rank r on cuda:r)."""
+    return cfg.static_runner and cfg.device != "cpu"
+
+
 def init_collectives(rank: int, world: int, init_file: str, startup_timeout_s: float, timeout_s: float,
-                     grace_s: float) -> Collectives:
+                     grace_s: float, nccl: bool = False) -> Collectives:
+    """`nccl`: GPU ranks (rank r on cuda:r) also get an NCCL group for activation all-reduces;
+    every rank must pass the same value (group creation is collective)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=startup_timeout_s))
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s), backend="gloo")
-    return Collectives(rank, world, group, timeout_s, grace_s)
+    tensor_group = None
+    if nccl:
+        torch.cuda.set_device(rank)
+        tensor_group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s), backend="nccl")
+    return Collectives(rank, world, group, timeout_s, grace_s, tensor_group)

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from runtime.config import PRESETS, EngineConfig
-from runtime.distributed.collectives import Collectives, init_collectives
+from runtime.distributed.collectives import Collectives, init_collectives, uses_nccl
 from runtime.distributed.errors import WorkerStartError
 from runtime.distributed.messages import RequestSpec, StepMessage, find_desync, plan_field_digests
 from runtime.distributed.sharding import check_divisible
@@ -69,7 +69,7 @@ class TPLauncher:
             pipes.append(parent_end)
         try:
             coll = init_collectives(0, world, init_file, env.tp_startup_timeout_s, env.tp_timeout_s,
-                                    env.tp_watchdog_grace_s)
+                                    env.tp_watchdog_grace_s, nccl=uses_nccl(cfg))
         except BaseException as exc:  # also SIGTERM / Ctrl-C while the group forms: no orphan
             cls._reap(procs, 1.0)
             shutil.rmtree(rundir, ignore_errors=True)

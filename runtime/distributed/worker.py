@@ -18,12 +18,13 @@ import traceback
 import torch
 
 from runtime.config import EngineConfig
-from runtime.distributed.collectives import Collectives, init_collectives
+from runtime.distributed.collectives import Collectives, init_collectives, uses_nccl
 from runtime.distributed.messages import StepMessage, find_desync, plan_field_digests
 from runtime.distributed.mirror_pool import MirrorPool
 from runtime.distributed.sharding import shard_weights
 from runtime.engine.engine import DTYPES
 from runtime.engine.future import FutureTokens
+from runtime.engine.gpu_runner import GpuModelRunner
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.plan import StepPlan
 from runtime.engine.request import Request
@@ -43,15 +44,21 @@ class PlanFollower:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig, faults: FaultSet, env: Env, overlap: bool,
                  coll: Collectives) -> None:
         self.coll, self.faults, self.check = coll, faults, env.tp_check
-        kernels = select_kernels(device=cfg.device, use_reference=env.reference_kernels)
-        weights = {k: v.to(DTYPES[cfg.dtype]) for k, v in loaded.weights.items()}
+        device = cfg.device if cfg.device == "cpu" else f"cuda:{coll.rank}"
+        weights = {k: v.to(device, DTYPES[cfg.dtype]) for k, v in loaded.weights.items()}
         weights = shard_weights(loaded.config, weights, coll.rank, coll.world)
-        model = DSV4Mini(loaded.config, weights, kernels, all_reduce=coll.all_reduce)
         self.pool = MirrorPool(cfg.num_pages, cfg.page_size)
-        self.runner = ModelRunner(model, KVCache(loaded.config, cfg, DTYPES[cfg.dtype]), self.pool,
-                                  InOrderExecutor(), faults)
+        if cfg.static_runner:
+            self.runner = GpuModelRunner(loaded.config, weights, dataclasses.replace(cfg, device=device), self.pool,
+                                         faults, env, cuda_graphs=cfg.cuda_graphs, multi_stream=cfg.multi_stream,
+                                         all_reduce=coll.all_reduce)
+        else:
+            kernels = select_kernels(device=cfg.device, use_reference=env.reference_kernels)
+            model = DSV4Mini(loaded.config, weights, kernels, all_reduce=coll.all_reduce)
+            self.runner = ModelRunner(model, KVCache(loaded.config, cfg, DTYPES[cfg.dtype]), self.pool,
+                                      InOrderExecutor(), faults)
         if overlap:
-            self.runner.future = FutureTokens(2 * cfg.max_running_requests)
+            self.runner.future = FutureTokens(2 * cfg.max_running_requests, device=device)
         self.requests: dict[str, Request] = {}
         self.local_aborts = 0
 
@@ -129,7 +136,7 @@ def worker_main(rank: int, world: int, init_file: str, model_ref: str | LoadedMo
     if env.num_threads:
         torch.set_num_threads(env.num_threads)
     coll = init_collectives(rank, world, init_file, env.tp_startup_timeout_s, env.tp_timeout_s,
-                            env.tp_watchdog_grace_s)
+                            env.tp_watchdog_grace_s, nccl=uses_nccl(cfg))
     try:
         loaded = model_ref if isinstance(model_ref, LoadedModel) else load_model(model_ref)
         follower = PlanFollower(loaded, cfg, FaultSet(fault_names), env, overlap, coll)

@@ -53,8 +53,6 @@ class Engine:
         if self.env.num_threads:
             torch.set_num_threads(self.env.num_threads)
         static = self.cfg.static_runner
-        if static and tp > 1:
-            raise NotImplementedError("tensor parallelism with the static (GPU) runner is not in this build")
         weights = {k: v.to(self.cfg.device, DTYPES[self.cfg.dtype]) for k, v in loaded.weights.items()}
         self.overlap = overlap
         self.in_flight: Launched | None = None  # overlap loop: the step launched but not processed
@@ -70,7 +68,8 @@ class Engine:
         self.pool = PagePool(self.cfg.num_pages, self.cfg.page_size, self.faults)
         if static:
             self.runner = GpuModelRunner(loaded.config, weights, self.cfg, self.pool, self.faults, self.env,
-                                         cuda_graphs=self.cfg.cuda_graphs, multi_stream=self.cfg.multi_stream)
+                                         cuda_graphs=self.cfg.cuda_graphs, multi_stream=self.cfg.multi_stream,
+                                         all_reduce=all_reduce)
             self.model, self.kv, self.streams = self.runner.model, self.runner.kv, self.runner.streams
         else:
             kernels = select_kernels(device=self.cfg.device, use_reference=self.env.reference_kernels)

@@ -71,7 +71,7 @@ class StepTimeline:
 class GpuModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ecfg: EngineConfig, pool: PagePool,
                  faults: FaultSet = NO_FAULTS, env: Env | None = None, *, cuda_graphs: bool = True,
-                 multi_stream: bool = True, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+                 multi_stream: bool = True, max_rows: int = DEFAULT_MAX_ROWS, all_reduce=None) -> None:
         env = env or Env.load()
         self.device = torch.device(ecfg.device)
         self.pool, self.faults = pool, faults
@@ -85,7 +85,7 @@ class GpuModelRunner:
         buckets = tuple(env.graph_buckets or FINE_BUCKETS)
         self.max_rows = tile_rows(max(max_rows, max(buckets)), PREFILL_TILE)
         self.model = StaticDecodeModel(cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
-                                       max_batch=self.max_rows, faults=faults)
+                                       max_batch=self.max_rows, faults=faults, all_reduce=all_reduce)
         self.graphs = GraphRunner(self.model, self.kv, self.streams, buckets=buckets,
                                   scratch_page=self.scratch_page, faults=faults, env=env)
         if cuda_graphs and on_gpu:

@@ -11,6 +11,7 @@ B = TILE rows, L = context capacity (pages per request * page size), S = window 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -39,8 +40,12 @@ class DecodeInputs:
 
 class StaticDecodeModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, page_size: int, max_pages: int,
-                 max_batch: int, faults: FaultSet = NO_FAULTS) -> None:
+                 max_batch: int, faults: FaultSet = NO_FAULTS,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.cfg, self.w, self.faults = cfg, weights, faults
+        # Tensor parallel (runtime/distributed/sharding.py): this rank holds a share of the query
+        # heads and of every expert's intermediate; attention and MoE outputs are partial sums.
+        self.all_reduce = all_reduce or (lambda t: t)
         self.page_size, self.max_pages = page_size, max_pages
         embed = weights["embed.weight"]
         self.device, self.dtype = embed.device, embed.dtype
@@ -110,7 +115,7 @@ class StaticDecodeModel:
             streams.join(INDEXER_STREAM)
         streams.submit(Task(f"attention.{layer}", MAIN, reads=("latent_cache", "selection"),
                             writes=("attn_out",), fn=attend))
-        return k.linear(out.view(B, -1), w[p + "attn.wo.weight"])
+        return self.all_reduce(k.linear(out.view(B, -1), w[p + "attn.wo.weight"]))
 
     def _indexer(self, layer: int, rows: slice, pos: torch.Tensor, write: torch.Tensor, ctx: torch.Tensor,
                  kv: KVCache) -> None:
@@ -142,4 +147,4 @@ class StaticDecodeModel:
         if cfg.n_shared_experts:
             out = out + k.shared_expert(h, w[p + "moe.shared.w_gate"], w[p + "moe.shared.w_up"],
                                         w[p + "moe.shared.w_down"])
-        return out
+        return self.all_reduce(out)
