@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from canary.rss import MIB, Flatness, RssSample
+from canary.rss import MIB, Flatness, RssSample, sustained_levels
 
 
 def write_summary(report_dir: Path, summary: dict[str, Any]) -> Path:
@@ -58,7 +58,8 @@ def write_plots(report_dir: Path, summary: dict[str, Any]) -> list[Path]:
 
 
 def write_rss_plot(report_dir: Path, samples: list[RssSample], flatness: Flatness) -> Path:
-    """Server RSS over the run: against time, and against work done with the warm-up and the bound."""
+    """Server RSS over the run: against time, and against work done with its sustained level (the
+    rolling median the flatness check uses), the end of the warm-up and the bound."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,14 +70,17 @@ def write_rss_plot(report_dir: Path, samples: list[RssSample], flatness: Flatnes
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot([s.t_s for s in samples], mib)
     ax1.set(xlabel="seconds into the run", ylabel="server RSS (MiB)", title="server memory over time")
-    ax2.plot([s.progress for s in samples], mib)
+    progress = [s.progress for s in samples]
+    ax2.plot(progress, mib, color="lightgray", label="sampled every 2 s")
+    ax2.plot(progress, [level / MIB for level in sustained_levels(samples, flatness.window_s)], color="black",
+             label=f"sustained ({flatness.window_s:.0f} s rolling median)")
     ax2.axvline(flatness.warmup_progress, color="gray", linestyle=":",
                 label=f"end of warm-up ({flatness.warmup_fraction:.0%})")
-    ax2.axhline((flatness.warmup_peak_bytes + flatness.bound_bytes) / MIB, color="red", linestyle="--",
-                label=f"warm-up peak + {flatness.bound_bytes / MIB:.0f} MiB bound")
+    ax2.axhline((flatness.warmup_level_bytes + flatness.bound_bytes) / MIB, color="red", linestyle="--",
+                label=f"warm-up level + {flatness.bound_bytes / MIB:.0f} MiB bound")
     ax2.set(xlabel="requests completed", ylabel="server RSS (MiB)",
-            title=f"growth after warm-up {flatness.growth_bytes / MIB:+.1f} MiB")
-    ax2.legend(loc="lower right")
+            title=f"sustained growth after warm-up {flatness.growth_bytes / MIB:+.1f} MiB")
+    ax2.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
     return _save(fig, report_dir / "rss.png")
 

@@ -28,14 +28,15 @@ ABORT_RATIO = 0.1  # the driver's meaning: this fraction of streamed requests is
 
 RSS_INTERVAL_S = 2.0
 WARMUP_FRACTION = 0.2  # of the requests: allocator arenas, caches and batch-sized buffers fill up
-# A per-request leak is what a soak exists to find. About 5,400 of the run's ~6,700 requests come
-# after the warm-up, so 64 MiB catches any leak of more than ~12 KiB per request: less than one
-# leaked request's prompt token list (1-3k Python ints). It is also far above the jitter of a server
-# that reuses its memory (a few MiB of allocator fragmentation), and independent of the model's size.
+# A per-request leak is what a soak exists to find. About 4,600 of the run's ~5,800 requests come
+# after the warm-up, so 64 MiB catches any leak of more than ~14 KiB per request: less than one
+# leaked request's prompt token list (1-3k Python ints). It bounds the sustained level (30 s rolling
+# median, canary/rss.py), whose jitter in a server that reuses its memory is a few tens of MiB at
+# most, and it is independent of the model's size.
 RSS_GROWTH_BOUND = 64 * MIB
 
-# ~26 min on an idle 2-core machine (539 requests per 124 s in the 80-session gate): the deadline
-# allows a machine 7x slower; no request finishing for 10 min (twice the driver's per-request
+# ~23 min on the 2-core machine (first full run: 1,362 s with neighbours' jobs running): the deadline
+# allows a machine ~8x slower; no request finishing for 10 min (twice the driver's per-request
 # timeout) with 80 sessions in flight is a hang, reported at once rather than at the deadline.
 DEADLINE_S = 3 * 3600.0
 STALL_S = 600.0
