@@ -41,8 +41,26 @@ class DecodeInputs:
 class StaticDecodeModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, page_size: int, max_pages: int,
                  max_batch: int, faults: FaultSet = NO_FAULTS,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 moe_kernel: str = "torch") -> None:
         self.cfg, self.w, self.faults = cfg, weights, faults
+        if moe_kernel not in ("torch", "triton"):
+            raise ValueError(f"moe_kernel must be torch or triton, got {moe_kernel!r}")
+        # "triton": runtime/kernels/triton/moe.py's fused MoE (routed + shared expert in one combine,
+        # float32 accumulation); "torch": the gathered-expert torch ops. Different numerics, so a
+        # golden store belongs to one of them.
+        self.fused_moe, self.packed_moe = None, []
+        if moe_kernel == "triton":
+            from runtime.kernels.triton import moe as triton_moe
+
+            self.fused_moe = triton_moe.fused_moe
+            shared = cfg.n_shared_experts > 0
+            for layer in range(cfg.num_layers):
+                p = f"layers.{layer}.moe."
+                self.packed_moe.append(triton_moe.pack_weights(
+                    weights[p + "experts.w_gate"], weights[p + "experts.w_up"], weights[p + "experts.w_down"],
+                    *((weights[p + "shared.w_gate"], weights[p + "shared.w_up"], weights[p + "shared.w_down"])
+                      if shared else ())))
         # Tensor parallel (runtime/distributed/sharding.py): this rank holds a share of the query
         # heads and of every expert's intermediate; attention and MoE outputs are partial sums.
         self.all_reduce = all_reduce or (lambda t: t)
@@ -139,6 +157,8 @@ class StaticDecodeModel:
         weights, ids = k.route(k.linear(h, w[p + "moe.gate.weight"]), w[p + "moe.gate.e_score_correction_bias"],
                                cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
                                cfg.norm_topk_prob)
+        if self.fused_moe is not None:
+            return self.all_reduce(self.fused_moe(h, self.packed_moe[layer], weights, ids))
         per_slot = k.gathered_experts(h, ids, w[p + "moe.experts.w_gate"], w[p + "moe.experts.w_up"],
                                       w[p + "moe.experts.w_down"])
         out = torch.zeros_like(h)

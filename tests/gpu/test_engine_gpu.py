@@ -138,3 +138,18 @@ def test_eager_fallback_above_the_largest_bucket_equals_graph_replay(loaded):
     out_wide, out_narrow = generations(wide, prompts, params), generations(narrow, prompts, params)
     assert narrow.runner.graphs.replays > 0
     assert out_wide == out_narrow, first_difference(out_wide, out_narrow)
+
+
+def test_fused_triton_moe_in_the_engine(loaded):
+    """The GPU runner with runtime/kernels/triton/moe.py (captured in the decode graphs): batched ==
+    solo bit for bit in bf16; in float32 the torch MoE's tokens within recorded near-ties."""
+    prompts, params = workload(loaded, 12, seed=8)
+    eng = engine(loaded, moe_kernel="triton")
+    batched = generations(eng, prompts, params)
+    solo = [generations(eng, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert eng.runner.graphs.replays > 0
+    assert batched == solo, first_difference(batched, solo)
+    greedy = [SamplingParams(max_tokens=sp.max_tokens, ignore_eos=True, logprobs=True, top_logprobs=5) for sp in params]
+    torch_moe = generations(engine(loaded, dtype="float32"), prompts, greedy)
+    triton_moe = generations(engine(loaded, dtype="float32", moe_kernel="triton"), prompts, greedy)
+    check_logprobs_close(torch_moe, triton_moe, margin=0.05, logprob_atol=1e-3)

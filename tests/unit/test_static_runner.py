@@ -90,3 +90,15 @@ def test_static_runner_tp2_matches_tp1_within_near_ties(tiny, overlap):
     one = run(tiny, prompts, params, runner="static")
     two = run(tiny, prompts, params, runner="static", tp=2, overlap=overlap, env=Env(tp_check=True))
     check_logprobs_close(one, two, margin=1e-3, logprob_atol=1e-4)
+
+
+def test_static_runner_with_the_fused_triton_moe(tiny):
+    """The engine with runtime/kernels/triton/moe.py as its MoE (the Triton interpreter on CPU, float32):
+    batched == solo bit for bit, and the torch MoE's tokens within recorded near-ties."""
+    prompts, params = workload(4, seed=6)
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=3) for _ in params]
+    torch_moe = run(tiny, prompts, params, runner="static")
+    triton_moe = run(tiny, prompts, params, runner="static", moe_kernel="triton")
+    check_logprobs_close(torch_moe, triton_moe, margin=1e-3, logprob_atol=1e-4)
+    solo = [run(tiny, [p], [sp], runner="static", moe_kernel="triton")[0] for p, sp in zip(prompts, params)]
+    assert triton_moe == solo
