@@ -74,9 +74,20 @@ def embedded_server(model: str, faults: list[str] = (), max_running: int = 128, 
     try:
         wait_healthy(root, proc, startup_timeout_s, log_path)
         yield Target(f"embedded:{Path(model).name}{'+' + '+'.join(faults) if faults else ''}", root + "/v1",
-                     Path(model).name if Path(model).exists() else model, True, log_path=log_path, pid=proc.pid)
+                     Path(model).name if Path(model).exists() else model, True,
+                     api_key=api_key_in(extra_args) or "EMPTY", log_path=log_path, pid=proc.pid)
     finally:
         _stop(proc)
+
+
+def api_key_in(args: list[str]) -> str | None:
+    """The key an `--api-key` among the server's arguments sets, so the harness sends it too."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1]
+        if arg == "--api-key" and i + 1 < len(args):
+            return args[i + 1]
+    return None
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

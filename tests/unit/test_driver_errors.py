@@ -34,3 +34,11 @@ def test_http_500_and_dropped_connections_become_failures(monkeypatch):
     assert len(calls) == 4, "one request per session, then the session ends"
     assert oracles == ["http-status", "http-status", "transport", "transport"]
     assert result.sessions_completed == 0
+
+
+def test_the_embedded_target_sends_the_key_given_to_the_server():
+    from canary.targets import api_key_in
+
+    assert api_key_in(["--dtype=float32", "--api-key=s3cret"]) == "s3cret"
+    assert api_key_in(["--api-key", "k2", "--tp", "2"]) == "k2"
+    assert api_key_in(["--dtype", "float32"]) is None
