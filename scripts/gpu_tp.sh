@@ -13,6 +13,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 status=0
+echo "=== NCCL startup probe (every rank's stage, timestamped)"
+timeout 90 python3 scripts/diag_tp_nccl.py > "$OUT/diag_tp_nccl.log" 2>&1 || status=1
+tail -n 20 "$OUT/diag_tp_nccl.log"
 echo "=== tp tests"
 timeout "${TP_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --run-gpu tests/gpu/test_tp_gpu.py -rA -s \
     > "$OUT/tp_tests.log" 2>&1 || status=1
