@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.stress, pytest.mark.slow]
 
 SESSIONS = 1000
 CONCURRENCY = 80
-ABORT_RATIO = 0.1  # the driver's meaning: this fraction of streamed requests is aborted mid-stream
+# The "10% random client aborts", as a share of all requests: the driver aborts this
+# fraction of *streamed* requests mid-stream, and half the requests stream (stream ratio 0.5).
+ABORT_RATIO = 0.2
 
 RSS_INTERVAL_S = 2.0
 WARMUP_FRACTION = 0.2  # of the requests: allocator arenas, caches and batch-sized buffers fill up
@@ -98,7 +100,7 @@ def test_soak_1000_sessions_at_concurrency_80_with_aborts(canary_options, tmp_pa
         f"{pages_at_end}\n{flat.describe()}\nreports: {report_dir}")
 
     assert outcome.passed, f"{len(outcome.failures)} soak failures:\n" + "\n".join(outcome.failures[:25])
-    assert m["aborted_requests"] > 0, "the soak must really abort client streams"
+    assert 0.07 <= m["aborted_requests"] / m["requests"] <= 0.13, "about 10% of requests must be aborted"
     assert outcome.summary.get("golden", {}).get("checked", 0) > 0, "golden transcripts must be compared"
     assert pages_at_end == 0, f"{pages_at_end} KV pages in use at the end"
     assert flat.passed, flat.describe()
