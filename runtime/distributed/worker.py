@@ -139,8 +139,11 @@ def worker_main(rank: int, world: int, init_file: str, model_ref: str | LoadedMo
                             env.tp_watchdog_grace_s, nccl=uses_nccl(cfg))
     try:
         loaded = model_ref if isinstance(model_ref, LoadedModel) else load_model(model_ref)
-        follower = PlanFollower(loaded, cfg, FaultSet(fault_names), env, overlap, coll)
+        # Handshake before building the runner: rank 0 builds its own runner only after the
+        # handshake, and GPU runners capture graphs whose warm-up all-reduces must pair with rank 0's
+        # (the other order deadlocks: this rank in an NCCL all-reduce, rank 0 in the gloo handshake).
         coll.all_gather({"weights": loaded.weights_hash})  # startup handshake (rank 0 compares)
+        follower = PlanFollower(loaded, cfg, FaultSet(fault_names), env, overlap, coll)
         follower.run()
     except BaseException:
         traceback.print_exc(file=sys.stderr)
