@@ -60,6 +60,7 @@ class PlanFollower:
         if overlap:
             self.runner.future = FutureTokens(2 * cfg.max_running_requests, device=device)
         self.requests: dict[str, Request] = {}
+        self.pending: list = []  # executed steps' outputs not yet appended (see _settle)
         self.local_aborts = 0
 
     def run(self) -> None:
@@ -89,10 +90,27 @@ class PlanFollower:
             self.pool.release(rid)
         for ext in plan.extends:
             self.pool.claim(ext.rid, ext.pages)
-        outputs = self.runner.execute(plan, self.requests)
-        for rid, out in outputs.items():
-            # Every rank samples the same token (same all-reduced logits, same per-request seed).
-            self.requests[rid].output_ids.append(out.token)
+        if self._needs_host_tokens(plan):
+            self._settle()
+        self.pending.append(self.runner.execute(plan, self.requests))
+        if self.runner.future is None:
+            self._settle()
+
+    def _needs_host_tokens(self, plan: StepPlan) -> bool:
+        """Rows built from the host token lists: prompts (incl. preemption recompute), every decode
+        row without the future buffer, and the `overlap-stale-token` fault's decode rows."""
+        return bool(plan.prefill) or self.runner.future is None or self.faults.enabled("overlap-stale-token")
+
+    def _settle(self) -> None:
+        """Append the sampled tokens of executed steps to the mirrored requests. With the overlap
+        loop's future buffer this waits until a step needs host tokens, so a GPU worker does not
+        sync with its device every step (rank 0 does the same through PendingOutputs)."""
+        for outputs in self.pending:
+            for rid, out in outputs.items():
+                # Every rank samples the same token (same all-reduced logits, same per-request seed).
+                if rid in self.requests:
+                    self.requests[rid].output_ids.append(out.token)
+        self.pending.clear()
 
     def _local_view(self, plan: StepPlan) -> StepPlan:
         """The plan this rank will execute: rank 0's, unless the tp-local-abort fault is on."""

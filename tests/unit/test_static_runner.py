@@ -102,3 +102,18 @@ def test_static_runner_with_the_fused_triton_moe(tiny):
     check_logprobs_close(torch_moe, triton_moe, margin=1e-3, logprob_atol=1e-4)
     solo = [run(tiny, [p], [sp], runner="static", moe_kernel="triton")[0] for p, sp in zip(prompts, params)]
     assert triton_moe == solo
+
+
+def test_static_runner_tp2_overlap_recomputes_preempted_requests_like_tp1(tiny):
+    """Worker ranks append sampled tokens lazily in the overlap loop; a preempted request's recompute
+    prefill must still see every token on every rank (else the ranks' partial sums disagree)."""
+    prompts, params = workload(8, seed=9)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=3) for _ in params]
+    reference = run(tiny, prompts, params, runner="static")
+    small = EngineConfig(runner="static", num_pages=24, page_size=4, max_model_len=128, max_prefill_tokens=128)
+    with Engine(tiny, small, FaultSet(), Env(tp_check=True), overlap=True, tp=2) as eng:
+        reqs = eng.generate(prompts, params)
+        assert eng.scheduler.num_preemptions > 0, "the pool must be small enough to force preemption"
+        assert all(s["pages_in_use"] == 0 for s in eng.tp.rank_stats())
+    check_logprobs_close(reference, [Generation(r.output_ids, r.output_logprobs, r.output_top_logprobs)
+                                     for r in reqs], margin=1e-3, logprob_atol=1e-4)
