@@ -70,6 +70,21 @@ class RunResult:
         return [r.transcript for r in self.requests if r.transcript is not None and not r.aborted]
 
 
+# Idle keep-alive connections are dropped after this long, well before a server closes them (uvicorn's
+# default is 5 s, the same as httpx's default expiry): reusing a connection the server is closing at that
+# instant fails with a transport error that says nothing about the server under test.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def _http_client():
+    from openai import DefaultAsyncHttpxClient
+    from openai._constants import DEFAULT_CONNECTION_LIMITS as limits
+
+    return DefaultAsyncHttpxClient(limits=type(limits)(max_connections=limits.max_connections,
+                                                       max_keepalive_connections=limits.max_keepalive_connections,
+                                                       keepalive_expiry=KEEPALIVE_EXPIRY_S))
+
+
 class SessionDriver:
     def __init__(self, target: Target, options: DriverOptions,
                  on_request_done: Callable[[RequestRecord], None] | None = None) -> None:
@@ -89,7 +104,7 @@ class SessionDriver:
 
         limit = self.options.concurrency or self.options.sessions
         client = AsyncOpenAI(base_url=self.target.base_url, api_key=self.target.api_key, max_retries=0,
-                             timeout=self.options.request_timeout_s)
+                             timeout=self.options.request_timeout_s, http_client=_http_client())
         semaphore = asyncio.Semaphore(limit)
         self._t0 = time.perf_counter()
         self._result = RunResult(self.options, self.target.name, time.time(), 0.0)
@@ -117,8 +132,9 @@ class SessionDriver:
             status = getattr(exc, "status_code", None)
             oracle = "http-status" if status is not None else "transport"
             now = time.perf_counter() - self._t0
+            cause = f" caused by {exc.__cause__!r}" if exc.__cause__ is not None else ""
             self._result.failures.append((now, Failure(oracle, scenario.index, -1,
-                                                       f"{type(exc).__name__} {status or ''}".strip(),
+                                                       f"{type(exc).__name__} {status or ''}".strip() + cause,
                                                        str(exc)[:300])))
 
     async def _conversation(self, client, scenario: Scenario) -> None:

@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5,
+                    # Longer than clients keep idle connections (httpx: 5 s, uvicorn's own default): a
+                    # server closing a keep-alive connection as the client reuses it drops a request.
+                    timeout_keep_alive=75)
     finally:
         state.engine.shutdown()  # stops TP worker processes; a no-op at --tp 1
     return 0

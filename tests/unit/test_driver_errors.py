@@ -25,7 +25,8 @@ def test_http_500_and_dropped_connections_become_failures(monkeypatch):
     real = openai.AsyncOpenAI
 
     def client(**kwargs):
-        return real(**kwargs, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+        kwargs["http_client"] = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        return real(**kwargs)
 
     monkeypatch.setattr(openai, "AsyncOpenAI", client)
     target = Target("mock", "http://mock.invalid/v1", "m", False)
