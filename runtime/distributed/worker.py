@@ -22,19 +22,13 @@ from runtime.distributed.collectives import Collectives, init_collectives, uses_
 from runtime.distributed.messages import StepMessage, find_desync, plan_field_digests
 from runtime.distributed.mirror_pool import MirrorPool
 from runtime.distributed.sharding import shard_weights
-from runtime.engine.engine import DTYPES
 from runtime.engine.future import FutureTokens
-from runtime.engine.gpu_runner import GpuModelRunner
-from runtime.engine.model_runner import ModelRunner
 from runtime.engine.plan import StepPlan
+from runtime.engine.runners import DTYPES, build_runner
 from runtime.engine.request import Request
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.kernels import select_kernels
-from runtime.kvcache.kv_cache import KVCache
-from runtime.models.dsv4_mini import DSV4Mini
 from runtime.models.loader import LoadedModel, load_model
-from runtime.streams.tasks import InOrderExecutor
 
 # The tp-local-abort fault fires on the first plan at or after this step that has a decode row.
 LOCAL_ABORT_STEP = 4
@@ -48,15 +42,9 @@ class PlanFollower:
         weights = {k: v.to(device, DTYPES[cfg.dtype]) for k, v in loaded.weights.items()}
         weights = shard_weights(loaded.config, weights, coll.rank, coll.world)
         self.pool = MirrorPool(cfg.num_pages, cfg.page_size)
-        if cfg.static_runner:
-            self.runner = GpuModelRunner(loaded.config, weights, dataclasses.replace(cfg, device=device), self.pool,
-                                         faults, env, cuda_graphs=cfg.cuda_graphs, multi_stream=cfg.multi_stream,
-                                         all_reduce=coll.all_reduce)
-        else:
-            kernels = select_kernels(device=cfg.device, use_reference=env.reference_kernels)
-            model = DSV4Mini(loaded.config, weights, kernels, all_reduce=coll.all_reduce)
-            self.runner = ModelRunner(model, KVCache(loaded.config, cfg, DTYPES[cfg.dtype]), self.pool,
-                                      InOrderExecutor(), faults)
+        # Faults apply on every rank, as a bug in the build would (tp-local-abort is the follower's own).
+        self.runner = build_runner(loaded.config, weights, dataclasses.replace(cfg, device=device), self.pool,
+                                   faults, env, all_reduce=coll.all_reduce)
         if overlap:
             self.runner.future = FutureTokens(2 * cfg.max_running_requests, device=device)
         self.requests: dict[str, Request] = {}

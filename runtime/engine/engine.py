@@ -14,23 +14,18 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.future import FutureTokens
-from runtime.engine.gpu_runner import GpuModelRunner
 from runtime.engine.loops import Launched, normal_step, overlap_step
-from runtime.engine.model_runner import ModelRunner
 from runtime.engine.plan import StepPlan
+from runtime.engine.runners import DTYPES, build_runner
 from runtime.engine.request import Request, SamplingParams
 from runtime.engine.sampler import SampleOutput
 from runtime.engine.scheduler import Scheduler
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.kernels import select_kernels
-from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
-from runtime.models.dsv4_mini import DSV4Mini
 from runtime.models.loader import LoadedModel
-from runtime.streams.tasks import InOrderExecutor, StreamScheduler
+from runtime.streams.tasks import StreamScheduler
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -52,7 +47,6 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         if self.env.num_threads:
             torch.set_num_threads(self.env.num_threads)
-        static = self.cfg.static_runner
         weights = {k: v.to(self.cfg.device, DTYPES[self.cfg.dtype]) for k, v in loaded.weights.items()}
         self.overlap = overlap
         self.in_flight: Launched | None = None  # overlap loop: the step launched but not processed
@@ -66,17 +60,9 @@ class Engine:
             weights = shard_weights(loaded.config, weights, 0, tp)
             all_reduce = self.tp.collectives.all_reduce
         self.pool = PagePool(self.cfg.num_pages, self.cfg.page_size, self.faults)
-        if static:
-            self.runner = GpuModelRunner(loaded.config, weights, self.cfg, self.pool, self.faults, self.env,
-                                         cuda_graphs=self.cfg.cuda_graphs, multi_stream=self.cfg.multi_stream,
-                                         all_reduce=all_reduce)
-            self.model, self.kv, self.streams = self.runner.model, self.runner.kv, self.runner.streams
-        else:
-            kernels = select_kernels(device=self.cfg.device, use_reference=self.env.reference_kernels)
-            self.model = DSV4Mini(loaded.config, weights, kernels, all_reduce=all_reduce, faults=self.faults)
-            self.kv = KVCache(loaded.config, self.cfg, DTYPES[self.cfg.dtype])
-            self.streams = streams or InOrderExecutor()
-            self.runner = ModelRunner(self.model, self.kv, self.pool, self.streams, self.faults)
+        self.runner = build_runner(loaded.config, weights, self.cfg, self.pool, self.faults, self.env,
+                                   all_reduce=all_reduce, streams=streams)
+        self.model, self.kv, self.streams = self.runner.model, self.runner.kv, self.runner.streams
         if overlap:
             self.runner.future = FutureTokens(2 * self.cfg.max_running_requests, device=self.cfg.device)
         self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer)

@@ -24,6 +24,7 @@ import torch
 from runtime.config import EngineConfig, ModelConfig
 from runtime.engine.device_sampler import PendingOutputs, sample_on_device
 from runtime.engine.future import FutureTokens
+from runtime.engine.model_runner import checked_input_ids
 from runtime.engine.plan import Extend, StepPlan
 from runtime.engine.request import Request
 from runtime.env import Env
@@ -71,8 +72,8 @@ class StepTimeline:
 
 class GpuModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ecfg: EngineConfig, pool: PagePool,
-                 faults: FaultSet = NO_FAULTS, env: Env | None = None, *, cuda_graphs: bool = True,
-                 multi_stream: bool = True, max_rows: int = DEFAULT_MAX_ROWS, all_reduce=None) -> None:
+                 faults: FaultSet = NO_FAULTS, env: Env | None = None, *, max_rows: int = DEFAULT_MAX_ROWS,
+                 all_reduce=None) -> None:
         env = env or Env.load()
         self.device = torch.device(ecfg.device)
         self.pool, self.faults = pool, faults
@@ -82,7 +83,8 @@ class GpuModelRunner:
         dtype = next(iter(weights.values())).dtype
         self.kv = KVCache(cfg, dataclasses.replace(ecfg, num_pages=ecfg.num_pages + 1), dtype)
         on_gpu = self.device.type == "cuda"
-        self.streams = CudaStreamExecutor(env.stream_jitter_cycles) if multi_stream and on_gpu else InOrderExecutor()
+        side_streams = ecfg.multi_stream and on_gpu
+        self.streams = CudaStreamExecutor(env.stream_jitter_cycles) if side_streams else InOrderExecutor()
         buckets = tuple(env.graph_buckets or FINE_BUCKETS)
         self.max_rows = tile_rows(max(max_rows, max(buckets)), PREFILL_TILE)
         self.model = StaticDecodeModel(cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
@@ -90,7 +92,7 @@ class GpuModelRunner:
                                        moe_kernel=ecfg.moe_kernel)
         self.graphs = GraphRunner(self.model, self.kv, self.streams, buckets=buckets,
                                   scratch_page=self.scratch_page, faults=faults, env=env)
-        if cuda_graphs and on_gpu:
+        if ecfg.cuda_graphs and on_gpu:
             self.graphs.capture()
         self.future: FutureTokens | None = None  # set by the engine for the overlap loop
         self.timeline: StepTimeline | None = None  # set by benchmarks
@@ -108,24 +110,16 @@ class GpuModelRunner:
         table = np.full((len(extends), self.max_pages), self.scratch_page, dtype=np.int64)
         row = 0
         for i, ext in enumerate(extends):
-            req = requests[ext.rid]
-            end = ext.start + ext.num_new
-            if len(ext.pages) * self.page_size < end:
-                raise RuntimeError(f"{ext.rid}: plan gives {len(ext.pages)} pages for {end} tokens")
             if len(ext.pages) > self.max_pages:
                 raise RuntimeError(f"{len(ext.pages)} pages exceed max_model_len ({self.max_pages} pages)")
-            self.pool.check_owned(ext.rid, list(ext.pages))
+            ids = checked_input_ids(ext, requests[ext.rid], self.pool, self.page_size,
+                                    decode and self.future is not None, self.faults)
             table[i, :len(ext.pages)] = ext.pages
-            if decode and self.future is not None:
-                if self.faults.enabled("overlap-stale-token"):
-                    tokens.extend(req.all_ids[-1:])  # the bug: the host's token, one step behind
-                else:
-                    tokens.append(0)  # filled from the device-side future buffer below
-                    future_rows.append(row)
-                    future_rids.append(ext.rid)
+            if ids is None:
+                tokens.append(0)  # filled from the device-side future buffer below
+                future_rows.append(row)
+                future_rids.append(ext.rid)
             else:
-                ids = req.all_ids[ext.start:end]
-                assert len(ids) == ext.num_new, f"{ext.rid}: plan asks for tokens the request does not have"
                 tokens.extend(ids)
             row += ext.num_new
         starts = np.fromiter((ext.start for ext in extends), dtype=np.int64, count=len(extends))
@@ -175,16 +169,15 @@ class GpuModelRunner:
                 self.future.release(rid)
         if plan.empty:
             return {}
-        groups = []
-        if plan.prefill:
-            groups.append((self.build_inputs(plan.prefill, requests, decode=False), self.forward_prefill))
-        if plan.decode:
-            inp, _ = self.build_inputs(plan.decode, requests, decode=True)
-            groups.append(((inp, None), lambda inp, _: self.forward_decode(inp)))
+        prefill = self.build_inputs(plan.prefill, requests, decode=False) if plan.prefill else None
+        decode = self.build_inputs(plan.decode, requests, decode=True)[0] if plan.decode else None
         # After the inputs are built: in the normal loop the GPU idles while the host builds them.
         begin = self.timeline.begin() if self.timeline is not None else None
         # plan.extends order: prefill rows first, then decode rows (their requests are disjoint).
-        logits = torch.cat([forward(inp, last_rows) for (inp, last_rows), forward in groups])
+        logits = [self.forward_prefill(*prefill)] if prefill is not None else []
+        if decode is not None:
+            logits.append(self.forward_decode(decode))
+        logits = torch.cat(logits)
         rows = [requests[ext.rid] for ext in plan.extends]
         tokens, pending = sample_on_device(logits, rows)
         if self.future is not None:

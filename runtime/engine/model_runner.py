@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from runtime.engine.future import FutureTokens
-from runtime.engine.plan import StepPlan
+from runtime.engine.plan import Extend, StepPlan
 from runtime.engine.request import Request
 from runtime.engine.sampler import SampleOutput, sample_row
 from runtime.faults import NO_FAULTS, FaultSet
@@ -14,6 +14,24 @@ from runtime.kvcache.page_pool import PagePool
 from runtime.models.batch import ForwardBatch, Segment
 from runtime.models.dsv4_mini import DSV4Mini
 from runtime.streams.tasks import StreamScheduler
+
+
+def checked_input_ids(ext: Extend, req: Request, pool: PagePool, page_size: int, from_future: bool,
+                      faults: FaultSet) -> list[int] | None:
+    """Check one extend against its pages and their owner, and give its input ids: from the host
+    token list, or None where the overlap loop reads them from the device-side future buffer.
+    Shared by both runners, so the `overlap-stale-token` fault lives in one place."""
+    end = ext.start + ext.num_new
+    if len(ext.pages) * page_size < end:
+        raise RuntimeError(f"{ext.rid}: plan gives {len(ext.pages)} pages for {end} tokens")
+    pool.check_owned(ext.rid, list(ext.pages))
+    if from_future:
+        if faults.enabled("overlap-stale-token"):
+            return req.all_ids[-1:]  # the bug: the host's last known token, one step behind
+        return None
+    ids = req.all_ids[ext.start:end]
+    assert len(ids) == ext.num_new, f"{ext.rid}: plan asks for tokens the request does not have"
+    return ids
 
 
 class ModelRunner:
@@ -37,29 +55,16 @@ class ModelRunner:
         token_ids, positions, slots, segments = [], [], [], []
         row = 0
         for index, ext in enumerate(plan.extends):
-            req = requests[ext.rid]
+            from_future = self.future is not None and index >= len(plan.prefill)
+            ids = checked_input_ids(ext, requests[ext.rid], self.pool, self.page_size, from_future, self.faults)
+            token_ids.append(self.future.read([ext.rid]) if ids is None else torch.tensor(ids, dtype=torch.long))
             end = ext.start + ext.num_new
-            if len(ext.pages) * self.page_size < end:
-                raise RuntimeError(f"{ext.rid}: plan gives {len(ext.pages)} pages for {end} tokens")
-            self.pool.check_owned(ext.rid, list(ext.pages))
-            if self.future is not None and index >= len(plan.prefill):
-                token_ids.append(self._future_input(req))
-            else:
-                ids = req.all_ids[ext.start:end]
-                assert len(ids) == ext.num_new, f"{ext.rid}: plan asks for tokens the request does not have"
-                token_ids.append(torch.tensor(ids, dtype=torch.long))
             positions.append(torch.arange(ext.start, end))
             context = self.slots_for(ext.pages, 0, end)
             slots.append(context[ext.start:end])
             segments.append(Segment(row, row + ext.num_new, context))
             row += ext.num_new
         return ForwardBatch(torch.cat(token_ids), torch.cat(positions), torch.cat(slots), tuple(segments))
-
-    def _future_input(self, req: Request) -> torch.Tensor:
-        if self.faults.enabled("overlap-stale-token"):
-            # The bug: the host's last known token, one step behind while a decode is in flight.
-            return torch.tensor(req.all_ids[-1:], dtype=torch.long)
-        return self.future.read([req.rid])
 
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, SampleOutput]:
         if self.future is not None:

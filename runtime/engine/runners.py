@@ -1,0 +1,33 @@
+"""`build_runner`: the one place that decides which model runner executes a config's steps, for rank 0
+(`Engine`) and the tensor-parallel workers alike."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from runtime.config import EngineConfig, ModelConfig
+from runtime.engine.gpu_runner import GpuModelRunner
+from runtime.engine.model_runner import ModelRunner
+from runtime.env import Env
+from runtime.faults import FaultSet
+from runtime.kernels import select_kernels
+from runtime.kvcache.kv_cache import KVCache
+from runtime.models.dsv4_mini import DSV4Mini
+from runtime.streams.tasks import InOrderExecutor, StreamScheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig, pool, faults: FaultSet,
+                 env: Env, *, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 streams: StreamScheduler | None = None) -> ModelRunner | GpuModelRunner:
+    """The static runner (capturable decode model; GPU, or forced on CPU) or the eager CPU runner.
+    `weights` are already on `cfg.device` in `cfg.dtype` (and sharded, with `all_reduce`, under TP);
+    `streams` applies to the eager runner (the static one picks its own from the config)."""
+    if cfg.static_runner:
+        return GpuModelRunner(config, weights, cfg, pool, faults, env, all_reduce=all_reduce)
+    kernels = select_kernels(device=cfg.device, use_reference=env.reference_kernels)
+    model = DSV4Mini(config, weights, kernels, all_reduce=all_reduce, faults=faults)
+    return ModelRunner(model, KVCache(config, cfg, DTYPES[cfg.dtype]), pool, streams or InOrderExecutor(), faults)
