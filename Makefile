@@ -20,11 +20,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
-# The stress gate runs alone after the rest: its perf oracle compares against a baseline measured
-# on an otherwise idle machine, so it must not share the two cores with other test workers.
+# The stress gate and the other tests whose oracle measures speed (marker `timing`) run alone after
+# the rest: the gate compares against a baseline measured on an otherwise idle machine and the A/B
+# controls compare two servers' speed, so they must not share the two cores with other test workers.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -m "not stress" $(PYTEST_ARGS)
-	$(PY) -m pytest -m stress --sessions 80 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 -m "not stress and not timing" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "stress or timing" --sessions 80 $(PYTEST_ARGS)
 
 gate: $(STAMP)
 	$(PY) -m pytest -m stress --sessions 80 -p no:cacheprovider

@@ -67,7 +67,7 @@ def tagged(tag: str):
 CANARY_GATE = Detector(f"canary gate ({CANARY_WORKLOAD['sessions']} sessions x {CANARY_WORKLOAD['turns']} turns)",
                        canary_gate, is_correctness_oracle)
 AB_PERF_GATE = Detector(f"A/B perf gate ({AB_WORKLOAD['sessions']} sessions, {AB_ROUNDS} rounds)", ab_perf_gate,
-                        tagged("[perf-regression]"))
+                        tagged("[perf-regression]"), timed=True)
 STREAM_EMULATOR = Detector("CPU stream emulator vs in-order", engine_gates.stream_emulator,
                            tagged("[stream-emulator]"))
 OVERLAP_VS_NORMAL = Detector("overlap loop vs normal loop", engine_gates.overlap_vs_normal,

@@ -39,6 +39,7 @@ class Detector:
     run: GateFn
     fires_for: Callable[[str], bool]  # is this failure line the gate firing for its own reason?
     needs_gpu: bool = False
+    timed: bool = False  # its oracle measures speed: must not share the CPU with other tests
 
 
 @dataclass(frozen=True)

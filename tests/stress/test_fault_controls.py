@@ -2,6 +2,8 @@
 
 These run a reduced workload (fewer sessions and turns than the 80-session gate) so `make test`
 stays inside its budget; each starts its own embedded server with the fault switched on.
+`slow-step` (a speed fault) and its clean-vs-clean A/B control are in tests/stress/test_fault_matrix.py,
+marked `timing` so they run alone.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from canary.driver import DriverOptions
-from canary.gate import run_ab, run_gate
+from canary.gate import run_gate
 from canary.pytest_plugin import DEFAULT_MODEL
 from canary.targets import embedded_server
 
@@ -33,13 +35,3 @@ def test_fault_fails_the_gate_naming_an_oracle(fault, oracles, tmp_path):
     assert not outcome.passed, f"{fault} went unnoticed"
     fired = {line.split("]")[0] + "]" for line in outcome.failures if line.startswith("[")}
     assert fired & set(oracles), f"{fault}: unexpected oracles {fired}"
-
-
-def test_slow_step_fails_the_perf_gate_in_an_interleaved_ab_run(tmp_path):
-    options = DriverOptions(sessions=8, turns=1, stream_ratio=1.0, max_tokens=160)
-    with embedded_server(DEFAULT_MODEL, [], log_dir=tmp_path / "a") as clean, \
-            embedded_server(DEFAULT_MODEL, ["slow-step"], log_dir=tmp_path / "b") as slow:
-        outcome = run_ab(slow, clean, options, tolerance=0.5, rounds=1, progress=False)
-        assert any(f.startswith("[perf-regression]") for f in outcome.failures), outcome.summary
-        control = run_ab(clean, clean, options, tolerance=0.5, rounds=1, progress=False)
-        assert control.passed, control.failures
