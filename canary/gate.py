@@ -4,6 +4,7 @@ pass/fail with a message that names each oracle that fired."""
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import Callable
 
 import httpx
 
-from canary import perf
+from canary import machine_speed, perf
 from canary.driver import DriverOptions, RequestRecord, RunResult, SessionDriver
 from canary.golden import Transcript, first_divergence, read_store, write_store
 from canary.metrics import gated_figures, run_metrics
@@ -145,31 +146,49 @@ def baseline_fingerprint(target: Target, info: dict, options: DriverOptions) -> 
 
 
 def gate_against_baseline(figures: dict, fp: dict, baseline: Path | None, tolerance: float, update: bool,
-                          outcome: GateOutcome) -> None:
+                          outcome: GateOutcome, machine_speed: float | None = None) -> None:
+    """`machine_speed`: this run's probe (canary/machine_speed.py) where the server computes on this
+    machine's CPU, else None; with a probe stored beside the baseline, the baseline is scaled by the ratio."""
     path = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
     stored = perf.load_baseline(path)
     if stored is None:
         outcome.notes.append(f"NO PERFORMANCE BASELINE for this hardware/model/config at {path}: perf gate skipped"
                              + ("; recording one now" if update else "; record one with --golden-update"))
         if update:
-            perf.save_baseline(path, fp, figures)
+            perf.save_baseline(path, fp, figures, machine_speed)
         return
-    results = perf.gate(stored["metrics"], figures, tolerance)
-    outcome.summary["perf_gate"] = {"baseline": str(path), "tolerance": tolerance,
-                                    "results": perf.gate_report(results)}
+    expected, scaled = stored["metrics"], ""
+    recorded_speed = stored.get("machine_speed")
+    if machine_speed is not None and recorded_speed:
+        ratio = machine_speed / recorded_speed
+        expected = perf.scale_for_machine(expected, ratio)
+        scaled = f", scaled for a machine {ratio:.2f}x as fast as the recording one"
+        outcome.notes.append(f"machine speed probe {machine_speed:.0f} blocks/s vs {recorded_speed:.0f} when the "
+                             f"baseline was recorded: baseline figures scaled by {ratio:.2f}")
+    results = perf.gate(expected, figures, tolerance)
+    outcome.summary["perf_gate"] = {"baseline": str(path), "tolerance": tolerance, "machine_speed": machine_speed,
+                                    "recorded_machine_speed": recorded_speed, "results": perf.gate_report(results)}
     for r in results:
         if not r.passed:
-            outcome.failures.append(f"[perf-regression] {r.metric}: {r.candidate:.4g} vs baseline {r.baseline:.4g} "
-                                    f"({(r.ratio - 1) * 100:.0f}% worse, tolerance {tolerance * 100:.0f}%)")
+            outcome.failures.append(f"[perf-regression] {r.metric}: {r.candidate:.4g} vs baseline {r.baseline:.4g}"
+                                    f"{scaled} ({(r.ratio - 1) * 100:.0f}% worse, tolerance {tolerance * 100:.0f}%)")
     if update:
-        perf.save_baseline(path, fp, figures)
+        perf.save_baseline(path, fp, figures, machine_speed)
 
 
-def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = False, baseline: Path | None = None,
+def probes_this_machine(target: Target) -> bool:
+    """The machine-speed probe says something about the server only when it computes on our CPU."""
+    return target.embedded and device_name().startswith("cpu:")
+
+
+def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = False, baseline_update: bool = False,
+             baseline: Path | None = None,
              perf_tolerance: float = 0.25, near_tie: float = 0.05, progress: bool = True,
              on_request_done: Callable[[RequestRecord], None] | None = None) -> GateOutcome:
     outcome = GateOutcome()
     info = server_info(target)
+    probing = probes_this_machine(target)
+    speed_before = machine_speed.probe() if probing else None
     result = run_driver(target, options, progress, on_request_done)
     outcome.failures += [f.describe() for _, f in result.failures]
     metrics = run_metrics(result)
@@ -182,8 +201,14 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     else:
         outcome.notes.append("golden-transcript oracle skipped: the target is not the embedded canary runtime "
                              "(only a deterministic canary model has golden transcripts)")
+    # Before and after the run, with the server idle both times; the geometric mean spans the run.
+    speed = math.sqrt(speed_before * machine_speed.probe()) if speed_before is not None else None
+    record = golden_update or baseline_update
+    if record and outcome.failures:
+        record = False  # a run that failed an oracle is no one's performance baseline
+        outcome.notes.append("performance baseline NOT recorded: the run failed")
     gate_against_baseline(gated_figures(metrics), baseline_fingerprint(target, info, options), baseline,
-                          perf_tolerance, golden_update, outcome)
+                          perf_tolerance, record, outcome, speed)
     outcome.summary.update({"target": target.name, "metadata": metadata, "metrics": metrics,
                             "sessions_completed": result.sessions_completed,
                             "sessions_aborted": result.sessions_aborted,

@@ -93,9 +93,20 @@ def load_baseline(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def save_baseline(path: Path, fingerprint: dict, metrics: dict[str, float]) -> None:
+def save_baseline(path: Path, fingerprint: dict, metrics: dict[str, float], machine_speed: float | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"fingerprint": fingerprint, "metrics": metrics}, indent=2, sort_keys=True) + "\n")
+    record = {"fingerprint": fingerprint, "metrics": metrics}
+    if machine_speed is not None:
+        record["machine_speed"] = machine_speed
+    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def scale_for_machine(metrics: dict[str, float], speed_ratio: float) -> dict[str, float]:
+    """The baseline's figures as expected on a machine `speed_ratio` times as fast as the recording one
+    (canary/machine_speed.py): throughput scales with the speed, latencies with its inverse."""
+    if not (math.isfinite(speed_ratio) and speed_ratio > 0):
+        raise ValueError(f"machine speed ratio must be a positive number, got {speed_ratio}")
+    return {k: v * speed_ratio if k in HIGHER_IS_BETTER else v / speed_ratio for k, v in metrics.items()}
 
 
 def gate_report(results: list[GateResult]) -> list[dict]:

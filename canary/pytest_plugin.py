@@ -31,6 +31,7 @@ class CanaryOptions:
     perf_tolerance: float
     report_dir: Path | None
     golden_update: bool
+    baseline_update: bool
     sweep: bool
     max_tokens: int
 
@@ -56,6 +57,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="allowed slowdown before the perf gate fails (default 0.5: shared CPUs are noisy; use ~0.1 on GPUs)")
     add("--report-dir", type=Path, default=None, help="write summary.json and PNG plots here")
     add("--golden-update", action="store_true", help="record golden transcripts and the perf baseline")
+    add("--baseline-update", action="store_true",
+        help="record the perf baseline only (new hardware); golden transcripts are checked, not rewritten")
     add("--sweep", action="store_true", help="also sweep concurrency 1, 2, 4, ... and fit step = a + b*bs")
     add("--canary-max-tokens", type=int, default=160, help="max_tokens per request")
     add("--run-gpu", action="store_true", default=False,
@@ -77,7 +80,8 @@ def pytest_configure(config: pytest.Config) -> None:
         model=opt("model"), api_key=opt("api_key"), stream_ratio=opt("stream_ratio"),
         abort_ratio=opt("abort_ratio"), faults=tuple(opt("inject_fault")), baseline=opt("baseline"),
         baseline_url=opt("baseline_url"), perf_tolerance=opt("perf_tolerance"), report_dir=opt("report_dir"),
-        golden_update=opt("golden_update"), sweep=opt("sweep"), max_tokens=opt("canary_max_tokens"))
+        golden_update=opt("golden_update"), baseline_update=opt("baseline_update"), sweep=opt("sweep"),
+        max_tokens=opt("canary_max_tokens"))
     config.canary_notes = []
 
 

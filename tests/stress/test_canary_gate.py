@@ -24,6 +24,7 @@ def test_canary_gate(canary_target, canary_options, pytestconfig):
         outcome = run_ab(canary_target, baseline, options, canary_options.perf_tolerance)
     else:
         outcome = run_gate(canary_target, options, golden_update=canary_options.golden_update,
+                           baseline_update=canary_options.baseline_update,
                            baseline=canary_options.baseline, perf_tolerance=canary_options.perf_tolerance)
     if canary_options.sweep:
         from canary.gate import sweep

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from canary.perf import find_cliffs, fit_step_time, gate, percentile
+from canary.gate import GateOutcome, gate_against_baseline
+from canary.machine_speed import probe
+from canary.perf import find_cliffs, fit_step_time, gate, percentile, save_baseline, scale_for_machine
 
 pytestmark = pytest.mark.unit
 
@@ -37,3 +39,47 @@ def test_gate_fails_a_regression_beyond_tolerance_in_either_direction():
 
 def test_percentile_interpolates():
     assert percentile([1, 2, 3, 4], 50) == 2.5 and math.isnan(percentile([], 50))
+
+
+BASE = {"output_tok_s": 160.0, "ttft_p50": 0.7, "tpot_p50": 0.2}
+
+
+def test_machine_scaling_forgives_a_slower_machine_but_not_a_slower_build(tmp_path):
+    path = tmp_path / "baseline.json"
+    save_baseline(path, {"hardware": "cpu:test"}, BASE, machine_speed=400.0)
+    # The same runtime on a machine 0.75x as fast: every figure 1/0.75 worse, beyond the 25% tolerance.
+    slower_machine = {"output_tok_s": 120.0, "ttft_p50": 0.7 / 0.75, "tpot_p50": 0.2 / 0.75}
+    outcome = GateOutcome()
+    gate_against_baseline(slower_machine, {}, path, 0.25, False, outcome, machine_speed=300.0)
+    assert outcome.passed and "scaled by 0.75" in outcome.notes[0]
+    # Negative controls: without the probe the same figures fail; a build 2x slower on the same slower
+    # machine fails, naming the scaling.
+    unscaled = GateOutcome()
+    gate_against_baseline(slower_machine, {}, path, 0.25, False, unscaled, machine_speed=None)
+    assert not unscaled.passed
+    slower_build = {k: v * 2 if k != "output_tok_s" else v / 2 for k, v in slower_machine.items()}
+    regressed = GateOutcome()
+    gate_against_baseline(slower_build, {}, path, 0.25, False, regressed, machine_speed=300.0)
+    assert len(regressed.failures) == 3
+    assert all("scaled for a machine 0.75x as fast" in f and "100% worse" in f for f in regressed.failures)
+
+
+def test_a_baseline_without_a_probe_is_compared_unscaled(tmp_path):
+    path = tmp_path / "baseline.json"
+    save_baseline(path, {}, BASE)
+    outcome = GateOutcome()
+    gate_against_baseline({**BASE, "output_tok_s": 100.0}, {}, path, 0.25, False, outcome, machine_speed=300.0)
+    assert [f.split(":")[0] for f in outcome.failures] == ["[perf-regression] output_tok_s"]
+    assert "scaled" not in outcome.failures[0]
+
+
+def test_scaling_rejects_a_meaningless_ratio():
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError):
+            scale_for_machine(BASE, bad)
+
+
+def test_probe_measures_blocks_per_second():
+    assert 0 < probe(0.05) < 1e6
+    with pytest.raises(ValueError):
+        probe(0)

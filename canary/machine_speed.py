@@ -1,0 +1,50 @@
+"""How fast this machine is right now, on a fixed CPU workload that never touches the runtime.
+
+The perf gate's stored baselines are wall-clock figures. Shared 2-core runners differ in speed from
+one host to the next and from one minute to the next (this probe measured 1.9 and then 2.5 ms per
+block within seconds on one runner), and an unchanged runtime once failed the CPU gate on TTFT by
+54% on a slower runner. The gate therefore probes the machine just before and just after its run,
+stores the probe with a baseline when it records one, and scales the stored figures by the ratio
+of the two probes (perf.scale_for_machine). The probe shares nothing with the runtime, so a slower
+build is still a slower build; only a slower machine is forgiven.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# A block: eight small MLP matmuls (the canary's decode is small-matmul bound on CPU) and a dict
+# loop (its scheduler and server are Python bound), in fixed proportions.
+_LAYERS, _WIDTH, _HIDDEN, _ROWS, _PY_OPS = 8, 512, 1024, 16, 3000
+
+
+def _weights() -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(_WIDTH, _HIDDEN, generator=g) / 32, torch.randn(_HIDDEN, _WIDTH, generator=g) / 32)
+          for _ in range(_LAYERS)]
+    return ws, torch.randn(_ROWS, _WIDTH, generator=g)
+
+
+def _block(ws: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> None:
+    for w1, w2 in ws:
+        x = torch.nn.functional.silu(x @ w1) @ w2
+    counts: dict[int, int] = {}
+    for i in range(_PY_OPS):
+        counts[i % 97] = counts.get(i % 97, 0) + i
+
+
+def probe(seconds: float = 0.5) -> float:
+    """Blocks per second: the fastest block of those that fit in `seconds` (the least disturbed)."""
+    if seconds <= 0:
+        raise ValueError(f"probe needs a positive duration, got {seconds}")
+    ws, x = _weights()
+    _block(ws, x)  # warm-up: allocator and kernels
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while True:
+        started = time.perf_counter()
+        _block(ws, x)
+        best = min(best, time.perf_counter() - started)
+        if started >= deadline:
+            return 1.0 / best
