@@ -37,6 +37,7 @@ from runtime.server.bridge import Aborted, Accepted, EngineBridge, Rejected, Tok
 from runtime.server.chat_template import ChatTemplate, TemplateError
 from runtime.server.corrupt import ToolJsonCorruptor, request_key
 from runtime.server.errors import ApiError, bad_request, from_validation_errors
+from runtime.server.internal_errors import InternalErrors
 from runtime.server.limits import ConcurrencyLimit, HeaderSizeLimit, RequestSlots
 from runtime.server.metrics import ServerMetrics
 from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
@@ -97,16 +98,11 @@ def create_app(state: ServerState) -> FastAPI:
         code = "not_found" if exc.status_code == 404 else None
         return await _api_error(request, ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        # A bug, not a bad input; still an OpenAI-shaped body so clients report it sensibly.
-        count(request.scope, 500)
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
-
     @app.get("/health")
     async def health() -> Response:
         if not state.bridge.alive:
-            return JSONResponse({"status": "engine down", "error": repr(state.bridge.error)}, status_code=503)
+            # No detail on the one open route: the cause is in the log and in /server_info (keyed).
+            return JSONResponse({"status": "engine down"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -125,7 +121,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "device_name": (torch.cuda.get_device_name(state.engine.cfg.device)
                                 if state.engine.cfg.device != "cpu" else "cpu"),
                 "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                             "fastapi": fastapi.__version__}}
+                             "fastapi": fastapi.__version__},
+                "engine_error": None if state.bridge.error is None else repr(state.bridge.error)}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -155,7 +152,9 @@ def create_app(state: ServerState) -> FastAPI:
         return await _unary(state, request, rid, sink, builder, len(prepared.prompt_ids))
 
     route_paths.update(route.path for route in app.routes)
-    # add_middleware wraps: the last one added runs first (headers, then the key, then a slot).
+    # add_middleware wraps: the last one added runs first (headers, the key, a slot, then the 500 net).
+    # A bug, not a bad input: an OpenAI-shaped 500 with an error id, innermost so a slot is still released.
+    app.add_middleware(InternalErrors, on_error=count)
     app.add_middleware(ConcurrencyLimit, slots=state.slots, paths=GENERATION_PATHS, on_reject=count)
     app.add_middleware(BearerAuth, api_key=state.api_key, on_reject=count)
     app.add_middleware(HeaderSizeLimit, on_reject=count)

@@ -4,6 +4,7 @@ shows it fails when the property is broken."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
 from ipaddress import ip_address
@@ -191,3 +192,55 @@ def test_api_key_from_the_environment_and_never_in_a_repr(monkeypatch):
     assert KEY not in repr(Env.load())
     assert tiny_state().api_key == KEY
     assert tiny_state("--api-key", "from-the-command-line").api_key == "from-the-command-line"
+
+
+# ---- an internal error names no request data ------------------------------------------------------
+def app_with_a_planted_bug(marker: str):
+    """The real app plus one route whose exception text carries request data, as the fuzzer's
+    UnicodeEncodeError did (it quoted the prompt)."""
+    from runtime.server.app import create_app
+
+    app = create_app(tiny_state("--api-key", KEY))
+
+    @app.get("/v1/planted-bug")
+    async def planted_bug() -> None:
+        raise RuntimeError(f"could not encode the prompt {marker}")
+
+    return app
+
+
+def test_an_internal_error_answers_an_error_id_and_logs_where_not_what(caplog):
+    marker = "MARKER-" + secrets.token_hex(8)
+    with caplog.at_level(logging.INFO), serve_in_thread(app_with_a_planted_bug(marker)) as root:
+        response = httpx.get(root + "/v1/planted-bug", headers={"Authorization": f"Bearer {KEY}"})
+        assert httpx.get(root + "/health").json() == {"status": "ok"}  # the server lives on
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and marker not in response.text
+    error_id = error["message"].split()[2]
+    logged = [r for r in caplog.records if error_id in r.getMessage()]
+    assert logged, "the error id must lead from the client's 500 to the server log"
+    assert "RuntimeError" in logged[0].getMessage() and "planted_bug" in logged[0].getMessage()
+    assert marker not in caplog.text  # nothing logged at INFO and above quotes the exception
+
+
+def test_the_internal_error_oracles_see_a_leak(caplog):
+    # Negative control: at debug level the message is logged, and the same search must find it.
+    marker = "MARKER-" + secrets.token_hex(8)
+    with caplog.at_level(logging.DEBUG), serve_in_thread(app_with_a_planted_bug(marker)) as root:
+        httpx.get(root + "/v1/planted-bug", headers={"Authorization": f"Bearer {KEY}"})
+    assert marker in caplog.text
+
+
+def test_health_of_a_dead_engine_says_only_that():
+    from runtime.server.app import create_app
+
+    state = tiny_state("--api-key", KEY)
+    app = create_app(state)
+    with serve_in_thread(app) as root:
+        state.bridge.error = RuntimeError("engine thread died holding request data")
+        health = httpx.get(root + "/health")
+        info = httpx.get(root + "/server_info", headers={"Authorization": f"Bearer {KEY}"}).json()
+        state.bridge.error = None
+    assert health.status_code == 503 and health.json() == {"status": "engine down"}
+    assert "engine thread died" in info["engine_error"]  # the cause, behind the key

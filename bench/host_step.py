@@ -1,0 +1,95 @@
+"""Host time per engine step on the GPU runner's code path, with the device work taken out.
+
+The overlap loop keeps the GPU busy only while the host's work for the next step (schedule, build
+the rows, launch, sample bookkeeping, process the previous step's tokens) fits inside the current
+step's device time. This runs the engine with the static (GPU) runner on the CPU and replaces the
+model's forward by a lookup of precomputed logits, so an engine step's wall time is that host work
+alone. Compare with the GPU step times in docs/results.md (canary on the H200: 0.84 ms at bs 1-4,
+0.88 ms at bs 16, 3.1 ms at bs 64). An upper estimate: this machine's CPU, not the device's host, and
+the sampler's arithmetic (device work on a GPU) runs here on the CPU inside the measured time.
+
+    python bench/host_step.py --batch-sizes 1,4,16,64 --out host_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.decode_step import git_commit  # noqa: E402
+from canary.golden_cli import default_model  # noqa: E402
+from canary.provenance import device_name  # noqa: E402
+from runtime.config import EngineConfig  # noqa: E402
+from runtime.engine.engine import Engine  # noqa: E402
+from runtime.engine.request import SamplingParams  # noqa: E402
+from runtime.env import Env  # noqa: E402
+from runtime.faults import FaultSet  # noqa: E402
+from runtime.models.loader import LoadedModel, load_model  # noqa: E402
+
+
+def without_device_work(engine: Engine) -> None:
+    """Every forward returns rows of one precomputed logits table (the sampler still runs)."""
+    table = torch.randn(engine.runner.max_rows, engine.loaded.config.vocab_size,
+                        generator=torch.Generator().manual_seed(0))
+    engine.runner.graphs.forward = lambda inp: table[:inp.batch_size]
+    engine.runner.graphs.eager = lambda chunk, tile: table[:chunk.batch_size]
+
+
+def measure(loaded: LoadedModel, bs: int, overlap: bool, steps: int, prompt_len: int, repeats: int) -> dict:
+    cfg = EngineConfig(device="cpu", dtype="float32", runner="static", cuda_graphs=False, multi_stream=False,
+                       num_pages=max(256, bs * (prompt_len + repeats * steps + 64) // 16 + 16),
+                       max_running_requests=max(bs, 1), max_model_len=4096)
+    engine = Engine(loaded, cfg, FaultSet(), Env(), overlap=overlap)
+    without_device_work(engine)
+    rng = random.Random(bs)
+    params = SamplingParams(max_tokens=repeats * steps + 16, ignore_eos=True)
+    for _ in range(bs):
+        engine.add_request([rng.randrange(3, loaded.tokenizer.vocab_size) for _ in range(prompt_len)], params)
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    per_step = []
+    for _ in range(repeats):  # the best of a few runs: the least disturbed by this machine's neighbours
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        per_step.append((time.perf_counter() - started) / steps * 1e3)
+    while engine.has_work:
+        engine.step()
+    return {"bs": bs, "loop": "overlap" if overlap else "normal", "host_ms_per_step": min(per_step),
+            "median_ms_per_step": statistics.median(per_step)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,4,16,64")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the host work is one Python thread
+    loaded = load_model(default_model())
+    rows = []
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        for overlap in (False, True):
+            row = measure(loaded, bs, overlap, args.steps, args.prompt_len, args.repeats)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    summary = {"model": "canary", "commit": git_commit(), "machine": device_name(),
+               "command": "python bench/host_step.py " + " ".join(sys.argv[1:]), "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
