@@ -5,8 +5,9 @@ the rows, launch, sample bookkeeping, process the previous step's tokens) fits i
 step's device time. This runs the engine with the static (GPU) runner on the CPU and replaces the
 model's forward by a lookup of precomputed logits, so an engine step's wall time is that host work
 alone. Compare with the GPU step times in docs/results.md (canary on the H200: 0.84 ms at bs 1-4,
-0.88 ms at bs 16, 3.1 ms at bs 64). An upper estimate: this machine's CPU, not the device's host, and
-the sampler's arithmetic (device work on a GPU) runs here on the CPU inside the measured time.
+0.88 ms at bs 16, 3.1 ms at bs 64). An estimate, not a bound either way: the GPU's host also pays
+CUDA launches and copies (graph replay, sampler kernels, the future buffer, the pinned output copy),
+absent here, while the sampler's arithmetic, device work on a GPU, runs here inside the measured time.
 
     python bench/host_step.py --batch-sizes 1,4,16,64 --out host_step.json
 """
