@@ -94,10 +94,17 @@ def golden_path(target: Target, info: dict) -> Path:
     model = Path(str(info.get("model") or target.model)).name
     engine = info.get("engine_config") or {}
     device, dtype = engine.get("device", "cpu"), engine.get("dtype", "float32")
+    kernels = "".join(f"-{name}-triton" for name in kernel_choices(engine))
     if device == "cpu" and dtype == "float32":
-        return GOLDEN_DIR / f"stress-{model}.jsonl"
+        return GOLDEN_DIR / f"stress-{model}{kernels}.jsonl"
     kind = re.sub(r"[^a-z0-9]+", "-", str(info.get("device_name") or device).lower()).strip("-")
-    return GOLDEN_DIR / f"stress-{model}.{kind}-{dtype}.jsonl"
+    return GOLDEN_DIR / f"stress-{model}.{kind}-{dtype}{kernels}.jsonl"
+
+
+def kernel_choices(engine: dict) -> list[str]:
+    """The kernels a server runs in place of the default torch ones ("moe", "attention"): each is
+    another numerics and another speed, so it names its own golden store and perf baseline."""
+    return [name for name in ("moe", "attention") if engine.get(f"{name}_kernel", "torch") != "torch"]
 
 
 def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, outcome: GateOutcome,
@@ -139,10 +146,14 @@ def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, ou
 
 
 def baseline_fingerprint(target: Target, info: dict, options: DriverOptions) -> dict:
-    return {"hardware": device_name(), "model": info.get("model", target.model),
-            "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
-            "workload": {"sessions": options.sessions, "turns": options.turns, "stream_ratio": options.stream_ratio,
-                         "abort_ratio": options.abort_ratio, "max_tokens": options.max_tokens}}
+    fp = {"hardware": device_name(), "model": info.get("model", target.model),
+          "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
+          "workload": {"sessions": options.sessions, "turns": options.turns, "stream_ratio": options.stream_ratio,
+                       "abort_ratio": options.abort_ratio, "max_tokens": options.max_tokens}}
+    kernels = kernel_choices(info.get("engine_config") or {})
+    if kernels:  # only when set, so the default kernels keep their recorded baselines' fingerprints
+        fp["triton_kernels"] = kernels
+    return fp
 
 
 def gate_against_baseline(figures: dict, fp: dict, baseline: Path | None, tolerance: float, update: bool,

@@ -135,6 +135,10 @@ class EngineConfig:
     runner: str = "auto"
     # Static runner: "torch" (gathered-expert torch ops) or "triton" (runtime/kernels/triton/moe.py).
     moe_kernel: str = "torch"
+    # Static runner: "torch" (gather + bmm) or "triton" (runtime/kernels/triton/indexer.py's paged
+    # indexer logits and attention.py's split sparse MLA decode). Each kernel choice is a different
+    # numerics, so a golden store belongs to one combination (EngineConfig is in its fingerprint).
+    attention_kernel: str = "torch"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "max_running_requests", "max_prefill_tokens", "max_model_len"):
@@ -142,8 +146,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.moe_kernel not in ("torch", "triton"):
-            raise ValueError(f"EngineConfig.moe_kernel must be torch or triton, got {self.moe_kernel!r}")
+        for name in ("moe_kernel", "attention_kernel"):
+            if getattr(self, name) not in ("torch", "triton"):
+                raise ValueError(f"EngineConfig.{name} must be torch or triton, got {getattr(self, name)!r}")
         if self.runner not in ("auto", "eager", "static"):
             raise ValueError(f"EngineConfig.runner must be auto, eager or static, got {self.runner!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):

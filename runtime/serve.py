@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--single-stream", action="store_true", help="GPU: run the indexer on the main stream")
     parser.add_argument("--moe-kernel", default="torch", choices=["torch", "triton"],
                         help="GPU runner's MoE: torch ops or the fused Triton kernel (runtime/kernels/triton/moe.py)")
+    parser.add_argument("--attention-kernel", default="torch", choices=["torch", "triton"],
+                        help="GPU runner's indexer and sparse attention: torch ops or the Triton kernels "
+                             "(runtime/kernels/triton/indexer.py, attention.py)")
     parser.add_argument("--runner", default="auto", choices=["auto", "eager", "static"],
                         help="model runner: auto = static (capturable, one row per token) on cuda, eager on cpu")
     parser.add_argument("--log-level", default="info")
@@ -79,6 +82,7 @@ def build_state(args: argparse.Namespace):
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     cfg = EngineConfig(device=device, dtype=dtype, cuda_graphs=not args.disable_cuda_graph,
                        multi_stream=not args.single_stream, runner=args.runner, moe_kernel=args.moe_kernel,
+                       attention_kernel=args.attention_kernel,
                        num_pages=args.num_pages,
                        page_size=args.page_size, max_running_requests=args.max_running, max_model_len=args.max_model_len,
                        max_prefill_tokens=max(EngineConfig.max_prefill_tokens, args.max_model_len))

@@ -89,7 +89,7 @@ class GpuModelRunner:
         self.max_rows = tile_rows(max(max_rows, max(buckets)), PREFILL_TILE)
         self.model = StaticDecodeModel(cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
                                        max_batch=self.max_rows, faults=faults, all_reduce=all_reduce,
-                                       moe_kernel=ecfg.moe_kernel)
+                                       moe_kernel=ecfg.moe_kernel, attention_kernel=ecfg.attention_kernel)
         self.graphs = GraphRunner(self.model, self.kv, self.streams, buckets=buckets,
                                   scratch_page=self.scratch_page, faults=faults, env=env)
         if ecfg.cuda_graphs and on_gpu:

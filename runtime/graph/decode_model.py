@@ -42,10 +42,11 @@ class StaticDecodeModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, page_size: int, max_pages: int,
                  max_batch: int, faults: FaultSet = NO_FAULTS,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 moe_kernel: str = "torch") -> None:
+                 moe_kernel: str = "torch", attention_kernel: str = "torch") -> None:
         self.cfg, self.w, self.faults = cfg, weights, faults
-        if moe_kernel not in ("torch", "triton"):
-            raise ValueError(f"moe_kernel must be torch or triton, got {moe_kernel!r}")
+        for name, choice in (("moe_kernel", moe_kernel), ("attention_kernel", attention_kernel)):
+            if choice not in ("torch", "triton"):
+                raise ValueError(f"{name} must be torch or triton, got {choice!r}")
         # "triton": runtime/kernels/triton/moe.py's fused MoE (routed + shared expert in one combine,
         # float32 accumulation); "torch": the gathered-expert torch ops. Different numerics, so a
         # golden store belongs to one of them.
@@ -61,6 +62,18 @@ class StaticDecodeModel:
                     weights[p + "experts.w_gate"], weights[p + "experts.w_up"], weights[p + "experts.w_down"],
                     *((weights[p + "shared.w_gate"], weights[p + "shared.w_up"], weights[p + "shared.w_down"])
                       if shared else ())))
+        # "triton": the paged indexer-logits kernel and the split sparse MLA decode kernel. The split
+        # count is fixed here, per deployment, never per batch: a row's bits must not depend on it.
+        self.indexer_logits = self.sparse_mla = None
+        if attention_kernel == "triton":
+            from runtime.kernels.triton import attention as triton_attention
+            from runtime.kernels.triton import indexer as triton_indexer
+
+            self.indexer_logits = triton_indexer.indexer_logits
+            self.sparse_mla = triton_attention.sparse_mla_decode
+            local_heads = weights["layers.0.attn.wq.weight"].shape[0] // (cfg.kv_latent_dim + cfg.rope_dim)
+            self.attention_splits = triton_attention.default_num_splits(cfg.sliding_window + cfg.index_topk,
+                                                                        local_heads)
         # Tensor parallel (runtime/distributed/sharding.py): this rank holds a share of the query
         # heads and of every expert's intermediate; attention and MoE outputs are partial sums.
         self.all_reduce = all_reduce or (lambda t: t)
@@ -93,16 +106,17 @@ class StaticDecodeModel:
 
     def _tile(self, rows: slice, inp: DecodeInputs, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
         pos, write = inp.positions[rows], inp.write_slots[rows]
-        ctx = k.context_slots(inp.page_table[rows], self.page_size)  # [B, L]
+        pages = inp.page_table[rows]  # [B, P]
+        ctx = k.context_slots(pages, self.page_size)  # [B, L]
         x = self.w["embed.weight"][inp.token_ids[rows]]
         for layer in range(self.cfg.num_layers):
-            x = x + self._attention(layer, rows, x, pos, write, ctx, kv, streams)
+            x = x + self._attention(layer, rows, x, pos, write, ctx, pages, kv, streams)
             x = x + self._moe(layer, x)
         last = k.rms_norm(x, self.w["norm.weight"], self.cfg.rms_norm_eps)
         return k.linear(last, self.lm_head).float()
 
     def _attention(self, layer: int, rows: slice, x: torch.Tensor, pos: torch.Tensor, write: torch.Tensor,
-                   ctx: torch.Tensor, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+                   ctx: torch.Tensor, pages: torch.Tensor, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{layer}."
         C, R, B = cfg.kv_latent_dim, cfg.rope_dim, x.shape[0]
         h = k.rms_norm(x, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
@@ -111,7 +125,7 @@ class StaticDecodeModel:
         streams.fork(INDEXER_STREAM)
         streams.submit(Task(f"indexer.{layer}", INDEXER_STREAM, reads=("hidden", "index_cache"),
                             writes=("index_cache", "selection"),
-                            fn=lambda: self._indexer(layer, rows, pos, write, ctx, kv)))
+                            fn=lambda: self._indexer(layer, rows, pos, write, ctx, pages, kv)))
 
         q = k.linear(h, w[p + "attn.wq.weight"]).view(B, -1, C + R)
         q = torch.cat([q[..., :C], k.rope(q[..., C:], pos, self.cos, self.sin)], dim=-1)
@@ -123,6 +137,11 @@ class StaticDecodeModel:
 
         def attend() -> None:
             ok = self.sel_ok[rows]
+            if self.sparse_mla is not None:
+                slots = torch.where(ok, ctx.gather(1, self.sel_pos[rows]), -1).to(torch.int32)
+                self.sparse_mla(q, kv.latent[layer], slots, C, cfg.softmax_scale, num_splits=self.attention_splits,
+                                out=out)
+                return
             gathered = kv.latent[layer][ctx.gather(1, self.sel_pos[rows])]  # [B, S, C+R]
             # Unselected entries may be never-written (NaN-poisoned) slots: zero them, as 0 * NaN = NaN.
             gathered = torch.where(ok[..., None], gathered, torch.zeros((), dtype=self.dtype, device=self.device))
@@ -136,7 +155,7 @@ class StaticDecodeModel:
         return self.all_reduce(k.linear(out.view(B, -1), w[p + "attn.wo.weight"]))
 
     def _indexer(self, layer: int, rows: slice, pos: torch.Tensor, write: torch.Tensor, ctx: torch.Tensor,
-                 kv: KVCache) -> None:
+                 pages: torch.Tensor, kv: KVCache) -> None:
         cfg, w, p = self.cfg, self.w, f"layers.{layer}.indexer."
         HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.rope_dim
         h = self.hidden[rows]
@@ -146,7 +165,11 @@ class StaticDecodeModel:
         key = torch.cat([key[:, :DI - R], k.rope(key[:, DI - R:], pos, self.cos, self.sin)], -1)
         head_weights = k.linear(h, w[p + "weights_proj.weight"]) * (HI * DI) ** -0.5
         kv.index_keys[layer, write] = key
-        scores = k.indexer_scores(q, head_weights, kv.index_keys[layer][ctx])
+        if self.indexer_logits is not None:  # reads the paged keys in place; -inf past each row's position
+            scores = self.indexer_logits(q, head_weights.float(), kv.index_keys[layer], pages.to(torch.int32),
+                                         (pos + 1).to(torch.int32), self.page_size)
+        else:
+            scores = k.indexer_scores(q, head_weights, kv.index_keys[layer][ctx])
         selected, ok = k.select_slots(scores.float(), pos, cfg.sliding_window, cfg.index_topk)
         self.sel_pos[rows].copy_(selected)
         self.sel_ok[rows].copy_(ok)

@@ -83,3 +83,18 @@ def test_probe_measures_blocks_per_second():
     assert 0 < probe(0.05) < 1e6
     with pytest.raises(ValueError):
         probe(0)
+
+
+def test_a_baseline_belongs_to_its_kernels():
+    from canary.driver import DriverOptions
+    from canary.gate import baseline_fingerprint
+    from canary.provenance import fingerprint
+    from canary.targets import Target
+
+    target, options = Target("t", "http://x/v1", "canary-moe-v1", True), DriverOptions(sessions=80)
+    older = baseline_fingerprint(target, {"model": "m"}, options)  # a server without engine_config
+    default = baseline_fingerprint(target, {"model": "m", "engine_config": {"moe_kernel": "torch",
+                                                                         "attention_kernel": "torch"}}, options)
+    triton = baseline_fingerprint(target, {"model": "m", "engine_config": {"attention_kernel": "triton"}}, options)
+    assert fingerprint(older) == fingerprint(default) != fingerprint(triton)
+    assert triton["triton_kernels"] == ["attention"]

@@ -36,7 +36,7 @@ def workload(n: int, seed: int, long_prompt: int = 0):
 
 
 def run(tiny, prompts, params, faults=(), overlap=False, tp=1, env=None, **cfg) -> list[Generation]:
-    ecfg = EngineConfig(num_pages=1024, max_model_len=2048, **cfg)
+    ecfg = EngineConfig(**{"num_pages": 1024, "max_model_len": 2048, **cfg})
     with Engine(tiny, ecfg, FaultSet(faults), env or Env(), overlap=overlap, tp=tp) as eng:
         reqs = eng.generate(prompts, params)
         assert eng.pages_in_use == 0
@@ -74,7 +74,7 @@ def test_static_runner_overlap_equals_normal_and_stale_token_is_caught(tiny):
 def test_kv_slot_reuse_changes_static_runner_outputs(tiny):
     """Negative control for batched == solo: with pages handed out twice, batching matters."""
     prompts, params = workload(10, seed=4)
-    clean = run(tiny, prompts, params, runner="static")
+    clean = run(tiny, prompts, params, runner="static", max_model_len=128)
     broken = run(tiny, prompts, params, runner="static", faults=("kv-slot-reuse",))
     assert broken != clean
 
@@ -102,6 +102,40 @@ def test_static_runner_with_the_fused_triton_moe(tiny):
     check_logprobs_close(torch_moe, triton_moe, margin=1e-3, logprob_atol=1e-4)
     solo = [run(tiny, [p], [sp], runner="static", moe_kernel="triton")[0] for p, sp in zip(prompts, params)]
     assert triton_moe == solo
+
+
+# Under the interpreter every indexer program scans the whole page table: a short context capacity
+# (128 positions, still past window + top-k + the longest prompt) keeps these tests to seconds.
+TRITON_ATTENTION = dict(runner="static", attention_kernel="triton", max_model_len=128)
+
+
+def test_static_runner_with_the_triton_indexer_and_sparse_attention(tiny):
+    """The engine with runtime/kernels/triton/indexer.py + attention.py as its indexer and attention
+    (the Triton interpreter on CPU, float32): batched == solo bit for bit, the torch path's tokens within
+    recorded near-ties, and a long prompt (past window + top-k) so the top-k selection is exercised."""
+    prompts, params = workload(4, seed=7, long_prompt=tiny.config.sliding_window + tiny.config.index_topk + 40)
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=3) for _ in params]
+    torch_attn = run(tiny, prompts, params, runner="static", max_model_len=128)
+    triton_attn = run(tiny, prompts, params, **TRITON_ATTENTION)
+    check_logprobs_close(torch_attn, triton_attn, margin=1e-3, logprob_atol=1e-4)
+    solo = [run(tiny, [p], [sp], **TRITON_ATTENTION)[0] for p, sp in zip(prompts, params)]
+    assert triton_attn == solo
+
+
+def test_static_runner_triton_attention_comparison_sees_a_planted_bug(tiny, monkeypatch):
+    """Negative control: the same comparison fails when the Triton attention is given a wrong softmax
+    scale (the classic slip of scaling by the latent width alone, without the rope dims)."""
+    from runtime.kernels.triton import attention as triton_attention
+
+    prompts, params = workload(4, seed=7, long_prompt=tiny.config.sliding_window + tiny.config.index_topk + 40)
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=3) for _ in params]
+    clean = run(tiny, prompts, params, runner="static", max_model_len=128)
+    real = triton_attention.sparse_mla_decode
+    monkeypatch.setattr(triton_attention, "sparse_mla_decode",
+                        lambda q, cache, slots, latent, scale, **kw: real(q, cache, slots, latent, latent ** -0.5, **kw))
+    planted = run(tiny, prompts, params, **TRITON_ATTENTION)
+    with pytest.raises(AssertionError):
+        check_logprobs_close(clean, planted, margin=1e-3, logprob_atol=1e-4)
 
 
 def test_static_runner_tp2_overlap_recomputes_preempted_requests_like_tp1(tiny):
