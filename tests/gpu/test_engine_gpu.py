@@ -140,32 +140,18 @@ def test_eager_fallback_above_the_largest_bucket_equals_graph_replay(loaded):
     assert out_wide == out_narrow, first_difference(out_wide, out_narrow)
 
 
-def test_fused_triton_moe_in_the_engine(loaded):
-    """The GPU runner with runtime/kernels/triton/moe.py (captured in the decode graphs): batched ==
-    solo bit for bit in bf16; in float32 the torch MoE's tokens within recorded near-ties."""
+@pytest.mark.parametrize("kernel", ["moe_kernel", "attention_kernel"])
+def test_triton_kernels_in_the_engine(loaded, kernel):
+    """The GPU runner with a Triton opt-in (moe: runtime/kernels/triton/moe.py; attention: indexer.py +
+    attention.py), captured in the decode graphs: batched == solo bit for bit in bf16; in float32 the
+    torch path's tokens within recorded near-ties."""
     prompts, params = workload(loaded, 12, seed=8)
-    eng = engine(loaded, moe_kernel="triton")
+    eng = engine(loaded, **{kernel: "triton"})
     batched = generations(eng, prompts, params)
     solo = [generations(eng, [p], [sp])[0] for p, sp in zip(prompts, params)]
     assert eng.runner.graphs.replays > 0
     assert batched == solo, first_difference(batched, solo)
     greedy = [SamplingParams(max_tokens=sp.max_tokens, ignore_eos=True, logprobs=True, top_logprobs=5) for sp in params]
-    torch_moe = generations(engine(loaded, dtype="float32"), prompts, greedy)
-    triton_moe = generations(engine(loaded, dtype="float32", moe_kernel="triton"), prompts, greedy)
-    check_logprobs_close(torch_moe, triton_moe, margin=0.05, logprob_atol=1e-3)
-
-
-def test_triton_indexer_and_attention_in_the_engine(loaded):
-    """The GPU runner with runtime/kernels/triton/indexer.py + attention.py (captured in the decode
-    graphs, indexer on its side stream): batched == solo bit for bit in bf16; in float32 the torch
-    path's tokens within recorded near-ties."""
-    prompts, params = workload(loaded, 12, seed=9)
-    eng = engine(loaded, attention_kernel="triton")
-    batched = generations(eng, prompts, params)
-    solo = [generations(eng, [p], [sp])[0] for p, sp in zip(prompts, params)]
-    assert eng.runner.graphs.replays > 0
-    assert batched == solo, first_difference(batched, solo)
-    greedy = [SamplingParams(max_tokens=sp.max_tokens, ignore_eos=True, logprobs=True, top_logprobs=5) for sp in params]
-    torch_attn = generations(engine(loaded, dtype="float32"), prompts, greedy)
-    triton_attn = generations(engine(loaded, dtype="float32", attention_kernel="triton"), prompts, greedy)
-    check_logprobs_close(torch_attn, triton_attn, margin=0.05, logprob_atol=1e-3)
+    torch_path = generations(engine(loaded, dtype="float32"), prompts, greedy)
+    triton_path = generations(engine(loaded, dtype="float32", **{kernel: "triton"}), prompts, greedy)
+    check_logprobs_close(torch_path, triton_path, margin=0.05, logprob_atol=1e-3)
