@@ -198,7 +198,10 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
              on_request_done: Callable[[RequestRecord], None] | None = None) -> GateOutcome:
     outcome = GateOutcome()
     info = server_info(target)
-    probing = probes_this_machine(target)
+    fp = baseline_fingerprint(target, info, options)
+    baseline = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
+    # The probe is only worth its second when a baseline will be compared or recorded.
+    probing = probes_this_machine(target) and (baseline.is_file() or golden_update or baseline_update)
     speed_before = machine_speed.probe() if probing else None
     result = run_driver(target, options, progress, on_request_done)
     outcome.failures += [f.describe() for _, f in result.failures]
@@ -218,8 +221,7 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     if record and outcome.failures:
         record = False  # a run that failed an oracle is no one's performance baseline
         outcome.notes.append("performance baseline NOT recorded: the run failed")
-    gate_against_baseline(gated_figures(metrics), baseline_fingerprint(target, info, options), baseline,
-                          perf_tolerance, record, outcome, speed)
+    gate_against_baseline(gated_figures(metrics), fp, baseline, perf_tolerance, record, outcome, speed)
     outcome.summary.update({"target": target.name, "metadata": metadata, "metrics": metrics,
                             "sessions_completed": result.sessions_completed,
                             "sessions_aborted": result.sessions_aborted,
