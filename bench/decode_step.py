@@ -1,11 +1,18 @@
-"""Decode step time vs batch size for eager, graph, and graph + multi-stream; fits a + b*bs.
+"""Decode step time vs batch size, as % of the step's HBM roofline; a 4,096-row prefill pass as % of
+the bf16 matmul roofline; what batch invariance costs; the graph's fixed term.
 
 Models: `canary` (the tiny-random dsv4-mini shape) and `dsv4-slice` (2 layers at DSV4-Flash-like
-dims, random weights; see SLICE). Also the bucket sawtooth: graph step time over consecutive batch
-sizes with fine vs coarse buckets. Prints one JSON line per measurement and a summary JSON at the
-end (written to --out). Times are CUDA-event means over --iters replays after warm-up.
+dims, random weights; see SLICE). Modes: eager, graph, graph + multi-stream (the served config), and
+graph + multi-stream with cuBLAS projections (`gemm=cublas`: the same step without the invariance
+rule, since cuBLAS picks its kernel by batch size). Also the bucket sawtooth (fine vs coarse buckets).
 
-    python bench/decode_step.py --model canary --out $OUT/decode_canary.json
+Roofline = max(bytes / read bandwidth, FLOPs / bf16 matmul rate), both measured in this run: bytes =
+every non-expert weight + the routed experts the batch touches (E * (1 - (1 - K/E)^bs) per layer) +
+the shared expert + the KV rows read (selected latent rows, indexer keys up to each position).
+Prints one JSON line per measurement and a summary JSON (also written to --out). Times are
+CUDA-event means over --iters runs after warm-up.
+
+    python bench/decode_step.py --model dsv4-slice --out $OUT/decode_slice.json
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ SLICE = ModelConfig(vocab_size=4096, hidden_size=4096, num_layers=2, num_heads=6
                     rope_dim=64, index_heads=64, index_dim=128, index_topk=512, sliding_window=128,
                     n_routed_experts=256, num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=256,
                     n_group=8, topk_group=4, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+PREFILL_ROWS = 4096
 
 
 def random_weights(cfg: ModelConfig, small: bool) -> dict[str, torch.Tensor]:
@@ -53,7 +61,9 @@ def git_commit() -> str:
 
 
 class Bench:
-    def __init__(self, cfg: ModelConfig, weights, pages_per_request: int, max_batch: int, buckets, streams):
+    def __init__(self, cfg: ModelConfig, weights, pages_per_request: int, max_batch: int, buckets, streams,
+                 kernels: dict):
+        self.requests = max_batch
         self.scratch = max_batch * pages_per_request
         ecfg = EngineConfig(page_size=PAGE, num_pages=self.scratch + 1, device="cuda", dtype="bfloat16")
         self.kv = KVCache(cfg, ecfg, torch.bfloat16)
@@ -61,26 +71,76 @@ class Bench:
         self.kv.index_keys.normal_()
         self.pages = pages_per_request
         self.model = StaticDecodeModel(cfg, weights, page_size=PAGE, max_pages=pages_per_request,
-                                       max_batch=max_batch)
+                                       max_batch=max(max_batch, PREFILL_ROWS), **kernels)
         self.runner = GraphRunner(self.model, self.kv, streams, buckets=buckets, scratch_page=self.scratch)
 
     def inputs(self, n: int, context: int) -> DecodeInputs:
+        """One decode row for each of n requests, at random positions in the second half of `context`."""
         rng = random.Random(n)
         pos = torch.tensor([rng.randint(context // 2, context - 1) for _ in range(n)], device="cuda")
-        table = (torch.arange(n)[:, None] * self.pages + torch.arange(self.pages)).cuda()
-        slots = table.gather(1, (pos // PAGE)[:, None])[:, 0] * PAGE + pos % PAGE
-        return DecodeInputs(torch.zeros(n, dtype=torch.long, device="cuda"), pos, slots, table)
+        return self._rows(torch.arange(n, device="cuda"), pos)
 
-    def time(self, fn, inp: DecodeInputs, iters: int) -> float:
-        for _ in range(3):
-            fn(inp)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn(inp)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
+    def prefill(self, rows: int, context: int) -> DecodeInputs:
+        """A prefill chunk: `rows` prompt rows, requests of `context` tokens each, positions 0.."""
+        requests = torch.arange(rows, device="cuda") // context
+        return self._rows(requests, torch.arange(rows, device="cuda") % context)
+
+    def _rows(self, requests: torch.Tensor, pos: torch.Tensor) -> DecodeInputs:
+        table = requests[:, None] * self.pages + torch.arange(self.pages, device="cuda")
+        slots = table.gather(1, (pos // PAGE)[:, None])[:, 0] * PAGE + pos % PAGE
+        return DecodeInputs(torch.zeros(len(pos), dtype=torch.long, device="cuda"), pos, slots, table)
+
+
+def time_ms(fn, *args, iters: int) -> float:
+    for _ in range(3):
+        fn(*args)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def machine_rates() -> dict:
+    """HBM read bandwidth (a 4 GiB reduction) and bf16 matmul rate (8192^3), measured here."""
+    big = torch.ones(2 * 1024**3, dtype=torch.bfloat16, device="cuda")
+    read_ms = time_ms(lambda: big.sum(dtype=torch.float32), iters=10)
+    del big
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_ms = time_ms(torch.mm, a, a, iters=10)
+    return {"read_tb_s": 4 * 1024**3 / read_ms / 1e9, "matmul_tflop_s": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def step_bytes(cfg: ModelConfig, weights: dict, inp: DecodeInputs) -> float:
+    """Bytes a decode step must read: weights (experts as touched by this many rows) + KV rows."""
+    bs = inp.batch_size
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in weights.items() if ".experts." in n)
+    # The embedding is gathered row by row, unless it doubles as the LM head (read whole).
+    rest = sum(t.numel() * t.element_size() for n, t in weights.items() if ".experts." not in n
+               and (n != "embed.weight" or cfg.tie_word_embeddings))
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = expert_bytes * (1 - (1 - K / E) ** bs)
+    S = cfg.sliding_window + cfg.index_topk
+    kv_rows = cfg.num_layers * (bs * S * (cfg.kv_latent_dim + cfg.rope_dim)
+                                + float((inp.positions + 1).sum()) * cfg.index_dim) * 2
+    return rest + touched + kv_rows
+
+
+def prefill_flops(cfg: ModelConfig, weights: dict, inp: DecodeInputs) -> float:
+    """Matmul FLOPs of one pass over these rows (every row through every projection, K + shared experts,
+    attention over its selected slots, the indexer over its context)."""
+    rows = inp.batch_size
+    dense = sum(t.numel() for n, t in weights.items() if n.endswith(".weight") and t.dim() == 2
+                and ".experts." not in n and n != "embed.weight")
+    if cfg.tie_word_embeddings:
+        dense += weights["embed.weight"].numel()
+    expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * cfg.num_experts_per_tok * cfg.num_layers
+    selected = torch.clamp(inp.positions + 1, max=cfg.sliding_window + cfg.index_topk).sum().item()
+    attention = cfg.num_layers * selected * cfg.num_heads * (2 * cfg.kv_latent_dim + cfg.rope_dim)
+    indexer = cfg.num_layers * float((inp.positions + 1).sum()) * cfg.index_heads * cfg.index_dim
+    return 2 * (rows * (dense + expert) + attention + indexer)
 
 
 def fit(points: list[tuple[int, float]]) -> dict:
@@ -95,6 +155,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["canary", "dsv4-slice"], default="canary")
     ap.add_argument("--batch-sizes", default="1,8,16,32,48,64,96,128")
+    ap.add_argument("--moe-kernel", choices=["triton", "torch"], default="triton")
+    ap.add_argument("--attention-kernel", choices=["triton", "torch"], default="triton")
     ap.add_argument("--sawtooth", default="", help="batch sizes for the fine vs coarse bucket sweep")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="")
@@ -104,36 +166,62 @@ def main() -> None:
     weights = random_weights(cfg, small)
     pages, context = (24, 320) if small else (128, 2048)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    max_batch = max(sizes)
+    kernels = {"moe_kernel": args.moe_kernel, "attention_kernel": args.attention_kernel}
+    rates = machine_rates()
     results: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "commit": git_commit(),
-                     "torch": torch.__version__, "context": context, "modes": {}}
-    for mode, streams in (("eager", InOrderExecutor()), ("graph", InOrderExecutor()),
-                          ("graph+multistream", CudaStreamExecutor())):
-        bench = Bench(cfg, weights, pages, max_batch, FINE_BUCKETS, streams)
+                     "torch": torch.__version__, "context": context, "kernels": kernels, "rates": rates, "modes": {}}
+    print(json.dumps({"rates": rates}), flush=True)
+    modes = (("eager", InOrderExecutor, "invariant"), ("graph", InOrderExecutor, "invariant"),
+             ("graph+multistream", CudaStreamExecutor, "invariant"),
+             ("graph+multistream+cublas", CudaStreamExecutor, "cublas"))
+    for mode, streams, gemm in modes:
+        bench = Bench(cfg, weights, pages, max(sizes), FINE_BUCKETS, streams(), {**kernels, "gemm": gemm})
         if mode != "eager":
             bench.runner.capture()
         fn = bench.runner.eager if mode == "eager" else bench.runner.forward
-        points = [(n, bench.time(fn, bench.inputs(n, context), args.iters)) for n in sizes]
-        for n, ms in points:
-            print(json.dumps({"model": args.model, "mode": mode, "bs": n, "ms": round(ms, 4)}), flush=True)
+        points = []
+        for n in sizes:
+            inp = bench.inputs(n, context)
+            ms = time_ms(fn, inp, iters=args.iters)
+            roofline_ms = step_bytes(cfg, weights, inp) / (rates["read_tb_s"] * 1e9)
+            points.append((n, ms))
+            print(json.dumps({"model": args.model, "mode": mode, "bs": n, "ms": round(ms, 4),
+                              "roofline_ms": round(roofline_ms, 4), "pct_roofline": round(100 * roofline_ms / ms, 1)}),
+                  flush=True)
         results["modes"][mode] = {"points": points, **fit(points)}
+        if mode == "graph+multistream":
+            chunk = bench.prefill(PREFILL_ROWS, min(context, PREFILL_ROWS))
+            ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
+            roofline_ms = max(prefill_flops(cfg, weights, chunk) / (rates["matmul_tflop_s"] * 1e9),
+                              step_bytes(cfg, weights, chunk) / (rates["read_tb_s"] * 1e9))
+            results["prefill"] = {"rows": PREFILL_ROWS, "ms": ms, "roofline_ms": roofline_ms,
+                                  "pct_roofline": 100 * roofline_ms / ms}
+            print(json.dumps({"model": args.model, "prefill": results["prefill"]}), flush=True)
         del bench
         torch.cuda.empty_cache()
     if args.sawtooth:
         saw = [int(s) for s in args.sawtooth.split(",")]
         for name, buckets in (("fine", FINE_BUCKETS), ("coarse", COARSE_BUCKETS)):
-            bench = Bench(cfg, weights, pages, max(saw), buckets, CudaStreamExecutor())
+            bench = Bench(cfg, weights, pages, max(saw), buckets, CudaStreamExecutor(), kernels)
             bench.runner.capture()
-            points = [(n, bench.time(bench.runner.forward, bench.inputs(n, context), args.iters)) for n in saw]
+            points = [(n, time_ms(bench.runner.forward, bench.inputs(n, context), iters=args.iters)) for n in saw]
             results[f"sawtooth_{name}"] = points
             print(json.dumps({"model": args.model, "sawtooth": name, "points": points}), flush=True)
             del bench
             torch.cuda.empty_cache()
+    served = dict(results["modes"]["graph+multistream"]["points"])
+    cublas = dict(results["modes"]["graph+multistream+cublas"]["points"])
     eager_a, graph_a = results["modes"]["eager"]["a_ms"], results["modes"]["graph"]["a_ms"]
     results["graph_a_over_eager_a"] = graph_a / eager_a
+    results["invariance_cost"] = {n: served[n] / cublas[n] - 1 for n in sizes}
+    if 16 in served and 128 in served:
+        results["step128_over_step16"] = served[128] / served[16]
     print(json.dumps({"summary": {m: {k: v for k, v in r.items() if k != "points"}
                                   for m, r in results["modes"].items()},
-                      "graph_a_over_eager_a": results["graph_a_over_eager_a"]}), flush=True)
+                      "graph_a_over_eager_a": results["graph_a_over_eager_a"],
+                      "invariance_cost": results["invariance_cost"],
+                      "step128_over_step16": results.get("step128_over_step16"),
+                      "prefill": results.get("prefill")}), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

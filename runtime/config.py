@@ -123,6 +123,10 @@ class EngineConfig:
     # longer than this is rejected at admission time rather than stalling the queue).
     max_prefill_tokens: int = 4096
     max_model_len: int = 4096
+    # Static runner: prompt rows per eager pass (the prefill chunk). A step's prompt rows of all its
+    # requests run in passes of at most this many rows, in order, so a prompt that spans passes reads
+    # its prefix from the paged cache. Bits do not depend on it (every op is batch-invariant).
+    prefill_chunk: int = 4096
     dtype: str = "float32"
     device: str = "cpu"
     # GPU only (runtime/engine/gpu_runner.py): decode steps replay CUDA graphs, and the indexer runs
@@ -133,22 +137,28 @@ class EngineConfig:
     # (graph/decode_model.py: one row per token, capturable; what the GPU runs), or "auto" =
     # static on cuda, eager on cpu. Forcing "static" on CPU lets CI test the GPU runner's logic.
     runner: str = "auto"
-    # Static runner: "torch" (gathered-expert torch ops) or "triton" (runtime/kernels/triton/moe.py).
-    moe_kernel: str = "torch"
-    # Static runner: "torch" (gather + bmm) or "triton" (runtime/kernels/triton/indexer.py's paged
-    # indexer logits and attention.py's split sparse MLA decode). Each kernel choice is a different
-    # numerics, so a golden store belongs to one combination (EngineConfig is in its fingerprint).
-    attention_kernel: str = "torch"
+    # Static runner: "triton" (runtime/kernels/triton/moe.py) or "torch" (gathered-expert torch ops,
+    # the readable reference path); "auto" = triton on cuda, torch on cpu (where Triton only runs
+    # under its slow interpreter).
+    moe_kernel: str = "auto"
+    # Static runner: "triton" (runtime/kernels/triton/indexer.py's paged indexer logits and
+    # attention.py's split sparse MLA decode) or "torch" (gather + bmm); "auto" as for moe_kernel.
+    # Each kernel choice is a different numerics, so a golden store belongs to one combination
+    # (EngineConfig is in its fingerprint).
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_pages", "max_running_requests", "max_prefill_tokens", "max_model_len"):
+        for name in ("page_size", "num_pages", "max_running_requests", "max_prefill_tokens", "max_model_len",
+                     "prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("moe_kernel", "attention_kernel"):
-            if getattr(self, name) not in ("torch", "triton"):
-                raise ValueError(f"EngineConfig.{name} must be torch or triton, got {getattr(self, name)!r}")
+            if getattr(self, name) not in ("auto", "torch", "triton"):
+                raise ValueError(f"EngineConfig.{name} must be auto, torch or triton, got {getattr(self, name)!r}")
+            if getattr(self, name) == "auto":  # resolved here, so fingerprints and golden paths name the choice
+                object.__setattr__(self, name, "torch" if self.device == "cpu" else "triton")
         if self.runner not in ("auto", "eager", "static"):
             raise ValueError(f"EngineConfig.runner must be auto, eager or static, got {self.runner!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):

@@ -41,18 +41,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inject-fault", action="append", default=[], choices=sorted(REGISTRY), metavar="NAME",
                         help="switch on a named fault (repeatable): " + ", ".join(sorted(REGISTRY)))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo on CPU)")
-    parser.add_argument("--overlap", action="store_true", help="overlap scheduler: plan step N+1 while N runs")
+    parser.add_argument("--overlap", action="store_true",
+                        help="overlap scheduler: plan step N+1 while N runs (the default on cuda)")
+    parser.add_argument("--disable-overlap", action="store_true",
+                        help="GPU: the normal loop (plan, run, process in turn), to compare against")
     parser.add_argument("--device", default="auto",
                         help="cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="activation/weight dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="GPU: run decode steps eagerly")
     parser.add_argument("--single-stream", action="store_true", help="GPU: run the indexer on the main stream")
-    parser.add_argument("--moe-kernel", default="torch", choices=["torch", "triton"],
-                        help="GPU runner's MoE: torch ops or the fused Triton kernel (runtime/kernels/triton/moe.py)")
-    parser.add_argument("--attention-kernel", default="torch", choices=["torch", "triton"],
-                        help="GPU runner's indexer and sparse attention: torch ops or the Triton kernels "
-                             "(runtime/kernels/triton/indexer.py, attention.py)")
+    parser.add_argument("--moe-kernel", default="auto", choices=["auto", "torch", "triton"],
+                        help="static runner's MoE: the fused Triton kernel (runtime/kernels/triton/moe.py) or the "
+                             "torch reference ops; auto = triton on cuda, torch on cpu")
+    parser.add_argument("--attention-kernel", default="auto", choices=["auto", "torch", "triton"],
+                        help="static runner's indexer and sparse attention: the Triton kernels "
+                             "(runtime/kernels/triton/indexer.py, attention.py) or the torch reference ops; "
+                             "auto = triton on cuda, torch on cpu")
     parser.add_argument("--runner", default="auto", choices=["auto", "eager", "static"],
                         help="model runner: auto = static (capturable, one row per token) on cuda, eager on cpu")
     parser.add_argument("--log-level", default="info")
@@ -86,7 +91,10 @@ def build_state(args: argparse.Namespace):
                        num_pages=args.num_pages,
                        page_size=args.page_size, max_running_requests=args.max_running, max_model_len=args.max_model_len,
                        max_prefill_tokens=max(EngineConfig.max_prefill_tokens, args.max_model_len))
-    engine = Engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=args.overlap,
+    if args.overlap and args.disable_overlap:
+        raise ValueError("--overlap and --disable-overlap contradict each other")
+    overlap = args.overlap or (device != "cpu" and not args.disable_overlap)
+    engine = Engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=overlap,
                     tp=args.tp)
     template = ChatTemplate.for_model(Path(loaded.path) if loaded.path else None)
     return ServerState(loaded, engine, template, env, api_key=args.api_key or env.server_api_key,

@@ -40,13 +40,14 @@ want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 
-# ---- issue 7: CUDA-graph runner, multi-stream, eager-vs-graph equivalence
-want graph_tests && section graph_tests "${GRAPH_TEST_TIMEOUT:-150}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
-    tests/kernels/test_graph_gpu.py tests/kernels/test_graph_static.py
+# ---- issues 7, 14: the Triton kernels vs their references (batch invariance included), CUDA-graph
+# runner, multi-stream, eager-vs-graph equivalence
+want graph_tests && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
+    tests/kernels/test_triton_kernels.py tests/kernels/test_graph_gpu.py tests/kernels/test_graph_static.py
 want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY bench/decode_step.py --model canary \
     --sawtooth 1,16,17,32,33,48,49,64,65,96,97,128 --out "$OUT/decode_canary.json"
 want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY bench/decode_step.py --model dsv4-slice \
-    --batch-sizes 1,8,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
+    --batch-sizes 1,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
 
 # ---- the engine on the GPU (issues 7, 8): graphs + multi-stream through Engine.step(), overlap
 want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \

@@ -1,17 +1,16 @@
 """`GpuModelRunner`: executes a `StepPlan` on a CUDA device with the capturable decode model.
 
 Every new token is one row of `StaticDecodeModel`: a prefill of 300 tokens is 300 rows at
-positions start..start+299 sharing one page table, a decode is one row. This is causal as it
-stands because rows run in tiles, in order, and each tile writes its KV (every layer) before its
-attention reads it, so row p sees exactly positions 0..p. One code path for prefill and decode
-means a request's logits do not depend on how its tokens were batched (batch invariance, and
-preemption recompute is exact).
+positions start..start+299 sharing one page table, a decode is one row. One code path for prefill
+and decode, and batch-invariant ops, mean a request's logits do not depend on how its tokens were
+batched or chunked (batch invariance, and preemption recompute is exact).
 
-A step runs as two groups: its prompt rows eagerly in tiles of PREFILL_TILE, its decode rows in
-tiles of TILE, replaying a CUDA graph up to the largest bucket (`GraphRunner`), eagerly above.
-Each kind of row always sees one tile size, so its bits never depend on its batch. The indexer runs on a side stream
-(`CudaStreamExecutor`) unless multi-stream is switched off. The KV cache has one page more than
-the pool hands out: the scratch page that padded rows write and read.
+A step runs as two passes: its prompt rows eagerly, one pass per chunk of at most `max_rows` rows
+(varlen over requests; chunks in row order, so a prompt split across chunks reads its prefix from
+the paged cache), then its decode rows, replaying a CUDA graph up to the largest bucket
+(`GraphRunner`), one eager pass above. The indexer runs on a side stream (`CudaStreamExecutor`)
+unless multi-stream is switched off. The KV cache has one page more than the pool hands out: the
+scratch page that padded rows write and read.
 """
 
 from __future__ import annotations
@@ -30,17 +29,12 @@ from runtime.engine.request import Request
 from runtime.env import Env
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
-from runtime.graph.runner import FINE_BUCKETS, GraphRunner, tile_rows
-from runtime.kernels.cuda_torch import TILE
+from runtime.graph.runner import FINE_BUCKETS, GraphRunner
 from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
 from runtime.streams.cuda import CudaStreamExecutor
 from runtime.streams.tasks import InOrderExecutor
 
-DEFAULT_MAX_ROWS = 1024  # eager chunk: bounds the workspace, not the prefill length
-# Prompt rows run in tiles of this many rows (decode rows: TILE). Fixed per kind of row, so batch
-# invariance holds; larger, because a prefill of thousands of rows in 16-row tiles is launch-bound.
-PREFILL_TILE = 128
 
 
 class StepTimeline:
@@ -72,8 +66,7 @@ class StepTimeline:
 
 class GpuModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ecfg: EngineConfig, pool: PagePool,
-                 faults: FaultSet = NO_FAULTS, env: Env | None = None, *, max_rows: int = DEFAULT_MAX_ROWS,
-                 all_reduce=None) -> None:
+                 faults: FaultSet = NO_FAULTS, env: Env | None = None, *, all_reduce=None) -> None:
         env = env or Env.load()
         self.device = torch.device(ecfg.device)
         self.pool, self.faults = pool, faults
@@ -86,7 +79,7 @@ class GpuModelRunner:
         side_streams = ecfg.multi_stream and on_gpu
         self.streams = CudaStreamExecutor(env.stream_jitter_cycles) if side_streams else InOrderExecutor()
         buckets = tuple(env.graph_buckets or FINE_BUCKETS)
-        self.max_rows = tile_rows(max(max_rows, max(buckets)), PREFILL_TILE)
+        self.max_rows = max(ecfg.prefill_chunk, max(buckets))  # rows per pass: bounds the workspace
         self.model = StaticDecodeModel(cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
                                        max_batch=self.max_rows, faults=faults, all_reduce=all_reduce,
                                        moe_kernel=ecfg.moe_kernel, attention_kernel=ecfg.attention_kernel)
@@ -139,16 +132,12 @@ class GpuModelRunner:
 
     # ---- running them --------------------------------------------------------------------------
     def forward_decode(self, inp: DecodeInputs) -> torch.Tensor:
-        """One row per request, always in tiles of TILE: graph replay up to the largest bucket."""
+        """One row per request: graph replay up to the largest bucket, eager passes above."""
         if inp.batch_size <= max(self.graphs.buckets):
             return self.graphs.forward(inp)
-        return self._eager_chunks(inp, list(range(inp.batch_size)), TILE)
+        return self.forward_prefill(inp, list(range(inp.batch_size)))
 
     def forward_prefill(self, inp: DecodeInputs, last_rows: list[int]) -> torch.Tensor:
-        """Prompt rows, always in tiles of PREFILL_TILE (fewer, larger kernels for long prompts)."""
-        return self._eager_chunks(inp, last_rows, PREFILL_TILE)
-
-    def _eager_chunks(self, inp: DecodeInputs, last_rows: list[int], tile: int) -> torch.Tensor:
         """float32 logits [len(last_rows), V], running at most `max_rows` rows at a time. Chunks run
         in row order, so a prompt split across chunks is still causal."""
         picked = []
@@ -158,7 +147,7 @@ class GpuModelRunner:
             chunk = DecodeInputs(inp.token_ids[start:stop], inp.positions[start:stop], inp.write_slots[start:stop],
                                  inp.page_table[start:stop])
             wanted = last[(last >= start) & (last < stop)] - start
-            logits = self.graphs.eager(chunk, tile)
+            logits = self.graphs.eager(chunk)
             if len(wanted):
                 picked.append(logits[wanted.to(self.device, non_blocking=True)])
         return torch.cat(picked)

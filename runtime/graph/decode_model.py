@@ -3,9 +3,15 @@ be captured into a CUDA graph; same math as models/dsv4_mini.py (one new token p
 
 The indexer runs on the "indexer" side stream through the declared-stream API and writes its
 selection into persistent workspace buffers (as a captured graph's buffers are); attention joins
-the stream before reading them. The `stream-race` fault drops that join. Rows are processed in
-tiles of cuda_torch.TILE so every kernel sees one shape whatever the batch (batch invariance).
-B = TILE rows, L = context capacity (pages per request * page size), S = window + topk.
+the stream before reading them. The `stream-race` fault drops that join.
+
+A forward is one pass over all its rows: every op runs once over the whole (bucket-padded) batch,
+so each weight is read once per step, and a row's bits do not depend on the batch because every op
+is batch-invariant on its own (kernels/cuda_torch.py, kernels/triton/). Rows are tokens, not
+requests: a prefill chunk is many rows of one or more requests at consecutive positions, each with
+its request's page table. It is causal as it stands: each layer writes every row's KV before any
+row's attention or indexer reads the cache, and a row only reads positions <= its own.
+B = rows, L = context capacity (pages per request * page size), S = window + topk.
 """
 
 from __future__ import annotations
@@ -42,8 +48,12 @@ class StaticDecodeModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, page_size: int, max_pages: int,
                  max_batch: int, faults: FaultSet = NO_FAULTS,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 moe_kernel: str = "torch", attention_kernel: str = "torch") -> None:
+                 moe_kernel: str = "torch", attention_kernel: str = "torch", gemm: str = "invariant") -> None:
         self.cfg, self.w, self.faults = cfg, weights, faults
+        # "cublas": torch.mm, not batch-invariant; only for measuring what the invariance rule costs.
+        if gemm not in ("invariant", "cublas"):
+            raise ValueError(f"gemm must be invariant or cublas, got {gemm!r}")
+        self.linear = k.cublas_linear if gemm == "cublas" else k.linear
         for name, choice in (("moe_kernel", moe_kernel), ("attention_kernel", attention_kernel)):
             if choice not in ("torch", "triton"):
                 raise ValueError(f"{name} must be torch or triton, got {choice!r}")
@@ -83,37 +93,30 @@ class StaticDecodeModel:
         self.lm_head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.cos, self.sin = k.rope_table(cfg.rope_dim // 2, cfg.rope_theta, page_size * max_pages,
                                           self.device, self.dtype)
-        rows = -(-max_batch // k.TILE) * k.TILE
         S = cfg.sliding_window + cfg.index_topk
         # Workspace shared between streams; persistent so a graph captures fixed addresses.
-        self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=self.dtype, device=self.device)
-        self.sel_pos = torch.zeros(rows, S, dtype=torch.long, device=self.device)
-        self.sel_ok = torch.zeros(rows, S, dtype=torch.bool, device=self.device)
+        self.max_rows = max_batch
+        self.hidden = torch.zeros(max_batch, cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self.sel_pos = torch.zeros(max_batch, S, dtype=torch.long, device=self.device)
+        self.sel_ok = torch.zeros(max_batch, S, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, inp: DecodeInputs, kv: KVCache, streams: StreamScheduler, tile: int = k.TILE) -> torch.Tensor:
-        """Writes each token's KV; returns float32 logits [N, V]. N must be a multiple of `tile`.
-        Every row of one kind must always see the same `tile` (decode rows: TILE; the GPU runner
-        gives prefill rows a larger one), or its bits would depend on the batch."""
+    def forward(self, inp: DecodeInputs, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+        """Writes each token's KV; returns float32 logits [N, V], in one pass over the N rows."""
         n = inp.batch_size
-        assert n % tile == 0 and n <= self.hidden.shape[0], f"batch {n} not padded to a multiple of {tile}"
+        assert 0 < n <= self.max_rows, f"{n} rows, workspace holds {self.max_rows}"
         assert inp.page_table.shape[1] == self.max_pages, "page table width is fixed at construction"
-        logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
-        for start in range(0, n, tile):
-            logits[start:start + tile] = self._tile(slice(start, start + tile), inp, kv, streams)
-        streams.synchronize()
-        return logits
-
-    def _tile(self, rows: slice, inp: DecodeInputs, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
-        pos, write = inp.positions[rows], inp.write_slots[rows]
-        pages = inp.page_table[rows]  # [B, P]
+        rows = slice(0, n)
+        pos, write, pages = inp.positions, inp.write_slots, inp.page_table  # [B], [B], [B, P]
         ctx = k.context_slots(pages, self.page_size)  # [B, L]
-        x = self.w["embed.weight"][inp.token_ids[rows]]
+        x = self.w["embed.weight"][inp.token_ids]
         for layer in range(self.cfg.num_layers):
             x = x + self._attention(layer, rows, x, pos, write, ctx, pages, kv, streams)
             x = x + self._moe(layer, x)
         last = k.rms_norm(x, self.w["norm.weight"], self.cfg.rms_norm_eps)
-        return k.linear(last, self.lm_head).float()
+        logits = self.linear(last, self.lm_head).float()
+        streams.synchronize()
+        return logits
 
     def _attention(self, layer: int, rows: slice, x: torch.Tensor, pos: torch.Tensor, write: torch.Tensor,
                    ctx: torch.Tensor, pages: torch.Tensor, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
@@ -127,9 +130,9 @@ class StaticDecodeModel:
                             writes=("index_cache", "selection"),
                             fn=lambda: self._indexer(layer, rows, pos, write, ctx, pages, kv)))
 
-        q = k.linear(h, w[p + "attn.wq.weight"]).view(B, -1, C + R)
+        q = self.linear(h, w[p + "attn.wq.weight"]).view(B, -1, C + R)
         q = torch.cat([q[..., :C], k.rope(q[..., C:], pos, self.cos, self.sin)], dim=-1)
-        latent_and_rope = k.linear(h, w[p + "attn.wkv.weight"])
+        latent_and_rope = self.linear(h, w[p + "attn.wkv.weight"])
         latent = k.rms_norm(latent_and_rope[:, :C], w[p + "attn.kv_norm.weight"], cfg.rms_norm_eps)
         key_rope = k.rope(latent_and_rope[:, C:], pos, self.cos, self.sin)
         kv.latent[layer, write] = torch.cat([latent, key_rope], dim=-1)
@@ -152,18 +155,18 @@ class StaticDecodeModel:
             streams.join(INDEXER_STREAM)
         streams.submit(Task(f"attention.{layer}", MAIN, reads=("latent_cache", "selection"),
                             writes=("attn_out",), fn=attend))
-        return self.all_reduce(k.linear(out.view(B, -1), w[p + "attn.wo.weight"]))
+        return self.all_reduce(self.linear(out.view(B, -1), w[p + "attn.wo.weight"]))
 
     def _indexer(self, layer: int, rows: slice, pos: torch.Tensor, write: torch.Tensor, ctx: torch.Tensor,
                  pages: torch.Tensor, kv: KVCache) -> None:
         cfg, w, p = self.cfg, self.w, f"layers.{layer}.indexer."
         HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.rope_dim
         h = self.hidden[rows]
-        q = k.linear(h, w[p + "wq.weight"]).view(h.shape[0], HI, DI)
+        q = self.linear(h, w[p + "wq.weight"]).view(h.shape[0], HI, DI)
         q = torch.cat([q[..., :DI - R], k.rope(q[..., DI - R:], pos, self.cos, self.sin)], -1)
-        key = k.linear(h, w[p + "wk.weight"])
+        key = self.linear(h, w[p + "wk.weight"])
         key = torch.cat([key[:, :DI - R], k.rope(key[:, DI - R:], pos, self.cos, self.sin)], -1)
-        head_weights = k.linear(h, w[p + "weights_proj.weight"]) * (HI * DI) ** -0.5
+        head_weights = self.linear(h, w[p + "weights_proj.weight"]) * (HI * DI) ** -0.5
         kv.index_keys[layer, write] = key
         if self.indexer_logits is not None:  # reads the paged keys in place; -inf past each row's position
             scores = self.indexer_logits(q, head_weights.float(), kv.index_keys[layer], pages.to(torch.int32),
@@ -177,7 +180,7 @@ class StaticDecodeModel:
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{layer}."
         h = k.rms_norm(x, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
-        weights, ids = k.route(k.linear(h, w[p + "moe.gate.weight"]), w[p + "moe.gate.e_score_correction_bias"],
+        weights, ids = k.route(self.linear(h, w[p + "moe.gate.weight"]), w[p + "moe.gate.e_score_correction_bias"],
                                cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
                                cfg.norm_topk_prob)
         if self.fused_moe is not None:

@@ -17,14 +17,14 @@ import torch
 from runtime.env import Env
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
-from runtime.kernels.cuda_torch import TILE
 from runtime.kvcache.kv_cache import KVCache
 from runtime.streams.tasks import StreamScheduler
 
-# Rows run in tiles of TILE, so a bucket below TILE costs what TILE costs: buckets are tile multiples.
-# Fine: one graph per tile count. Coarse: powers of two (fewer graphs, a deeper padding sawtooth).
-FINE_BUCKETS = tuple(range(TILE, 129, TILE))
-COARSE_BUCKETS = (16, 32, 64, 128)
+# A step is one pass over the padded batch, so a padded row costs little (weights are read once
+# either way) but not nothing. Fine: powers of two to 8, then every 8 rows (SGLang's default shape).
+# Coarse: powers of two (fewer graphs, a deeper padding sawtooth).
+FINE_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 129, 8))
+COARSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def pad_batch(batch_size: int, buckets: tuple[int, ...]) -> int:
@@ -37,10 +37,6 @@ def pad_batch(batch_size: int, buckets: tuple[int, ...]) -> int:
 
 def can_use_cuda_graph(batch_size: int, buckets: tuple[int, ...]) -> bool:
     return 0 < batch_size <= max(buckets)
-
-
-def tile_rows(batch_size: int, tile: int = TILE) -> int:
-    return -(-batch_size // tile) * tile
 
 
 def pad_inputs(inp: DecodeInputs, rows: int, scratch_page: int, page_size: int) -> DecodeInputs:
@@ -94,7 +90,7 @@ class GraphRunner:
         if self.buckets[0] <= 0:
             raise ValueError(f"graph buckets must be positive, got {self.buckets}")
         self.scratch_page = scratch_page
-        self.buffer = GraphCaptureBuffer.allocate(tile_rows(max(self.buckets)), model.max_pages, model.device)
+        self.buffer = GraphCaptureBuffer.allocate(max(self.buckets), model.max_pages, model.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -109,9 +105,8 @@ class GraphRunner:
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
-            rows = tile_rows(bucket)
-            self.buffer.fill(self._dummy(rows))
-            static = self.buffer.view(rows)
+            self.buffer.fill(self._dummy(bucket))
+            static = self.buffer.view(bucket)
             if self.faults.enabled("stale-graph-metadata"):
                 # The bug: metadata snapshotted at capture time; replays read the snapshot forever.
                 # (kept alive in `_snapshots`: the graph reads its address on every replay)
@@ -135,11 +130,11 @@ class GraphRunner:
         if not self.graphs or not can_use_cuda_graph(n, self.buckets):
             return self.eager(inp)
         bucket = pad_batch(n, self.buckets)
-        self.buffer.fill(pad_inputs(inp, tile_rows(bucket), self.scratch_page, self.model.page_size))
+        self.buffer.fill(pad_inputs(inp, bucket, self.scratch_page, self.model.page_size))
         self.graphs[bucket].replay()
         self.replays += 1
         return self.outputs[bucket][:n].clone()
 
-    def eager(self, inp: DecodeInputs, tile: int = TILE) -> torch.Tensor:
-        padded = pad_inputs(inp, tile_rows(inp.batch_size, tile), self.scratch_page, self.model.page_size)
-        return self.model.forward(padded, self.kv, self.streams, tile)[:inp.batch_size]
+    def eager(self, inp: DecodeInputs) -> torch.Tensor:
+        """One eager pass over exactly these rows (no padding: no op's result depends on the batch)."""
+        return self.model.forward(inp, self.kv, self.streams)

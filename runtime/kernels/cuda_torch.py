@@ -1,12 +1,16 @@
-"""Capturable decode ops in plain torch: static shapes, no host syncs, batch-invariant by tiles.
+"""Capturable ops of the static model: static shapes, no host syncs, batch-invariant per op.
 
 Inside a CUDA graph nothing may read a value back to the host (`.item()`, `.tolist()`, a
 data-dependent shape), so where cpu.py loops over requests or over the experts actually chosen,
 these ops use fixed-size gathers: each query attends over exactly `window + topk` gathered slots
-(invalid ones masked) and each token's experts are gathered by id. Every op is called on a tile
-of exactly TILE rows, so a row's bits never depend on its batch (cuBLAS and torch reductions pick
-kernels by shape): eager at any batch size equals graph replay at its padded bucket.
-Device-agnostic, so CI checks the numerics on CPU. B = TILE rows, L = context capacity,
+(invalid ones masked) and each token's experts are gathered by id.
+
+Batch invariance is each op's own property; the model runs every op once over the whole batch.
+On a GPU, dense projections are the Triton GEMM (kernels/triton/matmul.py: one launch config per
+weight shape) and RMSNorm the row-wise Triton kernel. Library kernels that choose their algorithm by
+shape (cuBLAS batched GEMMs; on CPU, BLAS blocking and SIMD tails of transcendentals) are called on
+fixed groups of GROUP rows instead (`by_row_groups`): every call has one shape whatever the batch.
+Device-agnostic, so CI checks the numerics on CPU. B = rows, L = context capacity,
 S = window + topk selected slots, K = experts per token; other letters as in reference.py.
 """
 
@@ -17,16 +21,49 @@ import torch.nn.functional as F
 
 from runtime.kernels.cpu import select_experts
 
-TILE = 16
+GROUP = 16  # rows per call of a shape-dependent library kernel (see by_row_groups)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def by_row_groups(fn, *tensors: torch.Tensor):
+    """`fn` over consecutive groups of exactly GROUP leading rows (the last zero-padded), results
+    concatenated: each call has one shape, so a row's bits do not depend on the batch. Weights are
+    closed over by `fn`; the tensors here are per-row data (activations, ids, gathered KV)."""
+    rows = tensors[0].shape[0]
+    padded = -(-rows // GROUP) * GROUP
+    if padded != rows:
+        tensors = tuple(torch.cat([t, t.new_zeros(padded - rows, *t.shape[1:])]) for t in tensors)
+    outs = [fn(*(t[s:s + GROUP] for t in tensors)) for s in range(0, padded, GROUP)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts)[:rows] for parts in zip(*outs))
+    return torch.cat(outs)[:rows]
+
+
+def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [B, D], weight: [D] -> [B, D] (float32 math)
+    if x.is_cuda:
+        from runtime.kernels.triton.elementwise import rms_norm as triton_rms_norm
+
+        return triton_rms_norm(x.contiguous(), weight, eps)
+    return by_row_groups(lambda rows: _rms_norm_rows(rows, weight, eps), x)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # x: [B, IN], weight: [OUT, IN] -> [B, OUT]
+    if x.is_cuda:
+        from runtime.kernels.triton.matmul import matmul
+
+        return matmul(x.contiguous(), weight)
+    return by_row_groups(lambda rows: torch.mm(rows, weight.t()), x)
+
+
+def cublas_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """NOT batch-invariant (cuBLAS picks its kernel and split by M): what `linear` costs without the
+    invariance rule. bench/decode_step.py only."""
     return torch.mm(x, weight.t())
 
 
@@ -72,37 +109,48 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int,
 
 def indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     # q: [B, HI, DI], head_weights: [B, HI], keys: [B, L, DI] -> [B, L]
-    per_head = torch.relu(torch.bmm(q, keys.transpose(1, 2)))  # [B, HI, L]
-    return torch.bmm(head_weights[:, None, :], per_head)[:, 0]
+    def group(q, head_weights, keys):
+        per_head = torch.relu(torch.bmm(q, keys.transpose(1, 2)))  # [B, HI, L]
+        return torch.bmm(head_weights[:, None, :], per_head)[:, 0]
+    return by_row_groups(group, q, head_weights, keys)
 
 
 def gathered_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, latent_dim: int,
                        scale: float) -> torch.Tensor:
     # q: [B, H, C+R], kv: [B, S, C+R] gathered selected slots, valid: [B, S] -> [B, H, C]
-    scores = torch.bmm(q, kv.transpose(1, 2)).float() * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(kv.dtype)
-    return torch.bmm(probs, kv[:, :, :latent_dim])
+    def group(q, kv, valid):
+        scores = torch.bmm(q, kv.transpose(1, 2)).float() * scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(kv.dtype)
+        return torch.bmm(probs, kv[:, :, :latent_dim])
+    return by_row_groups(group, q, kv, valid)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
           scaling: float, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """As cpu.route (sqrtsoftplus, noaux_tc, group-limited), with every tensor on logits' device."""
-    affinity = torch.sqrt(F.softplus(logits.float()))
-    return select_experts(affinity, bias, top_k, n_group, topk_group, scaling, normalize)
+    def group(logits):
+        affinity = torch.sqrt(F.softplus(logits.float()))
+        return select_experts(affinity, bias, top_k, n_group, topk_group, scaling, normalize)
+    # Elementwise CUDA kernels give every element the same code path; CPU SIMD tails do not.
+    return group(logits) if logits.is_cuda else by_row_groups(group, logits)
 
 
 def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                      w_down: torch.Tensor) -> torch.Tensor:
     """SwiGLU of each token through each of its K experts, weights gathered by id (no host sync).
     x: [B, D], ids: [B, K] -> [B, K, D]"""
-    B, K = ids.shape
-    flat = ids.flatten()
-    xs = x[:, None, :].expand(B, K, x.shape[1]).reshape(B * K, 1, -1)  # [BK, 1, D]
-    gate = torch.bmm(xs, w_gate[flat].transpose(1, 2))  # [BK, 1, I]
-    up = torch.bmm(xs, w_up[flat].transpose(1, 2))
-    return torch.bmm(F.silu(gate) * up, w_down[flat].transpose(1, 2)).view(B, K, -1)
+    def group(x, ids):
+        B, K = ids.shape
+        flat = ids.flatten()
+        xs = x[:, None, :].expand(B, K, x.shape[1]).reshape(B * K, 1, -1)  # [BK, 1, D]
+        gate = torch.bmm(xs, w_gate[flat].transpose(1, 2))  # [BK, 1, I]
+        up = torch.bmm(xs, w_up[flat].transpose(1, 2))
+        return torch.bmm(F.silu(gate) * up, w_down[flat].transpose(1, 2)).view(B, K, -1)
+    return by_row_groups(group, x, ids)
 
 
 def shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    def swiglu(x):
+        return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    return swiglu(x) if x.is_cuda else by_row_groups(swiglu, x)

@@ -141,17 +141,32 @@ def test_eager_fallback_above_the_largest_bucket_equals_graph_replay(loaded):
 
 
 @pytest.mark.parametrize("kernel", ["moe_kernel", "attention_kernel"])
-def test_triton_kernels_in_the_engine(loaded, kernel):
-    """The GPU runner with a Triton opt-in (moe: runtime/kernels/triton/moe.py; attention: indexer.py +
-    attention.py), captured in the decode graphs: batched == solo bit for bit in bf16; in float32 the
-    torch path's tokens within recorded near-ties."""
+def test_torch_reference_kernels_in_the_engine(loaded, kernel):
+    """The GPU runner with one torch reference path (moe: gathered-expert ops; attention: gather + bmm)
+    in place of its Triton default, captured in the decode graphs: batched == solo bit for bit in bf16
+    (its shape-dependent library calls run on fixed row groups); in float32 the Triton default's
+    tokens within recorded near-ties."""
     prompts, params = workload(loaded, 12, seed=8)
-    eng = engine(loaded, **{kernel: "triton"})
+    eng = engine(loaded, **{kernel: "torch"})
     batched = generations(eng, prompts, params)
     solo = [generations(eng, [p], [sp])[0] for p, sp in zip(prompts, params)]
     assert eng.runner.graphs.replays > 0
     assert batched == solo, first_difference(batched, solo)
     greedy = [SamplingParams(max_tokens=sp.max_tokens, ignore_eos=True, logprobs=True, top_logprobs=5) for sp in params]
-    torch_path = generations(engine(loaded, dtype="float32"), prompts, greedy)
-    triton_path = generations(engine(loaded, dtype="float32", **{kernel: "triton"}), prompts, greedy)
+    torch_path = generations(engine(loaded, dtype="float32", **{kernel: "torch"}), prompts, greedy)
+    triton_path = generations(engine(loaded, dtype="float32"), prompts, greedy)
     check_logprobs_close(torch_path, triton_path, margin=0.05, logprob_atol=1e-3)
+
+
+def test_prompt_bits_do_not_depend_on_the_prefill_chunk(loaded):
+    """Chunked prefill on the GPU: passes of 61 rows (boundaries inside prompts, several requests per
+    pass) and of 4096 rows give the same tokens and logprobs, bit for bit."""
+    prompts, params = workload(loaded, 16, seed=9)
+    small = generations(engine(loaded, prefill_chunk=61), prompts, params)
+    whole = generations(engine(loaded, prefill_chunk=4096), prompts, params)
+    assert small == whole, first_difference(small, whole)
+
+
+def test_the_gpu_default_is_the_triton_kernels():
+    ecfg = EngineConfig(device="cuda")
+    assert (ecfg.moe_kernel, ecfg.attention_kernel) == ("triton", "triton")

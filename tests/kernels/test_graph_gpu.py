@@ -22,6 +22,8 @@ from runtime.streams.tasks import InOrderExecutor
 pytestmark = [pytest.mark.kernels, pytest.mark.gpu]
 PAGE, PAGES_PER_REQUEST, STEPS = 16, 24, 6
 MAX_BATCH = max(FINE_BUCKETS) + 1
+# The served kernels (EngineConfig resolves "auto" to these on a GPU).
+KERNELS = dict(moe_kernel="triton", attention_kernel="triton")
 JITTER = 2_000_000  # cycles, ~1 ms: far longer than the main-stream work between fork and attention
 
 
@@ -44,7 +46,7 @@ class Setup:
         self.kv.latent.normal_(generator=gen)
         self.kv.index_keys.normal_(generator=gen)
         self.model = StaticDecodeModel(cfg, weights, page_size=PAGE, max_pages=PAGES_PER_REQUEST,
-                                       max_batch=MAX_BATCH, faults=FaultSet(faults))
+                                       max_batch=MAX_BATCH, faults=FaultSet(faults), **KERNELS)
         self.streams = streams if streams is not None else CudaStreamExecutor()
         self.runner = GraphRunner(self.model, self.kv, self.streams, scratch_page=self.scratch,
                                   faults=FaultSet(faults))
@@ -150,12 +152,12 @@ def test_indexer_bits_do_not_depend_on_the_stream(tiny_gpu):
     from runtime.kernels import cuda_torch as k
     cfg, weights = tiny_gpu
     gen = torch.Generator(device="cuda").manual_seed(1)
-    h = torch.randn(k.TILE, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
-    keys = torch.randn(k.TILE, 384, cfg.index_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    h = torch.randn(16, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    keys = torch.randn(16, 384, cfg.index_dim, device="cuda", generator=gen).to(torch.bfloat16)
 
     def scores():
         w = weights["layers.0.indexer.wq.weight"]
-        q = k.linear(h, w).view(k.TILE, cfg.index_heads, cfg.index_dim)
+        q = k.linear(h, w).view(16, cfg.index_heads, cfg.index_dim)
         head_weights = k.linear(h, weights["layers.0.indexer.weights_proj.weight"])
         return k.indexer_scores(q, head_weights, keys)
 

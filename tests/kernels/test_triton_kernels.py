@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from canary.tolerances import assert_close_to_reference
 from canary.topk_compare import wrong_topk_indices
 from runtime.kernels import reference
-from runtime.kernels.triton import INTERPRETED, attention, elementwise, indexer, moe
+from runtime.kernels.triton import INTERPRETED, attention, elementwise, indexer, matmul, moe
 
 pytestmark = pytest.mark.kernels
 
@@ -258,6 +258,47 @@ def test_indexer_logits_and_selection_match_reference_tie_aware(seed, queries, h
         assert wrong == [], f"query {i}: wrong top-k indices {wrong}"
     assert_prefix_invariant(logits, lambda k: _run_indexer(q[:k], w[:k], keys, table[:k], lens[:k], page_size),
                             queries)
+
+
+# ---------------------------------------------------------------- dense GEMM
+
+# (N, K): a narrow N with a long K (split over K), a wide N (no split), K off the block size.
+GEMM_SHAPES = st.sampled_from([(40, 1024), (300, 96), (72, 130), (8, 512)])
+
+
+def _run_matmul(x, w, split_k=None):
+    out = poisoned(x.shape[0], w.shape[0], dtype=x.dtype)
+    assert matmul.matmul(x, w, out=out, split_k=split_k).data_ptr() == out.data_ptr()
+    return out
+
+
+@EXAMPLES
+@given(seed=SEEDS, rows=st.sampled_from([1, 2, 17, 64, 65, 130, 200]), shape=GEMM_SHAPES,
+       dtype=st.sampled_from(DTYPES), magnitude=st.sampled_from([1e-2, 1.0, 30.0]))
+@example(seed=0, rows=200, shape=(40, 1024), dtype=DTYPES[0], magnitude=1.0)  # 4 row tiles, split K
+def test_matmul_matches_reference_and_is_batch_invariant(seed, rows, shape, dtype, magnitude):
+    """Prefixes cross BLOCK_M tiles: a row's bits must not depend on the tile it rides in."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    x, w = randn(gen, rows, k, scale=magnitude, dtype=dtype), randn(gen, n, k, scale=k ** -0.5, dtype=dtype)
+    out = _run_matmul(x, w)
+    assert_close_scaled(out, reference.linear(x.cpu(), w.cpu()), dtype)
+    assert_prefix_invariant(out, lambda m: _run_matmul(x[:m], w), rows)
+
+
+def test_matmul_split_is_fixed_per_shape_and_fills_a_decode_step():
+    assert matmul.split_for(4096, 32768) > 1  # attention output: few N tiles, long K
+    assert matmul.split_for(36864, 4096) == 1  # query projection: N tiles enough
+    assert all(matmul.split_for(n, k) == matmul.split_for(n, k) for n, k in [(256, 4096), (576, 4096)])
+
+
+def test_matmul_invariance_oracle_fails_when_the_split_follows_the_batch():
+    """Negative control: a split-K chosen from M (what cuBLAS's heuristics do) changes a row's bits."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = randn(gen, 8, 1024, dtype=torch.float32), randn(gen, 40, 1024, scale=1 / 32, dtype=torch.float32)
+    run = lambda m: _run_matmul(x[:m], w, split_k=4 if m < 8 else 1)  # noqa: E731
+    with pytest.raises(AssertionError, match="row results changed"):
+        assert_prefix_invariant(run(8), run, 8)
 
 
 # ---------------------------------------------------------------- RMSNorm, RoPE

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from runtime.config import EngineConfig
 from runtime.distributed.logprob_check import Generation, check_logprobs_close
@@ -53,13 +54,44 @@ def test_static_runner_batched_equals_solo_bit_for_bit(tiny):
 
 
 def test_static_runner_agrees_with_the_eager_runner_within_near_ties(tiny):
-    """Prefill as single-token rows must be causal: row p sees exactly positions 0..p. A long
-    prompt spans two eager chunks (1024 rows each), so the chunk boundary is crossed too."""
+    """Prefill as single-token rows in one pass per chunk must be causal: row p sees exactly
+    positions 0..p. A long prompt spans three prefill chunks (512 rows each), so it reads its
+    prefix from the paged cache across chunk boundaries."""
     prompts, params = workload(6, seed=2, long_prompt=1100)
     params = [SamplingParams(max_tokens=sp.max_tokens, ignore_eos=True, logprobs=True, top_logprobs=3) for sp in params]
     eager = run(tiny, prompts, params, runner="eager", max_prefill_tokens=2048)
-    static = run(tiny, prompts, params, runner="static", max_prefill_tokens=2048)
+    static = run(tiny, prompts, params, runner="static", max_prefill_tokens=2048, prefill_chunk=512)
     check_logprobs_close(eager, static, margin=1e-3, logprob_atol=1e-4)
+
+
+def test_prompt_bits_do_not_depend_on_how_the_prompts_are_chunked(tiny):
+    """Chunked prefill: the same prompts in passes of 37 rows (chunk boundaries inside prompts, many
+    requests per pass) and of 4096 rows (every prompt in one pass) give the same bits."""
+    prompts, params = workload(8, seed=8, long_prompt=150)
+    small = run(tiny, prompts, params, runner="static", prefill_chunk=37)
+    whole = run(tiny, prompts, params, runner="static", prefill_chunk=4096)
+    assert small == whole
+
+
+def test_chunking_oracle_fails_when_a_chunk_cannot_see_its_prefix(tiny, monkeypatch):
+    """Negative control: a pass that writes its KV somewhere the next pass does not read (here: every
+    chunk but the first attends with its page table pointed at the scratch page) changes outputs."""
+    from runtime.engine import gpu_runner
+    from runtime.graph.decode_model import DecodeInputs
+
+    prompts, params = workload(4, seed=9, long_prompt=120)
+    clean = run(tiny, prompts, params, runner="static", prefill_chunk=40)
+    original = gpu_runner.GraphRunner.eager
+
+    def forgetful(self, inp):
+        if int(inp.positions.min()) > 0:  # a later chunk: lose the prefix written by earlier ones
+            table = torch.full_like(inp.page_table, self.scratch_page)
+            table[:, 0] = inp.page_table[:, 0]
+            inp = DecodeInputs(inp.token_ids, inp.positions, inp.write_slots, table)
+        return original(self, inp)
+    monkeypatch.setattr(gpu_runner.GraphRunner, "eager", forgetful)
+    broken = run(tiny, prompts, params, runner="static", prefill_chunk=40)
+    assert broken != clean
 
 
 def test_static_runner_overlap_equals_normal_and_stale_token_is_caught(tiny):

@@ -19,3 +19,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _row_uniform_interpreter_dot() -> None:
+    """The interpreter runs `tl.dot` as one numpy matmul, and BLAS computes a tile's edge rows with
+    other micro-kernels than its middle rows: a row's bits then depend on its position in the tile.
+    A GPU's MMA treats every row alike, and kernels that gather rows into tiles (the fused MoE's
+    aligned layout) rely on it. Here each row is its own [1, K] x [K, N] product, so under the
+    interpreter too a row's bits depend only on its data, as on the GPU."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    plain_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8:
+            return plain_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if INTERPRETED:
+    _row_uniform_interpreter_dot()

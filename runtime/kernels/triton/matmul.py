@@ -1,0 +1,114 @@
+"""Batch-invariant dense GEMM: `out = x @ w.T` for every projection of a step (attention, indexer,
+router, LM head), decode rows and prefill chunks alike.
+
+M = rows (tokens), N = output features, K = input features; x: [M, K], w: [N, K] (nn.Linear layout).
+
+Batch invariance: a row's output is the sum over K in BLOCK_K steps, in order, accumulated in
+float32, and (when SPLIT_K > 1) the float32 partials of fixed K ranges added in split order by
+`_split_sum_kernel`. Every launch parameter (tile sizes, warps,
+stages, SPLIT_K) comes from (N, K) alone (`split_for`), never from M, so `matmul(x)[:k] == matmul(x[:k])`
+bit for bit: one config serves a 1-row decode step and a 4,096-row prefill chunk. (A tile shape that
+follows M could change the MMA instruction and with it the order of a sum; not worth the risk.) cuBLAS,
+by contrast, picks kernels and split-K by M, which is why a plain `torch.mm` is not batch-invariant.
+
+Decode steps are memory-bound: SPLIT_K puts enough programs on the weights when N is narrow (the
+attention output and the router have few N tiles) so every SM streams a share of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64  # wgmma's row count on Hopper; decode rows pad into one tile
+BLOCK_K = 64
+# SPLIT_K grows (powers of two) until the N tiles times the splits reach this many programs, while
+# each split keeps at least MIN_SPLIT_STEPS K steps. A constant, not the device's SM count: the bits
+# of a deployment must not depend on which GPU model it landed on.
+TARGET_PROGRAMS = 256
+MIN_SPLIT_STEPS = 4
+BLOCK_N = 128
+NUM_WARPS = 4
+# Pipeline depth: 4 stages of bf16 tiles fit in shared memory, float32 tiles (the canary model on a
+# GPU) take twice the room. Stages change when loads are issued, never the order of a sum.
+STAGES = {2: 4, 4: 2}
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, k_chunk, stride_xm, stride_wn, stride_om,
+                   SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    # Axis 0 walks M fastest, so the programs that share one weight tile run together (L2 reuse).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = tl.minimum(K, (pid_k + 1) * k_chunk)
+    for k0 in range(pid_k * k_chunk, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        part = part_ptr + (pid_k * M + offs_m[:, None].to(tl.int64)) * N + offs_n[None, :]
+        tl.store(part, acc, mask=ok)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(0, SPLIT_K):  # split order: the same for every row and every batch
+        acc += tl.load(part_ptr + (split * M + row) * N + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def split_for(n: int, k: int) -> int:
+    """The fixed K split of an (N, K) weight: enough programs for a decode step to stream it."""
+    n_tiles = triton.cdiv(n, BLOCK_N)
+    split = 1
+    while n_tiles * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= MIN_SPLIT_STEPS * BLOCK_K:
+        split *= 2
+    return split
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 weights (the canary model on a GPU) keep full float32 products, as the CPU does.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+           split_k: int | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, K] -> [M, N] in x.dtype. `split_k` overrides split_for (tests only: a
+    deployment's split must never follow the batch)."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and x.dtype == w.dtype, f"x {tuple(x.shape)} {x.dtype} vs w {tuple(w.shape)} {w.dtype}"
+    assert x.stride(1) == 1 and w.stride(1) == 1, "rows must be contiguous along K"
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    if M == 0:
+        return out
+    split = split_k or split_for(N, K)
+    k_chunk = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split)
+    _matmul_kernel[grid](x, w, out, part, M, N, K, k_chunk, x.stride(0), w.stride(0), out.stride(0),
+                         SPLIT_K=split, PRECISION=_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                         BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=STAGES[x.element_size()])
+    if split > 1:
+        _split_sum_kernel[(M, triton.cdiv(N, 256))](part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=256)
+    return out
