@@ -12,7 +12,7 @@ uvicorn h11 click anyio sniffio idna openai jiter distro httpx2 httpcore2 trusts
 jsonschema-specifications referencing rpds-py attrs opentelemetry-api importlib_metadata zipp prometheus_client"
 mkdir -p .whl
 for name in $NAMES; do
-    version=$($PY -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+    version=$($PY -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)
     [ -n "$version" ] || { echo "skip $name (not in $PY's environment)"; continue; }
     ls .whl | grep -qi "^$(echo "$name" | tr '-' '_')-$version-" && continue
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
