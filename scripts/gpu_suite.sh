@@ -72,4 +72,7 @@ fi
 want gate && section gate "${GATE_TIMEOUT:-300}" "${GATE[@]}" --report-dir "$OUT/gate"
 want gate_stream_race && negative_control gate_stream_race "${GATE_TIMEOUT:-300}" \
     env DSV4_STREAM_JITTER_CYCLES=2000000 "${GATE[@]}" --inject-fault stream-race
+# The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.
+(cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt
+ for dir in golden gate; do [ -d "$dir" ] && tar czf "$dir.tgz" "$dir" && rm -rf "$dir"; done) || true
 exit $status

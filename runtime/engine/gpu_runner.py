@@ -5,10 +5,10 @@ positions start..start+299 sharing one page table, a decode is one row. One code
 and decode, and batch-invariant ops, mean a request's logits do not depend on how its tokens were
 batched or chunked (batch invariance, and preemption recompute is exact).
 
-A step runs as two passes: its prompt rows eagerly, one pass per chunk of at most `max_rows` rows
-(varlen over requests; chunks in row order, so a prompt split across chunks reads its prefix from
-the paged cache), then its decode rows, replaying a CUDA graph up to the largest bucket
-(`GraphRunner`), one eager pass above. The indexer runs on a side stream (`CudaStreamExecutor`)
+A step's rows (prompt rows of its prefills, then one row per decoding request) run as one pass:
+a CUDA-graph replay at the smallest bucket that holds them (`GraphRunner`, STEP_BUCKETS up to 1,024
+rows), or above that, eager passes of at most `max_rows` rows (the prefill chunk: varlen over
+requests, in row order, so a prompt split across passes reads its prefix from the paged cache). The indexer runs on a side stream (`CudaStreamExecutor`)
 unless multi-stream is switched off. The KV cache has one page more than the pool hands out: the
 scratch page that padded rows write and read.
 """
@@ -29,7 +29,7 @@ from runtime.engine.request import Request
 from runtime.env import Env
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
-from runtime.graph.runner import FINE_BUCKETS, GraphRunner
+from runtime.graph.runner import STEP_BUCKETS, GraphRunner
 from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
 from runtime.streams.cuda import CudaStreamExecutor
@@ -78,10 +78,11 @@ class GpuModelRunner:
         on_gpu = self.device.type == "cuda"
         side_streams = ecfg.multi_stream and on_gpu
         self.streams = CudaStreamExecutor(env.stream_jitter_cycles) if side_streams else InOrderExecutor()
-        buckets = tuple(env.graph_buckets or FINE_BUCKETS)
-        self.max_rows = max(ecfg.prefill_chunk, max(buckets))  # rows per pass: bounds the workspace
+        buckets = tuple(env.graph_buckets or STEP_BUCKETS)
+        self.max_rows = ecfg.prefill_chunk  # rows per eager pass
+        workspace_rows = max(self.max_rows, max(buckets))
         self.model = StaticDecodeModel(cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
-                                       max_batch=self.max_rows, faults=faults, all_reduce=all_reduce,
+                                       max_batch=workspace_rows, faults=faults, all_reduce=all_reduce,
                                        moe_kernel=ecfg.moe_kernel, attention_kernel=ecfg.attention_kernel)
         self.graphs = GraphRunner(self.model, self.kv, self.streams, buckets=buckets,
                                   scratch_page=self.scratch_page, faults=faults, env=env)
@@ -131,17 +132,14 @@ class GpuModelRunner:
         return inp, (np.cumsum(counts) - 1).tolist()
 
     # ---- running them --------------------------------------------------------------------------
-    def forward_decode(self, inp: DecodeInputs) -> torch.Tensor:
-        """One row per request: graph replay up to the largest bucket, eager passes above."""
-        if inp.batch_size <= max(self.graphs.buckets):
-            return self.graphs.forward(inp)
-        return self.forward_prefill(inp, list(range(inp.batch_size)))
-
-    def forward_prefill(self, inp: DecodeInputs, last_rows: list[int]) -> torch.Tensor:
-        """float32 logits [len(last_rows), V], running at most `max_rows` rows at a time. Chunks run
-        in row order, so a prompt split across chunks is still causal."""
-        picked = []
+    def forward(self, inp: DecodeInputs, last_rows: list[int]) -> torch.Tensor:
+        """float32 logits [len(last_rows), V] of a step's rows (prompt and decode rows alike): one
+        graph replay at the step's bucket, or eager passes of at most `max_rows` rows above the
+        largest bucket. Passes run in row order, so a prompt split across passes is still causal."""
         last = torch.tensor(last_rows, dtype=torch.long)
+        if self.graphs.graphs and inp.batch_size <= max(self.graphs.buckets):
+            return self.graphs.forward(inp)[last.to(self.device, non_blocking=True)]
+        picked = []
         for start in range(0, inp.batch_size, self.max_rows):
             stop = min(start + self.max_rows, inp.batch_size)
             chunk = DecodeInputs(inp.token_ids[start:stop], inp.positions[start:stop], inp.write_slots[start:stop],
@@ -158,15 +156,20 @@ class GpuModelRunner:
                 self.future.release(rid)
         if plan.empty:
             return {}
-        prefill = self.build_inputs(plan.prefill, requests, decode=False) if plan.prefill else None
-        decode = self.build_inputs(plan.decode, requests, decode=True)[0] if plan.decode else None
+        # plan.extends order: prefill rows first, then decode rows (their requests are disjoint), all
+        # in one pass: a row's bits do not depend on the rows beside it.
+        parts = [self.build_inputs(extends, requests, decode=decode)
+                 for extends, decode in ((plan.prefill, False), (plan.decode, True)) if extends]
+        inp, last_rows = parts[0]
+        if len(parts) == 2:
+            (decode_inp, decode_last), offset = parts[1], inp.batch_size
+            inp = DecodeInputs(*(torch.cat([a, b]) for a, b in zip(
+                (inp.token_ids, inp.positions, inp.write_slots, inp.page_table),
+                (decode_inp.token_ids, decode_inp.positions, decode_inp.write_slots, decode_inp.page_table))))
+            last_rows = last_rows + [offset + row for row in decode_last]
         # After the inputs are built: in the normal loop the GPU idles while the host builds them.
         begin = self.timeline.begin() if self.timeline is not None else None
-        # plan.extends order: prefill rows first, then decode rows (their requests are disjoint).
-        logits = [self.forward_prefill(*prefill)] if prefill is not None else []
-        if decode is not None:
-            logits.append(self.forward_decode(decode))
-        logits = torch.cat(logits)
+        logits = self.forward(inp, last_rows)
         rows = [requests[ext.rid] for ext in plan.extends]
         tokens, pending = sample_on_device(logits, rows)
         if self.future is not None:

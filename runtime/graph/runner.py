@@ -25,6 +25,9 @@ from runtime.streams.tasks import StreamScheduler
 # Coarse: powers of two (fewer graphs, a deeper padding sawtooth).
 FINE_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 129, 8))
 COARSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# The engine's default: a step's prompt rows ride in the same graph as its decode rows, so buckets go
+# on past the decode batch sizes, coarser, to hold a step with a few fresh prompts in one replay.
+STEP_BUCKETS = FINE_BUCKETS + (160, 192, 256, 320, 384, 512, 640, 768, 1024)
 
 
 def pad_batch(batch_size: int, buckets: tuple[int, ...]) -> int:

@@ -16,6 +16,7 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
+from runtime.graph.runner import FINE_BUCKETS
 from runtime.models.loader import load_model
 
 pytestmark = [pytest.mark.gpu]
@@ -132,9 +133,11 @@ def test_jitter_exposes_stream_race(loaded):
 
 
 def test_eager_fallback_above_the_largest_bucket_equals_graph_replay(loaded):
-    """130 running requests decode eagerly (above bucket 128); capped at 64 they replay graphs."""
+    """With decode-sized buckets (up to 128 rows), 130 running requests decode in eager passes; capped at
+    64, with the default step buckets (prompt rows ride in the graphs too), they replay graphs."""
     prompts, params = workload(loaded, 130, seed=7)
-    wide, narrow = engine(loaded, max_running_requests=130), engine(loaded, max_running_requests=64)
+    wide = engine(loaded, max_running_requests=130, env=Env(graph_buckets=FINE_BUCKETS))
+    narrow = engine(loaded, max_running_requests=64)
     out_wide, out_narrow = generations(wide, prompts, params), generations(narrow, prompts, params)
     assert narrow.runner.graphs.replays > 0
     assert out_wide == out_narrow, first_difference(out_wide, out_narrow)

@@ -273,11 +273,13 @@ def _run_matmul(x, w, split_k=None):
 
 
 @EXAMPLES
-@given(seed=SEEDS, rows=st.sampled_from([1, 2, 17, 64, 65, 130, 200]), shape=GEMM_SHAPES,
+@given(seed=SEEDS, rows=st.sampled_from([1, 2, 17, 64, 65, 130, 300]), shape=GEMM_SHAPES,
        dtype=st.sampled_from(DTYPES), magnitude=st.sampled_from([1e-2, 1.0, 30.0]))
-@example(seed=0, rows=200, shape=(40, 1024), dtype=DTYPES[0], magnitude=1.0)  # 4 row tiles, split K
+@example(seed=0, rows=300, shape=(40, 1024), dtype=DTYPES[0], magnitude=1.0)  # both configs, split K
+@example(seed=1, rows=300, shape=(300, 96), dtype=DTYPES[-1], magnitude=1.0)
 def test_matmul_matches_reference_and_is_batch_invariant(seed, rows, shape, dtype, magnitude):
-    """Prefixes cross BLOCK_M tiles: a row's bits must not depend on the tile it rides in."""
+    """Prefixes cross row tiles and the decode/prefill config switch (PREFILL_ROWS): a row's bits must
+    depend neither on the tile it rides in nor on the tile shape."""
     n, k = shape
     gen = torch.Generator().manual_seed(seed)
     x, w = randn(gen, rows, k, scale=magnitude, dtype=dtype), randn(gen, n, k, scale=k ** -0.5, dtype=dtype)

@@ -5,11 +5,13 @@ M = rows (tokens), N = output features, K = input features; x: [M, K], w: [N, K]
 
 Batch invariance: a row's output is the sum over K in BLOCK_K steps, in order, accumulated in
 float32, and (when SPLIT_K > 1) the float32 partials of fixed K ranges added in split order by
-`_split_sum_kernel`. Every launch parameter (tile sizes, warps,
-stages, SPLIT_K) comes from (N, K) alone (`split_for`), never from M, so `matmul(x)[:k] == matmul(x[:k])`
-bit for bit: one config serves a 1-row decode step and a 4,096-row prefill chunk. (A tile shape that
-follows M could change the MMA instruction and with it the order of a sum; not worth the risk.) cuBLAS,
-by contrast, picks kernels and split-K by M, which is why a plain `torch.mm` is not batch-invariant.
+`_split_sum_kernel`. BLOCK_K and SPLIT_K come from (N, K) alone (`split_for`), never from M, so
+`matmul(x)[:k] == matmul(x[:k])` bit for bit. The output tile (BLOCK_M x BLOCK_N), warps and stages
+follow M (`config_for`: small tiles that stream weights for decode, large ones for prefill chunks):
+they decide which program computes an output and which MMA shape it issues, both of which leave each
+output's k16-step order alone. tests/kernels/test_triton_kernels.py checks it on the GPU across the
+switch. cuBLAS, by contrast, picks kernels and split-K by M, which is why `torch.mm` is not
+batch-invariant.
 
 Decode steps are memory-bound: SPLIT_K puts enough programs on the weights when N is narrow (the
 attention output and the router have few N tiles) so every SM streams a share of them.
@@ -21,18 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64  # wgmma's row count on Hopper; decode rows pad into one tile
 BLOCK_K = 64
 # SPLIT_K grows (powers of two) until the N tiles times the splits reach this many programs, while
 # each split keeps at least MIN_SPLIT_STEPS K steps. A constant, not the device's SM count: the bits
 # of a deployment must not depend on which GPU model it landed on.
 TARGET_PROGRAMS = 256
 MIN_SPLIT_STEPS = 4
-BLOCK_N = 128
-NUM_WARPS = 4
-# Pipeline depth: 4 stages of bf16 tiles fit in shared memory, float32 tiles (the canary model on a
-# GPU) take twice the room. Stages change when loads are issued, never the order of a sum.
-STAGES = {2: 4, 4: 2}
+DECODE_BLOCK_N = 128
+# Above this many rows a pass is compute-bound (a prefill chunk): larger tiles reuse each load more.
+PREFILL_ROWS = 256
 
 
 @triton.jit
@@ -79,11 +78,19 @@ def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
 
 def split_for(n: int, k: int) -> int:
     """The fixed K split of an (N, K) weight: enough programs for a decode step to stream it."""
-    n_tiles = triton.cdiv(n, BLOCK_N)
+    n_tiles = triton.cdiv(n, DECODE_BLOCK_N)
     split = 1
     while n_tiles * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= MIN_SPLIT_STEPS * BLOCK_K:
         split *= 2
     return split
+
+
+def config_for(m: int, element_size: int) -> dict:
+    """Tile, warps and stages for an M-row pass. Stages: float32 tiles (the canary model on a GPU)
+    take twice the shared memory of bf16 ones."""
+    if m <= PREFILL_ROWS:  # decode: 64 rows is wgmma's smallest tile; many programs stream the weights
+        return {"BLOCK_M": 64, "BLOCK_N": DECODE_BLOCK_N, "num_warps": 4, "num_stages": 4 if element_size == 2 else 2}
+    return {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3 if element_size == 2 else 2}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -105,10 +112,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     split = split_k or split_for(N, K)
     k_chunk = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split)
+    config = config_for(M, x.element_size())
+    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), split)
     _matmul_kernel[grid](x, w, out, part, M, N, K, k_chunk, x.stride(0), w.stride(0), out.stride(0),
-                         SPLIT_K=split, PRECISION=_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                         BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=STAGES[x.element_size()])
+                         SPLIT_K=split, PRECISION=_precision(x.dtype), BLOCK_K=BLOCK_K, **config)
     if split > 1:
         _split_sum_kernel[(M, triton.cdiv(N, 256))](part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=256)
     return out
