@@ -70,6 +70,9 @@ if want gate_record; then
     find golden/baselines -newer "$OUT/gpu.txt" -name "*.json" -exec cp {} "$OUT/golden/" \;
 fi
 want gate && section gate "${GATE_TIMEOUT:-300}" "${GATE[@]}" --report-dir "$OUT/gate"
+# Where the gate's time goes, server and harness together (needs py-spy's wheel in .whl).
+want gate_profile && section gate_profile "${GATE_TIMEOUT:-300}" /tmp/site/bin/py-spy record --subprocesses --rate 100 \
+    --format raw -o "$OUT/gate_profile.txt" -- "${GATE[@]}"
 want gate_stream_race && negative_control gate_stream_race "${GATE_TIMEOUT:-300}" \
     env DSV4_STREAM_JITTER_CYCLES=2000000 "${GATE[@]}" --inject-fault stream-race
 # The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.
