@@ -29,8 +29,8 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import Request, SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.generate import draw_prompts
 from runtime.models.loader import LoadedModel, load_model
+from runtime.workload import draw_prompts
 
 MODEL = "tiny-random"
 OVERLAP_REQUESTS, TP_REQUESTS = 16, 6
