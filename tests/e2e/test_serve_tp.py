@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from canary.targets import embedded_server
-from runtime.distributed.logprob_check import Generation, check_logprobs_close
+from canary.logprob_close import Generation, check_logprobs_close
 
 pytestmark = pytest.mark.e2e
 BODY = {"model": "tiny-random", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,
