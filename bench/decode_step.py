@@ -12,7 +12,7 @@ the shared expert + the KV rows read (selected latent rows, indexer keys up to e
 Prints one JSON line per measurement and a summary JSON (also written to --out). Times are
 CUDA-event means over --iters runs after warm-up.
 
-    python bench/decode_step.py --model dsv4-slice --out $OUT/decode_slice.json
+    python -m bench.decode_step --model dsv4-slice --out $OUT/decode_slice.json
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 
 import torch
 
+from canary.provenance import git_commit
 from runtime.config import EngineConfig, ModelConfig
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.graph.runner import COARSE_BUCKETS, FINE_BUCKETS, GraphRunner
@@ -51,13 +51,6 @@ def random_weights(cfg: ModelConfig, small: bool) -> dict[str, torch.Tensor]:
         t = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         out[name] = 1 + 0.1 * t if name.endswith("norm.weight") else t * (shape[-1] ** -0.5)
     return out
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 class Bench:

@@ -9,7 +9,7 @@ alone. Compare with the GPU step times in docs/results.md (canary on the H200: 0
 CUDA launches and copies (graph replay, sampler kernels, the future buffer, the pinned output copy),
 absent here, while the sampler's arithmetic, device work on a GPU, runs here inside the measured time.
 
-    python bench/host_step.py --batch-sizes 1,4,16,64 --out host_step.json
+    python -m bench.host_step --batch-sizes 1,4,16,64 --out host_step.json
 """
 
 from __future__ import annotations
@@ -24,16 +24,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.decode_step import git_commit  # noqa: E402
-from canary.golden_cli import default_model  # noqa: E402
-from canary.provenance import device_name  # noqa: E402
-from runtime.config import EngineConfig  # noqa: E402
-from runtime.engine.engine import Engine  # noqa: E402
-from runtime.engine.request import SamplingParams  # noqa: E402
-from runtime.env import Env  # noqa: E402
-from runtime.faults import FaultSet  # noqa: E402
-from runtime.models.loader import LoadedModel, load_model  # noqa: E402
+from canary.provenance import device_name, git_commit
+from runtime.config import EngineConfig, default_model
+from runtime.engine.engine import Engine
+from runtime.engine.request import SamplingParams
+from runtime.env import Env
+from runtime.faults import FaultSet
+from runtime.models.loader import LoadedModel, load_model
 
 
 def without_device_work(engine: Engine) -> None:
@@ -87,7 +84,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     summary = {"model": "canary", "commit": git_commit(), "machine": device_name(),
-               "command": "python bench/host_step.py " + " ".join(sys.argv[1:]), "rows": rows}
+               "command": "python -m bench.host_step " + " ".join(sys.argv[1:]), "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -5,7 +5,7 @@ Each executed step records CUDA events at the start and the end of its device wo
 the time the GPU waited for the CPU to schedule, build and launch the next step. Measured over
 decode-only steps after every request has been prefilled, with CUDA graphs and multi-stream on.
 
-    python bench/idle_time.py --model canary --batch-sizes 1,4,16,64 --out $OUT/idle_canary.json
+    python -m bench.idle_time --model canary --batch-sizes 1,4,16,64 --out $OUT/idle_canary.json
 """
 
 from __future__ import annotations
@@ -13,22 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.decode_step import SLICE, git_commit, random_weights  # noqa: E402
-from canary.golden_cli import default_model  # noqa: E402
-from runtime.config import EngineConfig  # noqa: E402
-from runtime.engine.engine import Engine  # noqa: E402
-from runtime.engine.gpu_runner import StepTimeline  # noqa: E402
-from runtime.engine.request import SamplingParams  # noqa: E402
-from runtime.env import Env  # noqa: E402
-from runtime.faults import FaultSet  # noqa: E402
-from runtime.models.loader import LoadedModel, load_model  # noqa: E402
-from runtime.tokenizer import ByteTokenizer  # noqa: E402
+from bench.decode_step import SLICE, random_weights
+from canary.provenance import git_commit
+from runtime.config import EngineConfig, default_model
+from runtime.engine.engine import Engine
+from runtime.engine.gpu_runner import StepTimeline
+from runtime.engine.request import SamplingParams
+from runtime.env import Env
+from runtime.faults import FaultSet
+from runtime.models.loader import LoadedModel, load_model
+from runtime.tokenizer import ByteTokenizer
 
 
 def load(name: str) -> LoadedModel:

@@ -6,7 +6,7 @@ start of the same run. MoE bytes count the experts a batch touches on average,
 E * (1 - (1 - K/E)^bs), times one expert's weight bytes. Each graph holds several calls on
 different inputs (other experts, other cache slots), so replays do not re-read a warm L2.
 
-  python bench/kernels.py --json out.json [--tune-out tuned.json] [--only moe,mla,indexer]
+  python -m bench.kernels --json out.json [--tune-out tuned.json] [--only moe,mla,indexer]
 
 --tune-out: sweep MoE launch configs per batch bucket; a candidate counts only if its output is
 bit-identical to the default config's (buckets must not break batch invariance).
@@ -19,16 +19,14 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.kernels.triton import attention, elementwise, indexer, moe  # noqa: E402
-from runtime.kernels.triton.configs import config_file_name  # noqa: E402
+from runtime.kernels.triton import attention, elementwise, indexer, moe
+from runtime.kernels.triton.configs import config_file_name
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
 CALLS_PER_GRAPH = 6

@@ -84,7 +84,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from canary.golden_cli import default_model
+    from runtime.config import default_model
 
     check = args.check
     if check is None:

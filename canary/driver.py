@@ -100,11 +100,8 @@ class SessionDriver:
         return asyncio.run(self._run())
 
     async def _run(self) -> RunResult:
-        from openai import AsyncOpenAI
-
         limit = self.options.concurrency or self.options.sessions
-        client = AsyncOpenAI(base_url=self.target.base_url, api_key=self.target.api_key, max_retries=0,
-                             timeout=self.options.request_timeout_s, http_client=_http_client())
+        client = self.target.async_client(timeout=self.options.request_timeout_s, http_client=_http_client())
         semaphore = asyncio.Semaphore(limit)
         self._t0 = time.perf_counter()
         self._result = RunResult(self.options, self.target.name, time.time(), 0.0)

@@ -24,13 +24,14 @@ from typing import Iterator
 import torch
 
 from canary.fault_matrix import GateResult
+from canary.logprob_close import first_mismatch
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.request import Request, SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.generate import draw_prompts
 from runtime.models.loader import LoadedModel, load_model
+from runtime.workload import draw_prompts
 
 MODEL = "tiny-random"
 OVERLAP_REQUESTS, TP_REQUESTS = 16, 6
@@ -77,10 +78,11 @@ def outcome(req: Request) -> tuple:
 
 
 def first_difference(a: Request, b: Request) -> str:
-    for pos, (x, y) in enumerate(zip(a.output_ids, b.output_ids)):
-        if x != y:
-            return f"token {pos}: {x} vs {y}"
-    if len(a.output_ids) != len(b.output_ids):
+    """Where two runs of one request part (the gates that use it want them identical)."""
+    pos = first_mismatch(a.output_ids, b.output_ids)
+    if pos is not None and pos < min(len(a.output_ids), len(b.output_ids)):
+        return f"token {pos}: {a.output_ids[pos]} vs {b.output_ids[pos]}"
+    if pos is not None:
         return f"lengths {len(a.output_ids)} vs {len(b.output_ids)}"
     if a.output_logprobs != b.output_logprobs:
         return "same tokens, different logprobs"

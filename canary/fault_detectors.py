@@ -14,7 +14,7 @@ from pathlib import Path
 
 from canary import engine_gates, gpu_gates
 from canary.fault_matrix import Detector, GateResult
-from canary.golden_cli import DEFAULT_MODEL
+from runtime.config import DEFAULT_MODEL
 
 # Small workloads (the 80-session gate is `make gate`): big enough that each fault shows in every
 # run measured so far, small enough that the whole matrix stays within a few CPU minutes.
@@ -32,7 +32,7 @@ def canary_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResult
     from canary.targets import embedded_server
 
     started = time.perf_counter()
-    with embedded_server(DEFAULT_MODEL, list(faults), log_dir=workdir / "servers") as target:
+    with embedded_server(DEFAULT_MODEL, faults=faults, log_dir=workdir / "servers") as target:
         setup = time.perf_counter() - started
         started = time.perf_counter()
         outcome = run_gate(target, DriverOptions(**CANARY_WORKLOAD, seed=seed), perf_tolerance=PERF_TOLERANCE,
@@ -47,8 +47,8 @@ def ab_perf_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResul
     from canary.targets import embedded_server
 
     started = time.perf_counter()
-    with embedded_server(DEFAULT_MODEL, [], log_dir=workdir / "servers") as baseline, \
-            embedded_server(DEFAULT_MODEL, list(faults), log_dir=workdir / "servers") as candidate:
+    with embedded_server(DEFAULT_MODEL, log_dir=workdir / "servers") as baseline, \
+            embedded_server(DEFAULT_MODEL, faults=faults, log_dir=workdir / "servers") as candidate:
         setup = time.perf_counter() - started
         started = time.perf_counter()
         outcome = run_ab(candidate, baseline, DriverOptions(**AB_WORKLOAD, seed=seed), PERF_TOLERANCE,

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
-
-import httpx
 
 from canary import machine_speed, perf
 from canary.driver import DriverOptions, RequestRecord, RunResult, SessionDriver
@@ -33,33 +30,6 @@ class GateOutcome:
     @property
     def passed(self) -> bool:
         return not self.failures
-
-
-def server_info(target: Target) -> dict:
-    root = target.base_url.removesuffix("/v1")
-    try:
-        resp = httpx.get(root + "/server_info", timeout=10.0,
-                         headers={"Authorization": f"Bearer {target.api_key}"})
-        return resp.json() if resp.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
-        return {}
-
-
-def kv_pages_in_use(target: Target) -> float | None:
-    """Read the KV-pages gauge from the embedded server's Prometheus text (keyed like every route)."""
-    root = target.base_url.removesuffix("/v1")
-    try:
-        text = httpx.get(root + "/metrics", timeout=10.0, headers={"Authorization": f"Bearer {target.api_key}"}).text
-    except httpx.HTTPError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("#") or "kv_pages_in_use" not in line:
-            continue
-        try:
-            return float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-    return None
 
 
 def run_driver(target: Target, options: DriverOptions, progress: bool = True,
@@ -197,7 +167,7 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
              perf_tolerance: float = 0.25, near_tie: float = 0.05, progress: bool = True,
              on_request_done: Callable[[RequestRecord], None] | None = None) -> GateOutcome:
     outcome = GateOutcome()
-    info = server_info(target)
+    info = target.server_info()
     fp = baseline_fingerprint(target, info, options)
     baseline = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
     # The probe is only worth its second when a baseline will be compared or recorded.
@@ -230,13 +200,9 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     return outcome
 
 
-def _check_pages_idle(target: Target, outcome: GateOutcome, wait_s: float = 10.0) -> None:
+def _check_pages_idle(target: Target, outcome: GateOutcome) -> None:
     """Every request finished or was aborted: the KV pool must be back at its idle level."""
-    deadline = time.monotonic() + wait_s
-    pages = kv_pages_in_use(target)
-    while pages not in (None, 0.0) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        pages = kv_pages_in_use(target)
+    pages = target.wait_kv_pages_idle()
     if pages is None:
         outcome.notes.append("KV page gauge not found in /metrics: leak oracle skipped")
     elif pages != 0:

@@ -1,9 +1,9 @@
 """Golden transcripts: exact tokens plus top-k logprobs per scenario, and the first-divergence check.
 
 A run matches its golden transcript when the tokens are identical. At the first differing
-position the divergence is benign only if it is a recorded near-tie: both tokens appear in the
-recorded top-k and their recorded logprobs differ by at most `near_tie` nats. After any
-divergence the rest of the scenario is not comparable and is not checked.
+position the divergence is benign only if it is a recorded near-tie (canary/logprob_close.py): both
+tokens appear in the recorded top-k and their recorded logprobs differ by at most `near_tie` nats.
+After any divergence the rest of the scenario is not comparable and is not checked.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Hashable
+
+from canary.logprob_close import first_mismatch, is_near_tie, logprob_gap
 
 DEFAULT_NEAR_TIE = 0.05  # nats
 
@@ -43,22 +45,21 @@ class Divergence:
 
 
 def first_divergence(golden: Transcript, run: Transcript, near_tie: float = DEFAULT_NEAR_TIE) -> Divergence | None:
-    for pos, (want, got) in enumerate(zip(golden.tokens, run.tokens)):
-        if want == got:
-            continue
-        recorded = {_key(tok): lp for tok, lp in golden.top_logprobs[pos]} if pos < len(golden.top_logprobs) else {}
-        if _key(want) in recorded and _key(got) in recorded:
-            margin = recorded[_key(want)] - recorded[_key(got)]
-            benign = abs(margin) <= near_tie
-            reason = "within the near-tie margin" if benign else f"margin exceeds {near_tie}"
-            return Divergence(golden.scenario, pos, want, got, benign, margin, reason)
-        return Divergence(golden.scenario, pos, want, got, False, None, "token not among the recorded top-k")
-    if len(golden.tokens) != len(run.tokens):
-        pos = min(len(golden.tokens), len(run.tokens))
+    pos = first_mismatch(golden.tokens, run.tokens)
+    if pos is None:
+        return None
+    if pos >= min(len(golden.tokens), len(run.tokens)):
         want = golden.tokens[pos] if pos < len(golden.tokens) else None
         got = run.tokens[pos] if pos < len(run.tokens) else None
         return Divergence(golden.scenario, pos, want, got, False, None, "lengths differ")
-    return None
+    want, got = golden.tokens[pos], run.tokens[pos]
+    recorded = {_key(tok): lp for tok, lp in golden.top_logprobs[pos]} if pos < len(golden.top_logprobs) else {}
+    margin = logprob_gap(recorded, _key(want), _key(got))
+    if margin is None:
+        return Divergence(golden.scenario, pos, want, got, False, None, "token not among the recorded top-k")
+    benign = is_near_tie(margin, near_tie)
+    reason = "within the near-tie margin" if benign else f"margin exceeds {near_tie}"
+    return Divergence(golden.scenario, pos, want, got, benign, margin, reason)
 
 
 def _key(token: Hashable) -> Hashable:

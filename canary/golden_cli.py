@@ -16,20 +16,15 @@ from canary.golden import DEFAULT_NEAR_TIE, Transcript, first_divergence, read_s
 from canary.provenance import device_name, git_commit, versions
 
 EXIT_REGRESSION = 3
-DEFAULT_MODEL = "golden/models/canary-moe-v1"
 SCENARIO_SEED = 20261130
 TOP_K = 5
-
-
-def default_model() -> str:
-    return DEFAULT_MODEL if Path(DEFAULT_MODEL, "config.json").is_file() else "tiny-random"
 
 
 def run_scenarios(model: str, num: int, max_tokens: int) -> tuple[dict, list[Transcript]]:
     from runtime.engine.engine import Engine
     from runtime.engine.request import SamplingParams
-    from runtime.generate import draw_prompts
     from runtime.models.loader import load_model
+    from runtime.workload import draw_prompts
 
     loaded = load_model(model)
     engine = Engine(loaded)
@@ -93,6 +88,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _with_defaults(fn):
     def wrapped(args: argparse.Namespace) -> int:
         if args.model is None:
+            from runtime.config import default_model
+
             args.model = default_model()
         if args.store is None:
             args.store = f"golden/transcripts/{Path(args.model).name}.jsonl"

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from canary.golden_cli import DEFAULT_MODEL  # one place names the canary model
-
 
 @dataclass(frozen=True)
 class CanaryOptions:
@@ -117,6 +115,7 @@ def canary_options(pytestconfig: pytest.Config) -> CanaryOptions:
 def canary_target(canary_options: CanaryOptions, tmp_path_factory, request):
     """The target under test: `--base-url`, or the embedded runtime with the canary model."""
     from canary.targets import embedded_server, remote_target
+    from runtime.config import DEFAULT_MODEL
 
     if canary_options.base_url:
         yield remote_target(canary_options.base_url, canary_options.model, canary_options.api_key)
@@ -124,8 +123,8 @@ def canary_target(canary_options: CanaryOptions, tmp_path_factory, request):
     model = canary_options.model or DEFAULT_MODEL
     if not Path(model).exists() and model != "tiny-random":
         pytest.fail(f"canary model {model!r} not found (expected the trained model in {DEFAULT_MODEL})")
-    with embedded_server(model, list(canary_options.faults), log_dir=tmp_path_factory.mktemp("server"),
-                         extra_args=config_server_args(request)) as target:
+    with embedded_server(model, config_server_args(request), faults=canary_options.faults,
+                         log_dir=tmp_path_factory.mktemp("server")) as target:
         yield target
 
 

@@ -1,5 +1,10 @@
 """Targets the harness talks to: the embedded runtime (started here on a free port) or any
-OpenAI-compatible URL. Both end up as a `Target` with a base URL and a model name."""
+OpenAI-compatible URL. Both end up as a `Target`: its URLs, its auth header, HTTP and openai
+clients, and the two probes the harness reads from a server (`server_info`, `kv_pages_in_use`).
+
+`embedded_server` is the one launcher of `python -m runtime.serve`: the gate, the fault matrix and
+every e2e/stress test start their servers through it (vLLM's `RemoteOpenAIServer` in one function).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -26,6 +32,66 @@ class Target:
     api_key: str = "EMPTY"
     log_path: Path | None = None
     pid: int | None = None  # the embedded server's process id (the soak samples its memory); None if remote
+
+    @property
+    def root_url(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.base_url).port or 80
+
+    def url_for(self, *parts: str) -> str:
+        """`url_for("v1", "models")` -> http://host:port/v1/models."""
+        return "/".join([self.root_url, *(part.strip("/") for part in parts)])
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def client(self, **kwargs):
+        """A synchronous openai client for this target; no retries (a retry would hide a failure)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+
+    def async_client(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+
+    def server_info(self) -> dict:
+        """The runtime's /server_info (config fingerprint, model hash, engine config); {} elsewhere."""
+        try:
+            resp = httpx.get(self.url_for("server_info"), timeout=10.0, headers=self.headers)
+            return resp.json() if resp.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def kv_pages_in_use(self) -> float | None:
+        """The KV-pages gauge from the Prometheus text (keyed like every route); None without one."""
+        try:
+            text = httpx.get(self.url_for("metrics"), timeout=10.0, headers=self.headers).text
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("#") or "kv_pages_in_use" not in line:
+                continue
+            try:
+                return float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+        return None
+
+    def wait_kv_pages_idle(self, timeout_s: float = 10.0) -> float | None:
+        """Pages in use once they reach 0 or `timeout_s` passed (finished requests free theirs
+        within a step or two of the last byte sent); None when the server has no such gauge."""
+        deadline = time.monotonic() + timeout_s
+        pages = self.kv_pages_in_use()
+        while pages not in (None, 0.0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            pages = self.kv_pages_in_use()
+        return pages
 
 
 def free_port() -> int:
@@ -50,37 +116,42 @@ def wait_healthy(root_url: str, proc: subprocess.Popen | None, timeout_s: float,
 
 
 @contextmanager
-def embedded_server(model: str, faults: list[str] = (), max_running: int = 128, num_pages: int = 8192,
-                    log_dir: Path | None = None, extra_args: list[str] = (),
+def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[str] = (),
+                    host: str | None = None, max_running: int | None = 128, num_pages: int | None = 8192,
+                    env: dict[str, str] | None = None, log_dir: Path | None = None,
                     startup_timeout_s: float = 120.0) -> Iterator[Target]:
-    """Start `python -m runtime.serve` on a free loopback port; stop it (and its children) on exit.
+    """Start `python -m runtime.serve --model MODEL ARGS` on a free loopback port; stop it (and its
+    children) on exit. Stdout and stderr both go to `Target.log_path`.
 
-    The pool holds every session's whole context at once (80 sessions x a few hundred tokens):
-    a smaller pool would turn the gate into a preemption benchmark."""
+    `host`, `max_running` and `num_pages` set the matching flag; None leaves the server's default
+    (loopback for the host; the security tests start the CLI exactly as a user would). The default pool holds every
+    session's whole context at once (80 sessions x a few hundred tokens): a smaller pool would turn
+    the gate into a preemption benchmark."""
     port = free_port()
-    cmd = [sys.executable, "-m", "runtime.serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--max-running", str(max_running), "--num-pages", str(num_pages), *extra_args]
-    for fault in faults:
-        cmd += ["--inject-fault", fault]
+    cmd = [sys.executable, "-m", "runtime.serve", "--model", model, "--port", str(port)]
+    for flag, value in (("--host", host), ("--max-running", max_running), ("--num-pages", num_pages)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    cmd += [*args, *(arg for fault in faults for arg in ("--inject-fault", fault))]
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"embedded-server-{port}.log"
     # One torch thread for the engine: the harness (HTTP client, oracles) needs the other core, and
-    # two torch threads fighting a busy client thrash (a 21 us matmul took 5 ms that way).
-    env = {**os.environ, "DSV4_NUM_THREADS": os.environ.get("DSV4_NUM_THREADS", "1")}
+    # two torch threads fighting a busy client thrash (docs/results.md, "one engine thread").
+    full_env = {**os.environ, "DSV4_NUM_THREADS": os.environ.get("DSV4_NUM_THREADS", "1"), **(env or {})}
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
     root = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(root, proc, startup_timeout_s, log_path)
         yield Target(f"embedded:{Path(model).name}{'+' + '+'.join(faults) if faults else ''}", root + "/v1",
                      Path(model).name if Path(model).exists() else model, True,
-                     api_key=api_key_in(extra_args) or "EMPTY", log_path=log_path, pid=proc.pid)
+                     api_key=api_key_in(args) or "EMPTY", log_path=log_path, pid=proc.pid)
     finally:
         _stop(proc)
 
 
-def api_key_in(args: list[str]) -> str | None:
+def api_key_in(args: Sequence[str]) -> str | None:
     """The key an `--api-key` among the server's arguments sets, so the harness sends it too."""
     for i, arg in enumerate(args):
         if arg.startswith("--api-key="):
@@ -90,17 +161,20 @@ def api_key_in(args: list[str]) -> str | None:
     return None
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
+def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM the server's process group, SIGKILL it after `grace_s`; a worker rank left behind by a
+    server that already exited (a test may stop the server itself) is killed too."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=grace_s)
     except ProcessLookupError:
         pass
+    proc.wait(timeout=grace_s)
 
 
 def remote_target(base_url: str, model: str | None, api_key: str | None = None) -> Target:

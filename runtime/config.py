@@ -10,7 +10,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
+from pathlib import Path
 from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,19 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-random": ModelConfig(),
 }
 
+# The trained canary model (golden/models/, relative to the checkout): the only model with golden
+# transcripts and perf baselines. The gate, the golden CLI, the fault matrix, tests and benches name it here.
+DEFAULT_MODEL = "golden/models/canary-moe-v1"
+
+
+def default_model() -> str:
+    """The canary model where the checkout holds it, else the file-less preset."""
+    return DEFAULT_MODEL if Path(DEFAULT_MODEL, "config.json").is_file() else "tiny-random"
+
+
+# `EngineConfig.dtype` names -> the torch dtype weights and the KV cache are held in.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -152,7 +168,7 @@ class EngineConfig:
                      "prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("moe_kernel", "attention_kernel"):
             if getattr(self, name) not in ("auto", "torch", "triton"):

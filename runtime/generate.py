@@ -12,25 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import signal
 import sys
 import time
 
-from runtime.config import EngineConfig, ModelConfig
+from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.request import Request, SamplingParams
 from runtime.faults import REGISTRY, FaultSet
 from runtime.models.loader import load_model
-
-
-def draw_prompts(cfg: ModelConfig, num: int, seed: int, token_limit: int = 256) -> list[list[int]]:
-    """Mixed lengths from 1 token to four times `window + topk`, so both the dense-everything
-    regime (short contexts) and the sparse regime (tokens dropped) are covered."""
-    rng = random.Random(seed)
-    longest = max(2, 4 * cfg.selected_tokens)
-    vocab = min(token_limit, cfg.vocab_size)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(1, longest))] for _ in range(num)]
+from runtime.workload import draw_prompts
 
 
 def request_params(args: argparse.Namespace, index: int) -> SamplingParams:

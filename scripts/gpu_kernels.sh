@@ -16,6 +16,6 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 tune=()
 [ "${TUNE:-0}" = 1 ] && tune=(--tune-out "$OUT/tuned.json")
-timeout "${BENCH_S:-300}" python3 bench/kernels.py --json "$OUT/bench.json" --only "${ONLY:-moe,mla,indexer}" \
+timeout "${BENCH_S:-300}" python3 -m bench.kernels --json "$OUT/bench.json" --only "${ONLY:-moe,mla,indexer}" \
     --batches "${BATCHES:-1,2,4,8,16,32,64,128}" "${tune[@]}" 2>&1 | tee "$OUT/bench.log" || status=1
 exit $status

@@ -44,17 +44,17 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 # runner, multi-stream, eager-vs-graph equivalence
 want graph_tests && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
     tests/kernels/test_triton_kernels.py tests/kernels/test_graph_gpu.py tests/kernels/test_graph_static.py
-want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY bench/decode_step.py --model canary \
+want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model canary \
     --sawtooth 1,16,17,32,33,48,49,64,65,96,97,128 --out "$OUT/decode_canary.json"
-want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY bench/decode_step.py --model dsv4-slice \
+want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model dsv4-slice \
     --batch-sizes 1,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
 
 # ---- the engine on the GPU (issues 7, 8): graphs + multi-stream through Engine.step(), overlap
 want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \
     --run-gpu tests/gpu/test_engine_gpu.py -rA
-want idle_canary && section idle_canary "${BENCH_TIMEOUT:-120}" $PY bench/idle_time.py --model canary \
+want idle_canary && section idle_canary "${BENCH_TIMEOUT:-120}" $PY -m bench.idle_time --model canary \
     --batch-sizes 1,4,16,64 --out "$OUT/idle_canary.json"
-want idle_slice && section idle_slice "${BENCH_TIMEOUT:-150}" $PY bench/idle_time.py --model dsv4-slice \
+want idle_slice && section idle_slice "${BENCH_TIMEOUT:-150}" $PY -m bench.idle_time --model dsv4-slice \
     --batch-sizes 1,4,16,64 --steps 20 --out "$OUT/idle_slice.json"
 
 # ---- the 80-session canary gate against the GPU server (graphs + multi-stream on by default).

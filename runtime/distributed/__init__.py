@@ -2,5 +2,6 @@
 
 launcher.py (rank 0: spawn workers, broadcast plans, shut down), worker.py (ranks >= 1: follow the
 plans), collectives.py (timed collectives + watchdog), messages.py (what is broadcast, plan
-digests, the desync check), sharding.py (column/row-parallel weight shards), errors.py.
+digests, the desync check), sharding.py (column/row-parallel weight shards), mirror_pool.py (a
+worker's page table), errors.py.
 """

@@ -17,14 +17,14 @@ import traceback
 
 import torch
 
-from runtime.config import EngineConfig
+from runtime.config import DTYPES, EngineConfig
 from runtime.distributed.collectives import Collectives, init_collectives, uses_nccl
 from runtime.distributed.messages import StepMessage, find_desync, plan_field_digests
 from runtime.distributed.mirror_pool import MirrorPool
 from runtime.distributed.sharding import shard_weights
 from runtime.engine.future import FutureTokens
 from runtime.engine.plan import StepPlan
-from runtime.engine.runners import DTYPES, build_runner
+from runtime.engine.runners import build_runner
 from runtime.engine.request import Request
 from runtime.env import Env
 from runtime.faults import FaultSet

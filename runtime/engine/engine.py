@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.config import EngineConfig
+from runtime.config import DTYPES, EngineConfig
 from runtime.engine.future import FutureTokens
 from runtime.engine.loops import Launched, normal_step, overlap_step
 from runtime.engine.plan import StepPlan
-from runtime.engine.runners import DTYPES, build_runner
+from runtime.engine.runners import build_runner
 from runtime.engine.request import Request, SamplingParams
 from runtime.engine.sampler import SampleOutput
 from runtime.engine.scheduler import Scheduler

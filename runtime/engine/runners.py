@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from runtime.config import EngineConfig, ModelConfig
+from runtime.config import DTYPES, EngineConfig, ModelConfig
 from runtime.engine.gpu_runner import GpuModelRunner
 from runtime.engine.model_runner import ModelRunner
 from runtime.env import Env
@@ -16,9 +16,6 @@ from runtime.kernels import select_kernels
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.dsv4_mini import DSV4Mini
 from runtime.streams.tasks import InOrderExecutor, StreamScheduler
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig, pool, faults: FaultSet,
                  env: Env, *, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from runtime.server import request_body
 from tests.e2e.api_fuzz import PARSER_HEADER_LIMIT, FuzzStats, Outcome, Probe, probes, problems, send
-from tests.e2e.launch import serve_cli, serve_in_thread, tiny_state
+from canary.targets import embedded_server
+from tests.e2e.launch import serve_in_thread, tiny_state
 
 pytestmark = pytest.mark.e2e
 
@@ -36,10 +37,10 @@ SLOW_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.lar
 def fuzz_server(tmp_path_factory):
     """A 1,024-token context bounds what any request can make the engine do, should a mutation
     ever let a long generation through."""
-    log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    with serve_cli(["--model", "tiny-random", "--api-key", KEY, "--max-model-len", "1024"], log,
-                   env={"DSV4_SERVER_MAX_BODY_BYTES": str(BODY_LIMIT)}) as (root, _):
-        yield root, log
+    with embedded_server("tiny-random", ["--api-key", KEY, "--max-model-len", "1024"], max_running=None, num_pages=None,
+                         env={"DSV4_SERVER_MAX_BODY_BYTES": str(BODY_LIMIT)},
+                         log_dir=tmp_path_factory.mktemp("fuzz")) as server:
+        yield server.root_url, server.log_path
 
 
 def app_paths(app) -> list[str]:

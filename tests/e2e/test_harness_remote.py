@@ -3,35 +3,25 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from canary.driver import DriverOptions
 from canary.gate import run_gate
-from canary.pytest_plugin import DEFAULT_MODEL, serves_canary_model
+from canary.pytest_plugin import serves_canary_model
 from canary.reports import write_plots, write_summary
-from canary.targets import free_port, remote_target, wait_healthy
+from canary.targets import embedded_server, remote_target
+from runtime.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def hand_started_server(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("srv") / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--model", DEFAULT_MODEL, "--port", str(port),
-                                 "--num-pages", "2048"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc, 120, log)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    """The canary model served as an operator would start it; the harness gets only its URL."""
+    with embedded_server(DEFAULT_MODEL, max_running=None, num_pages=2048,
+                         log_dir=tmp_path_factory.mktemp("srv")) as server:
+        yield server.root_url
 
 
 def test_gate_against_a_base_url_discovers_the_model_and_skips_golden_loudly(hand_started_server, tmp_path):
@@ -60,10 +50,8 @@ def test_reports_write_summary_and_plots(tmp_path):
 
 
 def test_client_aborts_mid_stream_leave_no_pages_and_no_false_alarm(tmp_path):
-    from canary.targets import embedded_server
-
     options = DriverOptions(sessions=8, turns=2, stream_ratio=1.0, abort_ratio=0.5)
-    with embedded_server(DEFAULT_MODEL, [], log_dir=tmp_path) as target:
+    with embedded_server(DEFAULT_MODEL, log_dir=tmp_path) as target:
         outcome = run_gate(target, options, progress=False, baseline=tmp_path / "baseline.json")
     assert outcome.summary["metrics"]["aborted_requests"] >= 2, "the run must really abort streams"
     assert outcome.passed, outcome.failures  # includes the KV-leak oracle: pages back to idle

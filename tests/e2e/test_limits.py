@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from runtime.env import Env
-from tests.e2e.launch import serve_cli
+from canary.targets import embedded_server
 
 pytestmark = pytest.mark.e2e
 
@@ -56,10 +56,10 @@ def wait_gauge(root: str, name: str, value: float, timeout_s: float = 15.0) -> f
 def limits_server(tmp_path_factory):
     """Small limits so that crossing them is cheap: the body limit through its environment knob,
     the context through the CLI."""
-    log = tmp_path_factory.mktemp("limits") / "server.log"
-    with serve_cli(["--model", "tiny-random", "--api-key", KEY, "--max-model-len", str(CONTEXT)], log,
-                   env={"DSV4_SERVER_MAX_BODY_BYTES": str(BODY_LIMIT)}) as (root, _):
-        yield root
+    with embedded_server("tiny-random", ["--api-key", KEY, "--max-model-len", str(CONTEXT)],
+                         max_running=None, num_pages=None, env={"DSV4_SERVER_MAX_BODY_BYTES": str(BODY_LIMIT)},
+                         log_dir=tmp_path_factory.mktemp("limits")) as server:
+        yield server.root_url
 
 
 # ---- body size ----------------------------------------------------------------------------------
@@ -118,10 +118,10 @@ def test_max_tokens_is_bounded_by_the_context_to_the_token(limits_server):
 @pytest.fixture(scope="module")
 def slots_server(tmp_path_factory):
     """Two generation slots, and slow steps so that two long streams really hold them."""
-    log = tmp_path_factory.mktemp("slots") / "server.log"
-    with serve_cli(["--model", "tiny-random", "--api-key", KEY, "--max-concurrent-requests", str(SLOTS),
-                    "--inject-fault", "slow-step"], log, env={"DSV4_SLOW_STEP_MS": "50"}) as (root, _):
-        yield root
+    with embedded_server("tiny-random", ["--api-key", KEY, "--max-concurrent-requests", str(SLOTS)],
+                         faults=["slow-step"], max_running=None, num_pages=None,
+                         env={"DSV4_SLOW_STEP_MS": "50"}, log_dir=tmp_path_factory.mktemp("slots")) as server:
+        yield server.root_url
 
 
 def open_stream(stack: ExitStack, client: httpx.Client, root: str) -> Iterator[str]:

@@ -14,7 +14,8 @@ import pytest
 from starlette.routing import Route
 
 from runtime.server.auth import OPEN_PATHS, BearerAuth
-from tests.e2e.launch import serve_cli, serve_in_thread, tiny_state
+from canary.targets import embedded_server
+from tests.e2e.launch import serve_in_thread, tiny_state
 
 pytestmark = pytest.mark.e2e
 
@@ -49,9 +50,9 @@ def test_default_host_is_loopback():
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
     """The CLI with nothing but a model and a key: default host, default log level."""
-    log = tmp_path_factory.mktemp("default-server") / "server.log"
-    with serve_cli(["--model", "tiny-random", "--api-key", KEY], log) as (root, port):
-        yield root, port, log
+    with embedded_server("tiny-random", ["--api-key", KEY], max_running=None, num_pages=None,
+                         log_dir=tmp_path_factory.mktemp("default-server")) as server:
+        yield server.root_url, server.port, server.log_path
 
 
 def test_server_started_without_host_is_not_reachable_from_the_network(default_server):
@@ -162,10 +163,10 @@ def exercise(root: str, marker: str, key: str) -> None:
 
 def test_no_prompt_or_key_in_logs_at_the_default_level(tmp_path):
     marker = "MARKER-" + secrets.token_hex(8)
-    log = tmp_path / "server.log"
-    with serve_cli(["--model", "tiny-random", "--api-key", KEY], log) as (root, _):
-        exercise(root, marker, KEY)
-    text = log.read_text()
+    with embedded_server("tiny-random", ["--api-key", KEY], max_running=None, num_pages=None,
+                         log_dir=tmp_path) as server:
+        exercise(server.root_url, marker, KEY)
+    text = server.log_path.read_text()
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in text  # the capture holds the access log
     assert marker not in text
     assert KEY not in text
@@ -175,11 +176,11 @@ def test_log_oracle_sees_a_prompt_or_key_that_is_logged(tmp_path):
     # Negative control: at debug level the server logs prompts, and uvicorn's access log records a
     # query string; the same capture and the same search must then find the marker and the key.
     marker = "MARKER-" + secrets.token_hex(8)
-    log = tmp_path / "server.log"
-    with serve_cli(["--model", "tiny-random", "--api-key", KEY, "--log-level", "debug"], log) as (root, _):
-        exercise(root, marker, KEY)
-        httpx.get(root + "/health", params={"api_key": KEY})
-    text = log.read_text()
+    with embedded_server("tiny-random", ["--api-key", KEY, "--log-level", "debug"], max_running=None, num_pages=None,
+                         log_dir=tmp_path) as server:
+        exercise(server.root_url, marker, KEY)
+        httpx.get(server.url_for("health"), params={"api_key": KEY})
+    text = server.log_path.read_text()
     assert marker in text
     assert KEY in text
 

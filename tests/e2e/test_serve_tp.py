@@ -2,31 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from canary.targets import free_port, wait_healthy
-from runtime.distributed.logprob_check import Generation, check_logprobs_close
+from canary.targets import embedded_server
+from canary.logprob_close import Generation, check_logprobs_close
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 BODY = {"model": "tiny-random", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,
         "temperature": 0, "logprobs": True, "top_logprobs": 5}
 
 
 def serve(tmp_path: Path, *extra: str):
-    port = free_port()
-    log = (tmp_path / f"serve-{port}.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", "--model", "tiny-random", "--port", str(port),
-                             *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_healthy(f"http://127.0.0.1:{port}", proc, 120, tmp_path / f"serve-{port}.log")
-    return proc, f"http://127.0.0.1:{port}"
+    return embedded_server("tiny-random", extra, max_running=None, num_pages=None, log_dir=tmp_path)
 
 
 def children_of(pid: int) -> list[int]:
@@ -35,22 +29,30 @@ def children_of(pid: int) -> list[int]:
 
 
 def test_tp2_overlap_server_matches_tp1_and_exits_cleanly(tmp_path):
-    single, url1 = serve(tmp_path)
-    try:
-        one = httpx.post(url1 + "/v1/chat/completions", json=BODY, timeout=60).json()
-    finally:
-        single.send_signal(signal.SIGTERM)
-        single.wait(timeout=30)
-    tp, url2 = serve(tmp_path, "--tp", "2", "--overlap")
-    try:
+    with serve(tmp_path) as single:
+        one = httpx.post(single.url_for("v1/chat/completions"), json=BODY, timeout=60).json()
+    with serve(tmp_path, "--tp", "2", "--overlap") as tp:
         assert len(children_of(tp.pid)) >= 1, "--tp 2 must start a worker process"
-        two = httpx.post(url2 + "/v1/chat/completions", json=BODY, timeout=60).json()
-    finally:
-        tp.send_signal(signal.SIGTERM)
-        tp.wait(timeout=30)
+        two = httpx.post(tp.url_for("v1/chat/completions"), json=BODY, timeout=60).json()
+        os.kill(tp.pid, signal.SIGTERM)  # the server alone, as a deployment stops it: it must stop its workers
+        assert wait_exited(tp.pid), "the server did not exit on SIGTERM"
+        leftovers = wait_until_gone(tp.pid)
     # TP=2 sums partial products in another order: exact tokens, except at a recorded near-tie.
     check_logprobs_close([generation(one)], [generation(two)], margin=0.05, logprob_atol=1e-3)
-    assert wait_until_gone(tp.pid) == [], "worker processes outlived the server"
+    assert leftovers == [], "worker processes outlived the server"
+
+
+def wait_exited(pid: int, timeout_s: float = 30.0) -> bool:
+    """True once `pid` is a zombie or gone (the launcher reaps it when its block ends)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def wait_until_gone(session: int, timeout_s: float = 15.0) -> list[str]:

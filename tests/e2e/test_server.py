@@ -10,41 +10,16 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import API_KEY
-
 pytestmark = pytest.mark.e2e
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
 
 
-def root(server) -> str:
-    return server.base_url.removesuffix("/v1")
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
-
-
-def pages_in_use(server) -> float:
-    text = httpx.get(root(server) + "/metrics", headers=AUTH).text
-    return float(next(l for l in text.splitlines() if l.startswith("dsv4_kv_pages_in_use")).split()[1])
-
-
-def wait_idle(server, timeout_s: float = 10.0) -> float:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while (pages := pages_in_use(server)) != 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return pages
-
-
 def test_non_streaming_completion(server):
-    resp = client(server).chat.completions.create(model=server.model, messages=USER, max_tokens=8, temperature=0,
+    resp = server.client().chat.completions.create(model=server.model, messages=USER, max_tokens=8, temperature=0,
                                                   logprobs=True, top_logprobs=3, tools=TOOLS)
     choice = resp.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
@@ -55,8 +30,8 @@ def test_non_streaming_completion(server):
 
 def test_streaming_equals_non_streaming_greedy(server):
     kwargs = dict(model=server.model, messages=USER, max_tokens=12, temperature=0, seed=7, logprobs=True)
-    unary = client(server).chat.completions.create(**kwargs)
-    chunks = list(client(server).chat.completions.create(**kwargs, stream=True,
+    unary = server.client().chat.completions.create(**kwargs)
+    chunks = list(server.client().chat.completions.create(**kwargs, stream=True,
                                                          stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
@@ -67,16 +42,16 @@ def test_streaming_equals_non_streaming_greedy(server):
 
 
 def test_stop_sequences_and_seeded_sampling(server):
-    c = client(server)
+    c = server.client()
     a = c.chat.completions.create(model=server.model, messages=USER, max_tokens=10, temperature=0.8, seed=3)
     b = c.chat.completions.create(model=server.model, messages=USER, max_tokens=10, temperature=0.8, seed=3)
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
 def test_models_health_info(server):
-    assert [m.id for m in client(server).models.list().data] == ["tiny-random"]
-    assert httpx.get(root(server) + "/health").status_code == 200
-    info = httpx.get(root(server) + "/server_info", headers=AUTH).json()
+    assert [m.id for m in server.client().models.list().data] == ["tiny-random"]
+    assert httpx.get(server.url_for("health")).status_code == 200
+    info = server.server_info()
     assert info["model"] == "tiny-random" and info["config_fingerprint"] and "torch" in info["versions"]
 
 
@@ -105,7 +80,7 @@ BAD = [
 def test_bad_input_is_a_4xx_with_an_openai_error_body(server, name, body, status, needle):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     resp = httpx.post(server.base_url + "/chat/completions", content=content,
-                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+                      headers={**server.headers, "Content-Type": "application/json"})
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -114,8 +89,7 @@ def test_bad_input_is_a_4xx_with_an_openai_error_body(server, name, body, status
 
 def test_too_large_body_is_413(server):
     big = json.dumps({"model": "tiny-random", "messages": [{"role": "user", "content": "x" * (5 << 20)}]})
-    resp = httpx.post(server.base_url + "/chat/completions", content=big,
-                      headers={"Authorization": f"Bearer {API_KEY}"})
+    resp = httpx.post(server.base_url + "/chat/completions", content=big, headers=server.headers)
     assert resp.status_code == 413 and "exceeds" in resp.json()["error"]["message"]
 
 
@@ -127,14 +101,14 @@ def test_api_key_required(server):
 
 
 def test_disconnect_mid_stream_frees_pages(server):
-    with httpx.stream("POST", server.base_url + "/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+    with httpx.stream("POST", server.base_url + "/chat/completions", headers=server.headers,
                       json={"model": "tiny-random", "messages": USER, "max_tokens": 3000, "stream": True,
                             "temperature": 0}) as resp:
         for i, _ in enumerate(resp.iter_lines()):
             if i > 6:
-                assert pages_in_use(server) > 0  # the request really holds pages while it streams
+                assert server.kv_pages_in_use() > 0  # the request really holds pages while it streams
                 break
-    assert wait_idle(server) == 0
+    assert server.wait_kv_pages_idle() == 0
 
 
 def test_64_concurrent_streaming_clients_complete_and_server_stays_healthy(server):
@@ -145,7 +119,7 @@ def test_64_concurrent_streaming_clients_complete_and_server_stays_healthy(serve
         return reasons[-1]
 
     async def main() -> list[str]:
-        c = openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+        c = server.async_client(timeout=120)
         try:
             return await asyncio.gather(*(one(c, i) for i in range(64)))
         finally:
@@ -153,7 +127,7 @@ def test_64_concurrent_streaming_clients_complete_and_server_stays_healthy(serve
 
     reasons = asyncio.run(main())
     assert len(reasons) == 64 and set(reasons) <= {"stop", "length"}
-    assert wait_idle(server) == 0
-    assert httpx.get(root(server) + "/health").status_code == 200
-    metrics = httpx.get(root(server) + "/metrics", headers=AUTH).text
+    assert server.wait_kv_pages_idle() == 0
+    assert httpx.get(server.url_for("health")).status_code == 200
+    metrics = httpx.get(server.url_for("metrics"), headers=server.headers).text
     assert 'status="500"' not in metrics

@@ -9,9 +9,8 @@ import random
 
 import pytest
 
-from canary.golden_cli import default_model
-from runtime.config import EngineConfig
-from runtime.distributed.logprob_check import Generation, check_logprobs_close
+from runtime.config import EngineConfig, default_model
+from canary.logprob_close import Generation, check_logprobs_close
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env

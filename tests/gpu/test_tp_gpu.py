@@ -10,10 +10,9 @@ import random
 import pytest
 import torch
 
-from canary.golden_cli import default_model
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, default_model
 from runtime.distributed.errors import DesyncError
-from runtime.distributed.logprob_check import Generation, check_logprobs_close
+from canary.logprob_close import Generation, check_logprobs_close
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env

@@ -12,8 +12,8 @@ import pytest
 
 from canary.driver import DriverOptions
 from canary.gate import run_gate
-from canary.pytest_plugin import DEFAULT_MODEL
 from canary.targets import embedded_server
+from runtime.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from canary.gate import kv_pages_in_use, run_gate
-from canary.pytest_plugin import DEFAULT_MODEL, driver_options
+from canary.gate import run_gate
+from canary.pytest_plugin import driver_options
 from canary.reports import write_rss_plot, write_summary
 from canary.rss import MIB, RssSampler, check_flat, write_csv
 from canary.targets import embedded_server
+from runtime.config import DEFAULT_MODEL
 from canary.watchdog import run_with_watchdog
 
 pytestmark = [pytest.mark.stress, pytest.mark.slow]
@@ -68,7 +69,7 @@ def test_soak_1000_sessions_at_concurrency_80_with_aborts(canary_options, tmp_pa
         with capsys.disabled():
             print(line, flush=True)
 
-    with embedded_server(canary_options.model or DEFAULT_MODEL, list(canary_options.faults),
+    with embedded_server(canary_options.model or DEFAULT_MODEL, faults=canary_options.faults,
                          log_dir=tmp_path / "server") as target:
         sampler = RssSampler(target.pid, progress=lambda: progress.requests, interval_s=RSS_INTERVAL_S).start()
 
@@ -85,7 +86,7 @@ def test_soak_1000_sessions_at_concurrency_80_with_aborts(canary_options, tmp_pa
                                  on_request_done=progress.add),
                 deadline_s=DEADLINE_S, stall_s=STALL_S, progress=lambda: progress.requests, on_tick=tick,
                 tick_s=TICK_S)
-            pages_at_end = kv_pages_in_use(target)
+            pages_at_end = target.kv_pages_in_use()
         finally:
             samples = sampler.stop()
             write_csv(report_dir / "rss.csv", samples)  # kept for a post-mortem even after a hang

@@ -12,12 +12,12 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.generate import draw_prompts
 from runtime.kernels import cpu, reference
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.dsv4_mini import DSV4Mini
 from runtime.models.loader import load_model
 from runtime.streams.tasks import InOrderExecutor
+from runtime.workload import draw_prompts
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.config import EngineConfig
-from runtime.distributed.logprob_check import Generation, check_logprobs_close
+from canary.logprob_close import Generation, check_logprobs_close
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env

@@ -14,7 +14,7 @@ import pytest
 
 from runtime.config import EngineConfig
 from runtime.distributed.errors import CollectiveError, DesyncError
-from runtime.distributed.logprob_check import Generation, NotClose, check_logprobs_close
+from canary.logprob_close import Generation, NotClose, check_logprobs_close
 from runtime.distributed.worker import LOCAL_ABORT_STEP
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
