@@ -41,6 +41,7 @@ from runtime.server.internal_errors import InternalErrors
 from runtime.server.limits import ConcurrencyLimit, HeaderSizeLimit, RequestSlots
 from runtime.server.metrics import ServerMetrics
 from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
+from runtime.server.prompt import render_prompt
 from runtime.server.protocol import ChatCompletionRequest, NamedToolChoice
 from runtime.server.request_body import check_content_type, decode_json, read_limited
 
@@ -200,12 +201,12 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
         forced = f'{dsml.BLOCK_OPEN}\n<{dsml.DSML}invoke name="{name}">\n'
         template_choice = "required"
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tok = state.engine.tokenizer
     try:
-        prompt = state.template.render(messages, tools, template_choice) + forced
+        prompt = render_prompt(state.template, tok, messages, tools, template_choice, suffix=forced)
     except TemplateError as exc:
         raise bad_request(str(exc), param="messages") from None
-    tok = state.engine.tokenizer
-    ids = tok.encode(prompt)
+    ids = prompt.ids
     if not ids or ids[0] != tok.bos_token_id:
         ids = [tok.bos_token_id, *ids]
     limit = state.engine.cfg.max_model_len
@@ -226,7 +227,7 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     corruptor = None
     if state.engine.faults.enabled("tool-json-corrupt"):
         corruptor = ToolJsonCorruptor(request_key(ids, req.seed), state.env.tool_corrupt_rate)
-    return Prepared(prompt, ids, params, output, corruptor)
+    return Prepared(prompt.text, ids, params, output, corruptor)
 
 
 # ---- responses ----------------------------------------------------------------------------------
