@@ -219,7 +219,8 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
                           f"context", param="max_tokens", code="context_length_exceeded")
     seed = req.seed if req.seed is not None else (random.getrandbits(31) if req.temperature > 0 else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                            stop=req.stop_strings, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+                            stop=req.stop_strings, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+                            forced_ids=_required_opening(tok, req))
     output = OutputOptions(stop=req.stop_strings, parse_tools=mode != "none" and bool(req.tools),
                            tool_names=frozenset(t["function"]["name"] for t in tools), forced_prefix=forced,
                            logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
@@ -228,6 +229,19 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     if state.engine.faults.enabled("tool-json-corrupt"):
         corruptor = ToolJsonCorruptor(request_key(ids, req.seed), state.env.tool_corrupt_rate)
     return Prepared(prompt.text, ids, params, output, corruptor)
+
+
+def _required_opening(tok, req: ChatCompletionRequest) -> tuple[int, ...]:
+    """tool_choice="required": the reply to a user message opens a tool-call block, by constrained
+    decoding of the block's opening (as SGLang and vLLM constrain it with a grammar). The tokens are
+    generated, so they are reported, counted and logprobbed like any other; a model that would have
+    opened the block anyway (the canary model) produces exactly the tokens it would have produced.
+    After tool results (the last message is a tool result) the turn already called a tool and the
+    model may answer: that is how the canary model was trained ("required: every turn calls"), and
+    forcing a call there would loop a client that keeps tool_choice for the whole conversation."""
+    if req.tool_choice_mode != "required" or req.messages[-1].role != "user":
+        return ()
+    return tuple(tok.encode(dsml.BLOCK_OPEN))
 
 
 # ---- responses ----------------------------------------------------------------------------------
