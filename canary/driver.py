@@ -230,7 +230,9 @@ class SessionDriver:
                 usage = chunk.usage.model_dump()
             for choice in chunk.choices:
                 delta = choice.delta
-                if delta.content or delta.tool_calls:
+                # A token counts when it arrives, also while the server holds its text back (a tool
+                # call goes out whole once its invoke closed): its logprob entry marks its arrival.
+                if delta.content or delta.tool_calls or (choice.logprobs and choice.logprobs.content):
                     first_token = first_token or now
                     chunk_times.append(now)
                 if delta.content:

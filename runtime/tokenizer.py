@@ -11,8 +11,15 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_token_id: int
     eos_token_id: int
+    # Spelling -> id of every token that text never encodes to (role markers, DSML tags, BOS/EOS):
+    # a prompt gets them only where its template puts them (runtime/server/prompt.py).
+    control_tokens: dict[str, int]
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as plain text: a spelling of a control token is encoded as its characters."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -28,9 +35,12 @@ class ByteTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        self.control_tokens: dict[str, int] = {}  # specials have no spelling: bytes are always text
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    encode_text = encode
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -38,15 +48,26 @@ class ByteTokenizer:
 
 class HFTokenizer:
     def __init__(self, path: Path, bos_token_id: int, eos_token_id: int) -> None:
+        import json
+
         from tokenizers import Tokenizer as _HF
 
-        self._tok = _HF.from_file(str(path))
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        self._tok = _HF.from_str(json.dumps(spec))
+        # `tokenizers` matches added tokens in any text it encodes; the same pipeline without them
+        # is how content stays text (the one-segment-at-a-time split is the same as the full one's).
+        self._text_only = _HF.from_str(json.dumps({**spec, "added_tokens": []}))
+        self.control_tokens = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
         self.vocab_size = self._tok.get_vocab_size()
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
 
     def encode(self, text: str) -> list[int]:
+        """Text with control-token spellings matched: only for text the server itself wrote."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._text_only.encode(text, add_special_tokens=False).ids if text else []
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

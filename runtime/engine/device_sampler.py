@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from runtime.engine.request import Request
-from runtime.engine.sampler import SampleOutput, sample_row
+from runtime.engine.sampler import SampleOutput, forced_token, sample_row
 
 
 class PendingOutputs(Mapping):
@@ -63,6 +63,10 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> tuple[tor
     for i, req in enumerate(requests):
         if req.params.temperature != 0:
             tokens[i] = sample_row(logits[i].cpu(), req).token  # host sync, own generator
+            continue
+        if (forced := forced_token(req)) is not None:
+            tokens[i] = forced
+        req.num_sampled += 1
     host = {"tokens": tokens, "logprobs": logprobs.gather(1, tokens[:, None])[:, 0]}
     top_counts = [req.params.top_logprobs or 0 for req in requests]
     k = max(top_counts, default=0)

@@ -20,6 +20,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Constrained decoding of a fixed opening: the first len(forced_ids) tokens are these, whatever
+    # the model prefers (tool_choice="required" forces the tool-call block's opening tag).
+    forced_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -58,6 +61,7 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in the cache
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    num_sampled: int = 0  # tokens sampled so far, counted by the sampler (ahead of output_ids when overlapped)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -21,11 +21,22 @@ class SampleOutput:
     top: list[tuple[int, float]]
 
 
+def forced_token(req: Request) -> int | None:
+    """The token a constrained opening imposes at this position, if any. Counted by samples, not by
+    output_ids: the overlap loop samples a request's next token before the last one is recorded."""
+    forced = req.params.forced_ids
+    return forced[req.num_sampled] if req.num_sampled < len(forced) else None
+
+
 def sample_row(logits: torch.Tensor, req: Request) -> SampleOutput:
     # logits: [V] float32
     params = req.params
     logprobs = torch.log_softmax(logits, dim=-1)
-    if params.temperature == 0:
+    forced = forced_token(req)
+    req.num_sampled += 1
+    if forced is not None:
+        token = forced  # no draw: the generator's stream starts after the forced opening
+    elif params.temperature == 0:
         token = int(torch.argmax(logits))  # first maximum: ties go to the lower id
     else:
         probs = torch.softmax(logits / params.temperature, dim=-1)

@@ -41,6 +41,7 @@ from runtime.server.internal_errors import InternalErrors
 from runtime.server.limits import ConcurrencyLimit, HeaderSizeLimit, RequestSlots
 from runtime.server.metrics import ServerMetrics
 from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
+from runtime.server.prompt import render_prompt
 from runtime.server.protocol import ChatCompletionRequest, NamedToolChoice
 from runtime.server.request_body import check_content_type, decode_json, read_limited
 
@@ -200,12 +201,12 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
         forced = f'{dsml.BLOCK_OPEN}\n<{dsml.DSML}invoke name="{name}">\n'
         template_choice = "required"
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tok = state.engine.tokenizer
     try:
-        prompt = state.template.render(messages, tools, template_choice) + forced
+        prompt = render_prompt(state.template, tok, messages, tools, template_choice, suffix=forced)
     except TemplateError as exc:
         raise bad_request(str(exc), param="messages") from None
-    tok = state.engine.tokenizer
-    ids = tok.encode(prompt)
+    ids = prompt.ids
     if not ids or ids[0] != tok.bos_token_id:
         ids = [tok.bos_token_id, *ids]
     limit = state.engine.cfg.max_model_len
@@ -218,7 +219,8 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
                           f"context", param="max_tokens", code="context_length_exceeded")
     seed = req.seed if req.seed is not None else (random.getrandbits(31) if req.temperature > 0 else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                            stop=req.stop_strings, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
+                            stop=req.stop_strings, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+                            forced_ids=_required_opening(tok, req))
     output = OutputOptions(stop=req.stop_strings, parse_tools=mode != "none" and bool(req.tools),
                            tool_names=frozenset(t["function"]["name"] for t in tools), forced_prefix=forced,
                            logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
@@ -226,7 +228,20 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     corruptor = None
     if state.engine.faults.enabled("tool-json-corrupt"):
         corruptor = ToolJsonCorruptor(request_key(ids, req.seed), state.env.tool_corrupt_rate)
-    return Prepared(prompt, ids, params, output, corruptor)
+    return Prepared(prompt.text, ids, params, output, corruptor)
+
+
+def _required_opening(tok, req: ChatCompletionRequest) -> tuple[int, ...]:
+    """tool_choice="required": the reply to a user message opens a tool-call block, by constrained
+    decoding of the block's opening (as SGLang and vLLM constrain it with a grammar). The tokens are
+    generated, so they are reported, counted and logprobbed like any other; a model that would have
+    opened the block anyway (the canary model) produces exactly the tokens it would have produced.
+    After tool results (the last message is a tool result) the turn already called a tool and the
+    model may answer: that is how the canary model was trained ("required: every turn calls"), and
+    forcing a call there would loop a client that keeps tool_choice for the whole conversation."""
+    if req.tool_choice_mode != "required" or req.messages[-1].role != "user":
+        return ()
+    return tuple(tok.encode(dsml.BLOCK_OPEN))
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -9,30 +9,43 @@ The model writes (full-width U+FF5C bars):
     </｜DSML｜invoke>
     </｜DSML｜tool_calls>
 
-An invoke body is either parameter tags or one direct-JSON object; `<｜DSML｜invoke name="x"/>`
-is a call without arguments. One-shot parsing is `feed(text)` + `finish()`, so "streamed parse ==
-one-shot parse for any chunking" holds by construction: every decision below depends only on the
-buffered text, and the parser waits while the buffer could still be the start of a tag.
+An invoke body is either parameter tags or one direct-JSON object; `<｜DSML｜invoke name="x"/>` is a
+call without arguments. V3.2's block name `function_calls` and an invoke without a block around it
+are read the same way, and a reply may hold several blocks.
 
-Agreement with SGLang's `deepseekv4` detector on well-formed text: prose before the block loses the
-blank line the template puts before it; string values are stripped; non-string values are JSON
-(NaN/Infinity rejected) or else the stripped raw text; unknown tool names and unclosed invokes are
-dropped; text after the block is dropped. Where a stream cannot take back what it already sent we
-differ on malformed text: stray text between parameters is ignored (SGLang drops the call), a
-repeated parameter keeps its first value, and a direct-JSON body that is not an object is passed
-through verbatim so the client sees what the model wrote.
+The rule for what becomes a call: an invoke is reported only once it closed, its tool is known, and
+its arguments are a JSON object that satisfies what the markup declared (`string="false"` values are
+JSON, a direct-JSON body is an object). A call is emitted whole, never in pieces, so a stream never
+shows a call that later turns out cut or malformed. Markup that fails the rule (an invoke cut by
+max_tokens or a stop string, a malformed parameter, an unknown tool, stray text inside a block) is
+returned as content and logged with its reason: model output is never silently dropped and never
+silently turned into a complete call. Whitespace around tags is markup; the blank line the template
+puts before a block belongs to the markup, not the prose.
+
+Arguments keep what the model wrote: string values keep their whitespace, non-string values keep
+their JSON text as written (`1.50` stays `1.50`, `1e400` is not turned into Infinity), a repeated
+parameter keeps its last value (as SGLang and DeepSeek's reference parser do), a value may contain
+other DSML close tags (only its own close tag ends it).
+
+One-shot parsing is `feed(text)` + `finish()`; every decision depends only on the buffered text,
+and the parser waits while the buffer could still grow into a tag, so the streamed parse equals the
+one-shot parse for any chunking.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 
+log = logging.getLogger(__name__)
+
 BAR = "\uff5c"  # ｜ FULLWIDTH VERTICAL LINE
 DSML = f"{BAR}DSML{BAR}"
+BLOCK_NAMES = ("tool_calls", "function_calls")  # V4, V3.2
 BLOCK_OPEN = f"<{DSML}tool_calls>"
-BLOCK_CLOSE = f"</{DSML}tool_calls>"
+BLOCK_OPENS = tuple(f"<{DSML}{name}>" for name in BLOCK_NAMES)
 INVOKE_OPEN = f"<{DSML}invoke"
 INVOKE_CLOSE = f"</{DSML}invoke>"
 PARAM_OPEN = f"<{DSML}parameter"
@@ -41,7 +54,9 @@ PARAM_CLOSE = f"</{DSML}parameter>"
 BLOCK_LEAD = "\n\n"
 
 _INVOKE_HEAD = re.compile(rf'<{DSML}invoke\s+name="(?P<name>[^"]+)"\s*(?P<end>/>|>)')
-_PARAM_HEAD = re.compile(rf'<{DSML}parameter\s+name="(?P<name>[^"]+)"\s+string="(?P<string>[^"]+)"\s*>')
+_PARAM_HEAD = re.compile(rf'<{DSML}parameter(?P<attrs>(?:\s+[A-Za-z_]+="[^"]*")*)\s*>')
+_ATTR = re.compile(r'([A-Za-z_]+)="([^"]*)"')
+_STARTS = (*BLOCK_OPENS, INVOKE_OPEN)  # what ends prose
 
 
 @dataclass(frozen=True)
@@ -50,18 +65,14 @@ class ContentDelta:
 
 
 @dataclass(frozen=True)
-class ToolCallStart:
+class ToolCall:
+    """A complete call: its invoke closed and its arguments are a valid JSON object."""
     index: int
     name: str
+    arguments: str
 
 
-@dataclass(frozen=True)
-class ArgumentsDelta:
-    index: int
-    text: str
-
-
-Event = ContentDelta | ToolCallStart | ArgumentsDelta
+Event = ContentDelta | ToolCall
 
 
 @dataclass
@@ -76,18 +87,19 @@ class ParseResult:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
+class Invalid(ValueError):
+    """An invoke that is not a call; its markup goes back to the content."""
+
+
 def _reject_constant(value: str):
     raise ValueError(f"non-standard JSON constant {value}")
 
 
-def _json_value(raw: str, is_string: bool):
+def json_text(raw: str) -> str:
+    """`raw` stripped, when it is one strict JSON value (no NaN/Infinity); raises ValueError otherwise."""
     text = raw.strip()
-    if is_string:
-        return text
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except ValueError:
-        return text
+    json.loads(text, parse_constant=_reject_constant)
+    return text
 
 
 def _held_suffix(buffer: str, *tokens: str) -> int:
@@ -100,17 +112,108 @@ def _held_suffix(buffer: str, *tokens: str) -> int:
     return len(buffer)
 
 
+def _first_of(buffer: str, tags, start: int = 0) -> tuple[int, str] | None:
+    found = [(i, tag) for tag in tags if (i := buffer.find(tag, start)) >= 0]
+    return min(found) if found else None
+
+
+class NeedMore(Exception):
+    """The buffered invoke cannot be decided yet."""
+
+
+def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
+    """`text` starts with an invoke tag -> (end of the invoke markup, name, arguments JSON).
+
+    Raises NeedMore while more text could change the answer (never when `final`), and Invalid with
+    the end of the markup to give back as content when the invoke is not a call.
+    """
+    head = _INVOKE_HEAD.match(text)
+    if head is None:
+        close = text.find(">")
+        if close < 0:
+            _need_more(text, final)
+        raise Invalid("malformed invoke tag", close + 1)
+    name = head.group("name").strip()
+    if head.group("end") == "/>":
+        return head.end(), name, "{}"
+    body_start = head.end()
+    rest = text[body_start:].lstrip()
+    if rest.startswith("{"):  # direct JSON: the body up to the first close tag
+        end = text.find(INVOKE_CLOSE, body_start)
+        if end < 0:
+            _need_more(text, final)
+        stop = end + len(INVOKE_CLOSE)
+        try:
+            arguments = json_text(text[body_start:end])
+        except ValueError:
+            raise Invalid("direct-JSON arguments are not valid JSON", stop) from None
+        if not isinstance(json.loads(arguments), dict):
+            raise Invalid("direct-JSON arguments are not an object", stop)
+        return stop, name, arguments
+    params: dict[str, str] = {}  # name -> JSON text; a repeated name keeps its last value
+    at = body_start
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        tail = text[at:]
+        if tail.startswith(INVOKE_CLOSE):
+            body = ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in params.items())
+            return at + len(INVOKE_CLOSE), name, "{" + body + "}"
+        if not tail.startswith(PARAM_OPEN):
+            if not final and any(tag.startswith(tail) for tag in (INVOKE_CLOSE, PARAM_OPEN)):
+                raise NeedMore
+            _bad_body(text, at, final, "text between parameters")
+        param = _PARAM_HEAD.match(text, at)
+        if param is None:
+            if ">" not in tail:
+                _need_more(text, final)
+            _bad_body(text, at, final, "malformed parameter tag")
+        end = text.find(PARAM_CLOSE, param.end())
+        if end < 0:
+            _need_more(text, final)
+        attrs = dict(_ATTR.findall(param.group("attrs")))
+        value = text[param.end():end]
+        at = end + len(PARAM_CLOSE)
+        if "name" not in attrs:
+            _bad_body(text, at, final, "parameter without a name")
+        declared = attrs.get("string")
+        if declared == "true":
+            params[attrs["name"]] = json.dumps(value, ensure_ascii=False)
+            continue
+        try:
+            params[attrs["name"]] = json_text(value)
+        except ValueError:
+            if declared is not None:  # string="false" (or anything else) promised JSON
+                _bad_body(text, at, final, "a string=\"false\" value is not valid JSON")
+            params[attrs["name"]] = json.dumps(value, ensure_ascii=False)  # undeclared: text is text
+
+
+def _need_more(text: str, final: bool):
+    if final:
+        raise Invalid("unclosed invoke", len(text))
+    raise NeedMore
+
+
+def _bad_body(text: str, at: int, final: bool, reason: str):
+    """The invoke is not a call: its markup runs to its close tag (or, cut, to the end)."""
+    end = text.find(INVOKE_CLOSE, at)
+    if end < 0:
+        _need_more(text, final)
+    raise Invalid(reason, end + len(INVOKE_CLOSE))
+
+
 class DsmlParser:
     """Feed text, get events; `finish()` flushes. `tool_names=None` accepts any function name."""
 
     def __init__(self, tool_names: set[str] | None = None) -> None:
         self.tool_names = tool_names
         self._buf = ""
-        self._state = "content"  # content -> block -> (invoke -> block)* -> done
-        self._index = -1  # index of the last announced call
-        self._body: str | None = None  # current invoke's form: None until its first character, "json" or "xml"
-        self._params: list[str] = []  # parameter names already emitted in the current invoke
-        self._skip = False  # current invoke names an unknown tool: parse it, emit nothing
+        self._state = "content"  # content -> block -> (invoke -> block)* -> content ...
+        self._block_close = ""  # the close tag of the open block
+        self._bare = False  # the current invoke stands without a block around it
+        self._after_markup = False  # whitespace right after markup is markup
+        self._index = 0  # index of the next call
+        self.rejected: list[str] = []  # why markup went back to content, one entry per case
 
     # ---- public ---------------------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
@@ -120,24 +223,21 @@ class DsmlParser:
             pass
         return events
 
-    @property
-    def in_call(self) -> bool:
-        """Inside an unclosed invoke (the output stopped mid-call)."""
-        return self._state == "invoke"
-
     def finish(self) -> list[Event]:
         events: list[Event] = []
         while self._step(events, final=True):
             pass
-        if self._state == "content" and self._buf:
-            events.append(ContentDelta(self._buf))
-        elif self._state == "invoke":
-            # Unclosed at the end of the output (max_tokens): the call was already announced, so
-            # close the parameter object that was sent; a direct-JSON body goes out as written.
-            self._close_invoke(events, self._buf)
+        if self._state == "block" and self._buf.strip():
+            self._reject(events, self._buf.strip(), "text inside an unclosed tool-call block")
+        elif self._state == "content" and self._buf and not self._after_markup:
+            events.append(ContentDelta(self._buf))  # after markup, _content left only whitespace
         self._buf = ""
-        self._state = "done"
         return events
+
+    @property
+    def closed(self) -> bool:
+        """Every block and invoke the model opened was closed (the output was not cut in markup)."""
+        return self._state == "content"
 
     # ---- states ---------------------------------------------------------------------------------
     def _step(self, events: list[Event], final: bool) -> bool:
@@ -145,116 +245,72 @@ class DsmlParser:
         if self._state == "content":
             return self._content(events, final)
         if self._state == "block":
-            return self._block(events)
-        if self._state == "invoke":
-            return self._invoke(events)
-        self._buf = ""  # done: text after the block is not part of the reply
-        return False
+            return self._block(events, final)
+        return self._invoke(events, final)
 
     def _content(self, events: list[Event], final: bool) -> bool:
-        at = self._buf.find(BLOCK_OPEN)
-        if at >= 0:
+        if self._after_markup:
+            stripped = self._buf.lstrip()
+            if not stripped:
+                return False
+            self._buf, self._after_markup = stripped, False
+        found = _first_of(self._buf, _STARTS)
+        if found is not None:
+            at, tag = found
             prose = self._buf[:at].removesuffix(BLOCK_LEAD)
             if prose:
                 events.append(ContentDelta(prose))
-            self._buf = self._buf[at + len(BLOCK_OPEN):]
-            self._state = "block"
+            if tag == INVOKE_OPEN:
+                self._buf, self._state, self._bare = self._buf[at:], "invoke", True
+            else:
+                self._buf, self._state = self._buf[at + len(tag):], "block"
+                self._block_close = "</" + tag[1:]
             return True
         if not final:
-            hold = _held_suffix(self._buf, BLOCK_LEAD + BLOCK_OPEN, BLOCK_OPEN)
+            hold = _held_suffix(self._buf, *(BLOCK_LEAD + t for t in _STARTS), *_STARTS)
             if hold > 0:
                 events.append(ContentDelta(self._buf[:hold]))
                 self._buf = self._buf[hold:]
         return False
 
-    def _block(self, events: list[Event]) -> bool:
-        found = _first_of(self._buf, INVOKE_OPEN, BLOCK_CLOSE)
+    def _block(self, events: list[Event], final: bool) -> bool:
+        found = _first_of(self._buf, (INVOKE_OPEN, self._block_close))
         if found is None:
-            # Stray text between invokes is markup noise; keep only a possible tag start.
-            self._buf = self._buf[_held_suffix(self._buf, INVOKE_OPEN, BLOCK_CLOSE):]
-            return False
+            return False  # stray text is decided when its segment ends (here or at finish)
         at, tag = found
-        if tag == BLOCK_CLOSE:
-            self._buf = ""
-            self._state = "done"
-            return False
-        head = _INVOKE_HEAD.match(self._buf, at)
-        if head is None:
-            if ">" in self._buf[at:]:  # a complete tag that is not a valid invoke head: skip it
-                self._buf = self._buf[at + len(INVOKE_OPEN):]
-                return True
-            self._buf = self._buf[at:]
-            return False
-        name = head.group("name").strip()
-        self._buf = self._buf[head.end():]
-        self._skip = self.tool_names is not None and name not in self.tool_names
-        self._body, self._params = None, []
-        if not self._skip:
-            self._index += 1
-            events.append(ToolCallStart(self._index, name))
-        if head.group("end") == "/>":
-            self._close_invoke(events, "")
+        if self._buf[:at].strip():
+            self._reject(events, self._buf[:at].strip(), "text inside a tool-call block")
+        if tag == INVOKE_OPEN:
+            self._buf, self._state, self._bare = self._buf[at:], "invoke", False
         else:
-            self._state = "invoke"
+            self._buf, self._state = self._buf[at + len(tag):], "content"
+            self._after_markup = True
         return True
 
-    def _invoke(self, events: list[Event]) -> bool:
-        if self._body is None:
-            # The first non-blank character decides the form, whatever the chunking.
-            self._buf = self._buf.lstrip()
-            if not self._buf:
-                return False
-            self._body = "json" if self._buf.startswith("{") else "xml"
-        if self._body == "json":
-            end = self._buf.find(INVOKE_CLOSE)
-            if end < 0:
-                return False
-            self._close_invoke(events, self._buf[:end])
-            self._buf = self._buf[end + len(INVOKE_CLOSE):]
-            return True
-        found = _first_of(self._buf, PARAM_OPEN, INVOKE_CLOSE)
-        if found is None:
-            self._buf = self._buf[_held_suffix(self._buf, PARAM_OPEN, INVOKE_CLOSE):]
+    def _invoke(self, events: list[Event], final: bool) -> bool:
+        try:
+            end, name, arguments = scan_invoke(self._buf, final)
+        except NeedMore:
             return False
-        at, tag = found
-        if tag == INVOKE_CLOSE:
-            self._close_invoke(events, "")
-            self._buf = self._buf[at + len(INVOKE_CLOSE):]
-            return True
-        head = _PARAM_HEAD.match(self._buf, at)
-        if head is None:
-            if ">" in self._buf[at:]:
-                self._buf = self._buf[at + len(PARAM_OPEN):]
-                return True
-            self._buf = self._buf[at:]
-            return False
-        end = self._buf.find(PARAM_CLOSE, head.end())
-        if end < 0:
-            self._buf = self._buf[at:]
-            return False
-        name = head.group("name")
-        value = _json_value(self._buf[head.end():end], is_string=head.group("string") == "true")
-        self._buf = self._buf[end + len(PARAM_CLOSE):]
-        if name not in self._params and not self._skip:
-            opener = "{" if not self._params else ", "
-            events.append(ArgumentsDelta(self._index, opener + json.dumps(name, ensure_ascii=False) + ": "
-                                         + json.dumps(value, ensure_ascii=False)))
-            self._params.append(name)
-        return True
-
-    def _close_invoke(self, events: list[Event], json_body: str) -> None:
-        if not self._skip:
-            if self._body == "json":
-                events.append(ArgumentsDelta(self._index, json_body.strip()))
+        except Invalid as exc:
+            reason, end = exc.args
+            self._reject(events, self._buf[:end], reason)
+        else:
+            if self.tool_names is not None and name not in self.tool_names:
+                self._reject(events, self._buf[:end], "unknown tool name")
             else:
-                events.append(ArgumentsDelta(self._index, "}" if self._params else "{}"))
-        self._state = "block"
-        self._body, self._params, self._skip = None, [], False
+                events.append(ToolCall(self._index, name, arguments))
+                self._index += 1
+        self._buf = self._buf[end:]
+        self._state = "content" if self._bare else "block"
+        self._after_markup = True
+        return True
 
-
-def _first_of(buffer: str, *tags: str) -> tuple[int, str] | None:
-    found = [(i, tag) for tag in tags if (i := buffer.find(tag)) >= 0]
-    return min(found) if found else None
+    def _reject(self, events: list[Event], markup: str, reason: str) -> None:
+        # The reason only: the markup is model output, which may quote user data.
+        log.warning("DSML returned as content, not as a tool call: %s", reason)
+        self.rejected.append(reason)
+        events.append(ContentDelta(markup))
 
 
 def parse(text: str, tool_names: set[str] | None = None) -> ParseResult:
@@ -272,8 +328,6 @@ def collect(parser: DsmlParser, chunks) -> ParseResult:
     for event in events:
         if isinstance(event, ContentDelta):
             result.content += event.text
-        elif isinstance(event, ToolCallStart):
-            result.calls.append(ParsedCall(event.name, ""))
         else:
-            result.calls[event.index].arguments += event.text
+            result.calls.append(ParsedCall(event.name, event.arguments))
     return result

@@ -8,14 +8,22 @@ text instead of a model.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.server.corrupt import ToolJsonCorruptor
 from runtime.server.detokenizer import Detokenizer
-from runtime.server.dsml import ArgumentsDelta, ContentDelta, DsmlParser, ToolCallStart
+from runtime.server.dsml import ContentDelta, DsmlParser, ToolCall
 from runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def new_call_id() -> str:
+    """A tool-call id unique across responses (clients key tool results by it)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass
@@ -49,7 +57,6 @@ class ChoiceBuilder:
             if options.parse_tools else None
         self.corruptor = corruptor
         self.num_calls = 0
-        self._call_ids: dict[int, str] = {}
         self._pending = self.parser.feed(options.forced_prefix) if self.parser and options.forced_prefix else []
 
     def push(self, token: int, logprob: float, top: list[tuple[int, float]], is_stop_token: bool) -> Delta:
@@ -62,14 +69,20 @@ class ChoiceBuilder:
         return delta
 
     def finish(self, reason: str) -> tuple[Delta, str]:
-        """Flush held-back text; return the last delta and the OpenAI finish_reason."""
+        """Flush held-back text; return the last delta and the OpenAI finish_reason.
+
+        "tool_calls" only when the model ended its turn itself (EOS or a stop token: reason "stop"
+        with no stop string cut) with every block and invoke closed. Output cut by max_tokens or a
+        stop string keeps "length"/"stop" even when some calls before the cut were complete, so a
+        client never takes a truncated list of calls for the whole answer.
+        """
         delta = Delta()
         events = self._events(self.detok.flush())
         if self.parser is not None:
-            truncated = self.parser.in_call  # stopped inside an invoke: the call is incomplete
+            closed = self.parser.closed
             events += self.parser.finish()
             self._apply(delta, events)
-            if self.num_calls and reason != "abort" and not (reason == "length" and truncated):
+            if self.num_calls and reason == "stop" and closed and not self.detok.stopped:
                 reason = "tool_calls"
         else:
             self._apply(delta, events)
@@ -84,25 +97,20 @@ class ChoiceBuilder:
 
     def _apply(self, delta: Delta, events) -> None:
         for event in events:
-            if not isinstance(event, ContentDelta) and self.options.max_calls is not None \
-                    and event.index >= self.options.max_calls:
-                continue
             if isinstance(event, ContentDelta):
                 delta.content += event.text
-            elif isinstance(event, ToolCallStart):
+            elif isinstance(event, ToolCall):
+                if self.options.max_calls is not None and event.index >= self.options.max_calls:
+                    log.info("parallel_tool_calls=false: call %d of the reply not returned", event.index)
+                    continue
                 self.num_calls += 1
-                self._call_ids[event.index] = f"call_{uuid.uuid4().hex[:24]}"
+                arguments = event.arguments
                 if self.corruptor is not None:
                     self.corruptor.start_call(event.index)
-                delta.tool_calls.append({"index": event.index, "id": self._call_ids[event.index], "type": "function",
-                                         "function": {"name": event.name, "arguments": ""}})
-            elif isinstance(event, ArgumentsDelta) and event.text:
-                text = self.corruptor.arguments(event.index, event.text) if self.corruptor else event.text
-                last = delta.tool_calls[-1] if delta.tool_calls else None
-                if last is not None and last["index"] == event.index:
-                    last["function"]["arguments"] += text  # one entry per call per chunk
-                else:
-                    delta.tool_calls.append({"index": event.index, "function": {"arguments": text}})
+                    arguments = self.corruptor.arguments(event.index, arguments)
+                # A call goes out whole, once complete (runtime/server/dsml.py says why).
+                delta.tool_calls.append({"index": event.index, "id": new_call_id(), "type": "function",
+                                         "function": {"name": event.name, "arguments": arguments}})
 
     def _logprob_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
         def item(tid: int, lp: float) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.server.errors import bad_request
+from runtime.server.tool_schemas import VERDICTS
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
@@ -82,7 +83,19 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# Options of the OpenAI API this server does not implement: any value but "not set" is a 400, so a
+# client never believes an option took effect when it did not.
+UNSUPPORTED_OPTIONS = ("functions", "function_call", "audio", "prediction", "web_search_options",
+                       "reasoning_effort", "verbosity")
+# Informational options: they label the request and change nothing in the output, so accepting
+# them is honouring them (prompt caching is automatic here).
+INFORMATIONAL_OPTIONS = ("user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
+
+
 class ChatCompletionRequest(_Strict):
+    # Every field the server reads is declared; anything else is a 400, not silently ignored.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     model: str
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolDef] | None = None
@@ -100,6 +113,25 @@ class ChatCompletionRequest(_Strict):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     n: int = Field(default=1, ge=1, le=1)
+    # Declared so they can be refused when set (check() says why each one is not implemented).
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    modalities: list[str] | None = None
+    store: bool | None = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -132,6 +164,8 @@ class ChatCompletionRequest(_Strict):
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+        self._check_options()
+        self._check_tool_call_ids()
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise bad_request("tools contain duplicate function names", param="tools")
@@ -144,16 +178,48 @@ class ChatCompletionRequest(_Strict):
             check_tool_schema(tool.function, f"tools[{i}].function.parameters")
 
 
-def check_tool_schema(function: FunctionDef, param: str) -> None:
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError
+    def _check_options(self) -> None:
+        for name in UNSUPPORTED_OPTIONS:
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            # JSON mode and JSON-schema outputs need grammar-constrained decoding, which the engine
+            # does not have; plain text ({"type": "text"}) is what every reply already is.
+            raise bad_request("response_format: only {\"type\": \"text\"} is supported (no constrained JSON "
+                              "decoding)", param="response_format", code="unsupported_parameter")
+        if self.logit_bias:
+            # Greedy rows are an argmax on the device over the batch's logits (batch-invariant and
+            # golden-exact); a per-request bias would be a new per-row input to every step.
+            raise bad_request("logit_bias is not supported by this server", param="logit_bias",
+                              code="unsupported_parameter")
+        for name in ("presence_penalty", "frequency_penalty"):
+            # Penalties need each request's token counts on the device at every step; 0 (no
+            # penalty, the default) is what the sampler does.
+            if getattr(self, name) != 0:
+                raise bad_request(f"{name} is not supported by this server (only 0)", param=name,
+                                  code="unsupported_parameter")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise bad_request("modalities: only [\"text\"] is supported", param="modalities",
+                              code="unsupported_parameter")
+        if self.store:
+            raise bad_request("store=true is not supported: this server keeps no completions", param="store",
+                              code="unsupported_parameter")
 
-    schema = function.parameters
-    if schema is None:
+    def _check_tool_call_ids(self) -> None:
+        """A tool result must answer a call of an earlier assistant message: one that answers no
+        call would be rendered as a result of some other call."""
+        calls: set[str] = set()
+        for i, message in enumerate(self.messages):
+            if message.role == "assistant":
+                calls.update(call.id for call in message.tool_calls or [])
+            elif message.role == "tool" and message.tool_call_id not in calls:
+                raise bad_request(f"messages[{i}].tool_call_id {message.tool_call_id!r} matches no tool call of an "
+                                  f"earlier assistant message", param=f"messages.{i}.tool_call_id")
+
+
+def check_tool_schema(function: FunctionDef, param: str) -> None:
+    if function.parameters is None:
         return
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        raise bad_request(f"invalid JSON Schema for tool {function.name!r}: {exc.message}", param=param) from None
-    if schema.get("type", "object") != "object":
-        raise bad_request(f"parameters of tool {function.name!r} must be a JSON Schema of type object", param=param)
+    error = VERDICTS.error(function.parameters)
+    if error is not None:
+        raise bad_request(f"parameters of tool {function.name!r}: {error}", param=param)

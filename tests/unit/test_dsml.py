@@ -8,7 +8,7 @@ import json
 import pytest
 from hypothesis import given, strategies as st
 
-from runtime.server.dsml import DSML, ArgumentsDelta, DsmlParser, collect, parse
+from runtime.server.dsml import DSML, DsmlParser, collect, parse
 
 pytestmark = pytest.mark.unit
 
@@ -57,11 +57,11 @@ def test_example_parameters_json_and_self_closing():
             f'<{DSML}parameter name="city" string="true"> Paris </{DSML}parameter>\n'
             f'<{DSML}parameter name="days" string="false">[1, 2.5]</{DSML}parameter>\n</{DSML}invoke>\n'
             f'<{DSML}invoke name="compute_stats"/>\n<{DSML}invoke name="lookup_order">\n{{"id": "ORD-1"}}\n'
-            f'</{DSML}invoke>\n</{DSML}tool_calls>ignored')
+            f'</{DSML}invoke>\n</{DSML}tool_calls> More.')
     result = parse(text)
-    assert result.content == "Let me check."
+    assert result.content == "Let me check.More."  # text after a block is output too, never dropped
     assert [(c.name, json.loads(c.arguments)) for c in result.calls] == [
-        ("get_weather", {"city": "Paris", "days": [1, 2.5]}), ("compute_stats", {}), ("lookup_order", {"id": "ORD-1"})]
+        ("get_weather", {"city": " Paris ", "days": [1, 2.5]}), ("compute_stats", {}), ("lookup_order", {"id": "ORD-1"})]
 
 
 def test_plain_text_and_unknown_tools():
@@ -70,13 +70,13 @@ def test_plain_text_and_unknown_tools():
     assert [c.name for c in parse(text, {"get_weather"}).calls] == ["get_weather"]
 
 
-def test_unclosed_invoke_is_closed_and_flagged():
+def test_unclosed_invoke_is_not_a_call():
+    """Cut output is never closed into a call (the full rule: tests/unit/test_dsml_incomplete.py)."""
+    cut = f'<{DSML}tool_calls><{DSML}invoke name="f"><{DSML}parameter name="a" string="false">1</{DSML}parameter>'
     parser = DsmlParser()
-    events = parser.feed(f'<{DSML}tool_calls><{DSML}invoke name="f"><{DSML}parameter name="a" string="false">1'
-                         f'</{DSML}parameter>')
-    assert parser.in_call
-    events += parser.finish()
-    assert json.loads("".join(e.text for e in events if isinstance(e, ArgumentsDelta))) == {"a": 1}
+    parser.feed(cut)
+    assert not parser.closed
+    assert parse(cut).calls == []
 
 
 @given(data=st.data(), reply=_reply)

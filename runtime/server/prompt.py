@@ -1,0 +1,161 @@
+"""A chat prompt as token ids where request text is always text: control tokens (role markers, DSML
+tags, BOS/EOS) come only from the template, never from what a client wrote.
+
+Rendering a template gives one string, and encoding that string would turn a user's `<｜User｜>`
+into the real role marker: anyone could forge turns or tool markup. So every string a client sent
+is wrapped in markers unique to this rendering before the template sees it; after rendering, the
+markers split the prompt into template text (control-token spellings become their ids) and request
+text (encoded as plain text). Between two control tokens, template and request text are encoded as
+one piece, exactly as the plain encoding of the whole prompt would split them, so a prompt without
+such spellings in its request text encodes to the same ids as before (the canary model's prompts
+are unchanged; tests/unit/test_prompt_text.py checks both).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.server.chat_template import ChatTemplate, TemplateError
+from runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Markers:
+    """ASCII words that survive Jinja's `tojson` unchanged (no `<>&'`, no escapes)."""
+    open: str
+    close: str
+
+    @classmethod
+    def fresh(cls) -> "Markers":
+        nonce = secrets.token_hex(12)  # a client cannot guess it, so cannot fake a boundary
+        return cls(f"TXT{nonce}OPEN", f"TXT{nonce}CLOSE")
+
+    def wrap(self, text: str) -> str:
+        return f"{self.open}{text}{self.close}" if text else text
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # what the model sees, as text (for logs and tests)
+    ids: list[int]
+
+
+def render_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]], tool_choice: str, suffix: str = "") -> Prompt:
+    """`suffix` is server-written markup (a forced tool-call opening): its control tokens count."""
+    markers = Markers.fresh()
+    rendered = template.render([_mark_message(m, markers) for m in messages],
+                               [_mark_tool(t, markers) for t in tools], tool_choice) + suffix
+    pieces = split_marked(rendered, markers)
+    return Prompt("".join(text for text, _ in pieces), encode_pieces(tokenizer, pieces))
+
+
+def split_marked(rendered: str, markers: Markers) -> list[tuple[str, bool]]:
+    """(text, is_request_text) pieces, markers removed."""
+    pattern = re.compile(re.escape(markers.open) + "(.*?)" + re.escape(markers.close), re.DOTALL)
+    pieces: list[tuple[str, bool]] = []
+    at = 0
+    for match in pattern.finditer(rendered):
+        pieces += [(rendered[at:match.start()], False), (match.group(1), True)]
+        at = match.end()
+    pieces.append((rendered[at:], False))
+    if any(markers.open in text or markers.close in text for text, _ in pieces):
+        # The template cut or reordered a client string: its boundary is lost, so refuse to guess.
+        raise TemplateError("the chat template transforms message text; it cannot be encoded safely")
+    return [(text, is_request) for text, is_request in pieces if text]
+
+
+def encode_pieces(tokenizer: Tokenizer, pieces: list[tuple[str, bool]]) -> list[int]:
+    ids: list[int] = []
+    run = ""  # text since the last control token, encoded as one piece
+    for text, is_request in pieces:
+        if is_request:
+            run += text
+            continue
+        for segment, control in _split_controls(text, tokenizer.control_tokens):
+            run += segment
+            if control is not None:
+                ids += tokenizer.encode_text(run) + [control]
+                run = ""
+    return ids + tokenizer.encode_text(run)
+
+
+def _split_controls(text: str, controls: dict[str, int]) -> list[tuple[str, int | None]]:
+    """Template text -> (text before, control id) pairs, leftmost-longest like `tokenizers`."""
+    if not controls:
+        return [(text, None)]
+    pattern = re.compile("|".join(re.escape(c) for c in sorted(controls, key=len, reverse=True)))
+    out: list[tuple[str, int | None]] = []
+    at = 0
+    for match in pattern.finditer(text):
+        out.append((text[at:match.start()], controls[match.group()]))
+        at = match.end()
+    out.append((text[at:], None))
+    return out
+
+
+# ---- marking request text -----------------------------------------------------------------------
+def _mark_message(message: dict[str, Any], markers: Markers) -> dict[str, Any]:
+    out = copy.deepcopy(message)
+    content = out.get("content")
+    if isinstance(content, str):
+        out["content"] = markers.wrap(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part.get("text"), str):
+                part["text"] = markers.wrap(part["text"])
+    for call in out.get("tool_calls") or []:
+        function = call["function"]
+        function["name"] = markers.wrap(function["name"])
+        function["arguments"] = _mark_arguments(function["arguments"], markers)
+    return out
+
+
+def _mark_arguments(arguments: str, markers: Markers) -> str:
+    """Arguments arrive as a JSON string; the template renders a dict as DSML parameters, so its
+    names and string values are request text, and a non-object string is rendered as written."""
+    import json
+
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return markers.wrap(arguments)
+    if not isinstance(value, dict):
+        return markers.wrap(arguments)
+    return json.dumps({markers.wrap(k): _mark_value(v, markers) for k, v in value.items()}, ensure_ascii=False)
+
+
+def _mark_value(value: Any, markers: Markers) -> Any:
+    # Only top-level strings are rendered raw; nested values go through `tojson`, which escapes `<`.
+    return markers.wrap(value) if isinstance(value, str) else value
+
+
+def _mark_tool(tool: dict[str, Any], markers: Markers) -> dict[str, Any]:
+    """A tool's description, parameter names and enum values are client text a template may render
+    raw; names and types are validated identifiers and stay as they are (templates compare them)."""
+    out = copy.deepcopy(tool)
+    function = out["function"]
+    if isinstance(function.get("description"), str):
+        function["description"] = markers.wrap(function["description"])
+    parameters = function.get("parameters") or {}
+    properties = parameters.get("properties")
+    if isinstance(properties, dict):
+        parameters["properties"] = {markers.wrap(k): _mark_spec(v, markers) for k, v in properties.items()}
+    if isinstance(parameters.get("required"), list):
+        parameters["required"] = [markers.wrap(r) if isinstance(r, str) else r for r in parameters["required"]]
+    return out
+
+
+def _mark_spec(spec: Any, markers: Markers) -> Any:
+    if not isinstance(spec, dict):
+        return spec
+    spec = dict(spec)
+    if isinstance(spec.get("enum"), list):
+        spec["enum"] = [markers.wrap(v) if isinstance(v, str) else v for v in spec["enum"]]
+    if isinstance(spec.get("description"), str):
+        spec["description"] = markers.wrap(spec["description"])
+    return spec
