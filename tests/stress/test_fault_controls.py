@@ -21,7 +21,7 @@ SMALL = DriverOptions(sessions=16, turns=2, stream_ratio=0.5, max_tokens=160)
 
 
 def gate_with_fault(fault: str, tmp_path, options: DriverOptions = SMALL):
-    with embedded_server(DEFAULT_MODEL, [fault], log_dir=tmp_path) as target:
+    with embedded_server(DEFAULT_MODEL, faults=[fault], log_dir=tmp_path) as target:
         return run_gate(target, options, progress=False)
 
 
