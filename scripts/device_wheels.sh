@@ -19,4 +19,7 @@ for name in $NAMES; do
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$name==$version"
 done
+# Profiling only (gpu_suite.sh's gate_profile section); not a dependency of the project, so pinned here.
+ls .whl | grep -q "^py_spy-0.4.3-" || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl py-spy==0.4.3
 du -sh .whl

@@ -46,6 +46,8 @@ want graph_tests && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pyte
     tests/kernels/test_triton_kernels.py tests/kernels/test_graph_gpu.py tests/kernels/test_graph_static.py
 want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model canary \
     --sawtooth 1,16,17,32,33,48,49,64,65,96,97,128 --out "$OUT/decode_canary.json"
+want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.step_profile --batch-sizes 16,128 \
+    --out "$OUT/step_profile.json"
 want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model dsv4-slice \
     --batch-sizes 1,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
 
@@ -71,7 +73,7 @@ if want gate_record; then
 fi
 want gate && section gate "${GATE_TIMEOUT:-300}" "${GATE[@]}" --report-dir "$OUT/gate"
 # Where the gate's time goes, server and harness together (needs py-spy's wheel in .whl).
-want gate_profile && section gate_profile "${GATE_TIMEOUT:-300}" /tmp/site/bin/py-spy record --subprocesses --rate 100 \
+want gate_profile && section gate_profile "${GATE_TIMEOUT:-300}" /tmp/site/bin/py-spy record --subprocesses --threads --rate 100 \
     --format raw -o "$OUT/gate_profile.txt" -- "${GATE[@]}"
 want gate_stream_race && negative_control gate_stream_race "${GATE_TIMEOUT:-300}" \
     env DSV4_STREAM_JITTER_CYCLES=2000000 "${GATE[@]}" --inject-fault stream-race
