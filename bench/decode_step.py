@@ -57,6 +57,7 @@ class Bench:
     def __init__(self, cfg: ModelConfig, weights, pages_per_request: int, max_batch: int, buckets, streams,
                  kernels: dict):
         self.requests = max_batch
+        self.vocab_size = cfg.vocab_size
         self.scratch = max_batch * pages_per_request
         ecfg = EngineConfig(page_size=PAGE, num_pages=self.scratch + 1, device="cuda", dtype="bfloat16")
         self.kv = KVCache(cfg, ecfg, torch.bfloat16)
@@ -81,7 +82,12 @@ class Bench:
     def _rows(self, requests: torch.Tensor, pos: torch.Tensor) -> DecodeInputs:
         table = requests[:, None] * self.pages + torch.arange(self.pages, device="cuda")
         slots = table.gather(1, (pos // PAGE)[:, None])[:, 0] * PAGE + pos % PAGE
-        return DecodeInputs(torch.zeros(len(pos), dtype=torch.long, device="cuda"), pos, slots, table)
+        # Distinct random tokens: with one token id for every row, the rows' hidden states barely differ,
+        # the router sends them all to the same few experts, and the step reads a fraction of the
+        # expert bytes the roofline counts (the figures before 2026-12-01 20:30 were measured so).
+        gen = torch.Generator(device="cuda").manual_seed(len(pos))
+        tokens = torch.randint(3, self.vocab_size, (len(pos),), device="cuda", generator=gen)
+        return DecodeInputs(tokens, pos, slots, table)
 
 
 def time_ms(fn, *args, iters: int) -> float:

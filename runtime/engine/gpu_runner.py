@@ -88,6 +88,8 @@ class GpuModelRunner:
                                   scratch_page=self.scratch_page, faults=faults, env=env)
         if ecfg.cuda_graphs and on_gpu:
             self.graphs.capture()
+        if on_gpu:
+            self.graphs.warm_eager(self.max_rows)
         self.future: FutureTokens | None = None  # set by the engine for the overlap loop
         self.timeline: StepTimeline | None = None  # set by benchmarks
 

@@ -34,7 +34,10 @@ DECODE_BLOCK_N = 128
 PREFILL_ROWS = 256
 
 
-@triton.jit
+# The row count is never specialized on (Triton would compile a variant per M % 16 class): an eager
+# prefill pass of any length reuses the kernels the graph capture compiled, instead of compiling on
+# the serving path.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, k_chunk, stride_xm, stride_wn, stride_om,
                    SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
@@ -65,7 +68,7 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, k_chunk, stride_xm,
         tl.store(part, acc, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _split_sum_kernel(part_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -81,7 +81,7 @@ def _tile_rows(pid_m, tile_expert_ptr, sorted_rows_ptr, num_rows, ROUTING: tl.co
     return expert, rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_tiles"])
 def _align_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_experts, num_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
     # One program: counting sort of the routed rows by expert, stable, padded to BLOCK_M per expert.
@@ -113,15 +113,24 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_exper
         tl.store(tile_expert_ptr + tiles, tl.where(owner < num_experts, owner, -1), mask=tiles < num_tiles)
 
 
+# Above this many routed rows the one-program Triton sort (a [E, 32] compare per 32 rows, serial over
+# the rows) is the slowest kernel of a prefill pass (3 ms per layer at 4,096 tokens on the H200);
+# library sort + scans build the same layout in tens of microseconds. Below it the single launch wins.
+ALIGN_KERNEL_MAX_ROWS = 256
+
+
 def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group routed rows by expert into BLOCK_M-row tiles: one launch, no host sync (capturable).
+    """Group routed rows by expert into BLOCK_M-row tiles, with no host sync (capturable).
 
     Returns sorted_rows [NB*BLOCK_M] (routed row ids in row order within each expert; TK marks
     padding) and tile_expert [NB] (-1: unused tile). NB is a static bound: sum_e ceil(count_e /
-    BLOCK_M) <= ceil((TK + min(E, TK) * (BLOCK_M - 1)) / BLOCK_M)."""
+    BLOCK_M) <= ceil((TK + min(E, TK) * (BLOCK_M - 1)) / BLOCK_M). Both implementations build this
+    one layout exactly (tests/kernels/test_moe_align.py), so which one runs never changes a bit."""
     flat = topk_ids.reshape(-1)
     rows = flat.numel()
     num_tiles = triton.cdiv(rows + min(num_experts, rows) * (BLOCK_M - 1), BLOCK_M)
+    if rows > ALIGN_KERNEL_MAX_ROWS:
+        return _align_with_sort(flat, num_experts, num_tiles)
     sorted_rows = torch.empty(num_tiles * BLOCK_M, dtype=torch.int32, device=flat.device)
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=flat.device)
     if rows:
@@ -130,7 +139,26 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     return sorted_rows, tile_expert
 
 
-@triton.jit
+def _align_with_sort(flat: torch.Tensor, num_experts: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_tokens' layout from a stable sort: expert e's rows go, in row order, to its padded span
+    [padded_start[e], padded_start[e] + count[e]); the rest of the span stays TK (padding)."""
+    rows, dev = flat.numel(), flat.device
+    ids = flat.long()
+    order = torch.sort(ids, stable=True).indices  # [TK] row ids, grouped by expert, row order within
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_ends = padded.cumsum(0)
+    expert_of = ids[order]
+    rank = torch.arange(rows, device=dev) - (counts.cumsum(0) - counts)[expert_of]  # index within its expert
+    sorted_rows = torch.full((num_tiles * BLOCK_M,), rows, dtype=torch.int32, device=dev)
+    sorted_rows[(padded_ends - padded)[expert_of] + rank] = order.to(torch.int32)
+    # tile t belongs to the first expert whose padded span ends after t * BLOCK_M; none: unused (-1)
+    owner = torch.searchsorted(padded_ends, torch.arange(num_tiles, device=dev) * BLOCK_M, right=True)
+    tile_expert = torch.where(owner < num_experts, owner, -1).to(torch.int32)
+    return sorted_rows, tile_expert
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
 def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows_ptr, tile_expert_ptr,
                     num_rows, top_k, hidden, inter,
                     stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
@@ -185,7 +213,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
         tl.store(part + inter, acc_up, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
 def _split_act_kernel(part_ptr, act_ptr, num_rows, inter, stride_act, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -199,7 +227,7 @@ def _split_act_kernel(part_ptr, act_ptr, num_rows, inter, stride_act, SPLIT_K: t
     tl.store(act_ptr + row * stride_act + offs, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
 def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_rows_ptr, tile_expert_ptr,
                  route_w_ptr, num_rows, hidden, inter,
                  stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
