@@ -29,10 +29,14 @@ which the wheel does not carry; ours is align_tokens), and the graphs hold only 
 activation and combine launches. Our full fused_moe (alignment included) is reported next to it
 as ours_full_us. Sparse MLA decode has no metadata kernel on either side.
 
-Device command (the lead runs it on the H200; first `bash scripts/sglang_wheel.sh` here):
-  run(command="VS_SGLANG=1 SKIP_TESTS=1 OUT=$OUT bash scripts/gpu_kernels.sh", carry=[".whl-sglang"])
-or directly:
+Device commands (the lead runs them on the H200, after `bash scripts/sglang_wheel.sh` here; two
+calls, as both tables with both sides may not fit one 600 s call):
+  run(command="VS_SGLANG=1 ONLY=mla BENCH_S=400 bash scripts/gpu_kernels.sh", carry=[".whl-sglang"])
+  run(command="VS_SGLANG=1 SKIP_TESTS=1 ONLY=moe BENCH_S=570 bash scripts/gpu_kernels.sh", carry=[".whl-sglang"])
+(the first also runs tests/kernels/test_sglang_kernels.py on the GPU); or directly:
   python -m bench.kernels --json $OUT/bench.json --vs-sglang [--only moe,mla] [--batches 1,8,64]
+The table (both columns, ratio, max |diff|) ends the log; the JSON rows carry ours_us, sglang_us,
+sglang_over_ours, ours_full_us, sglang_config and the diffs, and meta.sglang the version and stubs.
 """
 
 from __future__ import annotations
@@ -356,6 +360,22 @@ class VsSGLang:
                     modules=list(REAL), stubs=self.sgl.stubbed)
 
     def moe(self, row: dict, packed, inputs, config, split, reference=None) -> None:
+        self._guard(row, self._moe, row, packed, inputs, config, split, reference)
+
+    def mla(self, row: dict, calls_in, cache, latent, scale, reference=None) -> None:
+        self._guard(row, self._mla, row, calls_in, cache, latent, scale, reference)
+
+    @staticmethod
+    def _guard(row, fn, *args) -> None:
+        """One device run measures everything: a failing SGLang call marks its row and the run
+        goes on (the error is in the row and the log), instead of losing the rows after it."""
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001
+            row["sglang_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            print(f"  sglang {row['kernel']} bs={row['bs']}: {row['sglang_error']}", flush=True)
+
+    def _moe(self, row: dict, packed, inputs, config, split, reference=None) -> None:
         from runtime.kernels.triton import moe
         num_experts, top_k = packed.w2.shape[0], inputs[0][1].shape[1]
         table = {id(i): moe.align_tokens(i, num_experts) for _, i, _ in inputs
@@ -377,7 +397,7 @@ class VsSGLang:
             ref = reference(x0, i0, w0)
             row.update(sglang_max_abs_diff_vs_torch=_max_diff(got, ref), ours_max_abs_diff_vs_torch=_max_diff(want, ref))
 
-    def mla(self, row: dict, calls_in, cache, latent, scale, reference=None) -> None:
+    def _mla(self, row: dict, calls_in, cache, latent, scale, reference=None) -> None:
         sgl = lambda q, s: self.sgl.sparse_mla(q, cache, s, latent, scale, self.mla_workspace)  # noqa: E731
         sgl_us = self.graph_us([lambda q=q, s=s: sgl(q, s) for q, s in calls_in])
         q0, s0 = calls_in[0]
@@ -391,12 +411,15 @@ class VsSGLang:
                  f"{'kernel':<11}{'variant':<10}{'shape':<20}{'bs':>5}{'ours_us':>10}{'sglang_us':>11}"
                  f"{'ratio':>8}{'ours_full_us':>14}{'max|diff|':>11}"]
         for r in rows:
-            if "sglang_us" not in r:
+            if "sglang_us" not in r and "sglang_error" not in r:
                 continue
             if r["kernel"] == "fused_moe":
                 variant, shape = r["variant"], f"I={r['I']} split={r['split_k']}"
             else:
                 variant, shape = "bf16", f"H={r['H']} top-{r['topk']} S={r['selected']}"
+            if "sglang_us" not in r:
+                lines.append(f"{r['kernel']:<11}{variant:<10}{shape:<20}{r['bs']:>5}  SGLang failed: {r['sglang_error']}")
+                continue
             diff = r.get("sglang_max_abs_diff_vs_torch", r.get("sglang_max_abs_diff_vs_ours"))
             full = f"{r['ours_full_us']:.1f}" if "ours_full_us" in r else "-"
             lines.append(f"{r['kernel']:<11}{variant:<10}{shape:<20}{r['bs']:>5}{r['ours_us']:>10.1f}"

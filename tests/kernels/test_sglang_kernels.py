@@ -109,3 +109,41 @@ def test_missing_wheel_message(tmp_path):
     assert sk.find_wheel(tmp_path) is None
     with pytest.raises(SystemExit, match="sglang_wheel.sh"):
         sk.SGLang(tmp_path / "sglang-0.0.0-py3-none-any.whl")
+
+
+def test_vs_sglang_rows_and_table(sgl):
+    """The --vs-sglang plumbing on a tiny MoE: both sides run on the same inputs (a stand-in timer
+    that calls each captured call once), the row gets both columns, the ratio and the checks;
+    our alignment stays out of the timed calls."""
+    calls_seen = []
+
+    def fake_graph_us(calls, reps=15):
+        for call in calls:
+            calls_seen.append(call())
+        return 2.0 if len(calls_seen) <= len(calls) else 3.0
+
+    gen = torch.Generator().manual_seed(1)
+    experts, top_k, hidden, inter = 8, 6, 256, 128
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.05).to(dtype).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.05).to(dtype).to(DEVICE)
+    packed = moe.PackedMoE(w13, w2)
+    inputs = [(torch.randn(4, hidden, generator=gen).to(dtype).to(DEVICE), *_routing(gen, 4, experts, top_k))
+              for _ in range(2)]  # 24 routed rows: the aligned path, so align_tokens is in play
+    vs = sk.VsSGLang(fake_graph_us)
+    aligned = []
+    plain = moe.align_tokens
+    moe.align_tokens = lambda *a: aligned.append(1) or plain(*a)  # counts launches of the real one
+    try:
+        row = dict(kernel="fused_moe", variant="bf16", I=inter, bs=4, split_k=1, us=5.0)
+        vs.moe(row, packed, inputs, moe.DEFAULT_CONFIG, 1,
+               reference=lambda x, i, w: _torch_moe(x.double(), w13.double(), w2.double(), i, w.float()))
+    finally:
+        moe.align_tokens = plain
+    assert row["ours_us"] == 2.0 and row["sglang_us"] == 3.0 and row["sglang_over_ours"] == 1.5
+    assert row["ours_full_us"] == 5.0
+    assert row["sglang_max_abs_diff_vs_torch"] < 1e-2 and row["sglang_max_abs_diff_vs_ours"] < 1e-2
+    assert len(aligned) == len(inputs) + 1  # the precomputed table, and the one check call outside the timer
+    table = vs.table([row])
+    print(table)
+    assert "NEITHER" in table and f"SGLang {sgl.version}" in table and "1.50" in table
