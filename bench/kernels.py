@@ -10,6 +10,9 @@ different inputs (other experts, other cache slots), so replays do not re-read a
 
 --tune-out: sweep MoE launch configs per batch bucket; a candidate counts only if its output is
 bit-identical to the default config's (buckets must not break batch invariance).
+
+--vs-sglang: SGLang's Triton fused MoE and sparse MLA decode beside ours on the same inputs
+(bench/sglang_kernels.py: wheel from scripts/sglang_wheel.sh, device command, what is timed).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -95,7 +99,7 @@ def _torch_moe(x, w13, w2, ids, weights):
     return torch.einsum("te,etd->td", dense_w.to(x.dtype), y)
 
 
-def bench_moe(ceilings, tune: bool, rows: list, tuned: dict) -> None:
+def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
     experts, top_k, hidden = 256, 6, 4096
     gen = torch.Generator().manual_seed(0)
     for inter in (256, 512, 2048):
@@ -148,6 +152,9 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict) -> None:
                                  roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
                                  speedup_vs_torch=torch_us / us if torch_us else None,
                                  speedup_vs_bf16=bf16_us[split] / us if name != "bf16" else None, config=best_cfg))
+                if vs is not None and split == default_split:  # the deployment's split, on the same inputs
+                    vs.moe(rows[-1], packed, inputs, best_cfg, split, reference=(
+                        lambda x, i, w: _torch_moe(x, w13, w2, i, w)) if name == "bf16" else None)
                 print(json.dumps(rows[-1]), flush=True)
         del variants, w13, w2
         torch.cuda.empty_cache()
@@ -167,7 +174,7 @@ MLA_SHAPES = [dict(block_h=h, block_s=s, num_warps=w, num_stages=st) for h, s, w
                (16, 64, 4, 2), (16, 64, 4, 3))]
 
 
-def bench_mla(ceilings, rows: list) -> None:
+def bench_mla(ceilings, rows: list, vs=None) -> None:
     latent, rope_dim, context, window = 512, 64, 65536, 128
     gen = torch.Generator().manual_seed(1)
     cache = torch.randn(max(BATCHES) * context, latent + rope_dim, device="cuda", dtype=torch.bfloat16)
@@ -213,6 +220,9 @@ def bench_mla(ceilings, rows: list) -> None:
                     rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch, splits=splits,
                                      us=us, roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
                                      speedup_vs_torch=torch_us / us, launch=shape))
+                    if vs is not None and splits == default_splits:
+                        vs.mla(rows[-1], calls_in, cache, latent, scale,
+                               reference=lambda q, s: _torch_mla(q, cache, s, latent, scale))
                     print(json.dumps(rows[-1]), flush=True)
     del cache
     torch.cuda.empty_cache()
@@ -254,7 +264,13 @@ def main() -> None:
     parser.add_argument("--tune-out", type=Path, default=None)
     parser.add_argument("--only", default="moe,mla,indexer")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes (MoE and MLA)")
+    parser.add_argument("--vs-sglang", action="store_true", help="time SGLang's Triton kernels beside ours")
     args = parser.parse_args()
+    vs = None
+    if args.vs_sglang:  # before any GPU work: a missing wheel fails at once, with what to do
+        from bench.sglang_kernels import VsSGLang
+        vs = VsSGLang(graph_us)
+        print(vs.header(), flush=True)
     BATCHES[:] = [int(b) for b in args.batches.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() \
         or os.environ.get("COMMIT", "unknown")  # the device copy of the tree has no .git
@@ -267,12 +283,15 @@ def main() -> None:
         if "indexer" in only:
             bench_indexer(ceilings, rows)
         if "mla" in only:
-            bench_mla(ceilings, rows)
+            bench_mla(ceilings, rows, vs)
         if "moe" in only:
-            bench_moe(ceilings, args.tune_out is not None, rows, tuned)
+            bench_moe(ceilings, args.tune_out is not None, rows, tuned, vs)
     finally:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit,
                     command=" ".join(sys.argv), ceilings=ceilings)
+        if vs is not None:
+            meta["sglang"] = vs.meta()
+            print(vs.table(rows), flush=True)
         args.json.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         if args.tune_out:
             args.tune_out.write_text(json.dumps(tuned, indent=1))

@@ -1,0 +1,427 @@
+"""SGLang's Triton kernels beside ours (bench/kernels.py --vs-sglang): same process, same input
+tensors, same CUDA-graph timing (bench.kernels.graph_us), both columns plus the ratio per shape.
+
+SGLang's code is never committed here. scripts/sglang_wheel.sh downloads its wheel (pinned
+version, no dependencies) into .whl-sglang/; at run time only the modules listed in REAL are
+unpacked from it (zipfile) into a temp dir and imported under their own names. Everything else
+they import (sgl_kernel, server args, distributed, env registry, platform probes) is a small stub
+in sys.modules: STUBS below, each with the few names the loaded code calls; any other attribute
+of a stub is a function that raises, so a path we did not mean to time fails loudly instead of
+silently running something else.
+
+What is timed on the SGLang side, per call (all SGLang Triton kernels):
+  fused MoE: [fp8: its Triton per-token-group activation quant] -> fused_moe_kernel (gate/up) ->
+    act_and_mul_triton (SiLU-and-mul, the kernel its DSV4 path uses) -> [fp8: quant] ->
+    fused_moe_kernel (down, routing weight applied) -> moe_sum_reduce_triton (top-k sum).
+    Launch configs: its own try_get_optimal_moe_config (its tuned JSON tables for the device and
+    Triton version, else its defaults), down config and TMA flags included. On CUDA SGLang itself
+    would use CUDA-only kernels (sgl_kernel / JIT) for the activation, the quant and the sum; those
+    are not Triton and are not in the wheel in runnable form, so their Triton counterparts stand in.
+  sparse MLA decode: triton_sparse_mla_decode_splitk (sglang/kernels/ops/attention/dsa, the
+    "DSv4 pattern" split-K decode over a [pages, 1, 576] latent cache with top-k slot indices),
+    bf16 cache, its own split heuristic. SGLang 0.5.23 also ships a Triton DSV4 decode
+    (kernels/ops/attention/dsv4/triton_sparse_decode, behind SGLANG_HACK_FLASHMLA_BACKEND=triton),
+    but it takes only an FP8-quantized cache with d_qk = 512, not our bf16 512 + 64 layout.
+
+Alignment / metadata kernels are timed on NEITHER side: the MoE token-expert alignment is
+computed before capture for both (SGLang's moe_align_block_size is a CUDA kernel in sgl_kernel,
+which the wheel does not carry; ours is align_tokens), and the graphs hold only the GEMM,
+activation and combine launches. Our full fused_moe (alignment included) is reported next to it
+as ours_full_us. Sparse MLA decode has no metadata kernel on either side.
+
+Device commands (the lead runs them on the H200, after `bash scripts/sglang_wheel.sh` here; two
+calls, as both tables with both sides may not fit one 600 s call):
+  run(command="VS_SGLANG=1 ONLY=mla BENCH_S=400 bash scripts/gpu_kernels.sh", carry=[".whl-sglang"])
+  run(command="VS_SGLANG=1 SKIP_TESTS=1 ONLY=moe BENCH_S=570 bash scripts/gpu_kernels.sh", carry=[".whl-sglang"])
+(the first also runs tests/kernels/test_sglang_kernels.py on the GPU); or directly:
+  python -m bench.kernels --json $OUT/bench.json --vs-sglang [--only moe,mla] [--batches 1,8,64]
+The table (both columns, ratio, max |diff|) ends the log; the JSON rows carry ours_us, sglang_us,
+sglang_over_ours, ours_full_us, sglang_config and the diffs, and meta.sglang the version and stubs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+import tempfile
+import types
+import zipfile
+from pathlib import Path
+
+import torch
+
+# First, before anything imports triton: without CUDA it switches the Triton interpreter on, and
+# Triton decides interpreted-or-compiled when each jit function (its own tl.sum included) is defined.
+import runtime.kernels.triton  # noqa: F401, I001
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEEL_DIR = ROOT / ".whl-sglang"
+MISSING_WHEEL = ("--vs-sglang needs SGLang's wheel in {dir}: run `bash scripts/sglang_wheel.sh` here, "
+                 "and on the device machine carry [\".whl-sglang\"].")
+
+# The SGLang modules imported from the wheel (everything else under sglang.* is a stub package or
+# a stub module). Module name -> path in the wheel follows the package layout.
+REAL = (
+    "sglang.kernels.ops.moe.fused_moe_triton_kernels",
+    "sglang.kernels.ops.moe.moe_align_small_numel",  # only to check our copy of its buffer layout
+    "sglang.kernels.ops.quantization.fp8_kernel",
+    "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config",
+    "sglang.kernels.ops.attention.dsa.triton_sparse_mla",
+    "sglang.kernels.ops.attention.dsa.triton_sparse_mla_decode",
+)
+# Its tuned fused-MoE launch tables: only the expert count we benchmark.
+CONFIG_DIR = "sglang/srt/layers/moe/moe_runner/triton_utils/configs/"
+CONFIG_PREFIX = "E=256,"
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and torch.version.hip is None
+
+
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if _cuda() else (0, 0)
+
+
+class _Env:
+    """One entry of SGLang's env registry (envs.X.get()): every flag off, as in a default server."""
+
+    def get(self):
+        return False
+
+
+class _Obj(types.SimpleNamespace):
+    pass
+
+
+def _stub_defs() -> dict[str, dict]:
+    """sys.modules stubs: module name -> the names the loaded code uses (platform answers for the
+    machine we run on; switches as a default server has them)."""
+    core_count = (lambda device=0: torch.cuda.get_device_properties(device).multi_processor_count) if _cuda() \
+        else (lambda device=0: 8)
+    return {
+        "sglang.srt.utils": dict(
+            is_cuda=_cuda, is_hip=lambda: False, is_cpu=lambda: False, is_musa=lambda: False,
+            is_xpu=lambda: False, is_npu=lambda: False, cpu_has_amx_support=lambda: False,
+            is_sm90_supported=lambda: _capability() >= (9, 0), is_gfx95_supported=lambda: False,
+            get_device_name=lambda device_id=0: torch.cuda.get_device_name(device_id) if _cuda() else "cpu",
+            get_device_core_count=core_count, ceil_align=lambda x, a: (x + a - 1) // a * a,
+            get_bool_env_var=lambda name, default="false": os.environ.get(name, default).lower() in ("1", "true")),
+        "sglang.srt.utils.patch_torch": dict(register_fake_if_exists=lambda name: (lambda fn: fn)),
+        "sglang.srt.environ": dict(envs=_EnvRegistry()),
+        "sglang.srt.batch_invariant_ops": dict(is_batch_invariant_mode_enabled=lambda: False),
+        "sglang.srt.layers.moe.utils": dict(get_moe_padding_size=lambda use_aiter: 0),
+        "sglang.srt.runtime_context": dict(get_exec=lambda: _Obj(
+            deterministic=_Obj(enable_deterministic_inference=False),
+            moe=_Obj(enable_fused_moe_sum_all_reduce=False))),
+        # Programmatic dependent launch on sm90+, as SGLang's own probe decides.
+        "sglang.kernels.jit.utils": dict(is_arch_support_pdl=lambda: _capability()[0] >= 9),
+        # No override config (its triton_utils/__init__ would import the whole MoE runner).
+        "sglang.srt.layers.moe.moe_runner.triton_utils": dict(get_config=lambda: None),
+        "sglang.kernels.ops.quantization.fp8_utils": {},
+        "sglang.kernels.ops.quantization.int8_kernel": {},
+        "sglang.kernels.ops.quantization.per_tensor_quant_fp8": {},
+        "sglang.kernels.ops.quantization.per_token_group_quant": {},
+        "sglang.kernels.ops.attention.metadata": {},
+        "sgl_kernel": {},
+    }
+
+
+class _EnvRegistry:
+    def __getattr__(self, name):
+        return _Env()
+
+
+class _StubModule(types.ModuleType):
+    """A stub: the defined names, plus a raising function for any other name. As a package it
+    imports its REAL submodules on attribute access, like a package whose __init__ is skipped."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        full = f"{self.__name__}.{name}"
+        if full in REAL or any(r.startswith(full + ".") for r in REAL):
+            return importlib.import_module(full)
+
+        def stubbed(*args, **kwargs):
+            raise NotImplementedError(f"{full} is stubbed by bench/sglang_kernels.py (not a timed Triton path)")
+        return stubbed
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves sglang.* (and sgl_kernel): REAL modules from the unpacked files, stubs otherwise;
+    any other sglang module is refused, so a new import in another wheel version shows up here."""
+
+    def __init__(self, root: Path, stubs: dict):
+        self.root, self.stubs = root, stubs
+        # Every parent of a real or stubbed module is a package whose __init__ is skipped.
+        self.packages = {".".join(r.split(".")[:i]) for r in (*REAL, *stubs) for i in range(1, r.count(".") + 1)}
+
+    def find_spec(self, name, path=None, target=None):
+        if name in REAL:
+            return importlib.util.spec_from_file_location(name, self.root / (name.replace(".", "/") + ".py"))
+        if name in self.stubs or name in self.packages:
+            return importlib.util.spec_from_loader(name, self, is_package=name in self.packages)
+        if name == "sglang" or name.startswith("sglang.") or name == "sgl_kernel":
+            raise ImportError(f"{name}: neither unpacked nor stubbed by bench/sglang_kernels.py")
+        return None
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        for key, value in self.stubs.get(spec.name, {}).items():
+            setattr(module, key, value)
+        if spec.name in self.packages:
+            module.__path__ = [str(self.root / spec.name.replace(".", "/"))]
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def find_wheel(wheel_dir: Path = WHEEL_DIR) -> Path | None:
+    wheels = sorted(wheel_dir.glob("sglang-*.whl"))
+    return wheels[-1] if wheels else None
+
+
+def wheel_version(wheel: Path) -> str:
+    return wheel.name.split("-")[1]
+
+
+class SGLang:
+    """The loaded kernels: .moe_kernels, .fp8, .config, .align_small, .mla (modules)."""
+
+    def __init__(self, wheel: Path | None = None):
+        wheel = wheel or find_wheel()
+        if wheel is None or not wheel.exists():
+            raise SystemExit(MISSING_WHEEL.format(dir=WHEEL_DIR))
+        self.wheel, self.version = wheel, wheel_version(wheel)
+        self._tmp = tempfile.TemporaryDirectory(prefix="sglang-kernels-")
+        root = Path(self._tmp.name)
+        with zipfile.ZipFile(wheel) as zf:
+            names = [r.replace(".", "/") + ".py" for r in REAL]
+            names += [n for n in zf.namelist() if n.startswith(CONFIG_DIR) and CONFIG_PREFIX in n.rsplit("/", 1)[-1]]
+            for name in names:
+                zf.extract(name, root)
+        if any(m == "sglang" or m.startswith("sglang.") for m in sys.modules):
+            raise RuntimeError("sglang modules already imported in this process")
+        stubs = _stub_defs()
+        self.stubbed = sorted(stubs)
+        self._finder = _Finder(root, stubs)
+        sys.meta_path.insert(0, self._finder)
+        self.moe_kernels = importlib.import_module(REAL[0])
+        self.align_small = importlib.import_module(REAL[1])
+        self.fp8 = importlib.import_module(REAL[2])
+        self.config = importlib.import_module(REAL[3])
+        self.mla = importlib.import_module(REAL[5])
+
+    # ------------------------------------------------------------ fused MoE
+
+    def moe_configs(self, w13, w2, top_k: int, tokens: int, fp8: bool) -> tuple[dict, dict | None, bool, bool]:
+        """SGLang's launch configs for this shape and batch, as its _prepare_fused_moe_run picks them."""
+        block_shape = [128, 128] if fp8 else None
+        config, (down_config, _) = self.config.try_get_optimal_moe_config(
+            tuple(w13.shape), tuple(w2.shape), top_k, "fp8_w8a8" if fp8 else None, tokens,
+            block_shape=block_shape, return_down_config=True)
+        config = dict(config)
+        tma = self.moe_kernels.support_tensor_descriptor()
+        up_tma = tma and config.pop("USE_TMA", False)
+        down_tma = down_config is not None and down_config.pop("USE_TMA", False) and tma
+        return config, down_config, bool(up_tma), bool(down_tma)
+
+    def fused_moe(self, x, w13, w2, topk_weights, topk_ids, meta, configs, w13_scale=None, w2_scale=None):
+        """SGLang's Triton MoE launch sequence (see the module docstring), alignment given in meta.
+        Mirrors its _fused_moe_kernel_sequence for silu, no bias / hooks / LoRA."""
+        k = self.moe_kernels
+        config, down_config, up_tma, down_tma = configs
+        sorted_ids, expert_ids, num_post = meta
+        fp8 = w13_scale is not None
+        tokens, top_k = topk_ids.shape
+        n2 = w13.shape[1]
+        block_shape = [128, 128] if fp8 else None
+        padded = min(tokens * top_k, w13.shape[0] + 1) * (config["BLOCK_SIZE_M"] - 1) if down_tma else 0
+        total = tokens * top_k + padded
+        compute = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+        a1, a1_scale = (self.quant(x) if fp8 else (x, None))
+        cache1 = torch.empty(total, n2, device=x.device, dtype=x.dtype)
+        k.invoke_fused_moe_kernel(a1, w13, None, cache1, a1_scale, w13_scale, None, topk_weights, topk_ids,
+                                  sorted_ids, expert_ids, num_post, False, top_k, config, compute_type=compute,
+                                  use_fp8_w8a8=fp8, use_int8_w8a8=False, use_int8_w8a16=False,
+                                  use_int4_w4a16=False, per_channel_quant=False, block_shape=block_shape,
+                                  c_sorted=down_tma, b_use_tma=up_tma)
+        cache2 = torch.empty(total, n2 // 2, device=x.device, dtype=x.dtype)
+        k.act_and_mul_triton(cache1, cache2, config, topk_ids, expert_ids, down_tma, "silu")
+        a2, a2_scale = (self.quant(cache2) if fp8 else (cache2, None))
+        cache3 = torch.empty(tokens, top_k, w2.shape[1], device=x.device, dtype=x.dtype)
+        k.invoke_fused_moe_kernel(a2, w2, None, cache3, a2_scale, w2_scale, None, topk_weights, topk_ids,
+                                  sorted_ids, expert_ids, num_post, True, 1, down_config or config,
+                                  compute_type=compute, use_fp8_w8a8=fp8, use_int8_w8a8=False,
+                                  use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=False,
+                                  block_shape=block_shape, a_use_tma=down_tma, b_use_tma=down_tma,
+                                  router_topk=top_k)
+        out = torch.empty(tokens, w2.shape[1], device=x.device, dtype=x.dtype)
+        k.moe_sum_reduce_triton(cache3, out, 1.0)
+        return out
+
+    def quant(self, x):
+        """SGLang's Triton per-token-group fp8 quant (group 128, row-major scales): its non-CUDA
+        per_token_group_quant_fp8; on CUDA it would call a JIT CUDA kernel instead."""
+        return self.fp8._per_token_group_quant_8bit_raw(x.contiguous(), 128)
+
+    # ------------------------------------------------------------ sparse MLA decode
+
+    def sparse_mla(self, q, kv_cache, slots, latent: int, scale: float, workspace: list):
+        """q [T, H, C+R], kv_cache [slots, C+R], slots [T, S] -> [T, H, C]; workspace: its grow-only
+        split-K buffers, kept by the caller so captured graphs keep their pointers."""
+        out = self.mla.triton_sparse_mla_decode_splitk(
+            q[..., :latent], q[..., latent:], kv_cache.view(kv_cache.shape[0], 1, -1), slots[:, None, :], scale,
+            d_v=latent, workspace=workspace)
+        return out[0]
+
+
+_LOADED: SGLang | None = None
+
+
+def load() -> SGLang:
+    """The process's one SGLang (its modules live under their own names in sys.modules)."""
+    global _LOADED
+    if _LOADED is None:
+        _LOADED = SGLang()
+    return _LOADED
+
+
+def align_like_sglang(topk_ids: torch.Tensor, block_size: int, num_experts: int):
+    """SGLang's moe_align_block_size buffers ("+1 offset" buckets, none filtered): sorted_token_ids
+    (flat routed-row ids grouped by expert, each expert padded to block_size with numel), expert_ids
+    per block (-1 past the end), num_tokens_post_padded [1]. Same buffer sizes as its wrapper, so
+    the kernels' grids match what SGLang launches. Torch, outside any timed graph."""
+    flat = topk_ids.reshape(-1).long()
+    numel = flat.numel()
+    if numel < num_experts + 1:
+        max_padded = numel * block_size
+    else:
+        max_padded = numel + (num_experts + 1) * (block_size - 1)
+    max_padded = (max_padded + 3) // 4 * 4
+    max_blocks = -(-max_padded // block_size)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_size - 1) // block_size * block_size
+    start = torch.cumsum(padded, 0) - padded
+    order = torch.argsort(flat, stable=True)
+    first = torch.cumsum(counts, 0) - counts
+    expert_of = flat[order]
+    rank = torch.arange(numel, device=flat.device) - first[expert_of]
+    sorted_ids = torch.full((max_padded,), numel, dtype=torch.int32, device=flat.device)
+    sorted_ids[start[expert_of] + rank] = order.to(torch.int32)
+    expert_ids = torch.full((max_blocks,), -1, dtype=torch.int32, device=flat.device)
+    blocks = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), padded // block_size)
+    expert_ids[:blocks.numel()] = blocks.to(torch.int32)
+    num_post = padded.sum().reshape(1).to(torch.int32)
+    return sorted_ids, expert_ids, num_post
+
+
+@contextlib.contextmanager
+def precomputed_alignment(table: dict):
+    """Our fused_moe with its alignment launch taken out of the graph: align_tokens answers from
+    table (id(topk_ids) -> its result, computed beforehand), so the captured launches are exactly
+    fused_moe's minus the alignment; fused_moe's own code path is otherwise unchanged."""
+    from runtime.kernels.triton import moe
+    plain = moe.align_tokens
+    moe.align_tokens = lambda topk_ids, num_experts: table[id(topk_ids)]
+    try:
+        yield
+    finally:
+        moe.align_tokens = plain
+
+
+def _max_diff(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+class VsSGLang:
+    """The --vs-sglang side of bench/kernels.py: adds SGLang's time, our time on the same terms,
+    the ratio and output checks to the rows bench_moe / bench_mla produce."""
+
+    POLICY = ("alignment/metadata kernels timed on NEITHER side (MoE token-expert alignment computed "
+              "before capture for both; ours with alignment: ours_full_us; sparse MLA has none)")
+
+    def __init__(self, graph_us):
+        self.graph_us = graph_us
+        self.sgl = load()
+        self.mla_workspace: list = []
+
+    def header(self) -> str:
+        return (f"vs SGLang {self.sgl.version} ({self.sgl.wheel.name}): its Triton kernels, same inputs, "
+                f"CUDA-graph replay; {self.POLICY}; ratio = sglang_us / ours_us (> 1: ours faster)")
+
+    def meta(self) -> dict:
+        return dict(version=self.sgl.version, wheel=self.sgl.wheel.name, policy=self.POLICY,
+                    modules=list(REAL), stubs=self.sgl.stubbed)
+
+    def moe(self, row: dict, packed, inputs, config, split, reference=None) -> None:
+        self._guard(row, self._moe, row, packed, inputs, config, split, reference)
+
+    def mla(self, row: dict, calls_in, cache, latent, scale, reference=None) -> None:
+        self._guard(row, self._mla, row, calls_in, cache, latent, scale, reference)
+
+    @staticmethod
+    def _guard(row, fn, *args) -> None:
+        """One device run measures everything: a failing SGLang call marks its row and the run
+        goes on (the error is in the row and the log), instead of losing the rows after it."""
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001
+            row["sglang_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            print(f"  sglang {row['kernel']} bs={row['bs']}: {row['sglang_error']}", flush=True)
+
+    def _moe(self, row: dict, packed, inputs, config, split, reference=None) -> None:
+        from runtime.kernels.triton import moe
+        num_experts, top_k = packed.w2.shape[0], inputs[0][1].shape[1]
+        table = {id(i): moe.align_tokens(i, num_experts) for _, i, _ in inputs
+                 if i.shape[0] * i.shape[1] > moe.PER_ROW_MAX_ROWS}
+        ours = lambda x, i, w: moe.fused_moe(x, packed, w, i, config=config, split_k=split)  # noqa: E731
+        with precomputed_alignment(table):
+            ours_us = self.graph_us([lambda x=x, i=i, w=w: ours(x, i, w) for x, i, w in inputs])
+        configs = self.sgl.moe_configs(packed.w13, packed.w2, top_k, inputs[0][0].shape[0], packed.fp8)
+        metas = [align_like_sglang(i, configs[0]["BLOCK_SIZE_M"], num_experts) for _, i, _ in inputs]
+        sgl = lambda x, i, w, m: self.sgl.fused_moe(x, packed.w13, packed.w2, w, i, m, configs,  # noqa: E731
+                                                    packed.w13_scale, packed.w2_scale)
+        sgl_us = self.graph_us([lambda x=x, i=i, w=w, m=m: sgl(x, i, w, m) for (x, i, w), m in zip(inputs, metas)])
+        x0, i0, w0 = inputs[0]
+        got, want = sgl(x0, i0, w0, metas[0]), ours(x0, i0, w0)
+        row.update(ours_full_us=row["us"], ours_us=ours_us, sglang_us=sgl_us, sglang_over_ours=sgl_us / ours_us,
+                   sglang_config=dict(up=configs[0], down=configs[1], up_tma=configs[2], down_tma=configs[3]),
+                   sglang_max_abs_diff_vs_ours=_max_diff(got, want))
+        if reference is not None:
+            ref = reference(x0, i0, w0)
+            row.update(sglang_max_abs_diff_vs_torch=_max_diff(got, ref), ours_max_abs_diff_vs_torch=_max_diff(want, ref))
+
+    def _mla(self, row: dict, calls_in, cache, latent, scale, reference=None) -> None:
+        sgl = lambda q, s: self.sgl.sparse_mla(q, cache, s, latent, scale, self.mla_workspace)  # noqa: E731
+        sgl_us = self.graph_us([lambda q=q, s=s: sgl(q, s) for q, s in calls_in])
+        q0, s0 = calls_in[0]
+        got = sgl(q0, s0)
+        row.update(ours_us=row["us"], sglang_us=sgl_us, sglang_over_ours=sgl_us / row["us"])
+        if reference is not None:
+            row.update(sglang_max_abs_diff_vs_torch=_max_diff(got, reference(q0, s0)))
+
+    def table(self, rows: list) -> str:
+        lines = ["== " + self.header(),
+                 f"{'kernel':<11}{'variant':<10}{'shape':<20}{'bs':>5}{'ours_us':>10}{'sglang_us':>11}"
+                 f"{'ratio':>8}{'ours_full_us':>14}{'max|diff|':>11}"]
+        for r in rows:
+            if "sglang_us" not in r and "sglang_error" not in r:
+                continue
+            if r["kernel"] == "fused_moe":
+                variant, shape = r["variant"], f"I={r['I']} split={r['split_k']}"
+            else:
+                variant, shape = "bf16", f"H={r['H']} top-{r['topk']} S={r['selected']}"
+            if "sglang_us" not in r:
+                lines.append(f"{r['kernel']:<11}{variant:<10}{shape:<20}{r['bs']:>5}  SGLang failed: {r['sglang_error']}")
+                continue
+            diff = r.get("sglang_max_abs_diff_vs_torch", r.get("sglang_max_abs_diff_vs_ours"))
+            full = f"{r['ours_full_us']:.1f}" if "ours_full_us" in r else "-"
+            lines.append(f"{r['kernel']:<11}{variant:<10}{shape:<20}{r['bs']:>5}{r['ours_us']:>10.1f}"
+                         f"{r['sglang_us']:>11.1f}{r['sglang_over_ours']:>8.2f}{full:>14}{diff:>11.2e}")
+        return "\n".join(lines)
