@@ -11,13 +11,25 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
+# The oracles the DSML parser and the chat template are tested against (tests/reference_impls.py):
+# SGLang's `deepseekv4` detector and DeepSeek's V3.2 encoder/parser (both inside the sglang wheel),
+# and DeepSeek's V4 prompt encoder (deepseek-recipe, which SGLang itself renders V4 prompts with).
+# The full sglang install pulls CUDA torch, flashinfer and more: `--no-deps` with exactly the
+# pure-Python/small packages that `sglang.srt.function_call` and the encoders import, pinned to the
+# versions the differential tests were written against (a newer detector may legitimately differ).
+REFERENCE_PKGS := sglang==0.5.23 deepseek-recipe==0.2.0 orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 \
+	requests==2.34.2 urllib3==2.8.0 msgspec==0.23.0 pyzmq==27.3.0 ipython==9.18.1 traitlets==5.16.1 \
+	aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 aiohappyeyeballs==2.7.1 \
+	aiosignal==1.4.0 frozenlist==1.8.0 partial-json-parser==0.2.1.1.post7
+
 # On hosts without CUDA, torch comes from the CPU build on disk (a bare `torch` pulls a multi-GB
 # CUDA build); the project's own lower bound (torch>=2.11) is then already satisfied.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps $(REFERENCE_PKGS)
 	touch $(STAMP)
 
 # The stress gate and the other tests whose oracle measures speed (marker `timing`) run alone after

@@ -24,11 +24,27 @@ class TemplateError(ValueError):
 
 @lru_cache(maxsize=8)
 def _compile(source: str):
+    return environment(trim_blocks=True).from_string(source)
+
+
+def environment(trim_blocks: bool = True):
+    """The Jinja environment templates render in, here and in training (runtime/train/template.py),
+    so that what a model learnt is what it is served."""
     import jinja2.sandbox
 
     # Lenient undefined, as HF renders templates: `message.tool_calls` on a plain message is falsy.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(source)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=trim_blocks, lstrip_blocks=trim_blocks)
+    env.filters["tojson"] = tojson
+    return env
+
+
+def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+           separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """HF's `tojson` (transformers' chat-template environment), not Jinja's: model templates are
+    written for HF's renderer, and DeepSeek's encoder writes JSON the same way (`json.dumps` with
+    non-ASCII kept, keys in the order sent). Jinja's own filter sorts keys and escapes `<>&'` for
+    HTML, so a prompt would differ from the reference wherever a value holds those or a dict."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class ChatTemplate:
@@ -74,7 +90,8 @@ def text_of(content: str | list[dict[str, Any]] | None) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in content)
+    # Text parts are separate paragraphs, as DeepSeek's encoder joins them.
+    return "\n\n".join(part["text"] for part in content if isinstance(part.get("text"), str))
 
 
 def _arguments(arguments: str) -> dict[str, Any] | str:

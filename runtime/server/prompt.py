@@ -144,32 +144,53 @@ def _mark_arguments(arguments: str, markers: Markers) -> str:
 
 
 def _mark_value(value: Any, markers: Markers) -> Any:
-    # Only top-level strings are rendered raw; nested values go through `tojson`, which escapes `<`.
-    return markers.wrap(value) if isinstance(value, str) else value
+    """Every string inside a value, keys too: nested values go through `tojson`, which (like
+    DeepSeek's encoder) writes them unescaped, so a `<｜User｜>` there is request text as well. The
+    markers are ASCII letters and digits, so JSON writes them as they are around the escaped text."""
+    if isinstance(value, str):
+        return markers.wrap(value)
+    if isinstance(value, list):
+        return [_mark_value(v, markers) for v in value]
+    if isinstance(value, dict):
+        return {markers.wrap(k): _mark_value(v, markers) for k, v in value.items()}
+    return value
+
+
+_KEYWORD = re.compile(r"[A-Za-z_$][A-Za-z0-9_$]*")
 
 
 def _mark_tool(tool: dict[str, Any], markers: Markers) -> dict[str, Any]:
-    """A tool's description, parameter names and enum values are client text a template may render
-    raw; names and types are validated identifiers and stay as they are (templates compare them)."""
+    """A tool's description and every string in its parameter schema are client text a template
+    may render raw (`tojson` writes the whole schema unescaped). Left as they are: the function
+    name (a validated identifier), `type` values and keyword-like keys, which templates look up
+    and compare (`spec["type"] == "array"`); none can spell a control token (all hold `<` or `｜`).
+    Property names are always marked, as are the `required` entries that name them, so a
+    template's `name in required` still holds."""
     out = copy.deepcopy(tool)
     function = out["function"]
     if isinstance(function.get("description"), str):
         function["description"] = markers.wrap(function["description"])
-    parameters = function.get("parameters") or {}
-    properties = parameters.get("properties")
-    if isinstance(properties, dict):
-        parameters["properties"] = {markers.wrap(k): _mark_spec(v, markers) for k, v in properties.items()}
-    if isinstance(parameters.get("required"), list):
-        parameters["required"] = [markers.wrap(r) if isinstance(r, str) else r for r in parameters["required"]]
+    if isinstance(function.get("parameters"), dict):
+        function["parameters"] = _mark_schema(function["parameters"], markers)
     return out
 
 
-def _mark_spec(spec: Any, markers: Markers) -> Any:
-    if not isinstance(spec, dict):
-        return spec
-    spec = dict(spec)
-    if isinstance(spec.get("enum"), list):
-        spec["enum"] = [markers.wrap(v) if isinstance(v, str) else v for v in spec["enum"]]
-    if isinstance(spec.get("description"), str):
-        spec["description"] = markers.wrap(spec["description"])
-    return spec
+def _mark_schema(node: Any, markers: Markers, properties: bool = False) -> Any:
+    if isinstance(node, str):
+        return markers.wrap(node)
+    if isinstance(node, list):
+        return [_mark_schema(v, markers) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        name = markers.wrap(key) if properties or not _KEYWORD.fullmatch(key) else key
+        if properties:  # a property name -> its schema
+            out[name] = _mark_schema(value, markers)
+        elif key == "type":
+            types = value if isinstance(value, list) else [value]
+            kept = [t if isinstance(t, str) and _KEYWORD.fullmatch(t) else _mark_schema(t, markers) for t in types]
+            out[name] = kept if isinstance(value, list) else kept[0]
+        else:
+            out[name] = _mark_schema(value, markers, properties=key == "properties")
+    return out

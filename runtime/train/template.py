@@ -28,10 +28,10 @@ MARKERS = ["<｜User｜>", "<｜Assistant｜>", THINK_END, "<｜DSML｜tool_call
 
 @lru_cache(maxsize=4)
 def _compiled(path: str, trim: bool):
-    import jinja2.sandbox
+    # The server's environment (its `tojson` included): training renders exactly what is served.
+    from runtime.server.chat_template import environment
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=trim, lstrip_blocks=trim)
-    return env.from_string(Path(path).read_text())
+    return environment(trim_blocks=trim).from_string(Path(path).read_text())
 
 
 def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tool_choice: str = "auto",

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from runtime.server.dsml import DSML, DsmlParser, collect, parse
+from tests.reference_impls import DeepSeekV4Detector, Function, Tool, needs_sglang
 
 pytestmark = pytest.mark.unit
 
@@ -112,23 +113,13 @@ def test_property_check_can_fail_on_a_chunking_sensitive_parser():
     assert naive(split) != naive([text])
 
 
-sglang_detector = None
-try:  # optional: pip install --no-deps sglang (+ the light packages listed in README)
-    from sglang.srt.entrypoints.openai.protocol import Function, Tool
-    from sglang.srt.function_call.deepseekv4_detector import DeepSeekV4Detector as sglang_detector
-except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-    SGLANG_MISSING = f"sglang's function_call module is not importable ({type(exc).__name__}: {exc})"
-else:
-    SGLANG_MISSING = ""
-
-
-@pytest.mark.skipif(sglang_detector is None, reason=SGLANG_MISSING or "sglang missing")
+@needs_sglang
 @given(reply=_reply)
 def test_agrees_with_sglang_deepseekv4_detector(reply):
     prose, calls = reply
     text = render(prose, calls)
     tools = [Tool(type="function", function=Function(name=n, parameters={"type": "object"})) for n in NAMES]
-    theirs = sglang_detector().detect_and_parse(text, tools)
+    theirs = DeepSeekV4Detector().detect_and_parse(text, tools)
     ours = parse(text, set(NAMES))
     assert [(c.name, json.loads(c.arguments)) for c in ours.calls] == \
         [(c.name, json.loads(c.parameters)) for c in theirs.calls]

@@ -18,6 +18,8 @@ from hypothesis import example, given, strategies as st
 from runtime.server.dsml import DSML, DsmlParser, ParsedCall, collect, parse
 from runtime.server.output import ChoiceBuilder, OutputOptions, fold
 from runtime.tokenizer import ByteTokenizer
+from tests.reference_impls import DeepSeekV4Detector, Function, Tool, needs_sglang
+from tests.reference_impls import encoding_dsv32 as reference
 
 pytestmark = pytest.mark.unit
 
@@ -232,17 +234,6 @@ def test_negative_control_invalid_arguments_are_caught():
 
 
 # ---- differential: DeepSeek's reference parser and SGLang's detector (sglang wheel) ------------
-try:  # pip install --no-deps sglang (+ the light packages listed in README)
-    from sglang.srt.entrypoints.openai import encoding_dsv32 as reference
-    from sglang.srt.entrypoints.openai.protocol import Function, Tool
-    from sglang.srt.function_call.deepseekv4_detector import DeepSeekV4Detector
-except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-    reference = None
-    SGLANG_MISSING = f"sglang is not importable ({type(exc).__name__}: {exc})"
-else:
-    SGLANG_MISSING = ""
-
-needs_sglang = pytest.mark.skipif(reference is None, reason=SGLANG_MISSING or "sglang missing")
 _ref_invoke = st.tuples(st.sampled_from(["get_weather", "f"]), st.dictionaries(
     st.from_regex(r"[a-z]{1,4}", fullmatch=True), _value, max_size=3))
 _ref_reply = st.tuples(_text.filter(lambda s: "\n\n" not in s), st.lists(_ref_invoke, max_size=3))
