@@ -46,9 +46,9 @@ class TPLauncher:
         self._sent: set[str] = set()
         self._released: list[str] = []
         self._stopped = False
-        # True from a plan's broadcast until rank 0 has executed it: a shutdown in between (a
-        # signal mid-step) cannot say goodbye in order, the workers are inside the step's collectives.
-        self.mid_step = False
+        # True from a plan's broadcast until rank 0 has executed it (`end_step`): a shutdown in between
+        # (a signal mid-step) cannot say goodbye in order, the workers are inside the step's collectives.
+        self._mid_step = False
 
     @classmethod
     def start(cls, loaded: LoadedModel, cfg: EngineConfig, faults: FaultSet, env: Env, world: int,
@@ -95,12 +95,16 @@ class TPLauncher:
                 self._sent.add(ext.rid)
         released, self._released = tuple(self._released), []
         self.collectives.step = plan.step
-        self.mid_step = True
+        self._mid_step = True
         self.collectives.broadcast(StepMessage("step", plan, tuple(new), released))
         if self._check:
             gathered = self.collectives.all_gather(plan_field_digests(plan, released))
             if (error := find_desync(plan.step, gathered)) is not None:
                 raise error
+
+    def end_step(self) -> None:
+        """Rank 0 has executed the published plan: the workers are out of its collectives."""
+        self._mid_step = False
 
     def released(self, rid: str) -> None:
         """A request finished on rank 0: the workers free it with the next message."""
@@ -123,7 +127,7 @@ class TPLauncher:
             return
         self._stopped = True
         coll = self.collectives
-        orderly = not coll.broken and not self.mid_step and all(p.is_alive() for p in self.procs)
+        orderly = not coll.broken and not self._mid_step and all(p.is_alive() for p in self.procs)
         if orderly:
             try:
                 coll.broadcast(StepMessage("stop"))

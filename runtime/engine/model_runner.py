@@ -43,7 +43,7 @@ class ModelRunner:
         self.streams = streams
         self.page_size = pool.page_size
         self.faults = faults
-        # Set by the overlap loop: decode inputs then come from here, not from the host token lists.
+        # Set by build_runner(overlap=True): decode inputs then come from here, not from the host token lists.
         self.future: FutureTokens | None = None
 
     def slots_for(self, pages: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
