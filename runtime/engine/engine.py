@@ -35,7 +35,7 @@ from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import PagePool
 from runtime.models.loader import LoadedModel
-from runtime.streams.tasks import StreamScheduler
+from runtime.streams.tasks import StreamExecutor
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class StepResult:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None, faults: FaultSet | None = None,
-                 env: Env | None = None, streams: StreamScheduler | None = None, *, overlap: bool = False,
+                 env: Env | None = None, streams: StreamExecutor | None = None, *, overlap: bool = False,
                  tp: int = 1) -> None:
         self.env = env or Env.load()
         self.cfg = cfg or EngineConfig()

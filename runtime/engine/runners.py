@@ -16,11 +16,11 @@ from runtime.faults import FaultSet
 from runtime.kernels import select_kernels
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.dsv4_mini import DSV4Mini
-from runtime.streams.tasks import InOrderExecutor, StreamScheduler
+from runtime.streams.tasks import InOrderExecutor, StreamExecutor
 
 def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig, pool, faults: FaultSet,
                  env: Env, *, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 streams: StreamScheduler | None = None, overlap: bool = False) -> ModelRunner | GpuModelRunner:
+                 streams: StreamExecutor | None = None, overlap: bool = False) -> ModelRunner | GpuModelRunner:
     """The static runner (capturable decode model; GPU, or forced on CPU) or the eager CPU runner.
     `weights` are already on `cfg.device` in `cfg.dtype` (and sharded, with `all_reduce`, under TP);
     `streams` applies to the eager runner (the static one picks its own from the config).

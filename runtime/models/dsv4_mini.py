@@ -22,7 +22,7 @@ from runtime.faults import NO_FAULTS, FaultSet
 from runtime.kernels.types import MoEWeights
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.batch import ForwardBatch
-from runtime.streams.tasks import MAIN, StreamScheduler, Task
+from runtime.streams.tasks import MAIN, StreamExecutor, Task
 
 INDEXER_STREAM = "indexer"
 
@@ -66,7 +66,7 @@ class DSV4Mini:
         return t if t.dtype == self.dtype else t.to(self.dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
         """Writes the new tokens' KV and returns float32 logits of each segment's last token [S, V]."""
         x = self.w["embed.weight"][batch.token_ids]
         for layer in range(self.cfg.num_layers):
@@ -77,7 +77,7 @@ class DSV4Mini:
         return self.k.linear(self._cast(last), self.lm_head).float()
 
     def _attention(self, layer: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-                   streams: StreamScheduler) -> torch.Tensor:
+                   streams: StreamExecutor) -> torch.Tensor:
         cfg, k, p = self.cfg, self.k, f"layers.{layer}."
         C, R = cfg.kv_latent_dim, cfg.rope_dim
         T = x.shape[0]
