@@ -15,11 +15,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from runtime.config import PRESETS, EngineConfig
+import torch
+
+from runtime.config import PRESETS, EngineConfig, ModelConfig
 from runtime.distributed.collectives import Collectives, init_collectives, uses_nccl
 from runtime.distributed.errors import WorkerStartError
 from runtime.distributed.messages import RequestSpec, StepMessage, find_desync, plan_field_digests
-from runtime.distributed.sharding import check_divisible
+from runtime.distributed.sharding import check_divisible, shard_weights
 from runtime.distributed.worker import worker_main
 from runtime.engine.plan import StepPlan
 from runtime.engine.request import Request
@@ -38,6 +40,7 @@ def _model_ref(loaded: LoadedModel) -> str | LoadedModel:
 class TPLauncher:
     def __init__(self, coll: Collectives, procs: list, pipes: list, rundir: str, env: Env) -> None:
         self.collectives = coll
+        self.all_reduce = coll.all_reduce  # rank 0's model reduces through the group's collectives
         self.procs = procs
         self._pipes = pipes  # kept open: closing them tells the workers rank 0 is gone
         self._rundir = rundir
@@ -85,6 +88,10 @@ class TPLauncher:
             launcher.shutdown()
             raise
         return launcher
+
+    def shard(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0's shard of the weights (the workers cut their own)."""
+        return shard_weights(model_cfg, weights, 0, self.collectives.world)
 
     def publish(self, plan: StepPlan, requests: dict[str, Request]) -> None:
         new = []

@@ -13,8 +13,10 @@ duplicated. The same workload gives the same tokens and logprobs in both loops.
 On CPU "launch" computes eagerly; what the loop preserves is the data flow of the device version:
 the scheduler never reads step N's results before it has planned step N+1.
 
-With `tp > 1` this process is rank 0 of a tensor-parallel group: it alone schedules, and every
-plan is broadcast to the worker ranks before it runs (runtime/distributed).
+Given a `tp_group` this process is rank 0 of a tensor-parallel group: it alone schedules, and every
+plan is broadcast to the worker ranks before it runs. The group is started by
+`runtime.distributed.tp_engine.start_engine` and handed in, so the engine never imports the layer
+that drives it.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
-from runtime.config import DTYPES, EngineConfig
+from runtime.config import DTYPES, EngineConfig, ModelConfig
 from runtime.engine.plan import StepPlan
 from runtime.engine.runners import build_runner
 from runtime.engine.request import Request, SamplingParams
@@ -36,6 +39,22 @@ from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import PagePool
 from runtime.models.loader import LoadedModel
 from runtime.streams.tasks import StreamExecutor
+
+
+class TPGroup(Protocol):
+    """Rank 0's side of a tensor-parallel group, as the engine uses it (`TPLauncher` is the one)."""
+
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+
+    def shard(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def publish(self, plan: StepPlan, requests: dict[str, Request]) -> None: ...
+
+    def end_step(self) -> None: ...
+
+    def released(self, rid: str) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -57,7 +76,7 @@ class StepResult:
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None, faults: FaultSet | None = None,
                  env: Env | None = None, streams: StreamExecutor | None = None, *, overlap: bool = False,
-                 tp: int = 1) -> None:
+                 tp_group: TPGroup | None = None) -> None:
         self.env = env or Env.load()
         self.cfg = cfg or EngineConfig()
         self.faults = faults if faults is not None else FaultSet.from_env(self.env)
@@ -68,15 +87,11 @@ class Engine:
         weights = {k: v.to(self.cfg.device, DTYPES[self.cfg.dtype]) for k, v in loaded.weights.items()}
         self.overlap = overlap
         self.in_flight: Launched | None = None  # overlap loop: the step launched but not processed
-        self.tp = None
+        self.tp = tp_group
         all_reduce = None
-        if tp > 1:
-            from runtime.distributed.launcher import TPLauncher
-            from runtime.distributed.sharding import shard_weights
-
-            self.tp = TPLauncher.start(loaded, self.cfg, self.faults, self.env, tp, overlap)
-            weights = shard_weights(loaded.config, weights, 0, tp)
-            all_reduce = self.tp.collectives.all_reduce
+        if tp_group is not None:
+            weights = tp_group.shard(loaded.config, weights)
+            all_reduce = tp_group.all_reduce
         self.pool = PagePool(self.cfg.num_pages, self.cfg.page_size, self.faults)
         self.runner = build_runner(loaded.config, weights, self.cfg, self.pool, self.faults, self.env,
                                    all_reduce=all_reduce, streams=streams, overlap=overlap)
@@ -158,7 +173,7 @@ class Engine:
         return StepResult(plan, outputs, finished, time.perf_counter() - started)
 
     def shutdown(self) -> None:
-        """Stop the worker ranks (tp > 1); idempotent. The engine is unusable afterwards."""
+        """Stop the worker ranks (with a TP group); idempotent. The engine is unusable afterwards."""
         if self.tp is not None:
             self.tp.shutdown()
 
