@@ -26,6 +26,7 @@ import torch
 from canary.fault_matrix import GateResult
 from canary.logprob_close import first_mismatch
 from runtime.config import EngineConfig
+from runtime.distributed.tp_engine import start_engine
 from runtime.engine.engine import Engine
 from runtime.engine.request import Request, SamplingParams
 from runtime.env import Env
@@ -135,7 +136,7 @@ def tp_plan_check(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResu
     failures = []
     with stderr_to(workdir / f"tp-workers-{'+'.join(faults) or 'clean'}-seed{seed}.log"):
         started = time.perf_counter()
-        engine = Engine(loaded, EngineConfig(num_pages=512), faults=FaultSet(faults), env=env, tp=2)
+        engine = start_engine(loaded, EngineConfig(num_pages=512), faults=FaultSet(faults), env=env, tp=2)
         setup = time.perf_counter() - started
         started = time.perf_counter()
         try:

@@ -16,19 +16,18 @@ from runtime.env import Env
 class FaultSpec:
     name: str
     bug_class: str
-    implemented: bool
 
 
 REGISTRY: dict[str, FaultSpec] = {
     spec.name: spec
     for spec in (
-        FaultSpec("stream-race", "side-stream indexer output read before its join (missing event wait)", True),
-        FaultSpec("stale-graph-metadata", "capture-time sequence length baked into a CUDA graph", True),
-        FaultSpec("kv-slot-reuse", "page allocator hands out a KV page another live request still owns", True),
-        FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own", True),
-        FaultSpec("overlap-stale-token", "overlap loop feeds the previous step's token as the next input", True),
-        FaultSpec("tool-json-corrupt", "tool-call arguments corrupted on their way out of the server", True),
-        FaultSpec("slow-step", "every engine step takes extra wall time (throughput regression)", True),
+        FaultSpec("stream-race", "side-stream indexer output read before its join (missing event wait)"),
+        FaultSpec("stale-graph-metadata", "capture-time sequence length baked into a CUDA graph"),
+        FaultSpec("kv-slot-reuse", "page allocator hands out a KV page another live request still owns"),
+        FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own"),
+        FaultSpec("overlap-stale-token", "overlap loop feeds the previous step's token as the next input"),
+        FaultSpec("tool-json-corrupt", "tool-call arguments corrupted on their way out of the server"),
+        FaultSpec("slow-step", "every engine step takes extra wall time (throughput regression)"),
     )
 }
 
@@ -40,14 +39,12 @@ class UnknownFaultError(ValueError):
 class FaultSet:
     """The set of faults switched on for one engine; immutable once built."""
 
-    def __init__(self, names: Iterable[str] = (), *, allow_unimplemented: bool = False) -> None:
+    def __init__(self, names: Iterable[str] = ()) -> None:
         names = tuple(dict.fromkeys(names))
         for name in names:
             if name not in REGISTRY:
                 known = ", ".join(sorted(REGISTRY))
                 raise UnknownFaultError(f"unknown fault {name!r}; known faults: {known}")
-            if not REGISTRY[name].implemented and not allow_unimplemented:
-                raise UnknownFaultError(f"fault {name!r} is registered but not implemented in this build")
         self._names = frozenset(names)
 
     @classmethod

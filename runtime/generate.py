@@ -17,6 +17,7 @@ import sys
 import time
 
 from runtime.config import EngineConfig
+from runtime.distributed.tp_engine import start_engine
 from runtime.engine.engine import Engine
 from runtime.engine.request import Request, SamplingParams
 from runtime.faults import REGISTRY, FaultSet
@@ -33,7 +34,7 @@ def request_params(args: argparse.Namespace, index: int) -> SamplingParams:
 def run(args: argparse.Namespace) -> dict:
     loaded = load_model(args.model)
     cfg = EngineConfig(num_pages=args.num_pages, page_size=args.page_size, max_running_requests=args.max_running)
-    engine = Engine(loaded, cfg, faults=FaultSet(args.inject_fault), overlap=args.overlap, tp=args.tp)
+    engine = start_engine(loaded, cfg, faults=FaultSet(args.inject_fault), overlap=args.overlap, tp=args.tp)
     with engine:  # tp > 1: the worker ranks stop with the engine, also on SIGTERM / Ctrl-C
         return _generate(args, engine, loaded)
 

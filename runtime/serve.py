@@ -75,7 +75,7 @@ def resolve_device(name: str) -> str:
 
 
 def build_state(args: argparse.Namespace):
-    from runtime.engine.engine import Engine
+    from runtime.distributed.tp_engine import start_engine
     from runtime.env import Env
     from runtime.models.loader import load_model
     from runtime.server.app import ServerState
@@ -94,8 +94,8 @@ def build_state(args: argparse.Namespace):
     if args.overlap and args.disable_overlap:
         raise ValueError("--overlap and --disable-overlap contradict each other")
     overlap = args.overlap or (device != "cpu" and not args.disable_overlap)
-    engine = Engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=overlap,
-                    tp=args.tp)
+    engine = start_engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=overlap,
+                          tp=args.tp)
     template = ChatTemplate.for_model(Path(loaded.path) if loaded.path else None)
     return ServerState(loaded, engine, template, env, api_key=args.api_key or env.server_api_key,
                        max_concurrent_requests=args.max_concurrent_requests)

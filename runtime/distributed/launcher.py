@@ -15,11 +15,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from runtime.config import PRESETS, EngineConfig
+import torch
+
+from runtime.config import PRESETS, EngineConfig, ModelConfig
 from runtime.distributed.collectives import Collectives, init_collectives, uses_nccl
 from runtime.distributed.errors import WorkerStartError
 from runtime.distributed.messages import RequestSpec, StepMessage, find_desync, plan_field_digests
-from runtime.distributed.sharding import check_divisible
+from runtime.distributed.sharding import check_divisible, shard_weights
 from runtime.distributed.worker import worker_main
 from runtime.engine.plan import StepPlan
 from runtime.engine.request import Request
@@ -38,6 +40,7 @@ def _model_ref(loaded: LoadedModel) -> str | LoadedModel:
 class TPLauncher:
     def __init__(self, coll: Collectives, procs: list, pipes: list, rundir: str, env: Env) -> None:
         self.collectives = coll
+        self.all_reduce = coll.all_reduce  # rank 0's model reduces through the group's collectives
         self.procs = procs
         self._pipes = pipes  # kept open: closing them tells the workers rank 0 is gone
         self._rundir = rundir
@@ -46,9 +49,9 @@ class TPLauncher:
         self._sent: set[str] = set()
         self._released: list[str] = []
         self._stopped = False
-        # True from a plan's broadcast until rank 0 has executed it: a shutdown in between (a
-        # signal mid-step) cannot say goodbye in order, the workers are inside the step's collectives.
-        self.mid_step = False
+        # True from a plan's broadcast until rank 0 has executed it (`end_step`): a shutdown in between
+        # (a signal mid-step) cannot say goodbye in order, the workers are inside the step's collectives.
+        self._mid_step = False
 
     @classmethod
     def start(cls, loaded: LoadedModel, cfg: EngineConfig, faults: FaultSet, env: Env, world: int,
@@ -86,6 +89,10 @@ class TPLauncher:
             raise
         return launcher
 
+    def shard(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0's shard of the weights (the workers cut their own)."""
+        return shard_weights(model_cfg, weights, 0, self.collectives.world)
+
     def publish(self, plan: StepPlan, requests: dict[str, Request]) -> None:
         new = []
         for ext in plan.prefill:
@@ -95,12 +102,16 @@ class TPLauncher:
                 self._sent.add(ext.rid)
         released, self._released = tuple(self._released), []
         self.collectives.step = plan.step
-        self.mid_step = True
+        self._mid_step = True
         self.collectives.broadcast(StepMessage("step", plan, tuple(new), released))
         if self._check:
             gathered = self.collectives.all_gather(plan_field_digests(plan, released))
             if (error := find_desync(plan.step, gathered)) is not None:
                 raise error
+
+    def end_step(self) -> None:
+        """Rank 0 has executed the published plan: the workers are out of its collectives."""
+        self._mid_step = False
 
     def released(self, rid: str) -> None:
         """A request finished on rank 0: the workers free it with the next message."""
@@ -123,7 +134,7 @@ class TPLauncher:
             return
         self._stopped = True
         coll = self.collectives
-        orderly = not coll.broken and not self.mid_step and all(p.is_alive() for p in self.procs)
+        orderly = not coll.broken and not self._mid_step and all(p.is_alive() for p in self.procs)
         if orderly:
             try:
                 coll.broadcast(StepMessage("stop"))

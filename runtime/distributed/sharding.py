@@ -14,22 +14,23 @@ import torch
 from runtime.config import ModelConfig
 
 
-def check_divisible(cfg: ModelConfig, world: int) -> None:
-    for name, value in (("num_heads", cfg.num_heads), ("moe_intermediate_size", cfg.moe_intermediate_size),
-                        ("shared_intermediate_size", cfg.shared_intermediate_size)):
+def check_divisible(model_cfg: ModelConfig, world: int) -> None:
+    for name, value in (("num_heads", model_cfg.num_heads), ("moe_intermediate_size", model_cfg.moe_intermediate_size),
+                        ("shared_intermediate_size", model_cfg.shared_intermediate_size)):
         if value % world:
             raise ValueError(f"tensor parallel size {world} does not divide ModelConfig.{name} ({value})")
 
 
-def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
-    check_divisible(cfg, world)
-    H, C, R, D = cfg.num_heads, cfg.kv_latent_dim, cfg.rope_dim, cfg.hidden_size
+def shard_weights(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int,
+                  world: int) -> dict[str, torch.Tensor]:
+    check_divisible(model_cfg, world)
+    H, C, R, D = model_cfg.num_heads, model_cfg.kv_latent_dim, model_cfg.rope_dim, model_cfg.hidden_size
     heads = slice(rank * H // world, (rank + 1) * H // world)
 
     def part(size: int) -> slice:
         return slice(rank * size // world, (rank + 1) * size // world)
 
-    routed, shared = part(cfg.moe_intermediate_size), part(cfg.shared_intermediate_size)
+    routed, shared = part(model_cfg.moe_intermediate_size), part(model_cfg.shared_intermediate_size)
     out = {}
     for name, t in weights.items():
         if name.endswith("attn.wq.weight"):  # [H*(C+R), D]

@@ -22,7 +22,6 @@ from runtime.distributed.collectives import Collectives, init_collectives, uses_
 from runtime.distributed.messages import StepMessage, find_desync, plan_field_digests
 from runtime.distributed.mirror_pool import MirrorPool
 from runtime.distributed.sharding import shard_weights
-from runtime.engine.future import FutureTokens
 from runtime.engine.plan import StepPlan
 from runtime.engine.runners import build_runner
 from runtime.engine.request import Request
@@ -44,9 +43,7 @@ class PlanFollower:
         self.pool = MirrorPool(cfg.num_pages, cfg.page_size)
         # Faults apply on every rank, as a bug in the build would (tp-local-abort is the follower's own).
         self.runner = build_runner(loaded.config, weights, dataclasses.replace(cfg, device=device), self.pool,
-                                   faults, env, all_reduce=coll.all_reduce)
-        if overlap:
-            self.runner.future = FutureTokens(2 * cfg.max_running_requests, device=device)
+                                   faults, env, all_reduce=coll.all_reduce, overlap=overlap)
         self.requests: dict[str, Request] = {}
         self.pending: list = []  # executed steps' outputs not yet appended (see _settle)
         self.local_aborts = 0

@@ -1,7 +1,22 @@
-"""`Engine`: one model, KV pool and scheduler, driven by the normal or the overlap loop (loops.py).
+"""`Engine`: one model, KV pool and scheduler, driven by one of two loops, side by side as methods:
+`normal_step` and `overlap_step` (one iteration each; `Engine(overlap=...)` picks).
 
-With `tp > 1` this process is rank 0 of a tensor-parallel group: it alone schedules, and every
-plan is broadcast to the worker ranks before it runs (runtime/distributed).
+normal:  schedule N -> execute N -> postprocess N.
+overlap: schedule N+1 -> launch N+1 -> postprocess N (which ran while the CPU scheduled N+1).
+
+In the overlap loop the scheduler plans N+1 without N's tokens: decode inputs come from the
+device-side `FutureTokens` buffer, a request whose in-flight token will finish it by length is
+not scheduled again, and a row whose request finished or was aborted before the row was
+processed is discarded (counted in `Scheduler.discarded_rows`), so no token is lost or
+duplicated. The same workload gives the same tokens and logprobs in both loops.
+
+On CPU "launch" computes eagerly; what the loop preserves is the data flow of the device version:
+the scheduler never reads step N's results before it has planned step N+1.
+
+Given a `tp_group` this process is rank 0 of a tensor-parallel group: it alone schedules, and every
+plan is broadcast to the worker ranks before it runs. The group is started by
+`runtime.distributed.tp_engine.start_engine` and handed in, so the engine never imports the layer
+that drives it.
 """
 
 from __future__ import annotations
@@ -9,12 +24,11 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
-from runtime.config import DTYPES, EngineConfig
-from runtime.engine.future import FutureTokens
-from runtime.engine.loops import Launched, normal_step, overlap_step
+from runtime.config import DTYPES, EngineConfig, ModelConfig
 from runtime.engine.plan import StepPlan
 from runtime.engine.runners import build_runner
 from runtime.engine.request import Request, SamplingParams
@@ -24,8 +38,31 @@ from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import PagePool
 from runtime.models.loader import LoadedModel
-from runtime.streams.tasks import StreamScheduler
+from runtime.streams.tasks import StreamExecutor
 
+
+class TPGroup(Protocol):
+    """Rank 0's side of a tensor-parallel group, as the engine uses it (`TPLauncher` is the one)."""
+
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+
+    def shard(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def publish(self, plan: StepPlan, requests: dict[str, Request]) -> None: ...
+
+    def end_step(self) -> None: ...
+
+    def released(self, rid: str) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step handed to the device whose results the CPU has not looked at yet."""
+
+    plan: StepPlan
+    outputs: dict[str, SampleOutput]
 
 
 @dataclass
@@ -38,8 +75,8 @@ class StepResult:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None, faults: FaultSet | None = None,
-                 env: Env | None = None, streams: StreamScheduler | None = None, *, overlap: bool = False,
-                 tp: int = 1) -> None:
+                 env: Env | None = None, streams: StreamExecutor | None = None, *, overlap: bool = False,
+                 tp_group: TPGroup | None = None) -> None:
         self.env = env or Env.load()
         self.cfg = cfg or EngineConfig()
         self.faults = faults if faults is not None else FaultSet.from_env(self.env)
@@ -50,21 +87,15 @@ class Engine:
         weights = {k: v.to(self.cfg.device, DTYPES[self.cfg.dtype]) for k, v in loaded.weights.items()}
         self.overlap = overlap
         self.in_flight: Launched | None = None  # overlap loop: the step launched but not processed
-        self.tp = None
+        self.tp = tp_group
         all_reduce = None
-        if tp > 1:
-            from runtime.distributed.launcher import TPLauncher
-            from runtime.distributed.sharding import shard_weights
-
-            self.tp = TPLauncher.start(loaded, self.cfg, self.faults, self.env, tp, overlap)
-            weights = shard_weights(loaded.config, weights, 0, tp)
-            all_reduce = self.tp.collectives.all_reduce
+        if tp_group is not None:
+            weights = tp_group.shard(loaded.config, weights)
+            all_reduce = tp_group.all_reduce
         self.pool = PagePool(self.cfg.num_pages, self.cfg.page_size, self.faults)
         self.runner = build_runner(loaded.config, weights, self.cfg, self.pool, self.faults, self.env,
-                                   all_reduce=all_reduce, streams=streams)
+                                   all_reduce=all_reduce, streams=streams, overlap=overlap)
         self.model, self.kv, self.streams = self.runner.model, self.runner.kv, self.runner.streams
-        if overlap:
-            self.runner.future = FutureTokens(2 * self.cfg.max_running_requests, device=self.cfg.device)
         self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer)
         self._ids = itertools.count()
 
@@ -91,7 +122,35 @@ class Engine:
     def step(self) -> StepResult:
         """One loop iteration; the result holds the outputs that landed in it (overlap: the
         previous launch's)."""
-        return overlap_step(self) if self.overlap else normal_step(self)
+        return self.overlap_step() if self.overlap else self.normal_step()
+
+    def normal_step(self) -> StepResult:
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        outputs = self.dispatch(plan)
+        delivered = self.deliverable(outputs)
+        self.scheduler.postprocess(plan, outputs)
+        return self.finish_step(plan, delivered, started)
+
+    def overlap_step(self) -> StepResult:
+        started = time.perf_counter()
+        launched = None
+        if self.scheduler.has_work:
+            plan = self.scheduler.schedule()
+            launched = Launched(plan, self.dispatch(plan))
+        last, self.in_flight = self.in_flight, launched
+        if last is None:  # the first step of a burst (or an idle call): nothing has landed yet
+            plan = launched.plan if launched else StepPlan(self.scheduler.step, (), ())
+            return self.finish_step(plan, {}, started)
+        delivered = self.deliverable(last.outputs)
+        self.scheduler.postprocess(last.plan, last.outputs)
+        return self.finish_step(last.plan, delivered, started)
+
+    def deliverable(self, outputs: dict[str, SampleOutput]) -> dict[str, SampleOutput]:
+        """The outputs postprocess will append: not those of requests that finished (or were aborted)
+        while their row was in flight. Callers stream exactly these, so no token is sent twice."""
+        requests = self.scheduler.requests
+        return {rid: out for rid, out in outputs.items() if rid in requests and not requests[rid].finished}
 
     def dispatch(self, plan: StepPlan) -> dict[str, SampleOutput]:
         """Run a plan on every rank: broadcast it first (tp > 1), then execute it here."""
@@ -99,7 +158,7 @@ class Engine:
             return self.runner.execute(plan, self.scheduler.requests)
         self.tp.publish(plan, self.scheduler.requests)
         outputs = self.runner.execute(plan, self.scheduler.requests)
-        self.tp.mid_step = False
+        self.tp.end_step()
         return outputs
 
     def finish_step(self, plan: StepPlan, outputs: dict[str, SampleOutput], started: float) -> StepResult:
@@ -114,7 +173,7 @@ class Engine:
         return StepResult(plan, outputs, finished, time.perf_counter() - started)
 
     def shutdown(self) -> None:
-        """Stop the worker ranks (tp > 1); idempotent. The engine is unusable afterwards."""
+        """Stop the worker ranks (with a TP group); idempotent. The engine is unusable afterwards."""
         if self.tp is not None:
             self.tp.shutdown()
 

@@ -13,7 +13,7 @@ from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
 from runtime.models.batch import ForwardBatch, Segment
 from runtime.models.dsv4_mini import DSV4Mini
-from runtime.streams.tasks import StreamScheduler
+from runtime.streams.tasks import StreamExecutor
 
 
 def checked_input_ids(ext: Extend, req: Request, pool: PagePool, page_size: int, from_future: bool,
@@ -35,7 +35,7 @@ def checked_input_ids(ext: Extend, req: Request, pool: PagePool, page_size: int,
 
 
 class ModelRunner:
-    def __init__(self, model: DSV4Mini, kv: KVCache, pool: PagePool, streams: StreamScheduler,
+    def __init__(self, model: DSV4Mini, kv: KVCache, pool: PagePool, streams: StreamExecutor,
                  faults: FaultSet = NO_FAULTS) -> None:
         self.model = model
         self.kv = kv
@@ -43,7 +43,7 @@ class ModelRunner:
         self.streams = streams
         self.page_size = pool.page_size
         self.faults = faults
-        # Set by the overlap loop: decode inputs then come from here, not from the host token lists.
+        # Set by build_runner(overlap=True): decode inputs then come from here, not from the host token lists.
         self.future: FutureTokens | None = None
 
     def slots_for(self, pages: tuple[int, ...], start: int, stop: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from runtime.config import DTYPES, EngineConfig, ModelConfig
+from runtime.engine.future import FutureTokens
 from runtime.engine.gpu_runner import GpuModelRunner
 from runtime.engine.model_runner import ModelRunner
 from runtime.env import Env
@@ -15,16 +16,23 @@ from runtime.faults import FaultSet
 from runtime.kernels import select_kernels
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.dsv4_mini import DSV4Mini
-from runtime.streams.tasks import InOrderExecutor, StreamScheduler
+from runtime.streams.tasks import InOrderExecutor, StreamExecutor
 
-def build_runner(config: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig, pool, faults: FaultSet,
+def build_runner(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig, pool, faults: FaultSet,
                  env: Env, *, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 streams: StreamScheduler | None = None) -> ModelRunner | GpuModelRunner:
+                 streams: StreamExecutor | None = None, overlap: bool = False) -> ModelRunner | GpuModelRunner:
     """The static runner (capturable decode model; GPU, or forced on CPU) or the eager CPU runner.
     `weights` are already on `cfg.device` in `cfg.dtype` (and sharded, with `all_reduce`, under TP);
-    `streams` applies to the eager runner (the static one picks its own from the config)."""
+    `streams` applies to the eager runner (the static one picks its own from the config).
+    `overlap` gives the runner the overlap loop's `FutureTokens` buffer, here and only here, so rank 0
+    and the workers size and place it alike."""
     if cfg.static_runner:
-        return GpuModelRunner(config, weights, cfg, pool, faults, env, all_reduce=all_reduce)
-    kernels = select_kernels(device=cfg.device, use_reference=env.reference_kernels)
-    model = DSV4Mini(config, weights, kernels, all_reduce=all_reduce, faults=faults)
-    return ModelRunner(model, KVCache(config, cfg, DTYPES[cfg.dtype]), pool, streams or InOrderExecutor(), faults)
+        runner = GpuModelRunner(model_cfg, weights, cfg, pool, faults, env, all_reduce=all_reduce)
+    else:
+        kernels = select_kernels(device=cfg.device, use_reference=env.reference_kernels)
+        model = DSV4Mini(model_cfg, weights, kernels, all_reduce=all_reduce, faults=faults)
+        runner = ModelRunner(model, KVCache(model_cfg, cfg, DTYPES[cfg.dtype]), pool, streams or InOrderExecutor(),
+                             faults)
+    if overlap:
+        runner.future = FutureTokens(2 * cfg.max_running_requests, device=cfg.device)
+    return runner

@@ -25,7 +25,7 @@ from runtime.config import ModelConfig
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.kernels import cuda_torch as k
 from runtime.kvcache.kv_cache import KVCache
-from runtime.streams.tasks import MAIN, StreamScheduler, Task
+from runtime.streams.tasks import MAIN, StreamExecutor, Task
 
 INDEXER_STREAM = "indexer"
 
@@ -101,7 +101,7 @@ class StaticDecodeModel:
         self.sel_ok = torch.zeros(max_batch, S, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, inp: DecodeInputs, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+    def forward(self, inp: DecodeInputs, kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
         """Writes each token's KV; returns float32 logits [N, V], in one pass over the N rows."""
         n = inp.batch_size
         assert 0 < n <= self.max_rows, f"{n} rows, workspace holds {self.max_rows}"
@@ -119,7 +119,7 @@ class StaticDecodeModel:
         return logits
 
     def _attention(self, layer: int, rows: slice, x: torch.Tensor, pos: torch.Tensor, write: torch.Tensor,
-                   ctx: torch.Tensor, pages: torch.Tensor, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+                   ctx: torch.Tensor, pages: torch.Tensor, kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{layer}."
         C, R, B = cfg.kv_latent_dim, cfg.rope_dim, x.shape[0]
         h = k.rms_norm(x, w[p + "attn_norm.weight"], cfg.rms_norm_eps)

@@ -18,7 +18,7 @@ from runtime.env import Env
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.kvcache.kv_cache import KVCache
-from runtime.streams.tasks import StreamScheduler
+from runtime.streams.tasks import StreamExecutor
 
 # A step is one pass over the padded batch, so a padded row costs little (weights are read once
 # either way) but not nothing. Fine: powers of two to 8, then every 8 rows (SGLang's default shape).
@@ -85,7 +85,7 @@ class GraphCaptureBuffer:
 
 
 class GraphRunner:
-    def __init__(self, model: StaticDecodeModel, kv: KVCache, streams: StreamScheduler, *,
+    def __init__(self, model: StaticDecodeModel, kv: KVCache, streams: StreamExecutor, *,
                  buckets: tuple[int, ...] | None = None, scratch_page: int, faults: FaultSet = NO_FAULTS,
                  env: Env | None = None) -> None:
         self.model, self.kv, self.streams, self.faults = model, kv, streams, faults

@@ -12,10 +12,10 @@ from runtime.config import EngineConfig, ModelConfig
 
 
 class KVCache:
-    def __init__(self, model: ModelConfig, engine: EngineConfig, dtype: torch.dtype) -> None:
-        slots = engine.num_slots
-        self.latent = torch.empty(model.num_layers, slots, model.qk_head_dim, dtype=dtype, device=engine.device)
-        self.index_keys = torch.empty(model.num_layers, slots, model.index_dim, dtype=dtype, device=engine.device)
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype) -> None:
+        slots = cfg.num_slots
+        self.latent = torch.empty(model_cfg.num_layers, slots, model_cfg.qk_head_dim, dtype=dtype, device=cfg.device)
+        self.index_keys = torch.empty(model_cfg.num_layers, slots, model_cfg.index_dim, dtype=dtype, device=cfg.device)
         # Poison: a read of a never-written slot shows up as NaN instead of plausible numbers.
         self.latent.fill_(float("nan"))
         self.index_keys.fill_(float("nan"))

@@ -22,7 +22,7 @@ from runtime.faults import NO_FAULTS, FaultSet
 from runtime.kernels.types import MoEWeights
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.batch import ForwardBatch
-from runtime.streams.tasks import MAIN, StreamScheduler, Task
+from runtime.streams.tasks import MAIN, StreamExecutor, Task
 
 INDEXER_STREAM = "indexer"
 
@@ -36,23 +36,23 @@ class Workspace:
 
 
 class DSV4Mini:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: ModuleType,
+    def __init__(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: ModuleType,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  faults: FaultSet = NO_FAULTS) -> None:
-        self.cfg = cfg
+        self.model_cfg = model_cfg
         self.w = weights
         self.faults = faults
         self.all_reduce = all_reduce or (lambda t: t)
-        self.num_heads = weights["layers.0.attn.wq.weight"].shape[0] // cfg.qk_head_dim  # this rank's heads
+        self.num_heads = weights["layers.0.attn.wq.weight"].shape[0] // model_cfg.qk_head_dim  # this rank's heads
         self.k = kernels
         self.dtype = weights["embed.weight"].dtype
-        self.lm_head = weights["embed.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.moe_weights = [self._moe_weights(i) for i in range(cfg.num_layers)]
+        self.lm_head = weights["embed.weight"] if model_cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.moe_weights = [self._moe_weights(i) for i in range(model_cfg.num_layers)]
         self.workspace = Workspace()
 
     def _moe_weights(self, layer: int) -> MoEWeights:
         p = f"layers.{layer}.moe."
-        shared = self.cfg.n_shared_experts > 0
+        shared = self.model_cfg.n_shared_experts > 0
         return MoEWeights(
             router=self.w[p + "gate.weight"], bias=self.w[p + "gate.e_score_correction_bias"],
             w_gate=self.w[p + "experts.w_gate"], w_up=self.w[p + "experts.w_up"], w_down=self.w[p + "experts.w_down"],
@@ -66,23 +66,23 @@ class DSV4Mini:
         return t if t.dtype == self.dtype else t.to(self.dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache, streams: StreamScheduler) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
         """Writes the new tokens' KV and returns float32 logits of each segment's last token [S, V]."""
         x = self.w["embed.weight"][batch.token_ids]
-        for layer in range(self.cfg.num_layers):
+        for layer in range(self.model_cfg.num_layers):
             x = x + self._attention(layer, x, batch, kv, streams)
             x = x + self._moe(layer, x)
         streams.synchronize()
-        last = self.k.rms_norm(x[batch.last_rows], self.w["norm.weight"], self.cfg.rms_norm_eps)
+        last = self.k.rms_norm(x[batch.last_rows], self.w["norm.weight"], self.model_cfg.rms_norm_eps)
         return self.k.linear(self._cast(last), self.lm_head).float()
 
     def _attention(self, layer: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-                   streams: StreamScheduler) -> torch.Tensor:
-        cfg, k, p = self.cfg, self.k, f"layers.{layer}."
-        C, R = cfg.kv_latent_dim, cfg.rope_dim
+                   streams: StreamExecutor) -> torch.Tensor:
+        model_cfg, k, p = self.model_cfg, self.k, f"layers.{layer}."
+        C, R = model_cfg.kv_latent_dim, model_cfg.rope_dim
         T = x.shape[0]
         ws = self.workspace
-        ws.hidden = self._cast(k.rms_norm(x, self.w[p + "attn_norm.weight"], cfg.rms_norm_eps))
+        ws.hidden = self._cast(k.rms_norm(x, self.w[p + "attn_norm.weight"], model_cfg.rms_norm_eps))
 
         streams.fork(INDEXER_STREAM)
         streams.submit(Task(f"indexer.{layer}", INDEXER_STREAM, reads=("hidden", "index_cache"),
@@ -90,10 +90,11 @@ class DSV4Mini:
                             fn=lambda: self._indexer(layer, batch, kv)))
 
         q = self._cast(k.linear(ws.hidden, self.w[p + "attn.wq.weight"])).view(T, self.num_heads, C + R)
-        q = torch.cat([q[..., :C], self._cast(k.rope(q[..., C:], batch.positions, cfg.rope_theta))], dim=-1)
+        q = torch.cat([q[..., :C], self._cast(k.rope(q[..., C:], batch.positions, model_cfg.rope_theta))], dim=-1)
         latent_and_rope = self._cast(k.linear(ws.hidden, self.w[p + "attn.wkv.weight"]))
-        latent = self._cast(k.rms_norm(latent_and_rope[:, :C], self.w[p + "attn.kv_norm.weight"], cfg.rms_norm_eps))
-        key_rope = self._cast(k.rope(latent_and_rope[:, C:], batch.positions, cfg.rope_theta))
+        latent = self._cast(k.rms_norm(latent_and_rope[:, :C], self.w[p + "attn.kv_norm.weight"],
+                                       model_cfg.rms_norm_eps))
+        key_rope = self._cast(k.rope(latent_and_rope[:, C:], batch.positions, model_cfg.rope_theta))
         kv.latent[layer, batch.slots] = torch.cat([latent, key_rope], dim=-1)
 
         # NaN-poisoned: a row attention never wrote (e.g. after a stale selection) cannot pass for data.
@@ -103,7 +104,7 @@ class DSV4Mini:
             for seg, mask in zip(batch.segments, ws.selection):
                 context = kv.latent[layer, seg.context_slots]
                 out[seg.start:seg.end] = self._cast(
-                    k.sparse_attention(q[seg.start:seg.end], context, mask, C, cfg.softmax_scale))
+                    k.sparse_attention(q[seg.start:seg.end], context, mask, C, model_cfg.softmax_scale))
 
         # The `stream-race` fault drops this join: attention may then read the selection before the
         # indexer wrote it (the production bug); the step-end synchronize still drains the stream.
@@ -116,13 +117,14 @@ class DSV4Mini:
 
     def _indexer(self, layer: int, batch: ForwardBatch, kv: KVCache) -> None:
         """Lightning indexer: score every earlier token, keep the window plus the top-k."""
-        cfg, k, p, ws = self.cfg, self.k, f"layers.{layer}.indexer.", self.workspace
-        T, HI, DI, R = batch.token_ids.shape[0], cfg.index_heads, cfg.index_dim, cfg.rope_dim
+        model_cfg, k, p, ws = self.model_cfg, self.k, f"layers.{layer}.indexer.", self.workspace
+        T, HI, DI, R = batch.token_ids.shape[0], model_cfg.index_heads, model_cfg.index_dim, model_cfg.rope_dim
         h = ws.hidden
         q = self._cast(k.linear(h, self.w[p + "wq.weight"])).view(T, HI, DI)
-        q = torch.cat([q[..., :DI - R], self._cast(k.rope(q[..., DI - R:], batch.positions, cfg.rope_theta))], -1)
+        q = torch.cat([q[..., :DI - R], self._cast(k.rope(q[..., DI - R:], batch.positions, model_cfg.rope_theta))], -1)
         key = self._cast(k.linear(h, self.w[p + "wk.weight"]))
-        key = torch.cat([key[:, :DI - R], self._cast(k.rope(key[:, DI - R:], batch.positions, cfg.rope_theta))], -1)
+        key = torch.cat([key[:, :DI - R], self._cast(k.rope(key[:, DI - R:], batch.positions, model_cfg.rope_theta))],
+                        -1)
         head_weights = self._cast(k.linear(h, self.w[p + "weights_proj.weight"])) * (HI * DI) ** -0.5
         kv.index_keys[layer, batch.slots] = key
         selection = []
@@ -130,13 +132,15 @@ class DSV4Mini:
             keys = kv.index_keys[layer, seg.context_slots]
             rows = slice(seg.start, seg.end)
             scores = k.indexer_scores(q[rows], head_weights[rows], keys)
-            selection.append(k.selection_mask(scores, batch.positions[rows], cfg.sliding_window, cfg.index_topk))
+            selection.append(k.selection_mask(scores, batch.positions[rows], model_cfg.sliding_window,
+                                              model_cfg.index_topk))
         ws.selection = selection
 
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        h = self._cast(self.k.rms_norm(x, self.w[f"layers.{layer}.ffn_norm.weight"], cfg.rms_norm_eps))
-        partial = self._cast(self.k.moe(h, self.moe_weights[layer], top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-                                        topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor,
-                                        normalize=cfg.norm_topk_prob))
+        model_cfg = self.model_cfg
+        h = self._cast(self.k.rms_norm(x, self.w[f"layers.{layer}.ffn_norm.weight"], model_cfg.rms_norm_eps))
+        partial = self._cast(self.k.moe(h, self.moe_weights[layer], top_k=model_cfg.num_experts_per_tok,
+                                        n_group=model_cfg.n_group, topk_group=model_cfg.topk_group,
+                                        scaling=model_cfg.routed_scaling_factor,
+                                        normalize=model_cfg.norm_topk_prob))
         return self.all_reduce(partial)

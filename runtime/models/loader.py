@@ -36,9 +36,10 @@ class LoadedModel:
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if name_or_path in PRESETS:
-        cfg = PRESETS[name_or_path]
-        tok = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-        return LoadedModel(name_or_path, cfg, init_random(cfg, PRESET_SEED, dtype), tok, None)
+        model_cfg = PRESETS[name_or_path]
+        tok = ByteTokenizer(model_cfg.vocab_size, model_cfg.bos_token_id, model_cfg.eos_token_id,
+                            model_cfg.pad_token_id)
+        return LoadedModel(name_or_path, model_cfg, init_random(model_cfg, PRESET_SEED, dtype), tok, None)
     path = Path(name_or_path)
     if not path.is_dir():
         presets = ", ".join(sorted(PRESETS))
@@ -48,22 +49,23 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedM
     for required in ("config.json", "model.safetensors"):
         if not (path / required).is_file():
             raise FileNotFoundError(f"model directory {path} has no {required}")
-    cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    model_cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
     weights = {k: v.to(dtype) for k, v in load_file(str(path / "model.safetensors")).items()}
-    check_weights(cfg, weights)
+    check_weights(model_cfg, weights)
     if (path / "tokenizer.json").is_file():
-        tok: Tokenizer = HFTokenizer(path / "tokenizer.json", cfg.bos_token_id, cfg.eos_token_id)
+        tok: Tokenizer = HFTokenizer(path / "tokenizer.json", model_cfg.bos_token_id, model_cfg.eos_token_id)
     else:
-        tok = ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
-    if tok.vocab_size > cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model only {cfg.vocab_size}")
-    return LoadedModel(path.name, cfg, weights, tok, path)
+        tok = ByteTokenizer(model_cfg.vocab_size, model_cfg.bos_token_id, model_cfg.eos_token_id,
+                            model_cfg.pad_token_id)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model only {model_cfg.vocab_size}")
+    return LoadedModel(path.name, model_cfg, weights, tok, path)
 
 
-def save_model(directory: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def save_model(directory: Path, model_cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    check_weights(cfg, weights)
+    check_weights(model_cfg, weights)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
+    (directory / "config.json").write_text(json.dumps(model_cfg.to_dict(), indent=2, sort_keys=True) + "\n")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))

@@ -10,13 +10,13 @@ import torch
 from runtime.config import ModelConfig
 
 
-def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    D, H, C, R = cfg.hidden_size, cfg.num_heads, cfg.kv_latent_dim, cfg.rope_dim
-    E, I, IS = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab_size, D), "norm.weight": (D,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, D)
-    for i in range(cfg.num_layers):
+def weight_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    D, H, C, R = model_cfg.hidden_size, model_cfg.num_heads, model_cfg.kv_latent_dim, model_cfg.rope_dim
+    E, I, IS = model_cfg.n_routed_experts, model_cfg.moe_intermediate_size, model_cfg.shared_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (model_cfg.vocab_size, D), "norm.weight": (D,)}
+    if not model_cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (model_cfg.vocab_size, D)
+    for i in range(model_cfg.num_layers):
         p = f"layers.{i}."
         shapes.update({
             p + "attn_norm.weight": (D,),
@@ -24,9 +24,9 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "attn.wkv.weight": (C + R, D),
             p + "attn.kv_norm.weight": (C,),
             p + "attn.wo.weight": (D, H * C),
-            p + "indexer.wq.weight": (cfg.index_heads * cfg.index_dim, D),
-            p + "indexer.wk.weight": (cfg.index_dim, D),
-            p + "indexer.weights_proj.weight": (cfg.index_heads, D),
+            p + "indexer.wq.weight": (model_cfg.index_heads * model_cfg.index_dim, D),
+            p + "indexer.wk.weight": (model_cfg.index_dim, D),
+            p + "indexer.weights_proj.weight": (model_cfg.index_heads, D),
             p + "ffn_norm.weight": (D,),
             p + "moe.gate.weight": (E, D),
             p + "moe.gate.e_score_correction_bias": (E,),
@@ -34,7 +34,7 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "moe.experts.w_up": (E, I, D),
             p + "moe.experts.w_down": (E, D, I),
         })
-        if cfg.n_shared_experts:
+        if model_cfg.n_shared_experts:
             shapes.update({
                 p + "moe.shared.w_gate": (IS, D),
                 p + "moe.shared.w_up": (IS, D),
@@ -43,12 +43,12 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_random(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def init_random(model_cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Seeded weights scaled so activations keep unit-ish variance and logits are not flat
     (a random model must still produce varied, seed-dependent tokens)."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}
-    for name, shape in weight_shapes(cfg).items():
+    for name, shape in weight_shapes(model_cfg).items():
         if name.endswith("norm.weight"):
             tensor = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
         elif name.endswith("e_score_correction_bias"):
@@ -64,8 +64,8 @@ def init_random(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32)
     return weights
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    expected = weight_shapes(cfg)
+def check_weights(model_cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    expected = weight_shapes(model_cfg)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:

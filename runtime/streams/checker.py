@@ -1,4 +1,4 @@
-"""Static happens-before check over a recorded stream program (`StreamScheduler.program`).
+"""Static happens-before check over a recorded stream program (`StreamExecutor.program`).
 
 Proves, without running anything, that every read of a buffer is ordered after the task that
 wrote it, that no write races an earlier read or write on another stream, and that every side

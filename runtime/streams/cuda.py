@@ -14,10 +14,10 @@ import random
 
 import torch
 
-from runtime.streams.tasks import MAIN, Event, StreamScheduler, Task, Wait
+from runtime.streams.tasks import MAIN, Event, StreamExecutor, Task, Wait
 
 
-class CudaStreamExecutor(StreamScheduler):
+class CudaStreamExecutor(StreamExecutor):
     def __init__(self, jitter_cycles: int = 0, seed: int = 0, record_program: bool = False) -> None:
         super().__init__(record_program)
         self.jitter_cycles = jitter_cycles

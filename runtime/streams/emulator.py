@@ -17,12 +17,12 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from runtime.streams.tasks import MAIN, StreamScheduler, Task, Wait
+from runtime.streams.tasks import MAIN, StreamExecutor, Task, Wait
 
 MODES = ("late", "random")
 
 
-class AdversarialExecutor(StreamScheduler):
+class AdversarialExecutor(StreamExecutor):
     def __init__(self, seed: int = 0, mode: str = "late", record_program: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -35,7 +35,7 @@ class AdversarialExecutor(StreamScheduler):
         self._pending_waits: dict[str, dict[str, int]] = {}
         self._done: dict[str, int] = {}
 
-    # ---- hooks of StreamScheduler --------------------------------------------------------------
+    # ---- hooks of StreamExecutor ---------------------------------------------------------------
     def _on_submit(self, task: Task) -> None:
         if task.stream == MAIN:
             self._maybe_run_some()

@@ -1,6 +1,6 @@
 """The declared-stream task API and its in-order executor.
 
-Model code talks to a `StreamScheduler`:
+Model code talks to a `StreamExecutor`:
 
     streams.fork("indexer")                      # side stream starts after main's work so far
     streams.submit(Task("indexer", "indexer", reads=("hidden",), writes=("selection",), fn=...))
@@ -45,7 +45,7 @@ class Wait:
 Op = Union[Task, Event, Wait]
 
 
-class StreamScheduler:
+class StreamExecutor:
     """Base class: records the program; subclasses decide when tasks actually run."""
 
     def __init__(self, record_program: bool = False) -> None:
@@ -98,7 +98,7 @@ class StreamScheduler:
         pass
 
 
-class InOrderExecutor(StreamScheduler):
+class InOrderExecutor(StreamExecutor):
     """Runs every task at submission: a valid schedule for any correct program."""
 
     def _on_submit(self, task: Task) -> None:

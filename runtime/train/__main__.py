@@ -58,15 +58,15 @@ def main(argv: list[str] | None = None) -> None:
     tok = load_tokenizer(str(tok_path))
     ids = special_ids(tok)
     vocab = -(-tok.get_vocab_size() // 64) * 64  # pad the embedding to a multiple of 64 rows
-    cfg = replace(arch, vocab_size=vocab, bos_token_id=tok.token_to_id(BOS), eos_token_id=ids["eos"],
+    model_cfg = replace(arch, vocab_size=vocab, bos_token_id=tok.token_to_id(BOS), eos_token_id=ids["eos"],
                   pad_token_id=tok.token_to_id(PAD))
     assert tok.token_to_id(PAD) == ids["pad"]
     tc = TrainConfig(steps=args.steps or opts["steps"], time_budget_s=args.time_budget_s,
                      batch_size=args.batch_size or opts["batch_size"], lr=args.lr,
                      dense_fraction=args.dense_fraction, seed=args.seed, workers=args.workers,
                      log_every=opts["log_every"], device=args.device)
-    weights, summary = train(cfg, tc, str(tok_path), ids["pad"], out / "train_log.jsonl")
-    save_model(out, cfg, weights)
+    weights, summary = train(model_cfg, tc, str(tok_path), ids["pad"], out / "train_log.jsonl")
+    save_model(out, model_cfg, weights)
     shutil.copyfile(TEMPLATE_PATH, out / "chat_template.jinja")
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"out": str(out), **{k: summary[k] for k in ("steps", "tokens", "elapsed_s")}}))

@@ -51,12 +51,13 @@ def lr_at(progress: float, tc: TrainConfig) -> float:
     return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * cos)
 
 
-def train(cfg: ModelConfig, tc: TrainConfig, tokenizer_path: str, pad_id: int, log_path: Path) -> tuple[dict, dict]:
+def train(model_cfg: ModelConfig, tc: TrainConfig, tokenizer_path: str, pad_id: int,
+          log_path: Path) -> tuple[dict, dict]:
     """Returns (weights in the inference layout, summary)."""
     torch.manual_seed(tc.seed)
     if tc.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
-    model = TrainModel(cfg, init_params(cfg, tc.seed)).to(tc.device)
+    model = TrainModel(model_cfg, init_params(model_cfg, tc.seed)).to(tc.device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},

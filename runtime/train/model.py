@@ -32,11 +32,11 @@ class ForwardOut:
     expert_load: torch.Tensor  # [layers, E] tokens routed to each expert (for the bias update)
 
 
-def init_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def init_params(model_cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Small-std init: residual outputs (wo, w_down) scaled by depth so early training is stable."""
     gen = torch.Generator().manual_seed(seed)
     params = {}
-    for name, shape in weight_shapes(cfg).items():
+    for name, shape in weight_shapes(model_cfg).items():
         if name.endswith("norm.weight"):
             t = torch.ones(shape)
         elif name.endswith("e_score_correction_bias"):
@@ -46,7 +46,7 @@ def init_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         else:
             t = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
             if name.endswith(("attn.wo.weight", "w_down")):
-                t = t / math.sqrt(2 * cfg.num_layers)
+                t = t / math.sqrt(2 * model_cfg.num_layers)
         params[name] = t
     return params
 
@@ -83,16 +83,16 @@ def selection(scores: torch.Tensor, window: int, topk: int) -> torch.Tensor:
 
 
 class TrainModel(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, model_cfg: ModelConfig, params: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        if cfg.tie_word_embeddings:
+        if model_cfg.tie_word_embeddings:
             raise ValueError("the training forward expects an untied lm_head")
-        self.cfg = cfg
+        self.model_cfg = model_cfg
         self.names = sorted(params)
         # nn.ParameterDict keys may not contain dots; map them once.
         self.p = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(params[n].float().clone())
                                          for n in self.names if not n.endswith("e_score_correction_bias")})
-        for i in range(cfg.num_layers):
+        for i in range(model_cfg.num_layers):
             self.register_buffer(f"bias{i}", params[f"layers.{i}.moe.gate.e_score_correction_bias"].float().clone())
 
     def w(self, name: str) -> torch.Tensor:
@@ -109,34 +109,34 @@ class TrainModel(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, valid: torch.Tensor, sparse: bool) -> ForwardOut:
         """ids, valid: [B, T] (valid = not padding)."""
-        cfg = self.cfg
+        model_cfg = self.model_cfg
         x = F.embedding(ids, self.w("embed.weight"))
         kls, loads = [], []
-        for layer in range(cfg.num_layers):
+        for layer in range(model_cfg.num_layers):
             attn, kl = self._attention(layer, x, valid, sparse)
             x = x + attn
             moe, load = self._moe(layer, x, valid)
             x = x + moe
             kls.append(kl)
             loads.append(load)
-        h = rms_norm(x, self.w("norm.weight"), cfg.rms_norm_eps)
+        h = rms_norm(x, self.w("norm.weight"), model_cfg.rms_norm_eps)
         return ForwardOut(h @ self.w("lm_head.weight").T, torch.stack(kls).mean(), torch.stack(loads))
 
     def _attention(self, layer: int, x: torch.Tensor, valid: torch.Tensor, sparse: bool):
-        cfg, p = self.cfg, f"layers.{layer}."
+        model_cfg, p = self.model_cfg, f"layers.{layer}."
         B, T, _ = x.shape
-        H, C, R = cfg.num_heads, cfg.kv_latent_dim, cfg.rope_dim
-        h = rms_norm(x, self.w(p + "attn_norm.weight"), cfg.rms_norm_eps)
+        H, C, R = model_cfg.num_heads, model_cfg.kv_latent_dim, model_cfg.rope_dim
+        h = rms_norm(x, self.w(p + "attn_norm.weight"), model_cfg.rms_norm_eps)
         q = (h @ self.w(p + "attn.wq.weight").T).view(B, T, H, C + R)
-        q = torch.cat([q[..., :C], rope(q[..., C:], cfg.rope_theta)], -1)
+        q = torch.cat([q[..., :C], rope(q[..., C:], model_cfg.rope_theta)], -1)
         kv = h @ self.w(p + "attn.wkv.weight").T
-        kv = torch.cat([rms_norm(kv[..., :C], self.w(p + "attn.kv_norm.weight"), cfg.rms_norm_eps),
-                        rope(kv[..., C:], cfg.rope_theta)], -1)  # [B, T, C+R]
-        scores = torch.einsum("bthd,bsd->bhts", q, kv) * cfg.softmax_scale
+        kv = torch.cat([rms_norm(kv[..., :C], self.w(p + "attn.kv_norm.weight"), model_cfg.rms_norm_eps),
+                        rope(kv[..., C:], model_cfg.rope_theta)], -1)  # [B, T, C+R]
+        scores = torch.einsum("bthd,bsd->bhts", q, kv) * model_cfg.softmax_scale
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         index_scores = self._indexer(layer, h.detach())  # [B, T, T]
         if sparse:
-            mask = selection(index_scores.detach(), cfg.sliding_window, cfg.index_topk)
+            mask = selection(index_scores.detach(), model_cfg.sliding_window, model_cfg.index_topk)
         else:
             mask = causal.expand(B, T, T)
         probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1)
@@ -151,42 +151,42 @@ class TrainModel(torch.nn.Module):
         return out @ self.w(p + "attn.wo.weight").T, kl
 
     def _indexer(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        cfg, p = self.cfg, f"layers.{layer}.indexer."
+        model_cfg, p = self.model_cfg, f"layers.{layer}.indexer."
         B, T, _ = h.shape
-        HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.rope_dim
+        HI, DI, R = model_cfg.index_heads, model_cfg.index_dim, model_cfg.rope_dim
         q = (h @ self.w(p + "wq.weight").T).view(B, T, HI, DI)
-        q = torch.cat([q[..., :DI - R], rope(q[..., DI - R:], cfg.rope_theta)], -1)
+        q = torch.cat([q[..., :DI - R], rope(q[..., DI - R:], model_cfg.rope_theta)], -1)
         k = h @ self.w(p + "wk.weight").T
-        k = torch.cat([k[..., :DI - R], rope(k[..., DI - R:], cfg.rope_theta)], -1)
+        k = torch.cat([k[..., :DI - R], rope(k[..., DI - R:], model_cfg.rope_theta)], -1)
         head_w = (h @ self.w(p + "weights_proj.weight").T) * (HI * DI) ** -0.5  # [B, T, HI]
         per_head = torch.relu(torch.einsum("bthd,bsd->bths", q, k))
         return (per_head * head_w[..., None]).sum(2)
 
     def _moe(self, layer: int, x: torch.Tensor, valid: torch.Tensor):
-        cfg, p = self.cfg, f"layers.{layer}."
+        model_cfg, p = self.model_cfg, f"layers.{layer}."
         B, T, D = x.shape
-        h = rms_norm(x, self.w(p + "ffn_norm.weight"), cfg.rms_norm_eps).reshape(B * T, D)
+        h = rms_norm(x, self.w(p + "ffn_norm.weight"), model_cfg.rms_norm_eps).reshape(B * T, D)
         affinity = torch.sqrt(F.softplus(h @ self.w(p + "moe.gate.weight").T))  # [N, E]
         choice = (affinity + self.w(p + "moe.gate.e_score_correction_bias")).detach()
-        if cfg.n_group > 1:
-            grouped = choice.view(B * T, cfg.n_group, -1)
+        if model_cfg.n_group > 1:
+            grouped = choice.view(B * T, model_cfg.n_group, -1)
             best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-            groups = torch.sort(best_two, dim=-1, descending=True, stable=True).indices[:, :cfg.topk_group]
+            groups = torch.sort(best_two, dim=-1, descending=True, stable=True).indices[:, :model_cfg.topk_group]
             allowed = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, groups, True)
             choice = choice.masked_fill(~allowed[:, :, None].expand_as(grouped).reshape_as(choice), float("-inf"))
-        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :cfg.num_experts_per_tok]
+        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :model_cfg.num_experts_per_tok]
         weights = affinity.gather(1, ids)
-        if cfg.norm_topk_prob:
+        if model_cfg.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        combine = torch.zeros_like(affinity).scatter(1, ids, weights * cfg.routed_scaling_factor)  # [N, E]
+        combine = torch.zeros_like(affinity).scatter(1, ids, weights * model_cfg.routed_scaling_factor)  # [N, E]
         # Every expert on every token: at this size a dense einsum beats gathering token lists.
         gate = torch.einsum("nd,eid->nei", h, self.w(p + "moe.experts.w_gate"))
         up = torch.einsum("nd,eid->nei", h, self.w(p + "moe.experts.w_up"))
         expert_out = torch.einsum("nei,edi->ned", F.silu(gate) * up, self.w(p + "moe.experts.w_down"))
         out = torch.einsum("ne,ned->nd", combine, expert_out)
-        if cfg.n_shared_experts:
+        if model_cfg.n_shared_experts:
             shared = F.silu(h @ self.w(p + "moe.shared.w_gate").T) * (h @ self.w(p + "moe.shared.w_up").T)
             out = out + shared @ self.w(p + "moe.shared.w_down").T
-        load = torch.zeros(cfg.n_routed_experts, device=x.device).index_add_(
+        load = torch.zeros(model_cfg.n_routed_experts, device=x.device).index_add_(
             0, ids.flatten(), valid.reshape(-1, 1).expand_as(ids).flatten().float())
         return out.view(B, T, D), load

@@ -100,7 +100,16 @@ def test_api_key_required(server):
     assert httpx.get(server.base_url + "/models").status_code == 401
 
 
-def test_disconnect_mid_stream_frees_pages(server):
+def finish_counts(server) -> dict[str, float]:
+    """`dsv4_request_finish_total` by finish reason, from the Prometheus text."""
+    text = httpx.get(server.url_for("metrics"), headers=server.headers).text
+    prefix = 'dsv4_request_finish_total{reason="'
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_disconnect_mid_stream_aborts_the_request_and_frees_pages(server):
+    before = finish_counts(server)
     with httpx.stream("POST", server.base_url + "/chat/completions", headers=server.headers,
                       json={"model": "tiny-random", "messages": USER, "max_tokens": 3000, "stream": True,
                             "temperature": 0}) as resp:
@@ -109,6 +118,12 @@ def test_disconnect_mid_stream_frees_pages(server):
                 assert server.kv_pages_in_use() > 0  # the request really holds pages while it streams
                 break
     assert server.wait_kv_pages_idle() == 0
+    # Pages return to 0 as well when the request simply runs to max_tokens inside that wait (the tiny
+    # model is that fast), so only the finish reason shows the disconnect aborted it.
+    after = finish_counts(server)
+    changed = {reason: after[reason] - before.get(reason, 0.0) for reason in after
+               if after[reason] != before.get(reason, 0.0)}
+    assert changed == {"abort": 1.0}, f"finishes counted since the request started: {changed}"
 
 
 def test_64_concurrent_streaming_clients_complete_and_server_stays_healthy(server):

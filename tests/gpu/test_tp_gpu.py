@@ -13,7 +13,7 @@ import torch
 from runtime.config import EngineConfig, default_model
 from runtime.distributed.errors import DesyncError
 from canary.logprob_close import Generation, check_logprobs_close
-from runtime.engine.engine import Engine
+from runtime.distributed.tp_engine import start_engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
@@ -39,7 +39,7 @@ def test_tp2_matches_tp1_on_gpus(overlap):
     cfg = EngineConfig(device="cuda", dtype="float32", num_pages=4096)
     outputs = {}
     for tp in (1, 2):
-        with Engine(loaded, cfg, FaultSet(), Env(tp_check=True), overlap=overlap, tp=tp) as eng:
+        with start_engine(loaded, cfg, FaultSet(), Env(tp_check=True), overlap=overlap, tp=tp) as eng:
             reqs = eng.generate(prompts, params)
             assert eng.runner.graphs.replays > 0
             assert eng.pages_in_use == 0
@@ -56,7 +56,7 @@ def test_abort_storm_tp2_overlap_on_gpus():
     env = Env(tp_check=True, tp_timeout_s=30.0)
     cfg = EngineConfig(device="cuda", dtype="bfloat16", num_pages=10, page_size=4, max_running_requests=6,
                        max_model_len=40, max_prefill_tokens=40)
-    with Engine(tiny, cfg, FaultSet(), env, overlap=True, tp=2) as engine:
+    with start_engine(tiny, cfg, FaultSet(), env, overlap=True, tp=2) as engine:
         live: list[str] = []
         for _ in range(1000):
             if rng.random() < 0.6:
@@ -82,7 +82,8 @@ def test_tp_local_abort_raises_desync_on_gpus():
     tiny = load_model("tiny-random")
     prompts, params = workload(256, 8, seed=3)
     cfg = EngineConfig(device="cuda", dtype="bfloat16", num_pages=512)
-    engine = Engine(tiny, cfg, FaultSet(["tp-local-abort"]), Env(tp_check=True, tp_timeout_s=30.0), overlap=True, tp=2)
+    engine = start_engine(tiny, cfg, FaultSet(["tp-local-abort"]), Env(tp_check=True, tp_timeout_s=30.0), overlap=True,
+                          tp=2)
     try:
         with pytest.raises(DesyncError) as caught:
             engine.generate(prompts, params)

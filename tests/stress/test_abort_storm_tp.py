@@ -10,7 +10,7 @@ import random
 import pytest
 
 from runtime.config import EngineConfig
-from runtime.engine.engine import Engine
+from runtime.distributed.tp_engine import start_engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
@@ -26,7 +26,7 @@ def test_abort_storm_tp2_overlap_no_hang_no_leak():
     rng = random.Random(2024)
     env = Env(tp_check=True, tp_timeout_s=30.0, num_threads=1)
     cfg = EngineConfig(num_pages=10, page_size=4, max_running_requests=6, max_model_len=40, max_prefill_tokens=40)
-    with Engine(tiny, cfg, faults=FaultSet(), env=env, overlap=True, tp=2) as engine:
+    with start_engine(tiny, cfg, faults=FaultSet(), env=env, overlap=True, tp=2) as engine:
         live: list[str] = []
         aborted = 0
         for _ in range(STEPS):

@@ -17,7 +17,7 @@ from runtime.kernels import cpu
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.batch import ForwardBatch, Segment
 from runtime.models.dsv4_mini import DSV4Mini
-from runtime.streams.tasks import InOrderExecutor, StreamScheduler
+from runtime.streams.tasks import InOrderExecutor, StreamExecutor
 
 SLOTS_PER_REQUEST = 128
 
@@ -61,7 +61,7 @@ class ExtendCase:
     def model(self, faults: tuple[str, ...] = ()) -> DSV4Mini:
         return DSV4Mini(self.tiny.config, self.tiny.weights, cpu, faults=FaultSet(faults))
 
-    def run(self, streams: StreamScheduler, faults: tuple[str, ...] = ()) -> torch.Tensor:
+    def run(self, streams: StreamExecutor, faults: tuple[str, ...] = ()) -> torch.Tensor:
         kv = KVCache.__new__(KVCache)
         kv.latent, kv.index_keys = self.kv.latent.clone(), self.kv.index_keys.clone()
         return self.model(faults).forward(self.batch, kv, streams)

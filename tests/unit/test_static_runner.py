@@ -11,7 +11,7 @@ import torch
 
 from runtime.config import EngineConfig
 from canary.logprob_close import Generation, check_logprobs_close
-from runtime.engine.engine import Engine
+from runtime.distributed.tp_engine import start_engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
@@ -38,7 +38,7 @@ def workload(n: int, seed: int, long_prompt: int = 0):
 
 def run(tiny, prompts, params, faults=(), overlap=False, tp=1, env=None, **cfg) -> list[Generation]:
     ecfg = EngineConfig(**{"num_pages": 1024, "max_model_len": 2048, **cfg})
-    with Engine(tiny, ecfg, FaultSet(faults), env or Env(), overlap=overlap, tp=tp) as eng:
+    with start_engine(tiny, ecfg, FaultSet(faults), env or Env(), overlap=overlap, tp=tp) as eng:
         reqs = eng.generate(prompts, params)
         assert eng.pages_in_use == 0
         if tp > 1:
@@ -177,7 +177,7 @@ def test_static_runner_tp2_overlap_recomputes_preempted_requests_like_tp1(tiny):
     params = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=3) for _ in params]
     reference = run(tiny, prompts, params, runner="static")
     small = EngineConfig(runner="static", num_pages=24, page_size=4, max_model_len=128, max_prefill_tokens=128)
-    with Engine(tiny, small, FaultSet(), Env(tp_check=True), overlap=True, tp=2) as eng:
+    with start_engine(tiny, small, FaultSet(), Env(tp_check=True), overlap=True, tp=2) as eng:
         reqs = eng.generate(prompts, params)
         assert eng.scheduler.num_preemptions > 0, "the pool must be small enough to force preemption"
         assert all(s["pages_in_use"] == 0 for s in eng.tp.rank_stats())

@@ -15,6 +15,7 @@ import pytest
 from runtime.config import EngineConfig
 from runtime.distributed.errors import CollectiveError, DesyncError
 from canary.logprob_close import Generation, NotClose, check_logprobs_close
+from runtime.distributed.tp_engine import start_engine
 from runtime.distributed.worker import LOCAL_ABORT_STEP
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
@@ -47,8 +48,8 @@ def exact_workload():
 
 def tp_engine(tiny, faults=(), overlap=False, **env) -> Engine:
     env = Env(tp_check=True, num_threads=1, **{"tp_timeout_s": 30.0, **env})
-    return Engine(tiny, EngineConfig(num_pages=64, page_size=4), faults=FaultSet(faults), env=env,
-                  overlap=overlap, tp=2)
+    return start_engine(tiny, EngineConfig(num_pages=64, page_size=4), faults=FaultSet(faults), env=env,
+                        overlap=overlap, tp=2)
 
 
 def assert_workers_gone(engine: Engine) -> None:

@@ -1,0 +1,88 @@
+"""Scheduler page accounting at page boundaries: a request holds exactly the pages its KV needs.
+
+A prompt whose length is an exact multiple of the page size is the boundary where a ceiling done
+wrong (`n // page_size + 1`, or reserving room for the next token early) takes one page too many.
+The engine-level tests do not see that: their prompts rarely land on a multiple, and an extra page
+is returned on finish like any other, so nothing leaks. Here the scheduler is driven with fake
+tokens (no model), and every extend must hold ceil(tokens with KV / page_size) pages, no more.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from runtime.config import EngineConfig
+from runtime.engine.plan import StepPlan
+from runtime.engine.request import Request, SamplingParams
+from runtime.engine.sampler import SampleOutput
+from runtime.engine.scheduler import Scheduler
+from runtime.kvcache.page_pool import PagePool
+
+pytestmark = pytest.mark.unit
+
+TOKEN = 7  # never the (absent) eos: requests finish by length only
+NO_EOS = SimpleNamespace(eos_token_id=-1)
+
+
+def exact_pages(tokens: int, page_size: int) -> int:
+    return (tokens + page_size - 1) // page_size
+
+
+def check_pages(plan: StepPlan, scheduler: Scheduler, page_size: int) -> None:
+    for ext in plan.extends:
+        kv_tokens = ext.start + ext.num_new  # positions 0 .. end-1 have KV once this step ran
+        assert len(ext.pages) == exact_pages(kv_tokens, page_size), (
+            f"step {plan.step}: {ext.rid} holds {len(ext.pages)} pages for {kv_tokens} tokens "
+            f"(page size {page_size})")
+    held = sum(len(req.pages) for req in scheduler.running)
+    assert scheduler.pool.pages_in_use == held, "the pool counts pages no running request holds"
+
+
+def drive(scheduler: Scheduler, page_size: int, overlap: bool) -> list[StepPlan]:
+    """Run to completion. overlap: plan step N+1 before postprocessing step N, as the overlap loop
+    does (the scheduler then counts N's token as in flight)."""
+    plans, last = [], None
+    while scheduler.has_work or last is not None:
+        plan = scheduler.schedule() if scheduler.has_work else None
+        if plan is not None:
+            check_pages(plan, scheduler, page_size)
+            plans.append(plan)
+        done = last if overlap else plan
+        if done is not None:
+            scheduler.postprocess(done, {ext.rid: SampleOutput(TOKEN, 0.0, []) for ext in done.extends})
+        last = plan if overlap else None
+    return plans
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("pages", [1, 3])
+def test_a_prompt_of_whole_pages_takes_exactly_those_pages(page_size, pages, overlap):
+    pool = PagePool(64, page_size)
+    scheduler = Scheduler(EngineConfig(page_size=page_size, num_pages=64), pool, NO_EOS)
+    # Enough output tokens to cross two more page boundaries while decoding.
+    max_tokens = 2 * page_size + 1
+    scheduler.add(Request("whole", [1] * (pages * page_size), SamplingParams(max_tokens=max_tokens)))
+    plans = drive(scheduler, page_size, overlap)
+    prefill = plans[0].prefill[0]
+    assert (prefill.num_new, len(prefill.pages)) == (pages * page_size, pages), "the prefill took an extra page"
+    assert sum(len(p.decode) for p in plans) == max_tokens - 1  # the last token needs no KV of its own
+    assert scheduler.requests["whole"].finish_reason == "length"
+    assert pool.pages_in_use == 0
+
+
+def test_a_pool_of_exactly_the_prompt_pages_admits_every_whole_page_prompt():
+    """Four prompts of two whole pages each fill an 8-page pool in one prefill step; one extra page
+    per request would leave some of them waiting."""
+    page_size = 4
+    pool = PagePool(8, page_size)
+    scheduler = Scheduler(EngineConfig(page_size=page_size, num_pages=8), pool, NO_EOS)
+    for i in range(4):
+        scheduler.add(Request(f"r{i}", [1] * (2 * page_size), SamplingParams(max_tokens=1)))
+    plan = scheduler.schedule()
+    assert [len(ext.pages) for ext in plan.prefill] == [2, 2, 2, 2]
+    assert pool.free_pages == 0
+    scheduler.postprocess(plan, {ext.rid: SampleOutput(TOKEN, 0.0, []) for ext in plan.extends})
+    assert not scheduler.has_work and pool.pages_in_use == 0
