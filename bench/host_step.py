@@ -38,7 +38,7 @@ def without_device_work(engine: Engine) -> None:
     table = torch.randn(engine.runner.max_rows, engine.loaded.config.vocab_size,
                         generator=torch.Generator().manual_seed(0))
     engine.runner.graphs.forward = lambda inp: table[:inp.batch_size]
-    engine.runner.graphs.eager = lambda chunk, tile: table[:chunk.batch_size]
+    engine.runner.graphs.eager = lambda chunk: table[:chunk.batch_size]
 
 
 def measure(loaded: LoadedModel, bs: int, overlap: bool, steps: int, prompt_len: int, repeats: int) -> dict:
