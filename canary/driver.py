@@ -37,6 +37,15 @@ class DriverOptions:
     request_timeout_s: float = 300.0
     logprobs: bool = True
     generic_prompts: bool = False  # real LLMs: plain-words instructions instead of the canary prompt
+    # Driver processes, each with its own event loop and a share of the sessions. One asyncio loop
+    # running the openai client tops out near 1,500 output tok/s (its request transform and response
+    # models are most of it: py-spy on the H200 gate), so a fast server needs more than one; on a
+    # 2-core machine the server needs the other core, so the default stays 1.
+    processes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.processes < 1:
+            raise ValueError(f"processes must be >= 1, got {self.processes}")
 
 
 @dataclass
@@ -87,20 +96,30 @@ def _http_client():
 
 class SessionDriver:
     def __init__(self, target: Target, options: DriverOptions,
-                 on_request_done: Callable[[RequestRecord], None] | None = None) -> None:
+                 on_request_done: Callable[[RequestRecord], None] | None = None,
+                 shard: tuple[int, int] = (0, 1)) -> None:
+        """shard = (k, n): drive the sessions whose index is k mod n (every session's nonce is still
+        known, so the bleed oracle sees all of them)."""
         self.target = target
         self.options = options
         self.on_request_done = on_request_done
-        self.scenarios = [make_scenario(i, options.turns, options.generic_prompts) for i in range(options.sessions)]
-        self._nonces = [s.nonce for s in self.scenarios]
+        all_scenarios = [make_scenario(i, options.turns, options.generic_prompts) for i in range(options.sessions)]
+        self._nonces = [s.nonce for s in all_scenarios]
+        self.scenarios = all_scenarios[shard[0]::shard[1]]
+        self.shard = shard
         self._t0 = 0.0
         self._result: RunResult | None = None
 
     def run(self) -> RunResult:
+        if self.options.processes > 1 and self.shard == (0, 1):
+            from canary.driver_pool import run_sharded
+
+            return run_sharded(self.target, self.options, self.on_request_done)
         return asyncio.run(self._run())
 
     async def _run(self) -> RunResult:
         limit = self.options.concurrency or self.options.sessions
+        limit = max(1, -(-limit // self.shard[1]))  # this shard's part of the concurrency bound
         client = self.target.async_client(timeout=self.options.request_timeout_s, http_client=_http_client())
         semaphore = asyncio.Semaphore(limit)
         self._t0 = time.perf_counter()

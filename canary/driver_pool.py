@@ -1,0 +1,76 @@
+"""The session driver spread over processes: shard k of n runs sessions k, k+n, k+2n, ... in its
+own event loop (DriverOptions.processes), and the parent merges the shards' results into one
+RunResult, so oracles, metrics and reports see one run. Finished requests stream back to the
+parent as they happen (for the progress bar and soak sampling), not only at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import queue
+import time
+from typing import Callable
+
+from canary.driver import RequestRecord, RunResult, SessionDriver
+from canary.targets import Target
+
+_DONE = "done"
+
+
+def _shard_main(target: Target, options, shard: tuple[int, int], events) -> None:
+    def report(record: RequestRecord) -> None:
+        events.put(("request", record))
+
+    try:
+        result = SessionDriver(target, options, on_request_done=report, shard=shard).run()
+        events.put((_DONE, result))
+    except BaseException as exc:  # the parent must learn why a shard ended, not wait for it
+        events.put((_DONE, exc))
+
+
+def run_sharded(target: Target, options, on_request_done: Callable[[RequestRecord], None] | None) -> RunResult:
+    n = options.processes
+    shard_options = dataclasses.replace(options, processes=1)
+    # spawn, not fork: the parent is a pytest process with threads (fork would copy held locks).
+    context = multiprocessing.get_context("spawn")
+    events = context.Queue()
+    started = time.time()
+    t0 = time.perf_counter()
+    workers = [context.Process(target=_shard_main, args=(target, shard_options, (k, n), events), daemon=True)
+               for k in range(n)]
+    for worker in workers:
+        worker.start()
+    results: list[RunResult] = []
+    errors: list[BaseException] = []
+    try:
+        while len(results) + len(errors) < n:
+            try:
+                kind, payload = events.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w for w in workers if w.exitcode not in (None, 0)]
+                if dead and len(results) + len(errors) + len(dead) >= n:
+                    raise RuntimeError(f"driver shard exited with status {dead[0].exitcode} before reporting")
+                continue
+            if kind == "request":
+                if on_request_done is not None:
+                    on_request_done(payload)
+            elif isinstance(payload, BaseException):
+                errors.append(payload)
+            else:
+                results.append(payload)
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+    if errors:
+        raise errors[0]
+    merged = RunResult(options, target.name, started, time.perf_counter() - t0)
+    for result in results:
+        merged.requests += result.requests
+        merged.failures += result.failures
+        merged.sessions_completed += result.sessions_completed
+        merged.sessions_aborted += result.sessions_aborted
+    merged.failures.sort(key=lambda item: item[0])
+    return merged
