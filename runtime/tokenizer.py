@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Protocol
 
@@ -67,7 +68,14 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
-        return self._text_only.encode(text, add_special_tokens=False).ids if text else []
+        return list(self._encode_text_cached(text)) if text else []
+
+    @functools.lru_cache(maxsize=1 << 14)  # noqa: B019 - one tokenizer per process, kept for its lifetime
+    def _encode_text_cached(self, text: str) -> tuple[int, ...]:
+        # A conversation is re-rendered whole on every turn, and the server encodes it between control
+        # tokens: every earlier message's text comes back unchanged. Encoding is a pure function of
+        # the text, so a cache hit is exact (it was 14% of the server's event loop in the H200 gate).
+        return tuple(self._text_only.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
