@@ -1,7 +1,7 @@
 """GPU idle time between decode steps, normal vs overlap scheduler loop (issue 8), on the GPU engine.
 
 Each executed step records CUDA events at the start and the end of its device work
-(gpu_runner.StepTimeline); idle = the gaps between one step's end and the next one's start, i.e.
+(static_runner.StepTimeline); idle = the gaps between one step's end and the next one's start, i.e.
 the time the GPU waited for the CPU to schedule, build and launch the next step. Measured over
 decode-only steps after every request has been prefilled, with CUDA graphs and multi-stream on.
 
@@ -21,7 +21,7 @@ from bench.decode_step import SLICE, random_weights
 from canary.provenance import git_commit
 from runtime.config import EngineConfig, default_model
 from runtime.engine.engine import Engine
-from runtime.engine.gpu_runner import StepTimeline
+from runtime.engine.static_runner import StepTimeline
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet

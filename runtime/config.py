@@ -145,7 +145,7 @@ class EngineConfig:
     prefill_chunk: int = 4096
     dtype: str = "float32"
     device: str = "cpu"
-    # GPU only (runtime/engine/gpu_runner.py): decode steps replay CUDA graphs, and the indexer runs
+    # GPU only (runtime/engine/static_runner.py): decode steps replay CUDA graphs, and the indexer runs
     # on a side stream. Both on by default; off only to compare against or to bisect.
     cuda_graphs: bool = True
     multi_stream: bool = True

@@ -9,7 +9,7 @@ import torch
 
 from runtime.config import DTYPES, EngineConfig, ModelConfig
 from runtime.engine.future import FutureTokens
-from runtime.engine.gpu_runner import GpuModelRunner
+from runtime.engine.static_runner import StaticModelRunner
 from runtime.engine.model_runner import ModelRunner
 from runtime.env import Env
 from runtime.faults import FaultSet
@@ -20,14 +20,14 @@ from runtime.streams.tasks import InOrderExecutor, StreamExecutor
 
 def build_runner(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig, pool, faults: FaultSet,
                  env: Env, *, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 streams: StreamExecutor | None = None, overlap: bool = False) -> ModelRunner | GpuModelRunner:
+                 streams: StreamExecutor | None = None, overlap: bool = False) -> ModelRunner | StaticModelRunner:
     """The static runner (capturable decode model; GPU, or forced on CPU) or the eager CPU runner.
     `weights` are already on `cfg.device` in `cfg.dtype` (and sharded, with `all_reduce`, under TP);
     `streams` applies to the eager runner (the static one picks its own from the config).
     `overlap` gives the runner the overlap loop's `FutureTokens` buffer, here and only here, so rank 0
     and the workers size and place it alike."""
     if cfg.static_runner:
-        runner = GpuModelRunner(model_cfg, weights, cfg, pool, faults, env, all_reduce=all_reduce)
+        runner = StaticModelRunner(model_cfg, weights, cfg, pool, faults, env, all_reduce=all_reduce)
     else:
         kernels = select_kernels(device=cfg.device, use_reference=env.reference_kernels)
         model = DSV4Mini(model_cfg, weights, kernels, all_reduce=all_reduce, faults=faults)

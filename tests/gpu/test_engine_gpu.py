@@ -1,4 +1,4 @@
-"""The engine on the GPU (runtime/engine/gpu_runner.py), end to end through `Engine.step()`:
+"""The engine on the GPU (runtime/engine/static_runner.py), end to end through `Engine.step()`:
 batched == solo, graphs + multi-stream == eager single-stream, overlap == normal (all bit for
 bit, tokens and logprobs), GPU == CPU within recorded near-ties, and the jitter injector leaves the
 fixed runtime unchanged but exposes `stream-race`. Run by scripts/gpu_suite.sh."""

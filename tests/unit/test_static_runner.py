@@ -76,12 +76,12 @@ def test_prompt_bits_do_not_depend_on_how_the_prompts_are_chunked(tiny):
 def test_chunking_oracle_fails_when_a_chunk_cannot_see_its_prefix(tiny, monkeypatch):
     """Negative control: a pass that writes its KV somewhere the next pass does not read (here: every
     chunk but the first attends with its page table pointed at the scratch page) changes outputs."""
-    from runtime.engine import gpu_runner
+    from runtime.engine import static_runner
     from runtime.graph.decode_model import DecodeInputs
 
     prompts, params = workload(4, seed=9, long_prompt=120)
     clean = run(tiny, prompts, params, runner="static", prefill_chunk=40)
-    original = gpu_runner.GraphRunner.eager
+    original = static_runner.GraphRunner.eager
 
     def forgetful(self, inp):
         if int(inp.positions.min()) > 0:  # a later chunk: lose the prefix written by earlier ones
@@ -89,7 +89,7 @@ def test_chunking_oracle_fails_when_a_chunk_cannot_see_its_prefix(tiny, monkeypa
             table[:, 0] = inp.page_table[:, 0]
             inp = DecodeInputs(inp.token_ids, inp.positions, inp.write_slots, table)
         return original(self, inp)
-    monkeypatch.setattr(gpu_runner.GraphRunner, "eager", forgetful)
+    monkeypatch.setattr(static_runner.GraphRunner, "eager", forgetful)
     broken = run(tiny, prompts, params, runner="static", prefill_chunk=40)
     assert broken != clean
 

@@ -1,4 +1,4 @@
-"""`GpuModelRunner`: executes a `StepPlan` on a CUDA device with the capturable decode model.
+"""`StaticModelRunner`: executes a `StepPlan` on a CUDA device with the capturable decode model.
 
 Every new token is one row of `StaticDecodeModel`: a prefill of 300 tokens is 300 rows at
 positions start..start+299 sharing one page table, a decode is one row. One code path for prefill
@@ -64,33 +64,33 @@ class StepTimeline:
                 "idle_fraction": idle / (busy + idle) if busy + idle else 0.0}
 
 
-class GpuModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ecfg: EngineConfig, pool: PagePool,
+class StaticModelRunner:
+    def __init__(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig, pool: PagePool,
                  faults: FaultSet = NO_FAULTS, env: Env | None = None, *, all_reduce=None) -> None:
         env = env or Env.load()
-        self.device = torch.device(ecfg.device)
+        self.device = torch.device(cfg.device)
         self.pool, self.faults = pool, faults
-        self.page_size = ecfg.page_size
-        self.max_pages = -(-ecfg.max_model_len // ecfg.page_size)
-        self.scratch_page = ecfg.num_pages  # one past the pool's pages: no request ever owns it
+        self.page_size = cfg.page_size
+        self.max_pages = -(-cfg.max_model_len // cfg.page_size)
+        self.scratch_page = cfg.num_pages  # one past the pool's pages: no request ever owns it
         dtype = next(iter(weights.values())).dtype
-        self.kv = KVCache(cfg, dataclasses.replace(ecfg, num_pages=ecfg.num_pages + 1), dtype)
+        self.kv = KVCache(model_cfg, dataclasses.replace(cfg, num_pages=cfg.num_pages + 1), dtype)
         on_gpu = self.device.type == "cuda"
-        side_streams = ecfg.multi_stream and on_gpu
+        side_streams = cfg.multi_stream and on_gpu
         self.streams = CudaStreamExecutor(env.stream_jitter_cycles) if side_streams else InOrderExecutor()
         buckets = tuple(env.graph_buckets or STEP_BUCKETS)
-        self.max_rows = ecfg.prefill_chunk  # rows per eager pass
+        self.max_rows = cfg.prefill_chunk  # rows per eager pass
         workspace_rows = max(self.max_rows, max(buckets))
-        self.model = StaticDecodeModel(cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
+        self.model = StaticDecodeModel(model_cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
                                        max_batch=workspace_rows, faults=faults, all_reduce=all_reduce,
-                                       moe_kernel=ecfg.moe_kernel, attention_kernel=ecfg.attention_kernel)
+                                       moe_kernel=cfg.moe_kernel, attention_kernel=cfg.attention_kernel)
         self.graphs = GraphRunner(self.model, self.kv, self.streams, buckets=buckets,
                                   scratch_page=self.scratch_page, faults=faults, env=env)
-        if ecfg.cuda_graphs and on_gpu:
+        if cfg.cuda_graphs and on_gpu:
             self.graphs.capture()
         if on_gpu:
             self.graphs.warm_eager(self.max_rows)
-        self.future: FutureTokens | None = None  # set by the engine for the overlap loop
+        self.future: FutureTokens | None = None  # set by build_runner for the overlap loop
         self.timeline: StepTimeline | None = None  # set by benchmarks
 
     # ---- building the rows ---------------------------------------------------------------------
