@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[test,lint]"
 	$(PY) -m pip install -q --no-deps $(REFERENCE_PKGS)
 	touch $(STAMP)
 
