@@ -7,6 +7,7 @@ switch here and a test can build an `Env` explicitly without touching the proces
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 PREFIX = "DSV4_"
@@ -65,11 +66,11 @@ class Env:
     stream_jitter_cycles: int = 0
 
     @classmethod
-    def load(cls, environ: dict[str, str] | None = None) -> "Env":
-        environ = os.environ if environ is None else environ
+    def load(cls, environ: Mapping[str, str] | None = None) -> "Env":
+        source: Mapping[str, str] = os.environ if environ is None else environ
 
         def get(name: str) -> str | None:
-            return environ.get(PREFIX + name)
+            return source.get(PREFIX + name)
 
         kwargs: dict = {}
         if (value := get("FAULTS")) is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 class DesyncError(RuntimeError):
     """Ranks were about to execute different plans (or hold different weights)."""
 
-    def __init__(self, step: int, differing: dict[str, dict[int, str]]) -> None:
+    def __init__(self, step: int, differing: dict[str, dict[int, str | None]]) -> None:
         self.step = step
         self.differing = differing  # field -> {rank: digest}
         fields = ", ".join(f"{name} {ranks}" for name, ranks in sorted(differing.items()))

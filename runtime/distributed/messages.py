@@ -45,7 +45,7 @@ def plan_field_digests(plan: StepPlan, released: tuple[str, ...]) -> dict[str, s
 
 def find_desync(step: int, per_rank: list[dict[str, str]]) -> DesyncError | None:
     """Compare every rank's digests with rank 0's; the error names each differing field."""
-    differing: dict[str, dict[int, str]] = {}
+    differing: dict[str, dict[int, str | None]] = {}
     for name, expected in per_rank[0].items():
         values = {rank: digests.get(name) for rank, digests in enumerate(per_rank)}
         if any(value != expected for value in values.values()):

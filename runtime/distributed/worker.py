@@ -61,6 +61,7 @@ class PlanFollower:
             self.execute(msg)
 
     def execute(self, msg: StepMessage) -> None:
+        assert msg.plan is not None, f"a {msg.kind!r} message reached execute"
         self.coll.step = msg.plan.step
         for spec in msg.new_requests:
             self.requests[spec.rid] = Request(spec.rid, list(spec.prompt_ids), spec.params)

@@ -35,8 +35,8 @@ class PendingOutputs(Mapping):
                 self._event.synchronize()
             tokens = self._host["tokens"].tolist()
             logprobs = self._host["logprobs"].tolist()
-            top_ids = self._host["top_ids"].tolist() if "top_ids" in self._host else None
-            top_vals = self._host["top_vals"].tolist() if "top_vals" in self._host else None
+            top_ids = self._host["top_ids"].tolist() if "top_ids" in self._host else []
+            top_vals = self._host["top_vals"].tolist() if "top_vals" in self._host else []
             outputs = {}
             for i, rid in enumerate(self._rids):
                 k = self._top_counts[i]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Callable, Protocol
 
 import torch
@@ -44,7 +45,8 @@ from runtime.streams.tasks import StreamExecutor
 class TPGroup(Protocol):
     """Rank 0's side of a tensor-parallel group, as the engine uses it (`TPLauncher` is the one)."""
 
-    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    @property
+    def all_reduce(self) -> Callable[[torch.Tensor], torch.Tensor]: ...  # read-only: a bound method will do
 
     def shard(self, model_cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
@@ -62,7 +64,7 @@ class Launched:
     """A step handed to the device whose results the CPU has not looked at yet."""
 
     plan: StepPlan
-    outputs: dict[str, SampleOutput]
+    outputs: Mapping[str, SampleOutput]
 
 
 @dataclass
@@ -146,13 +148,13 @@ class Engine:
         self.scheduler.postprocess(last.plan, last.outputs)
         return self.finish_step(last.plan, delivered, started)
 
-    def deliverable(self, outputs: dict[str, SampleOutput]) -> dict[str, SampleOutput]:
+    def deliverable(self, outputs: Mapping[str, SampleOutput]) -> dict[str, SampleOutput]:
         """The outputs postprocess will append: not those of requests that finished (or were aborted)
         while their row was in flight. Callers stream exactly these, so no token is sent twice."""
         requests = self.scheduler.requests
         return {rid: out for rid, out in outputs.items() if rid in requests and not requests[rid].finished}
 
-    def dispatch(self, plan: StepPlan) -> dict[str, SampleOutput]:
+    def dispatch(self, plan: StepPlan) -> Mapping[str, SampleOutput]:
         """Run a plan on every rank: broadcast it first (tp > 1), then execute it here."""
         if self.tp is None:
             return self.runner.execute(plan, self.scheduler.requests)

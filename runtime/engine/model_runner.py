@@ -57,7 +57,11 @@ class ModelRunner:
         for index, ext in enumerate(plan.extends):
             from_future = self.future is not None and index >= len(plan.prefill)
             ids = checked_input_ids(ext, requests[ext.rid], self.pool, self.page_size, from_future, self.faults)
-            token_ids.append(self.future.read([ext.rid]) if ids is None else torch.tensor(ids, dtype=torch.long))
+            if ids is None:  # only rows the future buffer holds
+                assert self.future is not None
+                token_ids.append(self.future.read([ext.rid]))
+            else:
+                token_ids.append(torch.tensor(ids, dtype=torch.long))
             end = ext.start + ext.num_new
             positions.append(torch.arange(ext.start, end))
             context = self.slots_for(ext.pages, 0, end)

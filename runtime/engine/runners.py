@@ -26,6 +26,7 @@ def build_runner(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: 
     `streams` applies to the eager runner (the static one picks its own from the config).
     `overlap` gives the runner the overlap loop's `FutureTokens` buffer, here and only here, so rank 0
     and the workers size and place it alike."""
+    runner: StaticModelRunner | ModelRunner
     if cfg.static_runner:
         runner = StaticModelRunner(model_cfg, weights, cfg, pool, faults, env, all_reduce=all_reduce)
     else:

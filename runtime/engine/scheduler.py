@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
 from runtime.config import EngineConfig
 from runtime.engine.plan import Extend, StepPlan
@@ -149,7 +150,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- results ------------------------------------------------------------------------------
-    def postprocess(self, plan: StepPlan, outputs: dict[str, SampleOutput]) -> list[Request]:
+    def postprocess(self, plan: StepPlan, outputs: Mapping[str, SampleOutput]) -> list[Request]:
         done = []
         for ext in plan.extends:
             req = self.requests.get(ext.rid)  # a caller may drop a finished request from the table

@@ -16,16 +16,18 @@ scratch page that padded rows write and read.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from runtime.config import EngineConfig, ModelConfig
-from runtime.engine.device_sampler import PendingOutputs, sample_on_device
+from runtime.engine.device_sampler import sample_on_device
 from runtime.engine.future import FutureTokens
 from runtime.engine.model_runner import checked_input_ids
 from runtime.engine.plan import Extend, StepPlan
 from runtime.engine.request import Request
+from runtime.engine.sampler import SampleOutput
 from runtime.env import Env
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
@@ -129,6 +131,7 @@ class StaticModelRunner:
 
         token_ids = dev(tokens)
         if future_rows:
+            assert self.future is not None  # rows come from it only in the overlap loop
             token_ids[dev(future_rows)] = self.future.read(future_rids)
         inp = DecodeInputs(token_ids, dev(positions), dev(slots), dev(table[owner]))
         return inp, (np.cumsum(counts) - 1).tolist()
@@ -152,7 +155,7 @@ class StaticModelRunner:
                 picked.append(logits[wanted.to(self.device, non_blocking=True)])
         return torch.cat(picked)
 
-    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> PendingOutputs | dict:
+    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> Mapping[str, SampleOutput]:
         if self.future is not None:
             for rid in plan.aborted + plan.preempted:
                 self.future.release(rid)
@@ -176,6 +179,6 @@ class StaticModelRunner:
         tokens, pending = sample_on_device(logits, rows)
         if self.future is not None:
             self.future.write([ext.rid for ext in plan.extends], tokens)
-        if begin is not None:
+        if begin is not None and self.timeline is not None:
             self.timeline.end(begin)
         return pending

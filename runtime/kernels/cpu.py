@@ -163,5 +163,6 @@ def moe(x: torch.Tensor, weights: MoEWeights, *, top_k: int, n_group: int, topk_
     for slot in range(top_k):
         out = out + route_w[:, slot:slot + 1].to(x.dtype) * per_slot[:, slot]
     if weights.shared_gate is not None:
+        assert weights.shared_up is not None and weights.shared_down is not None
         out = out + swiglu(x, weights.shared_gate, weights.shared_up, weights.shared_down)
     return out

@@ -127,5 +127,6 @@ def moe(x: torch.Tensor, weights: MoEWeights, *, top_k: int, n_group: int, topk_
             e = int(route_ids[t, j])
             out[t] += route_w[t, j] * swiglu_expert(x[t], weights.w_gate[e], weights.w_up[e], weights.w_down[e])
         if weights.shared_gate is not None:
+            assert weights.shared_up is not None and weights.shared_down is not None
             out[t] += swiglu_expert(x[t], weights.shared_gate, weights.shared_up, weights.shared_down)
     return out

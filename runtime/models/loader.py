@@ -37,9 +37,9 @@ class LoadedModel:
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if name_or_path in PRESETS:
         model_cfg = PRESETS[name_or_path]
-        tok = ByteTokenizer(model_cfg.vocab_size, model_cfg.bos_token_id, model_cfg.eos_token_id,
+        preset_tok = ByteTokenizer(model_cfg.vocab_size, model_cfg.bos_token_id, model_cfg.eos_token_id,
                             model_cfg.pad_token_id)
-        return LoadedModel(name_or_path, model_cfg, init_random(model_cfg, PRESET_SEED, dtype), tok, None)
+        return LoadedModel(name_or_path, model_cfg, init_random(model_cfg, PRESET_SEED, dtype), preset_tok, None)
     path = Path(name_or_path)
     if not path.is_dir():
         presets = ", ".join(sorted(PRESETS))

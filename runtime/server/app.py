@@ -97,7 +97,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
-        return await _api_error(request, ApiError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
+        return await _api_error(request, ApiError(exc.status_code, str(exc.detail), code=code,
+                                                  headers=dict(exc.headers) if exc.headers else None))
 
     @app.get("/health")
     async def health() -> Response:
@@ -152,7 +153,7 @@ def create_app(state: ServerState) -> FastAPI:
                                      media_type="text/event-stream")
         return await _unary(state, request, rid, sink, builder, len(prepared.prompt_ids))
 
-    route_paths.update(route.path for route in app.routes)
+    route_paths.update(getattr(route, "path", "") for route in app.routes)
     # add_middleware wraps: the last one added runs first (headers, the key, a slot, then the 500 net).
     # A bug, not a bad input: an OpenAI-shaped 500 with an error id, innermost so a slot is still released.
     app.add_middleware(InternalErrors, on_error=count)
@@ -180,7 +181,7 @@ async def _parse_body(request: Request, limit: int) -> ChatCompletionRequest:
     try:
         req = ChatCompletionRequest.model_validate(payload)
     except ValidationError as exc:
-        raise from_validation_errors(list(exc.errors())) from None
+        raise from_validation_errors([dict(error) for error in exc.errors()]) from None
     req.check()
     return req
 

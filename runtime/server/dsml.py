@@ -38,6 +38,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -188,13 +189,13 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
             params[attrs["name"]] = json.dumps(value, ensure_ascii=False)  # undeclared: text is text
 
 
-def _need_more(text: str, final: bool):
+def _need_more(text: str, final: bool) -> NoReturn:
     if final:
         raise Invalid("unclosed invoke", len(text))
     raise NeedMore
 
 
-def _bad_body(text: str, at: int, final: bool, reason: str):
+def _bad_body(text: str, at: int, final: bool, reason: str) -> NoReturn:
     """The invoke is not a call: its markup runs to its close tag (or, cut, to the end)."""
     end = text.find(INVOKE_CLOSE, at)
     if end < 0:

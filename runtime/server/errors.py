@@ -7,6 +7,7 @@ never reaches the engine and never becomes a 5xx.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from fastapi.responses import Response
 
@@ -37,15 +38,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-def from_validation_errors(errors: list[dict]) -> ApiError:
+def from_validation_errors(errors: list[dict[str, Any]]) -> ApiError:
     """Turn pydantic/FastAPI validation errors into one 400 naming the first offending field."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # Union members add their type name to the location ("content.str"); keep only the field path.
     param = ".".join(p for p in loc if not p[:1].isupper() and p not in ("str", "list", "int", "float",
                                                                           "bool", "function-after"))
     if first.get("type") == "json_invalid":
-        return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+        ctx = first.get("ctx") or {}
+        return bad_request(f"request body is not valid JSON: {ctx.get('error', first['msg'])}",
                            code="invalid_json")
     if first.get("type") == "missing" and not param:
         return bad_request("request body is required")

@@ -115,7 +115,7 @@ class ChoiceBuilder:
 
     def _logprob_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
         def item(tid: int, lp: float) -> dict[str, Any]:
-            text, utf8 = token_text(self.tokenizer, tid)
+            text, utf8 = token_text(self.tokenizer, tid)  # type: ignore[arg-type]  # hashed by identity
             return {"token": text, "logprob": lp, "bytes": list(utf8)}
 
         entry = item(token, logprob)
@@ -124,7 +124,7 @@ class ChoiceBuilder:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def token_text(tokenizer: Tokenizer, token: int) -> tuple[str, bytes]:
+def token_text(tokenizer: Any, token: int) -> tuple[str, bytes]:  # Any: the cache hashes it
     """One token's text and UTF-8 bytes, as a logprob entry shows it. Cached: the server decoded
     every top-k alternative of every streamed token anew (a twentieth of its event loop in the
     H200 gate), and a token's text never changes. Tokenizers hash by identity."""
