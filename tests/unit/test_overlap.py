@@ -20,7 +20,6 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.models.loader import load_model
 
 pytestmark = pytest.mark.unit
 
@@ -32,11 +31,6 @@ class Item:
     arrival: int  # driver iteration at which the request is added
     abort_after: int | None = None  # abort once the caller has seen this many tokens (0: at once)
     abort_at: int | None = None  # abort at this driver iteration, wherever the request is
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
 
 
 def make_workload(seed: int, num: int, *, aborts: bool, stops: dict[int, tuple[str, ...]] | None = None,

@@ -15,14 +15,8 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.models.loader import load_model
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
 
 
 def workload(n: int, seed: int, long_prompt: int = 0):

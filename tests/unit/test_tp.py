@@ -20,7 +20,6 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.models.loader import load_model
 from test_overlap import drive, make_workload, run
 
 pytestmark = pytest.mark.unit
@@ -29,11 +28,6 @@ pytestmark = pytest.mark.unit
 # two tokens whose logprobs are this close on both sides.
 LOGPROB_ATOL = 1e-4
 NEAR_TIE_MARGIN = 1e-3
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
 
 
 def generations(reqs) -> list[Generation]:

@@ -2,7 +2,7 @@
 
 These run a reduced workload (fewer sessions and turns than the 80-session gate) so `make test`
 stays inside its budget; each starts its own embedded server with the fault switched on.
-`slow-step` (a speed fault) and its clean-vs-clean A/B control are in tests/stress/test_fault_matrix.py,
+`slow-step` (a speed fault) and its clean-vs-clean A/B control are in tests/e2e/test_fault_matrix.py,
 marked `timing` so they run alone.
 """
 

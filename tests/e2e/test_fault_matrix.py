@@ -3,7 +3,7 @@
 CI form: every fault through its gates once (one test per fault, so xdist can spread them) and
 every gate once against the clean runtime; GPU-only gates skip without CUDA (the matrix reports
 them as "not run", tests/unit/test_fault_matrix_report.py). About 2.5 CPU-minutes in all, in the
-`make test` stage beside the other negative controls (tests/stress/test_fault_controls.py).
+`make test` stage beside the other negative controls (tests/e2e/test_fault_controls.py).
 Long form (slow): the whole CLI with --clean-runs 10 (about 10 minutes on the 2-core CPU).
 """
 
