@@ -23,7 +23,7 @@ from runtime.config import DEFAULT_MODEL
 CANARY_WORKLOAD = dict(sessions=16, turns=2, stream_ratio=0.5, max_tokens=160)
 AB_WORKLOAD = dict(sessions=8, turns=1, stream_ratio=1.0, max_tokens=160)
 AB_ROUNDS = 2  # baseline and candidate interleaved twice: a load spike on the shared CPU hits both
-PERF_TOLERANCE = 0.5  # the gate's default for shared CPU runners (canary/pytest_plugin.py)
+PERF_TOLERANCE = 0.5  # the gate's default for shared CPU runners (canary/pytest_plugin.py --perf-tolerance)
 
 
 def canary_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResult:

@@ -1,6 +1,7 @@
 """The canary gate: drive the sessions, apply every oracle, check golden transcripts and leaks,
 gate performance, write the report. Returns a `GateOutcome`; the pytest plugin turns it into a
-pass/fail with a message that names each oracle that fired."""
+pass/fail with a message that names each oracle that fired. `run_configured` is what the stress
+test runs: the choice between A/B, gate and sweep, and the report writing, from `CanaryOptions`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from canary import machine_speed, perf
 from canary.driver import DriverOptions, RequestRecord, RunResult, SessionDriver
 from canary.golden import Transcript, first_divergence, read_store, write_store
 from canary.metrics import gated_figures, run_metrics
+from canary.options import CanaryOptions
 from canary.provenance import device_name, fingerprint, git_commit, versions
 from canary.targets import Target
 
@@ -253,3 +255,39 @@ def sweep(target: Target, options: DriverOptions, progress: bool = True) -> dict
         fit = perf.fit_step_time([p[0] for p in points], [p[1] for p in points])
         out["step_fit"] = {"a": fit.a, "b": fit.b, "r2": fit.r2, "points": points}
     return out
+
+
+# ---- what `pytest -m stress` runs -----------------------------------------------------------------
+def run_configured(options: CanaryOptions, target: Target) -> GateOutcome:
+    """The main job as the command line asks for it: the A/B gate against `--baseline-url`, else
+    the gate (golden and baseline recorded on `--golden-update`/`--baseline-update`); then the
+    concurrency sweep on `--sweep`, and summary.json + plots into `--report-dir`."""
+    from canary.options import driver_options
+
+    driver = driver_options(options, target)
+    if options.baseline_url:
+        from canary.targets import remote_target
+
+        baseline = remote_target(options.baseline_url, options.model, options.api_key)
+        outcome = run_ab(target, baseline, driver, options.perf_tolerance)
+    else:
+        outcome = run_gate(target, driver, golden_update=options.golden_update,
+                           baseline_update=options.baseline_update,
+                           baseline=options.baseline, perf_tolerance=options.perf_tolerance)
+    if options.sweep:
+        outcome.summary.update(sweep(target, driver))
+    if options.report_dir:
+        from canary.reports import write_plots, write_summary
+
+        write_summary(options.report_dir, outcome.summary)
+        write_plots(options.report_dir, outcome.summary)
+    return outcome
+
+
+def headline(summary: dict) -> str | None:
+    """One line of the run's figures for the terminal; None when the run has none (A/B)."""
+    m = summary.get("metrics", {})
+    if not m:
+        return None
+    return (f"canary: {m['requests']} requests, {m['completion_tokens']} tokens in {m['wall_s']:.1f}s "
+            f"({m['output_tok_s']:.0f} tok/s), TTFT p50 {m['ttft_s']['p50']:.3f}s, TPOT p50 {m['tpot_s']['p50']:.4f}s")

@@ -8,7 +8,7 @@ import pytest
 
 from canary.driver import DriverOptions
 from canary.gate import run_gate
-from canary.pytest_plugin import serves_canary_model
+from canary.options import serves_canary_model
 from canary.reports import write_plots, write_summary
 from canary.targets import embedded_server, remote_target
 

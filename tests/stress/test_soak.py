@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from canary.gate import run_gate
-from canary.pytest_plugin import driver_options
+from canary.options import driver_options
 from canary.reports import write_rss_plot, write_summary
 from canary.rss import MIB, RssSampler, check_flat, write_csv
 from canary.targets import embedded_server
