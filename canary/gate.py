@@ -148,9 +148,9 @@ def gate_against_baseline(figures: dict, fp: dict, baseline: Path | None, tolera
         scaled = f", scaled for a machine {ratio:.2f}x as fast as the recording one"
         outcome.notes.append(f"machine speed probe {machine_speed:.0f} blocks/s vs {recorded_speed:.0f} when the "
                              f"baseline was recorded: baseline figures scaled by {ratio:.2f}")
-    results = perf.gate(expected, figures, tolerance)
+    results = perf.compare_to_baseline(expected, figures, tolerance)
     outcome.summary["perf_gate"] = {"baseline": str(path), "tolerance": tolerance, "machine_speed": machine_speed,
-                                    "recorded_machine_speed": recorded_speed, "results": perf.gate_report(results)}
+                                    "recorded_machine_speed": recorded_speed, "results": perf.verdict_report(results)}
     for r in results:
         if not r.passed:
             outcome.failures.append(f"[perf-regression] {r.metric}: {r.candidate:.4g} vs baseline {r.baseline:.4g}"
@@ -222,14 +222,14 @@ def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, t
             outcome.failures += [f"{name}: {f.describe()}" for _, f in result.failures] if name == "candidate" else []
             runs[name].append(gated_figures(run_metrics(result)))
     merged = {name: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for name, rs in runs.items()}
-    results = perf.gate(merged["baseline"], merged["candidate"], tolerance)
+    results = perf.compare_to_baseline(merged["baseline"], merged["candidate"], tolerance)
     for r in results:
         if not r.passed:
             outcome.failures.append(f"[perf-regression] A/B {r.metric}: candidate {r.candidate:.4g} vs baseline "
                                     f"{r.baseline:.4g} ({(r.ratio - 1) * 100:.0f}% worse, tolerance "
                                     f"{tolerance * 100:.0f}%)")
     outcome.summary = {"ab": {"baseline": baseline_target.name, "candidate": candidate.name, "rounds": rounds,
-                              "figures": merged, "results": perf.gate_report(results)},
+                              "figures": merged, "results": perf.verdict_report(results)},
                        "gate_failures": outcome.failures}
     return outcome
 
