@@ -20,7 +20,7 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from test_overlap import drive, make_workload, run
+from test_overlap import drive_like_the_server, make_workload, run
 
 pytestmark = pytest.mark.unit
 
@@ -56,7 +56,7 @@ def test_tp2_matches_tp1_up_to_near_ties(tiny, overlap):
     items = exact_workload()
     _, reference, _ = run(tiny, items, overlap=False, num_pages=64, page_size=4)
     with tp_engine(tiny, overlap=overlap) as engine:
-        reqs, _ = drive(engine, items)
+        reqs, _ = drive_like_the_server(engine, items)
         assert engine.pages_in_use == 0
         assert engine.tp.rank_stats() == [{"rank": 1, "pages_in_use": 0, "requests": 0, "future_slots": 0}]
     assert_workers_gone(engine)
@@ -76,7 +76,7 @@ def test_tp_local_abort_raises_desync_within_one_step(tiny):
     engine.dispatch = lambda plan: (plans.append(plan), dispatch(plan))[1]
     try:
         with pytest.raises(DesyncError) as caught:
-            drive(engine, items)
+            drive_like_the_server(engine, items)
     finally:
         engine.shutdown()
     assert_workers_gone(engine)
