@@ -4,6 +4,8 @@ import os
 
 from hypothesis import HealthCheck, Verbosity, settings
 
+# Installed, the package registers the plugin itself (pyproject.toml's pytest11 entry point, under
+# this same name, so this line is then a no-op); from a bare checkout on PYTHONPATH, this loads it.
 pytest_plugins = ["canary.pytest_plugin"]
 
 settings.register_profile("dev", max_examples=25, deadline=None)

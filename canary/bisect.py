@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from canary.golden_cli import EXIT_REGRESSION
+from canary.golden import EXIT_REGRESSION
 
 SKIP = 125
 

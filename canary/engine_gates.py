@@ -8,6 +8,10 @@
 - stream emulator: one prefill step of the model on the in-order executor vs the adversarial CPU
   stream emulator (late and random modes); the logits must be identical bit for bit.
 Model: the `tiny-random` preset (these gates compare two executions of one build; no golden data).
+
+`Arrival` + `drive` are also the one engine workload driver of the tests (tests/unit/test_overlap.py,
+test_static_runner.py, tests/gpu/): arrivals by iteration, aborts by tokens seen or by iteration,
+rows per request counted from each `StepResult.plan`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import random
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -43,7 +47,14 @@ MAX_ITERATIONS = 10_000  # a workload that has not drained by then is a hang, no
 class Arrival:
     iteration: int  # driver iteration at which the request is added
     prompt: list[int]
-    params: SamplingParams
+    params: SamplingParams  # stop strings, if any, are here: the engine ends the request itself
+    abort_after: int | None = None  # abort once the caller has seen this many tokens (0: at once)
+    abort_at: int | None = None  # abort at this driver iteration, wherever the request is
+
+
+def at_once(prompts: list[list[int]], params: list[SamplingParams]) -> list[Arrival]:
+    """Every request at iteration 0: what `Engine.generate` does, through the same driver."""
+    return [Arrival(0, prompt, sp) for prompt, sp in zip(prompts, params)]
 
 
 def workload(loaded: LoadedModel, seed: int, num: int, max_tokens: int = 16) -> list[Arrival]:
@@ -57,21 +68,54 @@ def workload(loaded: LoadedModel, seed: int, num: int, max_tokens: int = 16) -> 
             for i, prompt in enumerate(prompts)]
 
 
-def drive(engine: Engine, arrivals: list[Arrival]) -> list[Request]:
-    """Add each request at its iteration, step until everything finished; requests in workload order."""
-    requests: list[Request | None] = [None] * len(arrivals)
+@dataclass
+class Driven:
+    requests: list[Request]  # in workload order
+    rows: dict[str, int] = field(default_factory=dict)  # rows scheduled per request id
+    streamed: dict[str, list[int]] = field(default_factory=dict)  # tokens as a caller received them
+
+
+def count_rows(plan, rows: dict[str, int], counted: set[int]) -> None:
+    # The overlap loop reports a burst's first plan twice (launched, then landed): count each
+    # scheduled step once. An idle step's empty plan repeats the last step number, so it is skipped.
+    if plan.extends and plan.step not in counted:
+        counted.add(plan.step)
+        for ext in plan.extends:
+            rows[ext.rid] = rows.get(ext.rid, 0) + 1
+
+
+def drive(engine: Engine, arrivals: list[Arrival], *, rid_prefix: str | None = "r",
+          drop_finished: bool = False) -> Driven:
+    """Add each request at its iteration, abort it when its arrival says so, step until everything
+    finished. `rid_prefix=None` lets the engine name requests (unique across calls on one engine, as
+    `Engine.generate`); `drop_finished` removes finished requests from the table, as the server does."""
+    driven = Driven([None] * len(arrivals))
+    counted: set[int] = set()
     last_arrival = max(a.iteration for a in arrivals)
     iteration = 0
     while iteration <= last_arrival or engine.has_work:
         for i, arrival in enumerate(arrivals):
             if arrival.iteration == iteration:
-                rid = engine.add_request(arrival.prompt, arrival.params, rid=f"r{i}")
-                requests[i] = engine.scheduler.requests[rid]
-        engine.step()
+                rid = engine.add_request(arrival.prompt, arrival.params,
+                                         rid=None if rid_prefix is None else f"{rid_prefix}{i}")
+                driven.requests[i] = engine.scheduler.requests[rid]
+        for arrival, req in zip(arrivals, driven.requests):
+            if req is None or req.finished:
+                continue
+            if (arrival.abort_after is not None and len(req.output_ids) >= arrival.abort_after) \
+                    or arrival.abort_at == iteration:
+                engine.abort(req.rid)
+        result = engine.step()
+        count_rows(result.plan, driven.rows, counted)
+        for rid, out in result.outputs.items():
+            driven.streamed.setdefault(rid, []).append(out.token)
+        if drop_finished:
+            for req in result.finished:
+                del engine.scheduler.requests[req.rid]
         iteration += 1
         if iteration > MAX_ITERATIONS:
             raise RuntimeError(f"workload did not drain in {MAX_ITERATIONS} iterations")
-    return requests
+    return driven
 
 
 def outcome(req: Request) -> tuple:
@@ -99,7 +143,7 @@ def overlap_vs_normal(faults: tuple[str, ...], seed: int, workdir: Path) -> Gate
     runs = {}
     for overlap in (False, True):
         engine = Engine(loaded, EngineConfig(num_pages=512), faults=FaultSet(faults), env=Env(), overlap=overlap)
-        runs[overlap] = drive(engine, arrivals)
+        runs[overlap] = drive(engine, arrivals).requests
     normal, overlapped = runs[False], runs[True]
     differ = [i for i, (a, b) in enumerate(zip(normal, overlapped)) if outcome(a) != outcome(b)]
     failures = []

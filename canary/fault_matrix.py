@@ -13,7 +13,7 @@ Clean runs: each distinct gate, no fault, N seeds; any failure or crash there is
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -40,6 +40,14 @@ class Detector:
     fires_for: Callable[[str], bool]  # is this failure line the gate firing for its own reason?
     needs_gpu: bool = False
     timed: bool = False  # its oracle measures speed: must not share the CPU with other tests
+    # The failure tags ("[json-parse]") this gate should name for the fault it is registered under;
+    # tests/e2e/test_fault_matrix.py asserts that one of them fired. `fires_for` decides the row's
+    # status; this is the finer claim ("caught, and by the oracle we expected").
+    oracles: tuple[str, ...] = ()
+
+    def expecting(self, *oracles: str) -> Detector:
+        """The same gate, registered under a fault that it should catch through these oracles."""
+        return replace(self, oracles=oracles)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class Row:
     seconds: float | None
     setup_s: float | None
     message: str
+    fired: tuple[str, ...] = ()  # the distinct tags of the failure lines that fired, in order
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,11 @@ class MatrixReport:
         return self.score["caught"] == self.score["run"] and self.clean_alarms == 0
 
 
+def tag_of(line: str) -> str:
+    """"[golden] session 3 ..." -> "[golden]"; a line without a tag -> ""."""
+    return line.split("]", 1)[0] + "]" if line.startswith("[") and "]" in line else ""
+
+
 def first_line(text: str) -> str:
     line = (text.strip().splitlines() or [""])[0]
     return line if len(line) <= MESSAGE_CHARS else line[:MESSAGE_CHARS - 3] + "..."
@@ -117,7 +131,8 @@ def run_detector(fault: str, detector: Detector, *, gpu: bool, workdir: Path, se
                    first_line(f"gate crashed: {type(exc).__name__}: {exc}"))
     fired = [line for line in result.failures if detector.fires_for(line)]
     if fired:
-        return Row(fault, detector.gate, CAUGHT, result.seconds, result.setup_s, first_line(fired[0]))
+        return Row(fault, detector.gate, CAUGHT, result.seconds, result.setup_s, first_line(fired[0]),
+                   tuple(dict.fromkeys(tag_of(line) for line in fired)))
     if result.failures:
         return Row(fault, detector.gate, ERROR, result.seconds, result.setup_s,
                    first_line(f"failed for another reason: {result.failures[0]}"))

@@ -1,6 +1,7 @@
 """The canary gate: drive the sessions, apply every oracle, check golden transcripts and leaks,
 gate performance, write the report. Returns a `GateOutcome`; the pytest plugin turns it into a
-pass/fail with a message that names each oracle that fired."""
+pass/fail with a message that names each oracle that fired. `run_configured` is what the stress
+test runs: the choice between A/B, gate and sweep, and the report writing, from `CanaryOptions`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from canary import machine_speed, perf
 from canary.driver import DriverOptions, RequestRecord, RunResult, SessionDriver
 from canary.golden import Transcript, first_divergence, read_store, write_store
 from canary.metrics import gated_figures, run_metrics
+from canary.options import CanaryOptions
 from canary.provenance import device_name, fingerprint, git_commit, versions
 from canary.targets import Target
 
@@ -146,9 +148,9 @@ def gate_against_baseline(figures: dict, fp: dict, baseline: Path | None, tolera
         scaled = f", scaled for a machine {ratio:.2f}x as fast as the recording one"
         outcome.notes.append(f"machine speed probe {machine_speed:.0f} blocks/s vs {recorded_speed:.0f} when the "
                              f"baseline was recorded: baseline figures scaled by {ratio:.2f}")
-    results = perf.gate(expected, figures, tolerance)
+    results = perf.compare_to_baseline(expected, figures, tolerance)
     outcome.summary["perf_gate"] = {"baseline": str(path), "tolerance": tolerance, "machine_speed": machine_speed,
-                                    "recorded_machine_speed": recorded_speed, "results": perf.gate_report(results)}
+                                    "recorded_machine_speed": recorded_speed, "results": perf.verdict_report(results)}
     for r in results:
         if not r.passed:
             outcome.failures.append(f"[perf-regression] {r.metric}: {r.candidate:.4g} vs baseline {r.baseline:.4g}"
@@ -220,14 +222,14 @@ def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, t
             outcome.failures += [f"{name}: {f.describe()}" for _, f in result.failures] if name == "candidate" else []
             runs[name].append(gated_figures(run_metrics(result)))
     merged = {name: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for name, rs in runs.items()}
-    results = perf.gate(merged["baseline"], merged["candidate"], tolerance)
+    results = perf.compare_to_baseline(merged["baseline"], merged["candidate"], tolerance)
     for r in results:
         if not r.passed:
             outcome.failures.append(f"[perf-regression] A/B {r.metric}: candidate {r.candidate:.4g} vs baseline "
                                     f"{r.baseline:.4g} ({(r.ratio - 1) * 100:.0f}% worse, tolerance "
                                     f"{tolerance * 100:.0f}%)")
     outcome.summary = {"ab": {"baseline": baseline_target.name, "candidate": candidate.name, "rounds": rounds,
-                              "figures": merged, "results": perf.gate_report(results)},
+                              "figures": merged, "results": perf.verdict_report(results)},
                        "gate_failures": outcome.failures}
     return outcome
 
@@ -253,3 +255,39 @@ def sweep(target: Target, options: DriverOptions, progress: bool = True) -> dict
         fit = perf.fit_step_time([p[0] for p in points], [p[1] for p in points])
         out["step_fit"] = {"a": fit.a, "b": fit.b, "r2": fit.r2, "points": points}
     return out
+
+
+# ---- what `pytest -m stress` runs -----------------------------------------------------------------
+def run_configured(options: CanaryOptions, target: Target) -> GateOutcome:
+    """The main job as the command line asks for it: the A/B gate against `--baseline-url`, else
+    the gate (golden and baseline recorded on `--golden-update`/`--baseline-update`); then the
+    concurrency sweep on `--sweep`, and summary.json + plots into `--report-dir`."""
+    from canary.options import driver_options
+
+    driver = driver_options(options, target)
+    if options.baseline_url:
+        from canary.targets import remote_target
+
+        baseline = remote_target(options.baseline_url, options.model, options.api_key)
+        outcome = run_ab(target, baseline, driver, options.perf_tolerance)
+    else:
+        outcome = run_gate(target, driver, golden_update=options.golden_update,
+                           baseline_update=options.baseline_update,
+                           baseline=options.baseline, perf_tolerance=options.perf_tolerance)
+    if options.sweep:
+        outcome.summary.update(sweep(target, driver))
+    if options.report_dir:
+        from canary.reports import write_plots, write_summary
+
+        write_summary(options.report_dir, outcome.summary)
+        write_plots(options.report_dir, outcome.summary)
+    return outcome
+
+
+def headline(summary: dict) -> str | None:
+    """One line of the run's figures for the terminal; None when the run has none (A/B)."""
+    m = summary.get("metrics", {})
+    if not m:
+        return None
+    return (f"canary: {m['requests']} requests, {m['completion_tokens']} tokens in {m['wall_s']:.1f}s "
+            f"({m['output_tok_s']:.0f} tok/s), TTFT p50 {m['ttft_s']['p50']:.3f}s, TPOT p50 {m['tpot_s']['p50']:.4f}s")

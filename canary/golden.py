@@ -16,6 +16,8 @@ from typing import Any, Hashable
 from canary.logprob_close import first_mismatch, is_near_tie, logprob_gap
 
 DEFAULT_NEAR_TIE = 0.05  # nats
+# Exit status of `python -m canary golden check` on a regression; canary/bisect.py reads it as "bad".
+EXIT_REGRESSION = 3
 
 
 @dataclass

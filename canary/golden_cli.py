@@ -12,10 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from canary.golden import DEFAULT_NEAR_TIE, Transcript, first_divergence, read_store, write_store
+from canary.golden import DEFAULT_NEAR_TIE, EXIT_REGRESSION, Transcript, first_divergence, read_store, write_store
 from canary.provenance import device_name, git_commit, versions
 
-EXIT_REGRESSION = 3
 SCENARIO_SEED = 20261130
 TOP_K = 5
 

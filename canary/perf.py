@@ -69,7 +69,9 @@ HIGHER_IS_BETTER = {"output_tok_s"}
 
 
 @dataclass(frozen=True)
-class GateResult:
+class MetricVerdict:
+    """One metric of a run against its baseline (or the A/B baseline server)."""
+
     metric: str
     baseline: float
     candidate: float
@@ -77,7 +79,8 @@ class GateResult:
     passed: bool
 
 
-def gate(baseline: dict[str, float], candidate: dict[str, float], tolerance: float) -> list[GateResult]:
+def compare_to_baseline(baseline: dict[str, float], candidate: dict[str, float],
+                        tolerance: float) -> list[MetricVerdict]:
     """Compare every metric present in both; a metric worse by more than `tolerance` fails."""
     results = []
     for metric in sorted(set(baseline) & set(candidate)):
@@ -85,7 +88,7 @@ def gate(baseline: dict[str, float], candidate: dict[str, float], tolerance: flo
         if not (math.isfinite(base) and math.isfinite(cand)) or base <= 0 or cand <= 0:
             continue
         worse_ratio = base / cand if metric in HIGHER_IS_BETTER else cand / base
-        results.append(GateResult(metric, base, cand, worse_ratio, worse_ratio <= 1 + tolerance))
+        results.append(MetricVerdict(metric, base, cand, worse_ratio, worse_ratio <= 1 + tolerance))
     return results
 
 
@@ -109,5 +112,5 @@ def scale_for_machine(metrics: dict[str, float], speed_ratio: float) -> dict[str
     return {k: v * speed_ratio if k in HIGHER_IS_BETTER else v / speed_ratio for k, v in metrics.items()}
 
 
-def gate_report(results: list[GateResult]) -> list[dict]:
+def verdict_report(results: list[MetricVerdict]) -> list[dict]:
     return [asdict(r) for r in results]

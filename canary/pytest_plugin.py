@@ -1,5 +1,6 @@
 """The canary pytest plugin: one option group (`--sessions`, `--base-url`, ...), marker behaviour,
-the gate fixtures, and the end-of-run summary.
+the gate fixtures, and the end-of-run summary. Hooks and fixtures only: what the gate does with
+the options is canary/gate.py (`run_configured`), the options themselves canary/options.py.
 
 Heavy imports (torch, openai, the runtime) stay inside hooks and fixtures so `pytest --help` is
 fast. Session state lives on `config`, and only the controlling process prints summaries (xdist).
@@ -7,31 +8,11 @@ fast. Session state lives on `config`, and only the controlling process prints s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-
-@dataclass(frozen=True)
-class CanaryOptions:
-    sessions: int
-    turns: int | None
-    concurrency: int | None
-    base_url: str | None
-    model: str | None
-    api_key: str | None
-    stream_ratio: float
-    abort_ratio: float
-    faults: tuple[str, ...]
-    baseline: Path | None
-    baseline_url: str | None
-    perf_tolerance: float
-    report_dir: Path | None
-    golden_update: bool
-    baseline_update: bool
-    sweep: bool
-    max_tokens: int
+from canary.options import CanaryOptions
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -132,25 +113,10 @@ def config_server_args(request) -> list[str]:
     return list(request.config.getoption("--server-arg"))
 
 
-def serves_canary_model(model: str | None) -> bool:
-    """A remote target serving a canary-* model (a staging deployment of this runtime) gets the
-    exact prompts the canary model was trained on; any other model gets plain-words prompts."""
-    return bool(model) and Path(model).name.startswith("canary-")
-
-
-def driver_options(options: CanaryOptions, target=None, **overrides):
-    from canary.driver import DriverOptions
-
-    generic = options.base_url is not None and not serves_canary_model(target.model if target else options.model)
-    values = dict(sessions=options.sessions, concurrency=options.concurrency, turns=options.turns,
-                  stream_ratio=options.stream_ratio, abort_ratio=options.abort_ratio, max_tokens=options.max_tokens,
-                  generic_prompts=generic)
-    values.update(overrides)
-    return DriverOptions(**values)
-
-
-def record_notes(config: pytest.Config, notes: list[str]) -> None:
-    config.canary_notes.extend(notes)
+@pytest.fixture
+def canary_notes(pytestconfig: pytest.Config) -> list[str]:
+    """Lines for the end-of-run "canary" section (printed once, by the controlling process)."""
+    return pytestconfig.canary_notes
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

@@ -43,7 +43,7 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 # ---- issues 7, 14: the Triton kernels vs their references (batch invariance included), CUDA-graph
 # runner, multi-stream, eager-vs-graph equivalence
 want graph_tests && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
-    tests/kernels/test_triton_kernels.py tests/kernels/test_moe_align.py tests/kernels/test_graph_gpu.py \
+    tests/kernels/test_triton_kernels.py tests/kernels/test_moe_align.py tests/gpu/test_graph_gpu.py \
     tests/kernels/test_graph_static.py
 want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model canary \
     --sawtooth 1,16,17,32,33,48,49,64,65,96,97,128 --out "$OUT/decode_canary.json"

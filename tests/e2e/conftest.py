@@ -7,11 +7,9 @@ import pytest
 
 from canary.targets import embedded_server
 
-API_KEY = "test-key"
-
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with embedded_server("tiny-random", ["--api-key", API_KEY], max_running=64,
+def server(tmp_path_factory, api_key):
+    with embedded_server("tiny-random", ["--api-key", api_key], max_running=64,
                          log_dir=tmp_path_factory.mktemp("server")) as target:
         yield target

@@ -8,18 +8,17 @@ import pytest
 
 from canary.driver import DriverOptions
 from canary.gate import run_gate
-from canary.pytest_plugin import serves_canary_model
+from canary.options import serves_canary_model
 from canary.reports import write_plots, write_summary
 from canary.targets import embedded_server, remote_target
-from runtime.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def hand_started_server(tmp_path_factory):
+def hand_started_server(tmp_path_factory, canary_model):
     """The canary model served as an operator would start it; the harness gets only its URL."""
-    with embedded_server(DEFAULT_MODEL, max_running=None, num_pages=2048,
+    with embedded_server(canary_model, max_running=None, num_pages=2048,
                          log_dir=tmp_path_factory.mktemp("srv")) as server:
         yield server.root_url
 
@@ -49,9 +48,9 @@ def test_reports_write_summary_and_plots(tmp_path):
     assert all(p.stat().st_size > 1000 for p in plots)
 
 
-def test_client_aborts_mid_stream_leave_no_pages_and_no_false_alarm(tmp_path):
+def test_client_aborts_mid_stream_leave_no_pages_and_no_false_alarm(tmp_path, canary_model):
     options = DriverOptions(sessions=8, turns=2, stream_ratio=1.0, abort_ratio=0.5)
-    with embedded_server(DEFAULT_MODEL, log_dir=tmp_path) as target:
+    with embedded_server(canary_model, log_dir=tmp_path) as target:
         outcome = run_gate(target, options, progress=False, baseline=tmp_path / "baseline.json")
     assert outcome.summary["metrics"]["aborted_requests"] >= 2, "the run must really abort streams"
     assert outcome.passed, outcome.failures  # includes the KV-leak oracle: pages back to idle

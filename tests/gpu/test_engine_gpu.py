@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from canary.engine_gates import Arrival, at_once, drive
 from runtime.config import EngineConfig, default_model
 from canary.logprob_close import Generation, check_logprobs_close
 from runtime.engine.engine import Engine
@@ -46,7 +47,7 @@ def engine(loaded, *, dtype="bfloat16", faults=(), env=None, overlap=False, **cf
 
 
 def generations(eng: Engine, prompts, params) -> list[Generation]:
-    reqs = eng.generate(prompts, params)
+    reqs = drive(eng, at_once(prompts, params), rid_prefix=None).requests  # fresh ids: engines are reused
     assert eng.pages_in_use == 0, "KV pages leaked"
     return [Generation(r.output_ids, r.output_logprobs, r.output_top_logprobs) for r in reqs]
 
@@ -81,20 +82,16 @@ def test_overlap_equals_normal_with_aborts(loaded):
     prompts, params = workload(loaded, 32, seed=3)
     for i in (5, 9, 14):  # long enough to still be running when aborted
         params[i] = SamplingParams(max_tokens=80, ignore_eos=True, logprobs=True)
+    # The same aborts at the same loop iterations in both loops: request i after i steps.
+    arrivals = [Arrival(0, p, sp, abort_at=i if i in (5, 9, 14) else None)
+                for i, (p, sp) in enumerate(zip(prompts, params))]
     results = {}
     for overlap in (False, True):
         eng = engine(loaded, overlap=overlap)
-        rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-        aborted, step = 0, 0
-        while eng.has_work:
-            eng.step()
-            step += 1
-            if step in (5, 9, 14):  # the same aborts at the same loop iterations in both loops
-                aborted += eng.abort(rids[step])
-        assert aborted == 3
+        reqs = drive(eng, arrivals, rid_prefix=None).requests
+        assert [reqs[i].finish_reason for i in (5, 9, 14)] == ["abort"] * 3
         assert eng.pages_in_use == 0
-        results[overlap] = [(r.output_ids, r.output_logprobs) for r in (eng.scheduler.requests[i] for i in rids)
-                            if r.finish_reason != "abort"]
+        results[overlap] = [(r.output_ids, r.output_logprobs) for r in reqs if r.finish_reason != "abort"]
     assert results[True] == results[False]
 
 

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from canary.engine_gates import at_once, drive
 from runtime.config import EngineConfig, default_model
 from runtime.distributed.errors import DesyncError
 from canary.logprob_close import Generation, check_logprobs_close
@@ -40,7 +41,7 @@ def test_tp2_matches_tp1_on_gpus(overlap):
     outputs = {}
     for tp in (1, 2):
         with start_engine(loaded, cfg, FaultSet(), Env(tp_check=True), overlap=overlap, tp=tp) as eng:
-            reqs = eng.generate(prompts, params)
+            reqs = drive(eng, at_once(prompts, params), rid_prefix=None).requests
             assert eng.runner.graphs.replays > 0
             assert eng.pages_in_use == 0
             if tp == 2:
@@ -86,7 +87,7 @@ def test_tp_local_abort_raises_desync_on_gpus():
                           tp=2)
     try:
         with pytest.raises(DesyncError) as caught:
-            engine.generate(prompts, params)
+            drive(engine, at_once(prompts, params), rid_prefix=None)
     finally:
         engine.shutdown()
     assert "decode" in caught.value.differing

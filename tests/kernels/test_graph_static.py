@@ -15,20 +15,14 @@ from runtime.kernels import cpu, reference
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.batch import ForwardBatch, Segment
 from runtime.models.dsv4_mini import DSV4Mini
-from runtime.models.loader import load_model
 from runtime.streams.checker import check_program, find_hazards
 from runtime.streams.emulator import AdversarialExecutor
 from runtime.streams.tasks import InOrderExecutor
-from tests.unit.stream_batches import SLOTS_PER_REQUEST, ExtendCase
+from tests.utils import SLOTS_PER_REQUEST, ExtendCase
 
 pytestmark = pytest.mark.kernels
 PAGE = 16
 PAGES_PER_REQUEST = SLOTS_PER_REQUEST // PAGE
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
 
 
 def test_pad_batch_picks_the_smallest_bucket_that_fits():

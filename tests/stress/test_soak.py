@@ -14,11 +14,10 @@ from __future__ import annotations
 import pytest
 
 from canary.gate import run_gate
-from canary.pytest_plugin import driver_options
+from canary.options import driver_options
 from canary.reports import write_rss_plot, write_summary
 from canary.rss import MIB, RssSampler, check_flat, write_csv
 from canary.targets import embedded_server
-from runtime.config import DEFAULT_MODEL
 from canary.watchdog import run_with_watchdog
 
 pytestmark = [pytest.mark.stress, pytest.mark.slow]
@@ -58,7 +57,7 @@ class Progress:
         self.tokens += record.completion_tokens
 
 
-def test_soak_1000_sessions_at_concurrency_80_with_aborts(canary_options, tmp_path, capsys):
+def test_soak_1000_sessions_at_concurrency_80_with_aborts(canary_options, canary_model, tmp_path, capsys):
     if canary_options.base_url:
         pytest.skip("the soak samples the embedded server's memory from /proc; --base-url has no local process")
     report_dir = (canary_options.report_dir or tmp_path) / "soak"
@@ -69,7 +68,7 @@ def test_soak_1000_sessions_at_concurrency_80_with_aborts(canary_options, tmp_pa
         with capsys.disabled():
             print(line, flush=True)
 
-    with embedded_server(canary_options.model or DEFAULT_MODEL, faults=canary_options.faults,
+    with embedded_server(canary_options.model or canary_model, faults=canary_options.faults,
                          log_dir=tmp_path / "server") as target:
         sampler = RssSampler(target.pid, progress=lambda: progress.requests, interval_s=RSS_INTERVAL_S).start()
 

@@ -15,16 +15,10 @@ from runtime.faults import FaultSet
 from runtime.kernels import cpu, reference
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.dsv4_mini import DSV4Mini
-from runtime.models.loader import load_model
 from runtime.streams.tasks import InOrderExecutor
 from runtime.workload import draw_prompts
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
 
 
 def make_engine(tiny, faults=(), **cfg) -> Engine:

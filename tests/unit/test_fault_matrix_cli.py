@@ -20,6 +20,14 @@ def test_every_runtime_fault_has_a_gate_and_every_gate_a_runtime_fault():
     assert all(fault_detectors.DETECTORS[name] for name in REGISTRY)
 
 
+def test_every_gate_names_the_oracles_it_expects():
+    # tests/e2e/test_fault_matrix.py asserts one of `oracles` fired: an empty tuple would fail it there.
+    for fault, detectors in fault_detectors.DETECTORS.items():
+        for detector in detectors:
+            assert detector.oracles, f"{fault} via {detector.gate}: no expected oracle"
+            assert all(tag.startswith("[") and tag.endswith("]") for tag in detector.oracles), detector.oracles
+
+
 def test_canary_gate_counts_correctness_oracles_not_perf():
     fires = fault_detectors.CANARY_GATE.fires_for
     assert fires("[json-parse] session 0 turn 0: ...") and fires("[golden] session-5-req-2 ...")

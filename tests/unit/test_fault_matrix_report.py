@@ -50,6 +50,7 @@ def test_a_gate_that_fires_for_its_reason_is_a_catch(tmp_path):
     report = matrix({"some-fault": (detector,)}, tmp_path=tmp_path)
     row = report.rows[0]
     assert (row.status, row.message) == (CAUGHT, "[oracle] wrong answer in session 3")
+    assert row.fired == ("[oracle]",)  # only the lines that fired for the gate's reason
     assert (row.seconds, row.setup_s) == (0.5, 0.1)
     assert report.ok and report.score["mutation_score"] == 1.0
 

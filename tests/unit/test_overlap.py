@@ -3,7 +3,8 @@
 Each workload is driven identically in both loops (arrivals by iteration, aborts triggered by how
 many tokens the caller has seen), and each test asserts that what it claims to exercise happened:
 aborts inside the overlap window, stop-string finishes with a discarded speculative row,
-preemptions under a tiny pool. "No extra decode" is checked row by row: a request gets exactly
+preemptions under a tiny pool (the driver is canary/engine_gates.drive). "No extra decode" is checked
+row by row, from each step's StepResult.plan: a request gets exactly
 one row per delivered token, plus at most the one row already in flight when it stopped or was
 aborted (none when it finished by length).
 """
@@ -11,36 +12,21 @@ aborted (none when it finished by length).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 
+from canary.engine_gates import Arrival, drive
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.models.loader import load_model
 
 pytestmark = pytest.mark.unit
 
 
-@dataclass(frozen=True)
-class Item:
-    prompt: list[int]
-    params: SamplingParams
-    arrival: int  # driver iteration at which the request is added
-    abort_after: int | None = None  # abort once the caller has seen this many tokens (0: at once)
-    abort_at: int | None = None  # abort at this driver iteration, wherever the request is
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
-
-
 def make_workload(seed: int, num: int, *, aborts: bool, stops: dict[int, tuple[str, ...]] | None = None,
-                  max_tokens: int = 16, max_prompt: int = 40) -> list[Item]:
+                  max_tokens: int = 16, max_prompt: int = 40) -> list[Arrival]:
     rng = random.Random(seed)
     items = []
     for i in range(num):
@@ -53,51 +39,23 @@ def make_workload(seed: int, num: int, *, aborts: bool, stops: dict[int, tuple[s
             abort_after = rng.choice([0, 1, 2, rng.randint(1, params.max_tokens)])
         elif aborts and i % 3 == 1 and rng.random() < 0.5:
             abort_at = rng.randint(0, 30)
-        items.append(Item(prompt, params, rng.randint(0, 12), abort_after, abort_at))
+        items.append(Arrival(rng.randint(0, 12), prompt, params, abort_after, abort_at))
     return items
 
 
-def drive(engine: Engine, items: list[Item]) -> tuple[list, dict[str, int]]:
+def drive_like_the_server(engine: Engine, items: list[Arrival]) -> tuple[list, dict[str, int]]:
     """Run the workload like the server does (stream each step's outputs, drop finished requests
     from the table); returns the requests in workload order and the rows scheduled per request."""
-    rows: dict[str, int] = {}
-    dispatch = engine.dispatch
-
-    def counting_dispatch(plan):
-        for ext in plan.extends:
-            rows[ext.rid] = rows.get(ext.rid, 0) + 1
-        return dispatch(plan)
-
-    engine.dispatch = counting_dispatch
-    reqs: list = [None] * len(items)
-    streamed: dict[str, list[int]] = {}
-    iteration = 0
-    while iteration <= max(it.arrival for it in items) or engine.has_work:
-        for i, it in enumerate(items):
-            if it.arrival == iteration:
-                reqs[i] = engine.scheduler.requests[engine.add_request(it.prompt, it.params, rid=f"r{i}")]
-        for i, it in enumerate(items):
-            req = reqs[i]
-            if req is None or req.finished:
-                continue
-            if (it.abort_after is not None and len(req.output_ids) >= it.abort_after) or it.abort_at == iteration:
-                engine.abort(req.rid)
-        result = engine.step()
-        for rid, out in result.outputs.items():
-            streamed.setdefault(rid, []).append(out.token)
-        for req in result.finished:
-            del engine.scheduler.requests[req.rid]  # as the server does once a request is done
-        iteration += 1
-        assert iteration < 10_000, "workload did not drain"
+    driven = drive(engine, items, drop_finished=True)
     assert not engine.scheduler.requests
-    for req in reqs:
-        assert streamed.get(req.rid, []) == req.output_ids, f"{req.rid}: streamed tokens differ from its output"
-    return reqs, rows
+    for req in driven.requests:
+        assert driven.streamed.get(req.rid, []) == req.output_ids, f"{req.rid}: streamed tokens differ from its output"
+    return driven.requests, driven.rows
 
 
 def run(tiny, items, *, overlap: bool, faults=(), **cfg):
     engine = Engine(tiny, EngineConfig(**cfg), faults=FaultSet(faults), env=Env(), overlap=overlap)
-    reqs, rows = drive(engine, items)
+    reqs, rows = drive_like_the_server(engine, items)
     assert engine.pages_in_use == 0
     if overlap:
         assert engine.runner.future.live == 0, "future-token slots leaked"

@@ -8,7 +8,7 @@ import pytest
 
 from canary.gate import GateOutcome, gate_against_baseline
 from canary.machine_speed import probe
-from canary.perf import find_cliffs, fit_step_time, gate, percentile, save_baseline, scale_for_machine
+from canary.perf import compare_to_baseline, find_cliffs, fit_step_time, percentile, save_baseline, scale_for_machine
 
 pytestmark = pytest.mark.unit
 
@@ -31,9 +31,9 @@ def test_cliffs_are_flagged_only_where_throughput_drops():
 
 def test_gate_fails_a_regression_beyond_tolerance_in_either_direction():
     base = {"output_tok_s": 1000.0, "tpot_p50": 0.010}
-    ok = gate(base, {"output_tok_s": 950.0, "tpot_p50": 0.0105}, tolerance=0.10)
+    ok = compare_to_baseline(base, {"output_tok_s": 950.0, "tpot_p50": 0.0105}, tolerance=0.10)
     assert all(r.passed for r in ok)
-    slow = gate(base, {"output_tok_s": 700.0, "tpot_p50": 0.020}, tolerance=0.10)
+    slow = compare_to_baseline(base, {"output_tok_s": 700.0, "tpot_p50": 0.020}, tolerance=0.10)
     assert [r.metric for r in slow if not r.passed] == ["output_tok_s", "tpot_p50"]
 
 

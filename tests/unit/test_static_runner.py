@@ -9,20 +9,15 @@ import random
 import pytest
 import torch
 
+from canary.engine_gates import at_once, drive
 from runtime.config import EngineConfig
 from canary.logprob_close import Generation, check_logprobs_close
 from runtime.distributed.tp_engine import start_engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.models.loader import load_model
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
 
 
 def workload(n: int, seed: int, long_prompt: int = 0):
@@ -39,7 +34,7 @@ def workload(n: int, seed: int, long_prompt: int = 0):
 def run(tiny, prompts, params, faults=(), overlap=False, tp=1, env=None, **cfg) -> list[Generation]:
     ecfg = EngineConfig(**{"num_pages": 1024, "max_model_len": 2048, **cfg})
     with start_engine(tiny, ecfg, FaultSet(faults), env or Env(), overlap=overlap, tp=tp) as eng:
-        reqs = eng.generate(prompts, params)
+        reqs = drive(eng, at_once(prompts, params), rid_prefix=None).requests
         assert eng.pages_in_use == 0
         if tp > 1:
             assert all(r["pages_in_use"] == 0 for r in eng.tp.rank_stats()), "a worker rank leaked pages"
@@ -178,7 +173,7 @@ def test_static_runner_tp2_overlap_recomputes_preempted_requests_like_tp1(tiny):
     reference = run(tiny, prompts, params, runner="static")
     small = EngineConfig(runner="static", num_pages=24, page_size=4, max_model_len=128, max_prefill_tokens=128)
     with start_engine(tiny, small, FaultSet(), Env(tp_check=True), overlap=True, tp=2) as eng:
-        reqs = eng.generate(prompts, params)
+        reqs = drive(eng, at_once(prompts, params), rid_prefix=None).requests
         assert eng.scheduler.num_preemptions > 0, "the pool must be small enough to force preemption"
         assert all(s["pages_in_use"] == 0 for s in eng.tp.rank_stats())
     check_logprobs_close(reference, [Generation(r.output_ids, r.output_logprobs, r.output_top_logprobs)

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.models.loader import load_model
 from runtime.streams.checker import HappensBeforeError, check_program, find_hazards
 from runtime.streams.tasks import MAIN, InOrderExecutor, Task
-from tests.unit.stream_batches import ExtendCase
+from tests.utils import ExtendCase
 
 pytestmark = pytest.mark.unit
 
 
 def noop() -> None:
     pass
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
 
 
 def model_program(tiny, faults=()):

@@ -7,17 +7,11 @@ import pytest
 import torch
 
 from runtime.kvcache.kv_cache import KVCache
-from runtime.models.loader import load_model
 from runtime.streams.emulator import AdversarialExecutor
 from runtime.streams.tasks import MAIN, InOrderExecutor, Task
-from tests.unit.stream_batches import ExtendCase
+from tests.utils import ExtendCase
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
 
 
 def test_late_mode_defers_side_tasks_until_joined():

@@ -21,8 +21,7 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.models.loader import load_model
-from test_overlap import drive, make_workload, run
+from test_overlap import drive_like_the_server, make_workload, run
 
 pytestmark = pytest.mark.unit
 
@@ -30,11 +29,6 @@ pytestmark = pytest.mark.unit
 # two tokens whose logprobs are this close on both sides.
 LOGPROB_ATOL = 1e-4
 NEAR_TIE_MARGIN = 1e-3
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random")
 
 
 def generations(reqs) -> list[Generation]:
@@ -63,7 +57,7 @@ def test_tp2_matches_tp1_up_to_near_ties(tiny, overlap):
     items = exact_workload()
     _, reference, _ = run(tiny, items, overlap=False, num_pages=64, page_size=4)
     with tp_engine(tiny, overlap=overlap) as engine:
-        reqs, _ = drive(engine, items)
+        reqs, _ = drive_like_the_server(engine, items)
         assert engine.pages_in_use == 0
         assert engine.tp.rank_stats() == [{"rank": 1, "pages_in_use": 0, "requests": 0, "future_slots": 0}]
     assert_workers_gone(engine)
@@ -83,7 +77,7 @@ def test_tp_local_abort_raises_desync_within_one_step(tiny):
     engine.dispatch = lambda plan: (plans.append(plan), dispatch(plan))[1]
     try:
         with pytest.raises(DesyncError) as caught:
-            drive(engine, items)
+            drive_like_the_server(engine, items)
     finally:
         engine.shutdown()
     assert_workers_gone(engine)

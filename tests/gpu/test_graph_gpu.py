@@ -19,7 +19,7 @@ from runtime.models.loader import load_model
 from runtime.streams.cuda import CudaStreamExecutor
 from runtime.streams.tasks import InOrderExecutor
 
-pytestmark = [pytest.mark.kernels, pytest.mark.gpu]
+pytestmark = pytest.mark.gpu
 PAGE, PAGES_PER_REQUEST, STEPS = 16, 24, 6
 MAX_BATCH = max(FINE_BUCKETS) + 1
 # The served kernels (EngineConfig resolves "auto" to these on a GPU).

@@ -1,9 +1,11 @@
 """The fault matrix (`python -m canary faults`) as tests.
 
-CI form: every fault through its gates once (one test per fault, so xdist can spread them) and
-every gate once against the clean runtime; GPU-only gates skip without CUDA (the matrix reports
-them as "not run", tests/unit/test_fault_matrix_report.py). About 2.5 CPU-minutes in all, in the
-`make test` stage beside the other negative controls (tests/stress/test_fault_controls.py).
+CI form: every fault through its gates once (one test per fault, so xdist can spread them), each
+gate naming one of the oracles its detector expects (`Detector.oracles`: kv-slot-reuse and
+tool-json-corrupt must fail the canary gate through a correctness oracle listed for them), and every
+gate once against the clean runtime; GPU-only gates skip without CUDA (the matrix reports them as
+"not run", tests/unit/test_fault_matrix_report.py). About 2.5 CPU-minutes in all, in the `make test`
+stage; the speed fault and its A/B control are marked `timing`, so they run alone.
 Long form (slow): the whole CLI with --clean-runs 10 (about 10 minutes on the 2-core CPU).
 """
 
@@ -16,7 +18,7 @@ import torch
 
 from canary.__main__ import main
 from canary.fault_detectors import DETECTORS
-from canary.fault_matrix import CAUGHT, MatrixReport, distinct_gates, render_table, run_clean, run_fault
+from canary.fault_matrix import CAUGHT, NOT_RUN, MatrixReport, distinct_gates, render_table, run_clean, run_fault
 from runtime.faults import REGISTRY
 
 pytestmark = pytest.mark.e2e
@@ -44,6 +46,10 @@ def test_fault_is_caught_by_its_gates(fault, tmp_path):
     rows = run_fault(fault, DETECTORS[fault], gpu=GPU, workdir=tmp_path)
     report = MatrixReport(rows)
     assert report.fault_status(fault) == CAUGHT, render_table(report)
+    for detector, row in zip(DETECTORS[fault], rows, strict=True):
+        if row.status != NOT_RUN:
+            assert set(row.fired) & set(detector.oracles), \
+                f"{fault} via {detector.gate}: fired {row.fired}, expected one of {detector.oracles}"
 
 
 @pytest.mark.parametrize("detector", GATES)

@@ -1,4 +1,9 @@
-"""Random extend batches over a pre-filled KV cache, shared by the stream tests.
+"""Helpers shared by tests in several folders (fixtures live in tests/conftest.py; pytest advises
+against importing from a conftest, so plain values and classes live here).
+
+- `API_KEY`: the bearer token of the e2e `server` fixture.
+- `ExtendCase`, `make_batch`: random extend batches over a pre-filled KV cache, shared by the
+  stream tests (tests/unit) and the static-graph tests (tests/kernels).
 
 Each request owns a contiguous slot range; its prefix (possibly empty) is prefilled in order,
 then one step extends every request by a few tokens. Prefix lengths go past `window + topk`, so
@@ -18,6 +23,8 @@ from runtime.kvcache.kv_cache import KVCache
 from runtime.models.batch import ForwardBatch, Segment
 from runtime.models.dsv4_mini import DSV4Mini
 from runtime.streams.tasks import InOrderExecutor, StreamExecutor
+
+API_KEY = "test-key"
 
 SLOTS_PER_REQUEST = 128
 

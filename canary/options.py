@@ -1,0 +1,47 @@
+"""The gate's command-line options as one value (`CanaryOptions`, filled by canary/pytest_plugin.py)
+and what they mean for the session driver. Kept apart from the plugin so the gate and the tests use
+them without importing pytest hooks, and light (no HTTP client, no torch) so `pytest --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CanaryOptions:
+    sessions: int
+    turns: int | None
+    concurrency: int | None
+    base_url: str | None
+    model: str | None
+    api_key: str | None
+    stream_ratio: float
+    abort_ratio: float
+    faults: tuple[str, ...]
+    baseline: Path | None
+    baseline_url: str | None
+    perf_tolerance: float
+    report_dir: Path | None
+    golden_update: bool
+    baseline_update: bool
+    sweep: bool
+    max_tokens: int
+
+
+def serves_canary_model(model: str | None) -> bool:
+    """A remote target serving a canary-* model (a staging deployment of this runtime) gets the
+    exact prompts the canary model was trained on; any other model gets plain-words prompts."""
+    return bool(model) and Path(model).name.startswith("canary-")
+
+
+def driver_options(options: CanaryOptions, target=None, **overrides):
+    from canary.driver import DriverOptions
+
+    generic = options.base_url is not None and not serves_canary_model(target.model if target else options.model)
+    values = dict(sessions=options.sessions, concurrency=options.concurrency, turns=options.turns,
+                  stream_ratio=options.stream_ratio, abort_ratio=options.abort_ratio, max_tokens=options.max_tokens,
+                  generic_prompts=generic)
+    values.update(overrides)
+    return DriverOptions(**values)
