@@ -111,10 +111,7 @@ class SessionDriver:
         self._result: RunResult | None = None
 
     def run(self) -> RunResult:
-        if self.options.processes > 1 and self.shard == (0, 1):
-            from canary.driver_pool import run_sharded
-
-            return run_sharded(self.target, self.options, self.on_request_done)
+        """This driver's sessions in this process (canary.driver_pool.run_sessions spreads them)."""
         return asyncio.run(self._run())
 
     async def _run(self) -> RunResult:

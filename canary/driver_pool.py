@@ -12,7 +12,7 @@ import queue
 import time
 from typing import Callable
 
-from canary.driver import RequestRecord, RunResult, SessionDriver
+from canary.driver import DriverOptions, RequestRecord, RunResult, SessionDriver
 from canary.targets import Target
 
 _DONE = "done"
@@ -29,7 +29,16 @@ def _shard_main(target: Target, options, shard: tuple[int, int], events) -> None
         events.put((_DONE, exc))
 
 
-def run_sharded(target: Target, options, on_request_done: Callable[[RequestRecord], None] | None) -> RunResult:
+def run_sessions(target: Target, options: DriverOptions,
+                 on_request_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
+    """The run `options` asks for: in this process, or spread over `options.processes`."""
+    if options.processes == 1:
+        return SessionDriver(target, options, on_request_done=on_request_done).run()
+    return run_sharded(target, options, on_request_done)
+
+
+def run_sharded(target: Target, options: DriverOptions,
+                on_request_done: Callable[[RequestRecord], None] | None) -> RunResult:
     n = options.processes
     shard_options = dataclasses.replace(options, processes=1)
     # spawn, not fork: the parent is a pytest process with threads (fork would copy held locks).

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from canary import machine_speed, perf
-from canary.driver import DriverOptions, RequestRecord, RunResult, SessionDriver
+from canary.driver import DriverOptions, RequestRecord, RunResult
+from canary.driver_pool import run_sessions
 from canary.golden import Transcript, first_divergence, read_store, write_store
 from canary.metrics import gated_figures, run_metrics
 from canary.options import CanaryOptions
@@ -53,7 +54,7 @@ def run_driver(target: Target, options: DriverOptions, progress: bool = True,
             on_request_done(record)
 
     try:
-        return SessionDriver(target, options, on_request_done=done).run()
+        return run_sessions(target, options, on_request_done=done)
     finally:
         if bar is not None:
             bar.close()
@@ -122,6 +123,8 @@ def baseline_fingerprint(target: Target, info: dict, options: DriverOptions) -> 
           "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
           "workload": {"sessions": options.sessions, "turns": options.turns, "stream_ratio": options.stream_ratio,
                        "abort_ratio": options.abort_ratio, "max_tokens": options.max_tokens}}
+    if options.processes != 1:  # the harness's own ceiling is part of what a baseline measured
+        fp["workload"]["driver_processes"] = options.processes
     kernels = kernel_choices(info.get("engine_config") or {})
     if kernels:  # only when set, so the default kernels keep their recorded baselines' fingerprints
         fp["triton_kernels"] = kernels

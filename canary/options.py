@@ -28,6 +28,7 @@ class CanaryOptions:
     baseline_update: bool
     sweep: bool
     max_tokens: int
+    processes: int = 1  # driver processes (DriverOptions.processes)
 
 
 def serves_canary_model(model: str | None) -> bool:
@@ -42,6 +43,6 @@ def driver_options(options: CanaryOptions, target=None, **overrides):
     generic = options.base_url is not None and not serves_canary_model(target.model if target else options.model)
     values = dict(sessions=options.sessions, concurrency=options.concurrency, turns=options.turns,
                   stream_ratio=options.stream_ratio, abort_ratio=options.abort_ratio, max_tokens=options.max_tokens,
-                  generic_prompts=generic)
+                  generic_prompts=generic, processes=options.processes)
     values.update(overrides)
     return DriverOptions(**values)

@@ -40,6 +40,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="record the perf baseline only (new hardware); golden transcripts are checked, not rewritten")
     add("--sweep", action="store_true", help="also sweep concurrency 1, 2, 4, ... and fit step = a + b*bs")
     add("--canary-max-tokens", type=int, default=160, help="max_tokens per request")
+    add("--driver-processes", type=int, default=1,
+        help="driver processes sharing the sessions (default 1; one asyncio loop tops out near 1,500 tok/s, "
+             "so a fast GPU server needs several; on a 2-core machine the server needs the other core)")
     add("--run-gpu", action="store_true", default=False,
         help="fail (instead of skip) gpu-marked tests when no CUDA device is present")
     add("--run-slow", action="store_true", default=False, help="run slow-marked tests (also selected by -m slow)")
@@ -52,6 +55,8 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
     if opt("sessions") < 1:
         raise pytest.UsageError("--sessions must be >= 1")
+    if opt("driver_processes") < 1:
+        raise pytest.UsageError("--driver-processes must be >= 1")
     if opt("base_url") and opt("inject_fault"):
         raise pytest.UsageError("--inject-fault applies to the embedded runtime, not to --base-url")
     config.canary_options = CanaryOptions(
@@ -60,7 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
         abort_ratio=opt("abort_ratio"), faults=tuple(opt("inject_fault")), baseline=opt("baseline"),
         baseline_url=opt("baseline_url"), perf_tolerance=opt("perf_tolerance"), report_dir=opt("report_dir"),
         golden_update=opt("golden_update"), baseline_update=opt("baseline_update"), sweep=opt("sweep"),
-        max_tokens=opt("canary_max_tokens"))
+        max_tokens=opt("canary_max_tokens"), processes=opt("driver_processes"))
     config.canary_notes = []
 
 

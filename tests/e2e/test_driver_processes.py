@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from canary.driver import DriverOptions, SessionDriver
+from canary.driver_pool import run_sessions
 from canary.targets import embedded_server
 from runtime.config import DEFAULT_MODEL
 
@@ -25,8 +26,8 @@ def test_two_driver_processes_give_the_one_process_run(tmp_path):
     with embedded_server(DEFAULT_MODEL, log_dir=tmp_path) as target:
         single = SessionDriver(target, options).run()
         reported = []
-        sharded = SessionDriver(target, DriverOptions(**{**options.__dict__, "processes": 2}),
-                                on_request_done=reported.append).run()
+        sharded = run_sessions(target, DriverOptions(**{**options.__dict__, "processes": 2}),
+                               on_request_done=reported.append)
     assert {r.session for r in sharded.requests} == set(range(options.sessions)), "a session was not driven"
     assert outcome(sharded) == outcome(single)
     assert len(reported) == len(sharded.requests) and sharded.wall_s > 0

@@ -99,10 +99,7 @@ def is_cli(name: str) -> bool:
     return parts[-1] in ("__main__", "serve", "generate") or parts[-1].endswith("_cli") or "cli" in parts[1:-1]
 
 
-@pytest.mark.parametrize("package", [
-    pytest.param("runtime", marks=pytest.mark.xfail(strict=True, reason="issue 19 item 6, another branch")),
-    "canary",
-])
+@pytest.mark.parametrize("package", ["runtime", "canary"])
 def test_no_import_cycle_within(package):
     inside = {m: {d for d in deps if d.startswith(package + ".")} for m, deps in graph().items()
               if m.startswith(package + ".")}
