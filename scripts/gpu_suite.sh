@@ -66,6 +66,7 @@ want idle_slice && section idle_slice "${BENCH_TIMEOUT:-150}" $PY -m bench.idle_
 # them, `gate_stream_race` must fail. float32: bf16 is a different model numerically.
 GATE=($PY -m pytest -m stress --sessions 80 -p no:cacheprovider tests/stress/test_canary_gate.py
       --server-arg=--dtype=float32 --perf-tolerance 0.1)
+GATE+=(${GATE_ARGS:-})  # extra gate flags for every gate section, e.g. GATE_ARGS="--driver-processes 4"
 if want gate_record; then
     section gate_record "${GATE_TIMEOUT:-300}" "${GATE[@]}" --golden-update
     mkdir -p "$OUT/golden"
