@@ -6,7 +6,7 @@ and decode, and batch-invariant ops, mean a request's logits do not depend on ho
 batched or chunked (batch invariance, and preemption recompute is exact).
 
 A step's rows (prompt rows of its prefills, then one row per decoding request) run as one pass:
-a CUDA-graph replay at the smallest bucket that holds them (`GraphRunner`, STEP_BUCKETS up to 1,024
+a CUDA-graph replay at the smallest bucket that holds them (`GraphRunner`, STEP_BUCKETS up to 4,096
 rows), or above that, eager passes of at most `max_rows` rows (the prefill chunk: varlen over
 requests, in row order, so a prompt split across passes reads its prefix from the paged cache). The indexer runs on a side stream (`CudaStreamExecutor`)
 unless multi-stream is switched off. The KV cache has one page more than the pool hands out: the

@@ -26,8 +26,10 @@ from runtime.streams.tasks import StreamExecutor
 FINE_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 129, 8))
 COARSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # The engine's default: a step's prompt rows ride in the same graph as its decode rows, so buckets go
-# on past the decode batch sizes, coarser, to hold a step with a few fresh prompts in one replay.
-STEP_BUCKETS = FINE_BUCKETS + (160, 192, 256, 320, 384, 512, 640, 768, 1024)
+# on past the decode batch sizes, coarser, up to the prefill budget (EngineConfig.max_prefill_tokens),
+# so a step with fresh prompts is one replay too: an eager pass costs the host ~5 ms of kernel
+# launches under the GIL, 44% of the engine thread in the H200 gate when buckets stopped at 1,024.
+STEP_BUCKETS = FINE_BUCKETS + (160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096)
 
 
 def pad_batch(batch_size: int, buckets: tuple[int, ...]) -> int:
