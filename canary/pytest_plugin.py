@@ -7,10 +7,13 @@ fast. Session state lives on `config`, and only the controlling process prints s
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from canary.differential import DEFAULT_SAMPLE  # stdlib imports only: `pytest --help` stays fast
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class CanaryOptions:
     baseline_update: bool
     sweep: bool
     max_tokens: int
+    differential_sample: int = DEFAULT_SAMPLE
+    deterministic: bool | None = None  # None: exact for the embedded runtime only (canary/gate.py run_gate)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -59,6 +64,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="record the perf baseline only (new hardware); golden transcripts are checked, not rewritten")
     add("--sweep", action="store_true", help="also sweep concurrency 1, 2, 4, ... and fit step = a + b*bs")
     add("--canary-max-tokens", type=int, default=160, help="max_tokens per request")
+    add("--differential-sample", type=int, default=DEFAULT_SAMPLE, metavar="N",
+        help="load-vs-solo oracle: greedy requests replayed alone after the load, plus every seeded sampled "
+             f"one (default {DEFAULT_SAMPLE}; 0 disables)")
+    add("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+        help="load-vs-solo oracle exact, no near-ties benign: for servers in a batch-invariant mode (default: "
+             "on for the embedded runtime, off for --base-url)")
     add("--run-gpu", action="store_true", default=False,
         help="fail (instead of skip) gpu-marked tests when no CUDA device is present")
     add("--run-slow", action="store_true", default=False, help="run slow-marked tests (also selected by -m slow)")
@@ -69,6 +80,8 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in ("stream_ratio", "abort_ratio"):
         if not 0.0 <= opt(name) <= 1.0:
             raise pytest.UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
+    if opt("differential_sample") < 0:
+        raise pytest.UsageError("--differential-sample must be >= 0")
     if opt("sessions") < 1:
         raise pytest.UsageError("--sessions must be >= 1")
     if opt("base_url") and opt("inject_fault"):
@@ -79,7 +92,8 @@ def pytest_configure(config: pytest.Config) -> None:
         abort_ratio=opt("abort_ratio"), faults=tuple(opt("inject_fault")), baseline=opt("baseline"),
         baseline_url=opt("baseline_url"), perf_tolerance=opt("perf_tolerance"), report_dir=opt("report_dir"),
         golden_update=opt("golden_update"), baseline_update=opt("baseline_update"), sweep=opt("sweep"),
-        max_tokens=opt("canary_max_tokens"))
+        max_tokens=opt("canary_max_tokens"), differential_sample=opt("differential_sample"),
+        deterministic=opt("deterministic"))
     config.canary_notes = []
 
 

@@ -25,7 +25,9 @@ def test_canary_gate(canary_target, canary_options, pytestconfig):
     else:
         outcome = run_gate(canary_target, options, golden_update=canary_options.golden_update,
                            baseline_update=canary_options.baseline_update,
-                           baseline=canary_options.baseline, perf_tolerance=canary_options.perf_tolerance)
+                           baseline=canary_options.baseline, perf_tolerance=canary_options.perf_tolerance,
+                           differential_sample=canary_options.differential_sample,
+                           deterministic=canary_options.deterministic)
     if canary_options.sweep:
         from canary.gate import sweep
 
