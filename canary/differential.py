@@ -27,15 +27,16 @@ from typing import Any, Hashable, Sequence
 from canary.logprob_close import Generation, NotClose, check_logprobs_close, first_mismatch, logprob_gap
 
 TAG = "[load-vs-solo]"
-# 24 replays: every fault of runtime/faults.py that corrupts under load on CPU shows in a sample this
-# size of the 16-session control workload, and 24 solo requests cost a few seconds of an 80-session gate.
+# 24 replays, one at a time: about 10-14 s on the 2-core CPU (solo requests of the canary model, late
+# turns' contexts included), a small part of the 80-session gate; kv-slot-reuse fails nearly all of them.
 DEFAULT_SAMPLE = 24
 LATE_EVERY = 3  # every third pick is its session's last request: late turns carry the longest contexts
 
 
 @dataclass(frozen=True)
 class Mismatch:
-    """The first token where the solo replay and the loaded run differ."""
+    """The first token where the solo replay and the loaded run differ (or, in exact mode, where
+    they agree on the token but not on its top-k logprobs)."""
 
     position: int
     solo_token: Hashable | None  # None: that side ended here
@@ -43,47 +44,73 @@ class Mismatch:
     # Each side's logprob of its own token minus the other's, from its own top-k (None: not in it).
     solo_margin: float | None
     load_margin: float | None
+    # Each side's top-1 minus top-2 logprob there: how far from a tie that side was.
+    solo_top2: float | None
+    load_top2: float | None
     benign: bool
     reason: str
 
     def describe(self) -> str:
-        def margin(value: float | None) -> str:
+        def num(value: float | None) -> str:
             return "n/a" if value is None else f"{value:.4f}"
 
+        if self.solo_token == self.load_token:
+            return f"token {self.position} {self.solo_token!r} agrees but {self.reason}"
         return (f"first divergence at token {self.position}: solo {self.solo_token!r} vs under load "
-                f"{self.load_token!r} (top-2 margin solo {margin(self.solo_margin)}, under load "
-                f"{margin(self.load_margin)}; {self.reason})")
+                f"{self.load_token!r}; margin over the other's token solo {num(self.solo_margin)}, under load "
+                f"{num(self.load_margin)} (top-2 margin solo {num(self.solo_top2)}, under load "
+                f"{num(self.load_top2)}): {self.reason}")
 
 
 def compare(solo_tokens: Sequence[Hashable], solo_top: Sequence[Sequence[tuple[Hashable, float]]],
             load_tokens: Sequence[Hashable], load_top: Sequence[Sequence[tuple[Hashable, float]]],
             near_tie: float | None) -> Mismatch | None:
-    """None when the tokens are equal. `near_tie`: the margin in nats within which a divergence is
-    benign; None is exact mode (every divergence fails, an exact tie included: a deterministic
-    server breaks a tie the same way every time). The verdict is `check_logprobs_close`'s."""
-    pos = first_mismatch(solo_tokens, load_tokens)
+    """None when the runs agree. `near_tie`: the margin in nats within which a divergence is
+    benign. None is exact mode: every divergence fails (an exact tie included: a deterministic
+    server breaks a tie the same way every time), and so does any difference in the top-k logprobs
+    where the tokens agree (same logits whatever the batch: on the embedded runtime, load and solo
+    top-k logprobs were measured bit-identical). The near-tie verdict is `check_logprobs_close`'s."""
+    solo, load = _generation(solo_tokens, solo_top), _generation(load_tokens, load_top)
+    pos = first_mismatch(solo.tokens, load.tokens)
     if pos is None:
+        if near_tie is None:
+            at = next((p for p, (a, b) in enumerate(zip(solo.top, load.top)) if a != b), None)
+            if at is not None:
+                return Mismatch(at, solo.tokens[at], load.tokens[at], None, None, _top2(solo.top, at),
+                                _top2(load.top, at), False, f"its top-k logprobs differ (exact mode): solo "
+                                f"{_fmt(solo.top[at])} vs under load {_fmt(load.top[at])}")
         return None
-    solo_tok = solo_tokens[pos] if pos < len(solo_tokens) else None
-    load_tok = load_tokens[pos] if pos < len(load_tokens) else None
+    solo_tok = solo.tokens[pos] if pos < len(solo.tokens) else None
+    load_tok = load.tokens[pos] if pos < len(load.tokens) else None
     margins: tuple[float | None, float | None] = (None, None)
     if solo_tok is not None and load_tok is not None:
-        margins = (logprob_gap(_top(solo_top, pos), solo_tok, load_tok),
-                   logprob_gap(_top(load_top, pos), load_tok, solo_tok))
+        margins = (logprob_gap(dict(solo.top[pos]), solo_tok, load_tok),
+                   logprob_gap(dict(load.top[pos]), load_tok, solo_tok))
+    found = (*margins, _top2(solo.top, pos), _top2(load.top, pos))
+    if None in (solo_tok, load_tok):
+        why = f"one run ended first ({len(solo.tokens)} tokens solo, {len(load.tokens)} under load)"
+    elif None in margins:
+        why = "the tokens are not in each other's top-k"
+    else:
+        why = f"not a near-tie (within {near_tie} nats) on both sides"
     if near_tie is None:
-        return Mismatch(pos, solo_tok, load_tok, *margins, False, "exact mode: no near-ties allowed")
+        return Mismatch(pos, solo_tok, load_tok, *found, False, "exact mode, no near-ties allowed")
     try:
-        # Token logprobs are not compared (infinite atol): only a batch-invariant server promises
-        # equal values under load, and for those exact mode already fails at the first divergence.
-        check_logprobs_close([_generation(solo_tokens, solo_top)], [_generation(load_tokens, load_top)],
-                             margin=near_tie, logprob_atol=math.inf)
-    except NotClose as exc:
-        return Mismatch(pos, solo_tok, load_tok, *margins, False, str(exc).removeprefix("seq 0 "))
-    return Mismatch(pos, solo_tok, load_tok, *margins, True, f"benign near-tie within {near_tie}")
+        # Token logprobs are not compared (infinite atol): a server that is not batch-invariant
+        # moves them with the batch; only the token choice is held to the rule.
+        check_logprobs_close([solo], [load], margin=near_tie, logprob_atol=math.inf)
+    except NotClose:
+        return Mismatch(pos, solo_tok, load_tok, *found, False, why)
+    return Mismatch(pos, solo_tok, load_tok, *found, True, f"benign near-tie within {near_tie} nats")
 
 
-def _top(tops: Sequence[Sequence[tuple[Hashable, float]]], pos: int) -> dict:
-    return {_key(tok): lp for tok, lp in tops[pos]} if pos < len(tops) else {}
+def _fmt(top: Sequence[tuple[Hashable, float]]) -> str:
+    return "[" + ", ".join(f"{tok!r}: {lp!r}" for tok, lp in top) + "]"
+
+
+def _top2(tops: Sequence[Sequence[tuple[Hashable, float]]], pos: int) -> float | None:
+    values = sorted((lp for _, lp in tops[pos]), reverse=True) if pos < len(tops) else []
+    return values[0] - values[1] if len(values) >= 2 else None
 
 
 def _key(token: Hashable) -> Hashable:

@@ -59,6 +59,15 @@ def test_wide_margin_divergence_fails_naming_position_tokens_and_margins():
     assert "token 1" in text and "'b'" in text and "'x'" in text and "1.7000" in text and "1.2000" in text
 
 
+def test_logprobs_that_moved_under_load_fail_only_in_exact_mode():
+    # Same tokens, one logprob off by 3.5e-4 (an indexer window off by one did that and kept every token).
+    solo_top = [[("a", -0.1), ("z", -2.0)], [("b", -0.2), ("z", -1.9)]]
+    load_top = [[("a", -0.1), ("z", -2.0)], [("b", -0.20035), ("z", -1.9)]]
+    assert compare(["a", "b"], solo_top, ["a", "b"], load_top, near_tie=0.05) is None
+    m = compare(["a", "b"], solo_top, ["a", "b"], load_top, near_tie=None)
+    assert not m.benign and m.position == 1 and "-0.20035" in m.describe() and "agrees" in m.describe()
+
+
 def test_one_side_near_tie_only_is_not_benign():
     # The loaded run saw a near-tie, the solo run a clear winner: load moved the logits, not a tie flip.
     solo_top = [[("b", -0.1), ("x", -2.0)]]
