@@ -9,6 +9,7 @@ answer is the finding.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import random
 import time
@@ -61,6 +62,9 @@ class RequestRecord:
     chunk_times: list[float]
     turn: Turn
     transcript: Transcript | None
+    # The request's keyword arguments (stream flags aside) with a copy of `messages` taken when it
+    # was sent (the list grows over the session): the load-vs-solo oracle replays exactly this.
+    request: dict[str, Any] | None = None
 
 
 @dataclass
@@ -206,11 +210,13 @@ class SessionDriver:
                                       max_tokens=self.options.max_tokens)
         if self.options.logprobs:
             kwargs.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
+        body = {**kwargs, "messages": copy.deepcopy(messages)}
         started = time.perf_counter()
         if streamed:
             record = await self._streamed(client, kwargs, scenario, hop, turn_index, started, abort_after)
         else:
             record = await self._unary(client, kwargs, scenario, hop, turn_index, started)
+        record.request = body
         if not replay:
             self._result.requests.append(record)
             if self.on_request_done:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from canary import machine_speed, perf
+from canary import differential, machine_speed, perf
 from canary.driver import DriverOptions, RequestRecord, RunResult
 from canary.driver_pool import run_sessions
 from canary.golden import Transcript, first_divergence, read_store, write_store
@@ -170,7 +170,10 @@ def probes_this_machine(target: Target) -> bool:
 def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = False, baseline_update: bool = False,
              baseline: Path | None = None,
              perf_tolerance: float = 0.25, near_tie: float = 0.05, progress: bool = True,
-             on_request_done: Callable[[RequestRecord], None] | None = None) -> GateOutcome:
+             on_request_done: Callable[[RequestRecord], None] | None = None,
+             differential_sample: int = differential.DEFAULT_SAMPLE, deterministic: bool | None = None) -> GateOutcome:
+    """`deterministic`: the load-vs-solo oracle in exact mode; None = exact for the embedded runtime
+    (batch-invariant by construction, so a near-tie flipped by load is its bug), near-ties benign elsewhere."""
     outcome = GateOutcome()
     info = target.server_info()
     fp = baseline_fingerprint(target, info, options)
@@ -180,6 +183,8 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     speed_before = machine_speed.probe() if probing else None
     result = run_driver(target, options, progress, on_request_done)
     outcome.failures += [f.describe() for _, f in result.failures]
+    differential.check_load_vs_solo(target, result, outcome, sample=differential_sample, near_tie=near_tie,
+                                    exact=target.embedded if deterministic is None else deterministic)
     metrics = run_metrics(result)
     metadata = {"commit": git_commit(), "target": target.name, "model": info.get("model", target.model),
                 "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
@@ -276,7 +281,8 @@ def run_configured(options: CanaryOptions, target: Target) -> GateOutcome:
     else:
         outcome = run_gate(target, driver, golden_update=options.golden_update,
                            baseline_update=options.baseline_update,
-                           baseline=options.baseline, perf_tolerance=options.perf_tolerance)
+                           baseline=options.baseline, perf_tolerance=options.perf_tolerance,
+                           differential_sample=options.differential_sample, deterministic=options.deterministic)
     if options.sweep:
         outcome.summary.update(sweep(target, driver))
     if options.report_dir:

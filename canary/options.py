@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from canary.differential import DEFAULT_SAMPLE  # stdlib imports only
+
 
 @dataclass(frozen=True)
 class CanaryOptions:
@@ -29,6 +31,8 @@ class CanaryOptions:
     sweep: bool
     max_tokens: int
     processes: int = 1  # driver processes (DriverOptions.processes)
+    differential_sample: int = DEFAULT_SAMPLE
+    deterministic: bool | None = None  # None: exact for the embedded runtime only (canary/gate.py run_gate)
 
 
 def serves_canary_model(model: str | None) -> bool:

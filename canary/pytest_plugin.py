@@ -8,10 +8,12 @@ fast. Session state lives on `config`, and only the controlling process prints s
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from canary.differential import DEFAULT_SAMPLE  # stdlib imports only: `pytest --help` stays fast
 from canary.options import CanaryOptions
 
 
@@ -43,6 +45,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--driver-processes", type=int, default=1,
         help="driver processes sharing the sessions (default 1; one asyncio loop tops out near 1,500 tok/s, "
              "so a fast GPU server needs several; on a 2-core machine the server needs the other core)")
+    add("--differential-sample", type=int, default=DEFAULT_SAMPLE, metavar="N",
+        help="load-vs-solo oracle: greedy requests replayed alone after the load, plus every seeded sampled "
+             f"one (default {DEFAULT_SAMPLE}; 0 disables)")
+    add("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+        help="load-vs-solo oracle exact, no near-ties benign: for servers in a batch-invariant mode (default: "
+             "on for the embedded runtime, off for --base-url)")
     add("--run-gpu", action="store_true", default=False,
         help="fail (instead of skip) gpu-marked tests when no CUDA device is present")
     add("--run-slow", action="store_true", default=False, help="run slow-marked tests (also selected by -m slow)")
@@ -53,6 +61,8 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in ("stream_ratio", "abort_ratio"):
         if not 0.0 <= opt(name) <= 1.0:
             raise pytest.UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
+    if opt("differential_sample") < 0:
+        raise pytest.UsageError("--differential-sample must be >= 0")
     if opt("sessions") < 1:
         raise pytest.UsageError("--sessions must be >= 1")
     if opt("driver_processes") < 1:
@@ -65,7 +75,8 @@ def pytest_configure(config: pytest.Config) -> None:
         abort_ratio=opt("abort_ratio"), faults=tuple(opt("inject_fault")), baseline=opt("baseline"),
         baseline_url=opt("baseline_url"), perf_tolerance=opt("perf_tolerance"), report_dir=opt("report_dir"),
         golden_update=opt("golden_update"), baseline_update=opt("baseline_update"), sweep=opt("sweep"),
-        max_tokens=opt("canary_max_tokens"), processes=opt("driver_processes"))
+        max_tokens=opt("canary_max_tokens"), processes=opt("driver_processes"),
+        differential_sample=opt("differential_sample"), deterministic=opt("deterministic"))
     config.canary_notes = []
 
 
