@@ -21,8 +21,8 @@ from bench.decode_step import SLICE, random_weights
 from canary.provenance import git_commit
 from runtime.config import EngineConfig, default_model
 from runtime.engine.engine import Engine
-from runtime.engine.static_runner import StepTimeline
 from runtime.engine.request import SamplingParams
+from runtime.engine.static_runner import StepTimeline
 from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.models.loader import LoadedModel, load_model

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
 from runtime.kernels.triton import attention, elementwise, indexer, moe
 from runtime.kernels.triton.configs import config_file_name
 
@@ -68,7 +67,8 @@ def measure_ceilings() -> dict:
                   graph_us([lambda: big.amax()], reps=10))
     del big
     n = 8192
-    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     mm_us = graph_us([lambda: a @ b], reps=10)
     return {"read_bytes_per_s": 2**31 / (read_us * 1e-6), "bf16_flops_per_s": 2 * n**3 / (mm_us * 1e-6)}
 
@@ -115,7 +115,8 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
                                               w2_scale=torch.cat(s2))}
         del q13, s13, q2, s2
         for batch in BATCHES:
-            inputs = [(torch.randn(batch, hidden, generator=gen).to(torch.bfloat16).cuda(), *_routing(gen, batch, experts, top_k))
+            inputs = [(torch.randn(batch, hidden, generator=gen).to(torch.bfloat16).cuda(),
+                       *_routing(gen, batch, experts, top_k))
                       for _ in range(CALLS_PER_GRAPH)]
             bf16_us = {}
             default_split = moe.gate_up_splits(hidden, inter)
@@ -185,7 +186,7 @@ def bench_mla(ceilings, rows: list, vs=None) -> None:
             selected = window + topk
             for batch in sorted(BATCHES, reverse=True):
                 calls_in = []
-                for c in range(CALLS_PER_GRAPH):
+                for _ in range(CALLS_PER_GRAPH):
                     base = (torch.arange(batch) * context)[:, None]
                     earlier = torch.rand(batch, context - window, device="cuda").argsort(dim=1)[:, :topk].cpu()
                     recent = torch.arange(context - window, context)[None, :].expand(batch, -1)
@@ -217,7 +218,8 @@ def bench_mla(ceilings, rows: list, vs=None) -> None:
                     us = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(q, cache, s, latent, scale,
                                                                                 num_splits=splits, **shape)
                                    for q, s in calls_in])
-                    rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch, splits=splits,
+                    rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch,
+                                     splits=splits,
                                      us=us, roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
                                      speedup_vs_torch=torch_us / us, launch=shape))
                     if vs is not None and splits == default_splits:
@@ -243,7 +245,8 @@ def bench_indexer(ceilings, rows: list) -> None:
     q16 = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
     q8 = q16.to(torch.float8_e4m3fn)
     w = torch.rand(batch, heads, device="cuda")
-    for name, q, keys, scale, key_bytes in (("fp8", q8, keys8, key_scale, dim + 4), ("bf16", q16, keys16, None, 2 * dim)):
+    variants = (("fp8", q8, keys8, key_scale, dim + 4), ("bf16", q16, keys16, None, 2 * dim))
+    for name, q, keys, scale, key_bytes in variants:
         logits_fn = lambda q=q, keys=keys, scale=scale: indexer.indexer_logits(  # noqa: E731
             q, w, keys, page_table, lens, page_size, key_scale=scale)
         logits = logits_fn()

@@ -52,11 +52,11 @@ import zipfile
 from pathlib import Path
 
 import torch
+import triton.language as tl
 
 # First, before anything imports triton: without CUDA it switches the Triton interpreter on, and
 # Triton decides interpreted-or-compiled when each jit function (its own tl.sum included) is defined.
 import runtime.kernels.triton  # noqa: F401, I001
-import triton.language as tl
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEEL_DIR = ROOT / ".whl-sglang"
@@ -395,7 +395,8 @@ class VsSGLang:
                    sglang_max_abs_diff_vs_ours=_max_diff(got, want))
         if reference is not None:
             ref = reference(x0, i0, w0)
-            row.update(sglang_max_abs_diff_vs_torch=_max_diff(got, ref), ours_max_abs_diff_vs_torch=_max_diff(want, ref))
+            row.update(sglang_max_abs_diff_vs_torch=_max_diff(got, ref),
+                       ours_max_abs_diff_vs_torch=_max_diff(want, ref))
 
     def _mla(self, row: dict, calls_in, cache, latent, scale, reference=None) -> None:
         sgl = lambda q, s: self.sgl.sparse_mla(q, cache, s, latent, scale, self.mla_workspace)  # noqa: E731
@@ -418,7 +419,8 @@ class VsSGLang:
             else:
                 variant, shape = "bf16", f"H={r['H']} top-{r['topk']} S={r['selected']}"
             if "sglang_us" not in r:
-                lines.append(f"{r['kernel']:<11}{variant:<10}{shape:<20}{r['bs']:>5}  SGLang failed: {r['sglang_error']}")
+                head = f"{r['kernel']:<11}{variant:<10}{shape:<20}{r['bs']:>5}"
+                lines.append(f"{head}  SGLang failed: {r['sglang_error']}")
                 continue
             diff = r.get("sglang_max_abs_diff_vs_torch", r.get("sglang_max_abs_diff_vs_ours"))
             full = f"{r['ours_full_us']:.1f}" if "ours_full_us" in r else "-"

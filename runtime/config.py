@@ -97,7 +97,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - {"architectures", "torch_dtype", "transformers_version"})
         if unknown:

@@ -66,7 +66,7 @@ class Env:
     stream_jitter_cycles: int = 0
 
     @classmethod
-    def load(cls, environ: Mapping[str, str] | None = None) -> "Env":
+    def load(cls, environ: Mapping[str, str] | None = None) -> Env:
         source: Mapping[str, str] = os.environ if environ is None else environ
 
         def get(name: str) -> str | None:

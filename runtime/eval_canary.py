@@ -20,7 +20,6 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine

@@ -6,8 +6,8 @@ Each fault exists so that some gate of the canary suite can prove it catches tha
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from runtime.env import Env
 
@@ -48,7 +48,7 @@ class FaultSet:
         self._names = frozenset(names)
 
     @classmethod
-    def from_env(cls, env: Env | None = None, extra: Iterable[str] = ()) -> "FaultSet":
+    def from_env(cls, env: Env | None = None, extra: Iterable[str] = ()) -> FaultSet:
         env = env or Env.load()
         return cls((*env.faults, *extra))
 

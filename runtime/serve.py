@@ -89,7 +89,8 @@ def build_state(args: argparse.Namespace):
                        multi_stream=not args.single_stream, runner=args.runner, moe_kernel=args.moe_kernel,
                        attention_kernel=args.attention_kernel,
                        num_pages=args.num_pages,
-                       page_size=args.page_size, max_running_requests=args.max_running, max_model_len=args.max_model_len,
+                       page_size=args.page_size, max_running_requests=args.max_running,
+                       max_model_len=args.max_model_len,
                        max_prefill_tokens=max(EngineConfig.max_prefill_tokens, args.max_model_len))
     if args.overlap and args.disable_overlap:
         raise ValueError("--overlap and --disable-overlap contradict each other")

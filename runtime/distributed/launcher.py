@@ -55,7 +55,7 @@ class TPLauncher:
 
     @classmethod
     def start(cls, loaded: LoadedModel, cfg: EngineConfig, faults: FaultSet, env: Env, world: int,
-              overlap: bool) -> "TPLauncher":
+              overlap: bool) -> TPLauncher:
         check_divisible(loaded.config, world)
         ctx = mp.get_context("spawn")
         rundir = tempfile.mkdtemp(prefix="dsv4-tp-")

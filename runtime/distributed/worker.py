@@ -23,8 +23,8 @@ from runtime.distributed.messages import StepMessage, find_desync, plan_field_di
 from runtime.distributed.mirror_pool import MirrorPool
 from runtime.distributed.sharding import shard_weights
 from runtime.engine.plan import StepPlan
-from runtime.engine.runners import build_runner
 from runtime.engine.request import Request
+from runtime.engine.runners import build_runner
 from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.models.loader import LoadedModel, load_model

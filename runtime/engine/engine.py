@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from collections.abc import Mapping
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from runtime.config import DTYPES, EngineConfig, ModelConfig
 from runtime.engine.plan import StepPlan
-from runtime.engine.runners import build_runner
 from runtime.engine.request import Request, SamplingParams
+from runtime.engine.runners import build_runner
 from runtime.engine.sampler import SampleOutput
 from runtime.engine.scheduler import Scheduler
 from runtime.env import Env
@@ -179,7 +179,7 @@ class Engine:
         if self.tp is not None:
             self.tp.shutdown()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

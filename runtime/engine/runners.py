@@ -3,20 +3,21 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from runtime.config import DTYPES, EngineConfig, ModelConfig
 from runtime.engine.future import FutureTokens
-from runtime.engine.static_runner import StaticModelRunner
 from runtime.engine.model_runner import ModelRunner
+from runtime.engine.static_runner import StaticModelRunner
 from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.kernels import select_kernels
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.dsv4_mini import DSV4Mini
 from runtime.streams.tasks import InOrderExecutor, StreamExecutor
+
 
 def build_runner(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: EngineConfig, pool, faults: FaultSet,
                  env: Env, *, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,

@@ -8,9 +8,9 @@ batched or chunked (batch invariance, and preemption recompute is exact).
 A step's rows (prompt rows of its prefills, then one row per decoding request) run as one pass:
 a CUDA-graph replay at the smallest bucket that holds them (`GraphRunner`, STEP_BUCKETS up to 4,096
 rows), or above that, eager passes of at most `max_rows` rows (the prefill chunk: varlen over
-requests, in row order, so a prompt split across passes reads its prefix from the paged cache). The indexer runs on a side stream (`CudaStreamExecutor`)
-unless multi-stream is switched off. The KV cache has one page more than the pool hands out: the
-scratch page that padded rows write and read.
+requests, in row order, so a prompt split across passes reads its prefix from the paged cache).
+The indexer runs on a side stream (`CudaStreamExecutor`) unless multi-stream is switched off. The KV
+cache has one page more than the pool hands out: the scratch page that padded rows write and read.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
 from runtime.streams.cuda import CudaStreamExecutor
 from runtime.streams.tasks import InOrderExecutor
-
 
 
 class StepTimeline:

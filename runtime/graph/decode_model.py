@@ -16,8 +16,8 @@ B = rows, L = context capacity (pages per request * page size), S = window + top
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -69,7 +69,7 @@ class GraphCaptureBuffer:
     page_table: torch.Tensor  # [M, P]
 
     @classmethod
-    def allocate(cls, max_rows: int, max_pages: int, device) -> "GraphCaptureBuffer":
+    def allocate(cls, max_rows: int, max_pages: int, device) -> GraphCaptureBuffer:
         z = dict(dtype=torch.long, device=device)
         return cls(torch.zeros(max_rows, **z), torch.zeros(max_rows, **z), torch.zeros(max_rows, **z),
                    torch.zeros(max_rows, max_pages, **z))

@@ -12,8 +12,8 @@ attention and MoE. The latent KV, the indexer and the router are replicated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 import torch
 

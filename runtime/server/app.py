@@ -16,9 +16,10 @@ import platform
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -311,7 +312,7 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
         while finish is None:
             try:
                 event = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if await request.is_disconnected():
                     state.bridge.abort(rid)
                     return JSONResponse({}, status_code=499)

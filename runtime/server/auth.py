@@ -9,7 +9,7 @@ exist. Only the liveness probe stays open, because orchestrators probe it withou
 from __future__ import annotations
 
 import hmac
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 

@@ -54,7 +54,7 @@ class ChatTemplate:
         _compile(source)  # a broken template fails at startup, not on the first request
 
     @classmethod
-    def for_model(cls, model_dir: Path | None) -> "ChatTemplate":
+    def for_model(cls, model_dir: Path | None) -> ChatTemplate:
         if model_dir is not None and (model_dir / TEMPLATE_NAME).is_file():
             path = model_dir / TEMPLATE_NAME
         else:

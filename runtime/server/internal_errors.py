@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import secrets
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 

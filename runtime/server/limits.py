@@ -9,7 +9,7 @@ end, error, client disconnect), because the middleware wraps the complete ASGI c
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 

@@ -138,7 +138,8 @@ def fold(deltas: list[Delta]) -> dict[str, Any]:
     calls: dict[int, dict[str, Any]] = {}
     for d in deltas:
         for tc in d.tool_calls:
-            call = calls.setdefault(tc["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            call = calls.setdefault(tc["index"], {"id": "", "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
             call["id"] = call["id"] or tc.get("id", "")
             call["function"]["name"] += tc["function"].get("name", "")
             call["function"]["arguments"] += tc["function"].get("arguments", "")

@@ -30,7 +30,7 @@ class Markers:
     close: str
 
     @classmethod
-    def fresh(cls) -> "Markers":
+    def fresh(cls) -> Markers:
         nonce = secrets.token_hex(12)  # a client cannot guess it, so cannot fake a boundary
         return cls(f"TXT{nonce}OPEN", f"TXT{nonce}CLOSE")
 

@@ -56,7 +56,7 @@ class Message(_Strict):
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _content_rules(self) -> "Message":
+    def _content_rules(self) -> Message:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         if self.role == "assistant":
             if not text and not self.tool_calls:

@@ -12,7 +12,8 @@ decodes to a lone surrogate that no UTF-8 encoder accepts).
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from runtime.server.errors import ApiError, bad_request
 

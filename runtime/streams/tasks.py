@@ -14,8 +14,8 @@ which is what a single stream would do; events only matter for executors that re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
 
 MAIN = "main"
 
@@ -42,7 +42,7 @@ class Wait:
     event: Event
 
 
-Op = Union[Task, Event, Wait]
+Op = Task | Event | Wait
 
 
 class StreamExecutor:

@@ -18,7 +18,7 @@ from runtime.config import ModelConfig
 from runtime.models.loader import save_model
 from runtime.train.encode import load_tokenizer, special_ids
 from runtime.train.loop import TrainConfig, train
-from runtime.train.template import BOS, EOS, PAD, TEMPLATE_PATH
+from runtime.train.template import BOS, PAD, TEMPLATE_PATH
 from runtime.train.tokenizer_train import train_tokenizer
 
 # The shipped architecture: small enough for the 2-core CPU stress gate, window + topk = 64 so

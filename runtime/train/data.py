@@ -24,7 +24,7 @@ class Batch:
     valid: torch.Tensor  # [B, T] float, 1 for real tokens
     loss_mask: torch.Tensor  # [B, T] bool, assistant tokens (the targets of the loss)
 
-    def to(self, device: str) -> "Batch":
+    def to(self, device: str) -> Batch:
         return Batch(self.ids.to(device), self.valid.to(device), self.loss_mask.to(device))
 
 

@@ -93,7 +93,8 @@ def train(model_cfg: ModelConfig, tc: TrainConfig, tokenizer_path: str, pad_id: 
             with torch.no_grad():
                 acc = (logits.argmax(-1) == targets[mask]).float().mean().item()
             row = {"step": step, "elapsed_s": round(time.perf_counter() - started, 1), "progress": round(progress, 4),
-                   "sparse": sparse, "lr": opt.param_groups[0]["lr"], "ce": ce.item(), "indexer_kl": out.indexer_kl.item(),
+                   "sparse": sparse, "lr": opt.param_groups[0]["lr"], "ce": ce.item(),
+                   "indexer_kl": out.indexer_kl.item(),
                    "assistant_token_acc": acc, "tokens": tokens}
             history.append(row)
             log.write(json.dumps(row) + "\n")

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
 from runtime.kernels.triton.configs import config_file_name, load_table, pick
-from runtime.kernels.triton.elementwise import FP8_GROUP, quantize_groups
+from runtime.kernels.triton.elementwise import quantize_groups
 
 BLOCK_M = 16  # rows per tile: decode has ~TK/E <= 3 rows per expert at bs 128, E 256, K 6
 BLOCK_K = 128  # reduction step; equal to the fp8 scale block, so one scale per step
@@ -109,7 +109,8 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_exper
         seen += tl.sum(hit, axis=1)
     for t0 in range(0, num_tiles, CHUNK):
         tiles = t0 + tl.arange(0, CHUNK)
-        owner = tl.sum((ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32) * (experts[None, :] < num_experts), axis=1)
+        ended = (ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32)
+        owner = tl.sum(ended * (experts[None, :] < num_experts), axis=1)
         tl.store(tile_expert_ptr + tiles, tl.where(owner < num_experts, owner, -1), mask=tiles < num_tiles)
 
 
@@ -188,7 +189,8 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
     for k0 in range(pid_k * k_chunk, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
-        a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         b_mask = k_ok[:, None] & n_ok[None, :]
         b_gate = tl.load(w_gate + offs_k[:, None], mask=b_mask, other=0.0)
         b_up = tl.load(w_up + offs_k[:, None], mask=b_mask, other=0.0)
@@ -248,7 +250,8 @@ def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_row
     for k0 in range(0, inter, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < inter
-        a = tl.load(act_ptr + rows64[:, None] * stride_act + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(act_ptr + rows64[:, None] * stride_act + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         b = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
             a_s = tl.load(act_scale_ptr + rows64 * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
