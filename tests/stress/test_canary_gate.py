@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 
 from canary.gate import run_ab, run_gate
-from canary.pytest_plugin import driver_options, record_notes
-from canary.reports import write_plots, write_summary
+from canary.pytest_plugin import driver_options, record_notes, record_summary
+from canary.reports import summary_lines, write_plots, write_summary
 
 pytestmark = pytest.mark.stress
 
 
-def test_canary_gate(canary_target, canary_options, pytestconfig):
+def test_canary_gate(canary_target, canary_options, pytestconfig, request):
     options = driver_options(canary_options, canary_target)
     if canary_options.baseline_url:
         from canary.targets import remote_target
@@ -31,9 +31,12 @@ def test_canary_gate(canary_target, canary_options, pytestconfig):
 
         outcome.summary.update(sweep(canary_target, options))
     record_notes(pytestconfig, outcome.notes)
+    report = None
     if canary_options.report_dir:
-        write_summary(canary_options.report_dir, outcome.summary)
+        report = write_summary(canary_options.report_dir, outcome.summary)
         write_plots(canary_options.report_dir, outcome.summary)
+    # Recorded before the verdict below, so the terminal summary says what ran on a failure too.
+    record_summary(request.node, summary_lines(outcome.summary, outcome.failures, report))
     m = outcome.summary.get("metrics", {})
     if m:
         print(f"\ncanary: {m['requests']} requests, {m['completion_tokens']} tokens in {m['wall_s']:.1f}s "
