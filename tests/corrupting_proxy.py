@@ -170,11 +170,12 @@ class DropLastCall(Rewrite):
 
 
 def _bump_last_digit(text: str) -> str:
-    """The last digit of the text + 1 (mod 10): a value in the answer body, past the nonce."""
+    """The last digit of the text + 1 (mod 10), only past the `[NONCE]` prefix: a value in the
+    answer body (a changed nonce is the nonce oracle's, which caught it before this issue)."""
     match = None
     for match in re.finditer(r"\d", text):
         pass
-    if match is None:
+    if match is None or match.start() < text.find("]"):
         return text
     i = match.start()
     return text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:]
@@ -192,10 +193,19 @@ class AnswerDigit(Rewrite):
     def stream(self, body, payloads):
         if stream_calls(payloads):
             return payloads
-        for delta in reversed(content_deltas(payloads)):
-            if re.search(r"\d", delta["content"]):
-                delta["content"] = _bump_last_digit(delta["content"])
-                break
+        deltas = content_deltas(payloads)
+        if not deltas:
+            return payloads
+        # The whole answer decides which digit (the prefix may span deltas); the delta holding it changes.
+        text = "".join(d["content"] for d in deltas)
+        changed = _bump_last_digit(text)
+        if changed != text:
+            at = next(i for i, (a, b) in enumerate(zip(text, changed)) if a != b)
+            for d in deltas:
+                if at < len(d["content"]):
+                    d["content"] = d["content"][:at] + changed[at] + d["content"][at + 1:]
+                    break
+                at -= len(d["content"])
         return payloads
 
 
