@@ -370,3 +370,54 @@ class NoMetrics(Rewrite):
 
     def metrics(self, text):
         return None
+
+
+# ---- late-turn controls for the oracles that were already there ---------------------------------
+
+class ArgumentDigit(Rewrite):
+    """Non-streamed: the last digit in a tool call's arguments + 1 (still valid JSON and schema)."""
+
+    def unary(self, body, response):
+        for call in response["choices"][0]["message"].get("tool_calls") or []:
+            args = call["function"]["arguments"]
+            digits = [m.start() for m in re.finditer(r"\d", args)]
+            if digits:
+                i = digits[-1]
+                call["function"]["arguments"] = args[:i] + str((int(args[i]) + 1) % 10) + args[i + 1:]
+                break
+        return response
+
+
+class WrongFinishReason(Rewrite):
+    """A plain answer claims `tool_calls` ("length" would be the usage oracle's: too few tokens)."""
+
+    def unary(self, body, response):
+        choice = response["choices"][0]
+        if choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"
+        return response
+
+
+class UsageOffByOne(Rewrite):
+    def unary(self, body, response):
+        response["usage"]["total_tokens"] += 1
+        return response
+
+
+class ReplacementCharacter(Rewrite):
+    def unary(self, body, response):
+        message = response["choices"][0]["message"]
+        if message.get("content"):
+            message["content"] = message["content"].replace(" ", " \ufffd", 1)
+        return response
+
+
+class AlteredNonce(Rewrite):
+    """The session's nonce in a late answer loses its last character (no other nonce appears)."""
+
+    def unary(self, body, response):
+        nonce = ReferenceNonceSwap._nonce(body)
+        message = response["choices"][0]["message"]
+        if nonce and message.get("content") and f"[{nonce}]" in message["content"]:
+            message["content"] = message["content"].replace(nonce, nonce[:-1] + ("A" if nonce[-1] != "A" else "B"))
+        return response

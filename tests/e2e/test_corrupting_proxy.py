@@ -56,6 +56,12 @@ def fired(outcome) -> dict[str, list[str]]:
     (cp.StreamOnlyWhitespace, 1.0, "[stream-equivalence]"),
     (cp.RepeatCalls, 0.0, "[session-incomplete]"),
     (cp.UnreadableChunk, 1.0, "[session-error]"),
+    # The oracles that caught their defects before issue 17, now shown to do so in late turns too.
+    (cp.ArgumentDigit, 0.0, "[ungrounded-argument]"),
+    (cp.WrongFinishReason, 0.0, "[finish-reason]"),
+    (cp.UsageOffByOne, 0.0, "[usage]"),
+    (cp.ReplacementCharacter, 0.0, "[gibberish]"),
+    (cp.AlteredNonce, 0.0, "[nonce-echo]"),
 ], ids=lambda v: v.__name__ if isinstance(v, type) else None)
 def test_corruption_in_flight_fails_the_gate_in_a_late_turn(proxy, rewrite, stream_ratio, oracle):
     outcome, rewritten = gate_through(proxy, rewrite(), stream_ratio=stream_ratio)
