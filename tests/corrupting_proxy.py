@@ -125,7 +125,7 @@ class CorruptingProxy:
         return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                                  Route("/{path:path}", passthrough, methods=["GET", "POST"])])
 
-    def __enter__(self) -> "CorruptingProxy":
+    def __enter__(self) -> CorruptingProxy:
         import uvicorn
 
         config = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning",
@@ -361,7 +361,7 @@ class KvPagesLeft(Rewrite):
         return False
 
     def metrics(self, text):
-        return re.sub(r"^(\S*kv_pages_in_use\S*) \S+$", r"\1 5", text, flags=re.M)
+        return re.sub(r"^(\S*kv_pages_in_use\S*) \S+$", r"\1 5", text, flags=re.MULTILINE)
 
 
 class NoMetrics(Rewrite):
