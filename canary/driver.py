@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
+import importlib
 import json
 import random
 import time
@@ -17,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from canary.golden import Transcript
-from canary.oracles import (Failure, ToolCall, Turn, check_finish_and_usage, check_gibberish,
-                            check_grounded_arguments, check_nonce, check_stream_equivalence, check_tool_calls)
+from canary.oracles import (Failure, StreamProtocol, ToolCall, Turn, check_call_ids, check_control_text,
+                            check_finish_and_usage, check_gibberish, check_grounded_answer, check_grounded_arguments,
+                            check_nonce, check_required_calls, check_stream_equivalence, check_stream_protocol,
+                            check_tool_calls)
 from canary.scenarios import Scenario, execute_tool, make_scenario
 from canary.targets import Target
 
@@ -65,6 +69,11 @@ class RequestRecord:
     # The request's keyword arguments (stream flags aside) with a copy of `messages` taken when it
     # was sent (the list grows over the session): the load-vs-solo oracle replays exactly this.
     request: dict[str, Any] | None = None
+    protocol: StreamProtocol | None = None  # streamed only: what the raw SSE carried
+
+
+# How a session ended: every session ends exactly one way, and all but "completed" say why.
+COMPLETED, FAILED, ABORTED = "completed", "failed", "aborted"
 
 
 @dataclass
@@ -77,6 +86,10 @@ class RunResult:
     failures: list[tuple[float, Failure]] = field(default_factory=list)
     sessions_completed: int = 0
     sessions_aborted: int = 0
+    # (session, COMPLETED | FAILED | ABORTED, reason): the gate checks every session has one and that
+    # each failed session's failure reached `failures` (driver_pool.run_sharded concatenates them).
+    session_ends: list[tuple[int, str, str]] = field(default_factory=list)
+    oracle_checks: dict[str, int] = field(default_factory=dict)  # oracle -> responses it checked (summed by shards)
 
     @property
     def transcripts(self) -> list[Transcript]:
@@ -93,9 +106,74 @@ def _http_client():
     from openai import DefaultAsyncHttpxClient
     from openai._constants import DEFAULT_CONNECTION_LIMITS as limits
 
-    return DefaultAsyncHttpxClient(limits=type(limits)(max_connections=limits.max_connections,
-                                                       max_keepalive_connections=limits.max_keepalive_connections,
-                                                       keepalive_expiry=KEEPALIVE_EXPIRY_S))
+    limits = type(limits)(max_connections=limits.max_connections,
+                          max_keepalive_connections=limits.max_keepalive_connections,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    httpx = _openai_httpx()
+    transport = _sse_probe_transport(httpx)(httpx.AsyncHTTPTransport(limits=limits))
+    return DefaultAsyncHttpxClient(limits=limits, transport=transport)
+
+
+SSE_PROBE = "canary_sse_done"
+
+
+def _openai_httpx():
+    """The httpx the openai client is built on (openai 3 ships its own fork, httpx2): its client
+    asserts that transports and streams are its own classes."""
+    from openai import DefaultAsyncHttpxClient
+
+    return importlib.import_module(DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+
+
+@functools.lru_cache(maxsize=2)
+def _sse_probe_transport(httpx):
+    """An httpx transport around the real one that attaches a StreamProtocol probe to every
+    event-stream response (`response.extensions[SSE_PROBE]`), so the driver learns after the openai
+    stream ends whether the raw bytes carried `data: [DONE]`, with no second request. The openai
+    client swallows the terminator, and a stream that simply stops looks the same to it."""
+
+    class ProbeStream(httpx.AsyncByteStream):
+        """The bytes pass through unchanged; each complete `data:` line is noted."""
+
+        def __init__(self, inner, probe: StreamProtocol) -> None:
+            self._inner, self._probe, self._tail = inner, probe, b""
+
+        async def __aiter__(self):
+            async for chunk in self._inner:
+                lines = (self._tail + chunk).split(b"\n")
+                self._tail = lines.pop()  # an incomplete last line waits for the next chunk
+                for line in lines:
+                    self._line(line.strip())
+                yield chunk
+            self._line(self._tail.strip())
+
+        def _line(self, line: bytes) -> None:
+            if not line.startswith(b"data:"):
+                return
+            if self._probe.done:
+                self._probe.events_after_done += 1
+            elif line[5:].strip() == b"[DONE]":
+                self._probe.done = True
+
+        async def aclose(self) -> None:
+            await self._inner.aclose()
+
+    class ProbeTransport(httpx.AsyncBaseTransport):
+        def __init__(self, inner) -> None:
+            self._inner = inner
+
+        async def handle_async_request(self, request):
+            response = await self._inner.handle_async_request(request)
+            if response.headers.get("content-type", "").startswith("text/event-stream"):
+                probe = StreamProtocol()
+                response.stream = ProbeStream(response.stream, probe)
+                response.extensions = {**response.extensions, SSE_PROBE: probe}
+            return response
+
+        async def aclose(self) -> None:
+            await self._inner.aclose()
+
+    return ProbeTransport
 
 
 class SessionDriver:
@@ -144,22 +222,34 @@ class SessionDriver:
         import openai
 
         try:
-            await self._conversation(client, scenario)
+            status, reason = await self._conversation(client, scenario)
         except (openai.APIStatusError, openai.APIConnectionError) as exc:
             status = getattr(exc, "status_code", None)
             oracle = "http-status" if status is not None else "transport"
             now = time.perf_counter() - self._t0
             cause = f" caused by {exc.__cause__!r}" if exc.__cause__ is not None else ""
-            self._result.failures.append((now, Failure(oracle, scenario.index, -1,
-                                                       f"{type(exc).__name__} {status or ''}".strip() + cause,
-                                                       str(exc)[:300])))
+            failure = Failure(oracle, scenario.index, -1, f"{type(exc).__name__} {status or ''}".strip() + cause,
+                              str(exc)[:300])
+            self._result.failures.append((now, failure))
+            status, reason = FAILED, failure.describe()
+        except Exception as exc:  # noqa: BLE001 - e.g. a stream the client cannot parse: one session's finding
+            # Any other exception ends this session, not the run, and is a failure with its cause:
+            # a response the harness cannot even read is as wrong as one an oracle rejects.
+            failure = Failure("session-error", scenario.index, -1, f"session ended by {type(exc).__name__}",
+                              str(exc)[:300])
+            self._result.failures.append((time.perf_counter() - self._t0, failure))
+            status, reason = FAILED, failure.describe()
+        self._result.session_ends.append((scenario.index, status, reason))
 
-    async def _conversation(self, client, scenario: Scenario) -> None:
+    async def _conversation(self, client, scenario: Scenario) -> tuple[str, str]:
+        """Returns how the session ended (COMPLETED, FAILED or ABORTED) and why; every failure it
+        ends on is in `self._result.failures` before it returns."""
         rng = random.Random(f"{self.options.seed}:{scenario.seed}")
         messages: list[dict[str, Any]] = [{"role": "system", "content": scenario.system}]
         hop = 0
         for turn_index, user in enumerate(scenario.user_turns):
             messages.append({"role": "user", "content": user})
+            made: list[ToolCall] = []  # the tool calls of this user turn, over all its requests
             for _ in range(MAX_HOPS):
                 streamed = rng.random() < self.options.stream_ratio
                 abort_after = rng.randint(1, 8) if streamed and rng.random() < self.options.abort_ratio else None
@@ -167,15 +257,24 @@ class SessionDriver:
                 hop += 1
                 if record.aborted:
                     self._result.sessions_aborted += 1
-                    return
+                    return ABORTED, f"client abort mid-stream at request {hop - 1} (turn {turn_index})"
                 failures = self._check(scenario, record, messages)
                 if streamed and not failures:
-                    # Same request, not streamed: the reconstruction must be identical.
+                    # Same request, not streamed: the reconstruction must be identical, and the
+                    # reference is a response like any other (every oracle checks it too).
                     reference = await self._request(client, scenario, messages, hop, turn_index, False, None,
                                                     replay=True)
-                    failures += check_stream_equivalence(record.turn, reference.turn)
+                    failures += self._check(scenario, reference, messages)
+                    failures += self._record("stream-equivalence", check_stream_equivalence(record.turn,
+                                                                                            reference.turn))
+                if not failures and not record.turn.tool_calls and scenario.required_calls:
+                    failures += self._record("required-calls", check_required_calls(
+                        record.turn, made, list(scenario.required_calls[turn_index]),
+                        exact=not self.options.generic_prompts))
                 if failures:
-                    return  # a corrupted conversation cannot be continued meaningfully
+                    # A corrupted conversation cannot be continued meaningfully.
+                    return FAILED, failures[0].describe()
+                made += record.turn.tool_calls
                 if not record.turn.tool_calls:
                     messages.append({"role": "assistant", "content": record.turn.content})
                     break
@@ -185,21 +284,42 @@ class SessionDriver:
                 for call in record.turn.tool_calls:
                     result = execute_tool(call.name, json.loads(call.arguments))
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            else:
+                # MAX_HOPS requests and still calling tools: the turn never got its answer, and the
+                # session cannot go on as if it had.
+                failure = Failure("session-incomplete", scenario.index, turn_index,
+                                  f"no final answer after {MAX_HOPS} requests of tool calls", str(made)[:300])
+                self._record("session-incomplete", [failure])
+                return FAILED, failure.describe()
         self._result.sessions_completed += 1
+        return COMPLETED, ""
+
+    def _record(self, oracle: str, failures: list[Failure]) -> list[Failure]:
+        """Count one run of `oracle` and put its failures on the run's record: no oracle's findings
+        may stop short of the verdict."""
+        self._result.oracle_checks[oracle] = self._result.oracle_checks.get(oracle, 0) + 1
+        now = time.perf_counter() - self._t0
+        self._result.failures += [(now, f) for f in failures]
+        return failures
 
     def _check(self, scenario: Scenario, record: RequestRecord, messages: list[dict]) -> list[Failure]:
         turn = record.turn
-        failures = check_tool_calls(turn, scenario.schemas)
+        record_ = self._record
+        failures = record_("tool-calls", check_tool_calls(turn, scenario.schemas))
         if not self.options.generic_prompts:
             # The canary model copies values verbatim; a real LLM may legitimately normalise them.
             conversation = "\n".join(str(m.get("content") or "") for m in messages if m["role"] != "assistant")
-            failures += check_grounded_arguments(turn, conversation)
-        failures += check_nonce(turn, scenario.nonce, lambda: self._nonces, must_echo=not turn.tool_calls
-                                and turn.finish_reason == "stop")
-        failures += check_gibberish(turn)
-        failures += check_finish_and_usage(turn)
-        now = time.perf_counter() - self._t0
-        self._result.failures += [(now, f) for f in failures]
+            failures += record_("grounded-arguments", check_grounded_arguments(turn, conversation))
+            if not turn.tool_calls:
+                failures += record_("grounded-answer", check_grounded_answer(turn, conversation))
+        failures += record_("nonce", check_nonce(turn, scenario.nonce, lambda: self._nonces,
+                                                 must_echo=not turn.tool_calls and turn.finish_reason == "stop"))
+        failures += record_("gibberish", check_gibberish(turn))
+        failures += record_("finish-and-usage", check_finish_and_usage(turn))
+        failures += record_("tool-call-id", check_call_ids(turn))
+        failures += record_("control-text", check_control_text(turn))
+        if record.protocol is not None:
+            failures += record_("stream-protocol", check_stream_protocol(turn, record.protocol, include_usage=True))
         return failures
 
     # ---- one request ---------------------------------------------------------------------------
@@ -238,6 +358,8 @@ class SessionDriver:
 
     async def _streamed(self, client, kwargs, scenario, hop, turn_index, started, abort_after) -> RequestRecord:
         stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        # The transport's probe sees the raw lines ([DONE]); the chunks below fill in the rest.
+        protocol = stream.response.extensions.get(SSE_PROBE) or StreamProtocol()
         content, finish, usage = "", None, None
         calls: dict[int, dict[str, str]] = {}
         tokens: list = []
@@ -250,6 +372,7 @@ class SessionDriver:
             now = time.perf_counter()
             if chunk.usage:
                 usage = chunk.usage.model_dump()
+                protocol.usage_chunks += 1
             for choice in chunk.choices:
                 delta = choice.delta
                 # A token counts when it arrives, also while the server holds its text back (a tool
@@ -260,6 +383,8 @@ class SessionDriver:
                 if delta.content:
                     content += delta.content
                 for tc in delta.tool_calls or []:
+                    if tc.index not in calls:
+                        protocol.tool_call_indexes.append(tc.index)
                     entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
                     if tc.id:
                         entry["id"] = entry["id"] or tc.id
@@ -284,7 +409,7 @@ class SessionDriver:
                     self.options.max_tokens, tokens, aborted=aborted)
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, True, aborted, started, first_token, finished, completion,
-                             chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops))
+                             chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops), protocol)
 
 
 def _usage(usage: dict | None) -> dict[str, int] | None:

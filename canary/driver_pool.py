@@ -81,5 +81,8 @@ def run_sharded(target: Target, options: DriverOptions,
         merged.failures += result.failures
         merged.sessions_completed += result.sessions_completed
         merged.sessions_aborted += result.sessions_aborted
+        merged.session_ends += result.session_ends
+        for oracle, count in result.oracle_checks.items():
+            merged.oracle_checks[oracle] = merged.oracle_checks.get(oracle, 0) + count
     merged.failures.sort(key=lambda item: item[0])
     return merged

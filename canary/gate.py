@@ -29,6 +29,7 @@ class GateOutcome:
     failures: list[str] = field(default_factory=list)  # each names the oracle that fired
     notes: list[str] = field(default_factory=list)  # loud, non-failing messages (skipped oracles, no baseline)
     summary: dict = field(default_factory=dict)
+    report: Path | None = None  # summary.json under --report-dir, once written
 
     @property
     def passed(self) -> bool:
@@ -183,6 +184,7 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     speed_before = machine_speed.probe() if probing else None
     result = run_driver(target, options, progress, on_request_done)
     outcome.failures += [f.describe() for _, f in result.failures]
+    check_session_ends(result, outcome)
     differential.check_load_vs_solo(target, result, outcome, sample=differential_sample, near_tie=near_tie,
                                     exact=target.embedded if deterministic is None else deterministic)
     metrics = run_metrics(result)
@@ -191,10 +193,12 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
                 "device": device_name(), **versions()}
     if target.embedded:
         check_golden(result, golden_path(target, info), golden_update, metadata, outcome, near_tie)
-        _check_pages_idle(target, outcome)
     else:
         outcome.notes.append("golden-transcript oracle skipped: the target is not the embedded canary runtime "
                              "(only a deterministic canary model has golden transcripts)")
+    # Any server that exports the gauge gets the leak check (a staging deployment of this runtime,
+    # or a proxy in front of one); one without it gets a note saying the check did not run.
+    _check_pages_idle(target, outcome)
     # Before and after the run, with the server idle both times; the geometric mean spans the run.
     speed = math.sqrt(speed_before * machine_speed.probe()) if speed_before is not None else None
     record = golden_update or baseline_update
@@ -205,14 +209,38 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     outcome.summary.update({"target": target.name, "metadata": metadata, "metrics": metrics,
                             "sessions_completed": result.sessions_completed,
                             "sessions_aborted": result.sessions_aborted,
+                            "sessions": options.sessions, "oracle_checks": dict(sorted(result.oracle_checks.items())),
+                            "session_ends": [{"session": i, "status": st, "reason": why}
+                                             for i, st, why in sorted(result.session_ends) if st != "completed"],
                             "failures": [{"t": t, **f.__dict__} for t, f in result.failures],
                             "gate_failures": outcome.failures, "notes": outcome.notes})
     return outcome
 
 
+def check_session_ends(result: RunResult, outcome: GateOutcome) -> None:
+    """Every session ended exactly once, as completed, failed or aborted with its reason, and each
+    failed session's failure is among the run's failures: a session that stopped early with its
+    finding kept to itself would otherwise pass as a smaller run."""
+    ends: dict[int, list[tuple[str, str]]] = {}
+    for session, status, reason in result.session_ends:
+        ends.setdefault(session, []).append((status, reason))
+    failed_sessions = {f.session for _, f in result.failures}
+    for session in range(result.options.sessions):
+        got = ends.get(session, [])
+        if len(got) != 1:
+            outcome.failures.append(f"[session-accounting] session {session} ended {len(got)} times: {got}")
+        elif got[0][0] == "failed" and session not in failed_sessions:
+            outcome.failures.append(f"[session-accounting] session {session} ended failed ({got[0][1]}) but no "
+                                    "failure of it reached the verdict")
+        elif got[0][0] not in ("completed", "failed", "aborted"):
+            outcome.failures.append(f"[session-accounting] session {session} ended {got[0][0]!r}: {got[0][1]}")
+    outcome.summary["sessions_failed"] = sum(1 for s in ends.values() if s and s[0][0] == "failed")
+
+
 def _check_pages_idle(target: Target, outcome: GateOutcome) -> None:
     """Every request finished or was aborted: the KV pool must be back at its idle level."""
     pages = target.wait_kv_pages_idle()
+    outcome.summary["kv_pages_in_use"] = pages
     if pages is None:
         outcome.notes.append("KV page gauge not found in /metrics: leak oracle skipped")
     elif pages != 0:
@@ -288,15 +316,7 @@ def run_configured(options: CanaryOptions, target: Target) -> GateOutcome:
     if options.report_dir:
         from canary.reports import write_plots, write_summary
 
-        write_summary(options.report_dir, outcome.summary)
+        outcome.report = write_summary(options.report_dir, outcome.summary)
         write_plots(options.report_dir, outcome.summary)
     return outcome
 
-
-def headline(summary: dict) -> str | None:
-    """One line of the run's figures for the terminal; None when the run has none (A/B)."""
-    m = summary.get("metrics", {})
-    if not m:
-        return None
-    return (f"canary: {m['requests']} requests, {m['completion_tokens']} tokens in {m['wall_s']:.1f}s "
-            f"({m['output_tok_s']:.0f} tok/s), TTFT p50 {m['ttft_s']['p50']:.3f}s, TPOT p50 {m['tpot_s']['p50']:.4f}s")

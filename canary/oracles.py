@@ -91,10 +91,22 @@ def check_nonce(turn: Turn, own_nonce: str, other_nonces: Callable[[], list[str]
     return failures
 
 
+def _parsed_arguments(arguments: str) -> Any:
+    """Arguments as parsed JSON (key order and whitespace are presentation, not content); the raw
+    string where they do not parse (check_tool_calls reports that)."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
 def check_stream_equivalence(streamed: Turn, reference: Turn) -> list[Failure]:
-    """The streamed reconstruction must equal the non-streamed result for the same (greedy) request."""
-    a = (streamed.content, [(c.name, c.arguments) for c in streamed.tool_calls], streamed.finish_reason)
-    b = (reference.content, [(c.name, c.arguments) for c in reference.tool_calls], reference.finish_reason)
+    """The streamed reconstruction must equal the non-streamed result for the same (greedy) request,
+    tool arguments compared parsed: a server (or proxy) may serialize the same object differently."""
+    a = (streamed.content, [(c.name, _parsed_arguments(c.arguments)) for c in streamed.tool_calls],
+         streamed.finish_reason)
+    b = (reference.content, [(c.name, _parsed_arguments(c.arguments)) for c in reference.tool_calls],
+         reference.finish_reason)
     if a != b:
         return [_fail("stream-equivalence", streamed, f"streamed {a!r} != non-streamed {b!r}", _output_text(streamed))]
     return []
@@ -157,8 +169,16 @@ def _leaf_values(value: Any) -> list[Any]:
     return [value]
 
 
+def is_grounded(value: str, conversation: str) -> bool:
+    """`value` occurs in the conversation as a whole value: not as a piece of a longer word, id or
+    number (`85` is not grounded by `ORD-4855`, nor `12.5` by `12.55`). A `-` or `.` between two
+    alphanumerics joins them into one value; before a space or at a sentence end it does not."""
+    pattern = (r"(?<![A-Za-z0-9])(?<![A-Za-z0-9][-.])" + re.escape(value) + r"(?![A-Za-z0-9])(?![-.][A-Za-z0-9])")
+    return re.search(pattern, conversation) is not None
+
+
 def check_grounded_arguments(turn: Turn, conversation: str) -> list[Failure]:
-    """Every string and number in the tool arguments must occur verbatim in the conversation so far
+    """Every string and number in the tool arguments must occur as a whole value in the conversation so far
     (the user asked for exactly these values). A single flipped character in a value that still
     parses and validates (`Paris` -> `Qaris`, 9 -> 8) is invisible to the JSON oracles but not here.
     Booleans and enum members are left to the schema."""
@@ -172,7 +192,124 @@ def check_grounded_arguments(turn: Turn, conversation: str) -> list[Failure]:
             if isinstance(leaf, bool) or leaf is None:
                 continue
             text = leaf if isinstance(leaf, str) else json.dumps(leaf)
-            if text not in conversation:
+            if not is_grounded(text, conversation):
                 failures.append(_fail("ungrounded-argument", turn, f"{call.name}: value {text!r} appears nowhere "
                                       "in the conversation", call.arguments))
     return failures
+
+
+# A value in answer text: a number (with its sign and decimals) or a word/id (`ORD-4855`, `MTG-7KQ2`).
+_VALUE = re.compile(r"(?<![A-Za-z0-9-])-?[A-Za-z0-9]+(?:[-.][A-Za-z0-9]+)*")
+_SENTENCE_END = re.compile(r"(^|[.!?\]]\s*)$")
+
+
+def answer_values(text: str) -> list[str]:
+    """The values an answer states: every token holding a digit (amounts, temperatures, ids, times)
+    and every capitalised word that does not open a sentence (names, cities, days). A word opening
+    a sentence ("Booked", "Order") is the answer's own phrasing, not a value."""
+    values = []
+    for match in _VALUE.finditer(text):
+        token = match.group(0)
+        if any(ch.isdigit() for ch in token):
+            values.append(token)
+        elif token[0].isupper() and len(token) > 1 and not _SENTENCE_END.search(text[:match.start()]):
+            values.append(token)
+    return values
+
+
+def check_grounded_answer(turn: Turn, conversation: str) -> list[Failure]:
+    """Every number and entity in a final answer occurs as a whole value in the conversation (the
+    user's words, the system prompt and the tool results): the canary model copies them, so a digit
+    changed in the answer text, where no tool-argument oracle looks, shows here. Only for a model
+    that copies (the canary model); a real LLM may legitimately round or reformat."""
+    if turn.tool_calls or turn.aborted:
+        return []
+    missing = [v for v in answer_values(turn.content) if not is_grounded(v, conversation)]
+    if missing:
+        return [_fail("ungrounded-answer", turn, f"answer values {missing[:5]} appear nowhere in the conversation",
+                      turn.content)]
+    return []
+
+
+def check_required_calls(turn: Turn, made: list[ToolCall], required: list[tuple[str, dict]],
+                         exact: bool) -> list[Failure]:
+    """At the end of a user turn (its final answer, `turn`), the tool calls made across the turn's
+    requests (`made`) include every call its scenario requires. `exact` (the canary model, which
+    was trained on these very calls): the same calls with the same parsed arguments, none missing
+    and none extra. Otherwise (a real LLM): each required function was called at least once."""
+    names_made = [c.name for c in made]
+    if not exact:
+        absent = sorted({name for name, _ in required} - set(names_made))
+        if absent:
+            return [_fail("required-calls", turn, f"required tool calls {absent} never made (made {names_made})",
+                          turn.content)]
+        return []
+    want = sorted(json.dumps([name, args], sort_keys=True) for name, args in required)
+    got = sorted(json.dumps([c.name, _parsed_arguments(c.arguments)], sort_keys=True) for c in made)
+    if want != got:
+        missing = [w for w in want if w not in got]
+        extra = [g for g in got if g not in want]
+        return [_fail("required-calls", turn, f"tool calls of the turn differ from the required ones: missing "
+                      f"{missing[:3]}, extra {extra[:3]}", "; ".join(got))]
+    return []
+
+
+def check_call_ids(turn: Turn) -> list[Failure]:
+    """Each tool call of a response has its own non-empty id: the client answers each call by id,
+    so two calls sharing one would have one result attributed to both."""
+    ids = [c.id for c in turn.tool_calls]
+    failures = []
+    if any(not i for i in ids):
+        failures.append(_fail("tool-call-id", turn, f"tool call without an id: {ids}", _output_text(turn)))
+    duplicates = sorted({i for i in ids if i and ids.count(i) > 1})
+    if duplicates:
+        failures.append(_fail("tool-call-id", turn, f"tool call ids {duplicates} used by more than one call",
+                              _output_text(turn)))
+    return failures
+
+
+@dataclass
+class StreamProtocol:
+    """What the raw SSE of one streamed response carried, beyond what the parsed chunks show."""
+    done: bool = False  # a `data: [DONE]` line arrived
+    events_after_done: int = 0
+    usage_chunks: int = 0
+    tool_call_indexes: list[int] = field(default_factory=list)  # in order of first appearance
+
+
+def check_stream_protocol(turn: Turn, protocol: StreamProtocol, include_usage: bool) -> list[Failure]:
+    """A complete stream ends with `[DONE]` (nothing after it), carries exactly one usage chunk
+    when `stream_options.include_usage` was asked, and numbers its tool calls 0, 1, 2, ... (a gap
+    or a repeat means a call was dropped or merged). An aborted stream is incomplete by design."""
+    if turn.aborted:
+        return []
+    failures = []
+    if not protocol.done:
+        failures.append(_fail("stream-done", turn, "stream ended without its data: [DONE] terminator",
+                              _output_text(turn)))
+    if protocol.events_after_done:
+        failures.append(_fail("stream-done", turn, f"{protocol.events_after_done} events after [DONE]",
+                              _output_text(turn)))
+    if include_usage and protocol.usage_chunks != 1:
+        failures.append(_fail("stream-usage", turn, f"{protocol.usage_chunks} usage chunks although include_usage "
+                              "was asked (want 1)", _output_text(turn)))
+    indexes = protocol.tool_call_indexes
+    if indexes != list(range(len(indexes))):
+        failures.append(_fail("tool-call-index", turn, f"tool call indexes {indexes} are not 0..{len(indexes) - 1} "
+                              "in order", _output_text(turn)))
+    return failures
+
+
+# Text of the canary chat template's control tokens, and the DSML spellings a parsed tool call
+# consumes: none may reach a client as content (an EOS or role marker in an answer is a decode or
+# template bug; a DSML tag in content is a tool call the parser missed).
+CONTROL_TEXT = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",
+                "｜DSML｜", "<function_results>", "</function_results>")
+
+
+def check_control_text(turn: Turn) -> list[Failure]:
+    text = _output_text(turn)
+    found = [t for t in CONTROL_TEXT if t in text]
+    if found:
+        return [_fail("control-text", turn, f"control-token text {found} in the reply", text)]
+    return []

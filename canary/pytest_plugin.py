@@ -135,9 +135,45 @@ def canary_notes(pytestconfig: pytest.Config) -> list[str]:
     return pytestconfig.canary_notes
 
 
+SUMMARY_PROPERTY = "canary_summary"
+
+
+def record_summary(node, lines: list[str]) -> None:
+    """Attach a gate's summary lines to its test: user_properties travel with the test's report
+    from an xdist worker to the controlling process, which prints them (pytest_terminal_summary)."""
+    node.user_properties.append((SUMMARY_PROPERTY, lines))
+
+
+@pytest.fixture
+def canary_summary(request: pytest.FixtureRequest):
+    """Call with a gate's summary lines (canary.reports.summary_lines): printed in the end-of-run
+    "canary" section, also when the test ran on an xdist worker."""
+    return lambda lines: record_summary(request.node, lines)
+
+
+def recorded_summaries(terminalreporter) -> list[tuple[str, list[str]]]:
+    """(outcome, lines) of every summary the run's tests recorded, passed or failed, in run order."""
+    found = []
+    for outcome in ("passed", "failed", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if getattr(report, "when", None) != "call":
+                continue
+            found += [(outcome, value) for key, value in getattr(report, "user_properties", ())
+                      if key == SUMMARY_PROPERTY]
+    return found
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if hasattr(config, "workerinput") or not getattr(config, "canary_notes", None):
+    if hasattr(config, "workerinput"):
+        return
+    summaries = recorded_summaries(terminalreporter)
+    notes = getattr(config, "canary_notes", None)
+    if not summaries and not notes:
         return
     terminalreporter.section("canary")
-    for note in config.canary_notes:
+    for note in notes or ():
         terminalreporter.write_line(note, yellow=True, bold=True)
+    for outcome, lines in summaries:
+        for i, line in enumerate(lines):
+            terminalreporter.write_line(line, **({"green": True} if outcome == "passed" else {"red": True})
+                                        if i == 0 else {})

@@ -91,3 +91,83 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Path | None = None,
+                  max_failures: int = 25) -> list[str]:
+    """What the gate ran and found, for a person at a terminal: target, sessions, requests, tokens,
+    the oracles and how many responses each checked, golden N/N (or why not), the differential
+    oracle if it ran, perf against the baseline, KV pages, the report path; then the failures.
+    The same facts on success and failure, so a pass says what it passed on."""
+    m = summary.get("metrics") or {}
+    verdict = "PASSED" if not failures else f"FAILED ({len(failures)} failures)"
+    target = summary.get("target") or (summary.get("ab") or {}).get("candidate", "?")
+    lines = [f"canary gate {verdict}: target {target}"]
+    sessions = summary.get("sessions")
+    if sessions is not None:
+        lines.append(f"  sessions: {sessions} ({summary.get('sessions_completed', 0)} completed, "
+                     f"{summary.get('sessions_failed', 0)} failed, {summary.get('sessions_aborted', 0)} aborted)")
+    if m:
+        lines.append(f"  requests: {m['requests']} ({m['aborted_requests']} aborted), {m['completion_tokens']} "
+                     f"completion tokens in {m['wall_s']:.1f}s = {m['output_tok_s']:.0f} tok/s; TTFT p50 "
+                     f"{m['ttft_s']['p50']:.3f}s, TPOT p50 {m['tpot_s']['p50'] * 1000:.1f}ms")
+    checks = summary.get("oracle_checks") or {}
+    if checks:
+        lines.append(f"  oracles ({len(checks)}, responses checked): "
+                     + ", ".join(f"{name} {count}" for name, count in sorted(checks.items())))
+    golden = summary.get("golden")
+    if golden:
+        diverged = sum(1 for f in failures if f.startswith("[golden]"))
+        matched = golden["checked"] - diverged - golden.get("benign_near_ties", 0)
+        lines.append(f"  golden: {matched}/{golden['checked']} requests token-identical, "
+                     f"{golden.get('benign_near_ties', 0)} benign near-ties, {diverged} diverged ({golden['path']})")
+    else:
+        why = [n for n in summary.get("notes", []) if "golden" in n.lower()]
+        lines.append(f"  golden: not checked ({why[0] if why else 'no golden check ran'})")
+    differential = summary.get("differential")
+    if differential is not None:
+        lines.append(f"  differential: {_differential_line(differential)}")
+    lines.append(f"  perf: {_perf_line(summary)}")
+    pages = summary.get("kv_pages_in_use", "not checked")
+    lines.append("  KV pages in use after the run: " + ("skipped (no kv_pages_in_use gauge in /metrics)"
+                                                         if pages is None else f"{pages}"))
+    lines.append(f"  report: {report_path if report_path else 'none written (pass --report-dir)'}")
+    if failures:
+        lines.append("  failures:")
+        lines += [f"    {f}" for f in failures[:max_failures]]
+        if len(failures) > max_failures:
+            lines.append(f"    ... and {len(failures) - max_failures} more (all in the report)")
+    return lines
+
+
+def _differential_line(differential: dict[str, Any]) -> str:
+    """The load-vs-solo oracle's figures (canary/differential.py): replays identical out of compared,
+    near-ties allowed or not, and how long the replays took."""
+    mode = "exact" if differential.get("exact") else "near-ties benign"
+    skipped = differential.get("skipped")
+    if skipped:
+        return f"skipped ({skipped})"
+    return (f"{differential.get('equal', 0)}/{differential.get('compared', 0)} replays alone identical to "
+            f"under load ({mode}), {differential.get('benign_near_ties', 0)} benign near-ties, "
+            f"{differential.get('failed', 0)} failed, {differential.get('wall_s', 0.0):.1f}s")
+
+
+def _perf_line(summary: dict[str, Any]) -> str:
+    gate = summary.get("perf_gate")
+    if gate:
+        parts = []
+        for r in gate["results"]:
+            interval = r.get("interval")
+            extra = f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""
+            parts.append(f"{r['metric']} {r['candidate']:.4g} vs {r['baseline']:.4g} (ratio {r['ratio']:.3f}{extra}, "
+                         f"{'ok' if r['passed'] else 'FAIL'})")
+        speed = gate.get("machine_speed")
+        scaled = (f"; machine speed {speed:.0f} vs {gate['recorded_machine_speed']:.0f} blocks/s at recording"
+                  if speed and gate.get("recorded_machine_speed") else "")
+        return f"tolerance {gate['tolerance'] * 100:.0f}% vs {gate['baseline']}{scaled}: " + "; ".join(parts)
+    ab = summary.get("ab")
+    if ab:
+        return f"A/B vs {ab['baseline']} over {ab['rounds']} rounds: " + "; ".join(
+            f"{r['metric']} ratio {r['ratio']:.3f} ({'ok' if r['passed'] else 'FAIL'})" for r in ab["results"])
+    why = [n for n in summary.get("notes", []) if "BASELINE" in n or "perf" in n.lower()]
+    return f"not gated ({why[0] if why else 'no baseline comparison ran'})"

@@ -28,6 +28,9 @@ class Scenario:
     user_turns: tuple[str, ...]
     tools: list[dict[str, Any]]
     schemas: dict[str, dict]
+    # Per user turn, the (name, arguments) of each tool call the corpus says the turn makes: the
+    # required-calls oracle holds a turn's calls to these.
+    required_calls: tuple[tuple[tuple[str, dict[str, Any]], ...], ...] = ()
 
 
 def make_scenario(index: int, turns: int | None, generic: bool) -> Scenario:
@@ -37,10 +40,11 @@ def make_scenario(index: int, turns: int | None, generic: bool) -> Scenario:
     seed = SCENARIO_SEED_BASE + index
     session = make_session(seed)
     user_turns = tuple(t.user for t in session.turns)
+    required = tuple(tuple((c.name, dict(c.arguments)) for c in t.calls) for t in session.turns)
     if turns is not None:
-        user_turns = user_turns[:turns]
+        user_turns, required = user_turns[:turns], required[:turns]
     system = GENERIC_SYSTEM.format(nonce=session.nonce) if generic else session.system
-    return Scenario(index, seed, session.nonce, system, session.tool_choice, user_turns, TOOLS, SCHEMAS)
+    return Scenario(index, seed, session.nonce, system, session.tool_choice, user_turns, TOOLS, SCHEMAS, required)
 
 
 def execute_tool(name: str, arguments: dict[str, Any]) -> str:

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.e2e
 def outcome(result):
     requests = sorted((r.session, r.hop, r.streamed, tuple(r.turn.tokens)) for r in result.requests)
     failures = sorted((f.session, f.oracle) for _, f in result.failures)
-    return requests, failures, result.sessions_completed, result.sessions_aborted
+    # How each session ended and how often each oracle ran: the parent merges these from the shards.
+    return (requests, failures, result.sessions_completed, result.sessions_aborted, sorted(result.session_ends),
+            result.oracle_checks)
 
 
 def test_two_driver_processes_give_the_one_process_run(tmp_path):

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from canary.gate import headline, run_configured
+from canary.gate import run_configured
+from canary.reports import summary_lines
 
 pytestmark = pytest.mark.stress
 
 
-def test_canary_gate(canary_target, canary_options, canary_notes):
+def test_canary_gate(canary_target, canary_options, canary_notes, canary_summary):
     outcome = run_configured(canary_options, canary_target)
     canary_notes.extend(outcome.notes)
-    line = headline(outcome.summary)
-    if line:
-        print(f"\n{line}")
+    # Recorded before the verdict below, so the terminal summary says what ran on a failure too.
+    canary_summary(summary_lines(outcome.summary, outcome.failures, outcome.report))
     assert outcome.passed, f"{len(outcome.failures)} canary failures:\n" + "\n".join(outcome.failures[:25])

@@ -1,0 +1,80 @@
+"""The gate's terminal summary (issue 17 item 6): on success and on failure it says what ran and
+what was checked, and the pytest plugin prints it in the terminal summary from the controlling
+process (a summary recorded by a test travels in its report, so xdist workers' summaries show too)."""
+
+from __future__ import annotations
+
+import pytest
+
+from canary.reports import summary_lines
+
+pytestmark = pytest.mark.unit
+
+pytest_plugins = ["pytester"]
+
+
+def gate_summary(**overrides) -> dict:
+    stat = {"count": 10, "p50": 0.25, "p90": 0.3, "p99": 0.4, "mean": 0.26}
+    summary = {"target": "embedded:canary-dsv4", "sessions": 8, "sessions_completed": 7, "sessions_failed": 0,
+               "sessions_aborted": 1,
+               "metrics": {"requests": 40, "aborted_requests": 1, "completion_tokens": 1234, "wall_s": 12.5,
+                           "output_tok_s": 98.7, "ttft_s": stat, "tpot_s": {**stat, "p50": 0.0123}},
+               "oracle_checks": {"nonce": 40, "required-calls": 12, "stream-protocol": 20},
+               "golden": {"path": "golden/transcripts/stress-canary-dsv4.jsonl", "checked": 39,
+                          "benign_near_ties": 1, "golden_commit": "abc"},
+               "perf_gate": {"baseline": "golden/baselines/x.json", "tolerance": 0.1, "machine_speed": None,
+                             "recorded_machine_speed": None,
+                             "results": [{"metric": "output_tok_s", "baseline": 100.0, "candidate": 98.7,
+                                          "ratio": 1.013, "passed": True}]},
+               "kv_pages_in_use": 0.0, "notes": []}
+    summary.update(overrides)
+    return summary
+
+
+def test_a_passing_gate_says_what_ran_and_what_was_checked():
+    text = "\n".join(summary_lines(gate_summary(), [], report_path="reports/summary.json"))
+    for fact in ("PASSED", "embedded:canary-dsv4", "sessions: 8 (7 completed, 0 failed, 1 aborted)",
+                 "requests: 40 (1 aborted), 1234 completion tokens in 12.5s = 99 tok/s",
+                 "nonce 40", "required-calls 12", "stream-protocol 20",
+                 "golden: 38/39 requests token-identical, 1 benign near-ties, 0 diverged",
+                 "tolerance 10%", "output_tok_s 98.7 vs 100 (ratio 1.013, ok)",
+                 "KV pages in use after the run: 0.0", "report: reports/summary.json"):
+        assert fact in text, f"{fact!r} missing from\n{text}"
+    assert "failures:" not in text
+
+
+def test_a_failing_gate_says_the_same_facts_plus_the_failures():
+    failures = ["[golden] session-500001-req-3 diverged at token 4", "[ungrounded-answer] session 2 turn 1: x"]
+    passed = summary_lines(gate_summary(), [], None)
+    failed = summary_lines(gate_summary(sessions_failed=1), failures, None)
+    assert failed[0].startswith("canary gate FAILED (2 failures)")
+    assert "golden: 37/39 requests token-identical, 1 benign near-ties, 1 diverged" in "\n".join(failed)
+    assert len(failed) == len(passed) + 1 + len(failures)  # every fact line, then the failures
+    assert failed[-2:] == [f"    {f}" for f in failures]
+
+
+def test_skipped_checks_say_why():
+    notes = ["golden-transcript oracle skipped: the target is not the embedded canary runtime",
+             "NO PERFORMANCE BASELINE for this hardware at x.json: perf gate skipped"]
+    text = "\n".join(summary_lines(gate_summary(golden=None, perf_gate=None, kv_pages_in_use=None, notes=notes,
+                                                differential={"compared": 12, "equal": 12, "benign_near_ties": 0, "failed": 0, "exact": True, "wall_s": 3.0}), [], None))
+    assert "golden: not checked (golden-transcript oracle skipped" in text
+    assert "perf: not gated (NO PERFORMANCE BASELINE" in text
+    assert "KV pages in use after the run: skipped (no kv_pages_in_use gauge in /metrics)" in text
+    assert "differential: 12/12 replays alone identical to under load (exact)" in text
+    assert "report: none written" in text
+
+
+@pytest.mark.parametrize("verdict", ["passed", "failed"])
+def test_the_plugin_prints_the_summary_in_the_terminal_summary(pytester, verdict):
+    pytester.makeconftest('pytest_plugins = ["canary.pytest_plugin"]')
+    pytester.makepyfile(f'''
+        from canary.pytest_plugin import record_summary
+
+        def test_gate(request):
+            record_summary(request.node, ["canary gate LINE-ONE", "  sessions: 8 LINE-TWO"])
+            assert {verdict == "passed"}
+    ''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(**{verdict: 1})
+    result.stdout.re_match_lines([r".*= canary =.*", r"canary gate LINE-ONE", r"  sessions: 8 LINE-TWO"])
