@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test gate install clean
+.PHONY: test gate install lint clean
 
 install: $(STAMP)
 
@@ -35,7 +35,12 @@ $(STAMP): pyproject.toml Makefile
 # The stress gate and the other tests whose oracle measures speed (marker `timing`) run alone after
 # the rest: the gate compares against a baseline measured on an otherwise idle machine and the A/B
 # controls compare two servers' speed, so they must not share the two cores with other test workers.
-test: $(STAMP)
+# The style the code follows, enforced (pyproject.toml: [tool.ruff], [tool.mypy]); `make test` runs it first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -n 2 -m "not stress and not timing" $(PYTEST_ARGS)
 	$(PY) -m pytest -m "stress or timing" --sessions 80 $(PYTEST_ARGS)
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 from canary.logprob_close import Generation, NotClose, check_logprobs_close, first_mismatch, logprob_gap
 

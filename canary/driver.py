@@ -15,14 +15,28 @@ import importlib
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from canary.golden import Transcript
-from canary.oracles import (Failure, StreamProtocol, ToolCall, Turn, check_call_ids, check_control_text,
-                            check_finish_and_usage, check_gibberish, check_grounded_answer, check_grounded_arguments,
-                            check_nonce, check_required_calls, check_stream_equivalence, check_stream_protocol,
-                            check_tool_calls)
+from canary.oracles import (
+    Failure,
+    StreamProtocol,
+    ToolCall,
+    Turn,
+    check_call_ids,
+    check_control_text,
+    check_finish_and_usage,
+    check_gibberish,
+    check_grounded_answer,
+    check_grounded_arguments,
+    check_nonce,
+    check_required_calls,
+    check_stream_equivalence,
+    check_stream_protocol,
+    check_tool_calls,
+)
 from canary.scenarios import Scenario, execute_tool, make_scenario
 from canary.targets import Target
 
@@ -190,7 +204,7 @@ class SessionDriver:
         self.scenarios = all_scenarios[shard[0]::shard[1]]
         self.shard = shard
         self._t0 = 0.0
-        self._result: RunResult | None = None
+        self._result = RunResult(options, target.name, 0.0, 0.0)  # replaced when the run starts
 
     def run(self) -> RunResult:
         """This driver's sessions in this process (canary.driver_pool.run_sessions spreads them)."""
@@ -224,11 +238,11 @@ class SessionDriver:
         try:
             status, reason = await self._conversation(client, scenario)
         except (openai.APIStatusError, openai.APIConnectionError) as exc:
-            status = getattr(exc, "status_code", None)
-            oracle = "http-status" if status is not None else "transport"
+            code = getattr(exc, "status_code", None)
+            oracle = "http-status" if code is not None else "transport"
             now = time.perf_counter() - self._t0
             cause = f" caused by {exc.__cause__!r}" if exc.__cause__ is not None else ""
-            failure = Failure(oracle, scenario.index, -1, f"{type(exc).__name__} {status or ''}".strip() + cause,
+            failure = Failure(oracle, scenario.index, -1, f"{type(exc).__name__} {code or ''}".strip() + cause,
                               str(exc)[:300])
             self._result.failures.append((now, failure))
             status, reason = FAILED, failure.describe()
@@ -409,7 +423,8 @@ class SessionDriver:
                     self.options.max_tokens, tokens, aborted=aborted)
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, True, aborted, started, first_token, finished, completion,
-                             chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops), protocol)
+                             chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops),
+                             protocol=protocol)
 
 
 def _usage(usage: dict | None) -> dict[str, int] | None:

@@ -10,7 +10,7 @@ import dataclasses
 import multiprocessing
 import queue
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from canary.driver import DriverOptions, RequestRecord, RunResult, SessionDriver
 from canary.targets import Target
@@ -59,7 +59,8 @@ def run_sharded(target: Target, options: DriverOptions,
             except queue.Empty:
                 dead = [w for w in workers if w.exitcode not in (None, 0)]
                 if dead and len(results) + len(errors) + len(dead) >= n:
-                    raise RuntimeError(f"driver shard exited with status {dead[0].exitcode} before reporting")
+                    raise RuntimeError(f"driver shard exited with status {dead[0].exitcode} before reporting") \
+                        from None
                 continue
             if kind == "request":
                 if on_request_done is not None:

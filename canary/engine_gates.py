@@ -20,10 +20,11 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import cast
 
 import torch
 
@@ -89,7 +90,7 @@ def drive(engine: Engine, arrivals: list[Arrival], *, rid_prefix: str | None = "
     """Add each request at its iteration, abort it when its arrival says so, step until everything
     finished. `rid_prefix=None` lets the engine name requests (unique across calls on one engine, as
     `Engine.generate`); `drop_finished` removes finished requests from the table, as the server does."""
-    driven = Driven([None] * len(arrivals))
+    driven = Driven(cast("list[Request]", [None] * len(arrivals)))  # filled as requests arrive
     counted: set[int] = set()
     last_arrival = max(a.iteration for a in arrivals)
     iteration = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from canary import engine_gates, gpu_gates
 from canary.fault_matrix import Detector, GateResult
@@ -20,8 +21,8 @@ from runtime.config import DEFAULT_MODEL
 # run measured so far, small enough that the whole matrix stays within a few CPU minutes.
 # (DriverOptions fields; kept as plain values so that the GPU-only form of the matrix imports no
 # HTTP client: the device image has none.)
-CANARY_WORKLOAD = dict(sessions=16, turns=2, stream_ratio=0.5, max_tokens=160)
-AB_WORKLOAD = dict(sessions=8, turns=1, stream_ratio=1.0, max_tokens=160)
+CANARY_WORKLOAD: dict[str, Any] = dict(sessions=16, turns=2, stream_ratio=0.5, max_tokens=160)
+AB_WORKLOAD: dict[str, Any] = dict(sessions=8, turns=1, stream_ratio=1.0, max_tokens=160)
 AB_ROUNDS = 2  # baseline and candidate interleaved twice: a load spike on the shared CPU hits both
 PERF_TOLERANCE = 0.5  # the gate's default for shared CPU runners (canary/pytest_plugin.py --perf-tolerance)
 

@@ -13,9 +13,9 @@ Clean runs: each distinct gate, no fault, N seeds; any failure or crash there is
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 CAUGHT, MISSED, ERROR, NOT_RUN = "caught", "missed", "error", "not run"
 NEEDS_GPU = "not run: needs a GPU (use --gpu on the device)"

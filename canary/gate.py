@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 from canary import differential, machine_speed, perf
 from canary.driver import DriverOptions, RequestRecord, RunResult
@@ -285,7 +286,7 @@ def sweep(target: Target, options: DriverOptions, progress: bool = True) -> dict
         rows.append({"concurrency": level, "output_tok_s": m["output_tok_s"], "tpot_s": m["tpot_s"],
                      "ttft_s": m["ttft_s"], "failures": len(result.failures)})
     points = [(r["concurrency"], r["tpot_s"]["p50"]) for r in rows if r["tpot_s"]["count"]]
-    out = {"sweep": rows, "cliffs": perf.find_cliffs([r["concurrency"] for r in rows],
+    out: dict[str, Any] = {"sweep": rows, "cliffs": perf.find_cliffs([r["concurrency"] for r in rows],
                                                      [r["output_tok_s"] for r in rows])}
     if len(points) >= 2:
         fit = perf.fit_step_time([p[0] for p in points], [p[1] for p in points])

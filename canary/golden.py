@@ -9,9 +9,10 @@ After any divergence the rest of the scenario is not comparable and is not check
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Hashable
+from typing import Any
 
 from canary.logprob_close import first_mismatch, is_near_tie, logprob_gap
 
@@ -23,9 +24,9 @@ EXIT_REGRESSION = 3
 @dataclass
 class Transcript:
     scenario: str
-    tokens: list[Hashable]
+    tokens: Sequence[Hashable]
     # Per position: the top-k alternatives [(token, logprob), ...] as the run reported them.
-    top_logprobs: list[list[tuple[Hashable, float]]]
+    top_logprobs: Sequence[Sequence[tuple[Hashable, float]]]
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def first_mismatch(a: Sequence[Hashable], b: Sequence[Hashable]) -> int | None:
@@ -23,7 +24,7 @@ def first_mismatch(a: Sequence[Hashable], b: Sequence[Hashable]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def logprob_gap(top: Mapping[Hashable, float], own: Hashable, other: Hashable) -> float | None:
+def logprob_gap(top: Mapping[Any, float], own: Hashable, other: Hashable) -> float | None:
     """logprob(own) - logprob(other) in one side's top-k; None when either token is not in it."""
     if own not in top or other not in top:
         return None
@@ -36,9 +37,9 @@ def is_near_tie(gap: float | None, margin: float) -> bool:
 
 @dataclass(frozen=True)
 class Generation:
-    tokens: list[int]
+    tokens: list[Any]  # token ids, or token strings where a server reports only those
     logprobs: list[float]
-    top: list[list[tuple[int, float]]]  # per position: (token, logprob), best first
+    top: list[list[tuple[Any, float]]]  # per position: (token, logprob), best first
 
 
 @dataclass(frozen=True)

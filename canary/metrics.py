@@ -9,8 +9,9 @@ from canary.perf import summarize
 def run_metrics(result: RunResult) -> dict:
     done = [r for r in result.requests if not r.aborted]
     streamed = [r for r in done if r.streamed and r.first_token is not None]
-    ttft = [r.first_token - r.started for r in streamed]
-    tpot = [(r.finished - r.first_token) / (r.completion_tokens - 1) for r in streamed if r.completion_tokens > 1]
+    first = [(r, r.first_token) for r in streamed if r.first_token is not None]  # (narrowed for the type checker)
+    ttft = [t - r.started for r, t in first]
+    tpot = [(r.finished - t) / (r.completion_tokens - 1) for r, t in first if r.completion_tokens > 1]
     itl = [b - a for r in streamed for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     tokens = sum(r.completion_tokens for r in done)
     return {

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from canary.differential import DEFAULT_SAMPLE  # stdlib imports only
 
@@ -38,14 +39,14 @@ class CanaryOptions:
 def serves_canary_model(model: str | None) -> bool:
     """A remote target serving a canary-* model (a staging deployment of this runtime) gets the
     exact prompts the canary model was trained on; any other model gets plain-words prompts."""
-    return bool(model) and Path(model).name.startswith("canary-")
+    return model is not None and Path(model).name.startswith("canary-")
 
 
 def driver_options(options: CanaryOptions, target=None, **overrides):
     from canary.driver import DriverOptions
 
     generic = options.base_url is not None and not serves_canary_model(target.model if target else options.model)
-    values = dict(sessions=options.sessions, concurrency=options.concurrency, turns=options.turns,
+    values: dict[str, Any] = dict(sessions=options.sessions, concurrency=options.concurrency, turns=options.turns,
                   stream_ratio=options.stream_ratio, abort_ratio=options.abort_ratio, max_tokens=options.max_tokens,
                   generic_prompts=generic, processes=options.processes)
     values.update(overrides)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -98,7 +99,7 @@ def load_baseline(path: Path) -> dict | None:
 
 def save_baseline(path: Path, fingerprint: dict, metrics: dict[str, float], machine_speed: float | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"fingerprint": fingerprint, "metrics": metrics}
+    record: dict[str, Any] = {"fingerprint": fingerprint, "metrics": metrics}
     if machine_speed is not None:
         record["machine_speed"] = machine_speed
     path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")

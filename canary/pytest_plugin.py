@@ -16,6 +16,10 @@ import pytest
 from canary.differential import DEFAULT_SAMPLE  # stdlib imports only: `pytest --help` stays fast
 from canary.options import CanaryOptions
 
+# Session state on the config, typed (pytest's stash): the parsed options and the end-of-run notes.
+OPTIONS = pytest.StashKey[CanaryOptions]()
+NOTES = pytest.StashKey[list[str]]()
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("canary", "DSV4 canary suite")
@@ -69,7 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError("--driver-processes must be >= 1")
     if opt("base_url") and opt("inject_fault"):
         raise pytest.UsageError("--inject-fault applies to the embedded runtime, not to --base-url")
-    config.canary_options = CanaryOptions(
+    config.stash[OPTIONS] = CanaryOptions(
         sessions=opt("sessions"), turns=opt("turns"), concurrency=opt("concurrency"), base_url=opt("base_url"),
         model=opt("model"), api_key=opt("api_key"), stream_ratio=opt("stream_ratio"),
         abort_ratio=opt("abort_ratio"), faults=tuple(opt("inject_fault")), baseline=opt("baseline"),
@@ -77,7 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
         golden_update=opt("golden_update"), baseline_update=opt("baseline_update"), sweep=opt("sweep"),
         max_tokens=opt("canary_max_tokens"), processes=opt("driver_processes"),
         differential_sample=opt("differential_sample"), deterministic=opt("deterministic"))
-    config.canary_notes = []
+    config.stash[NOTES] = []
 
 
 def _cuda_available() -> bool:
@@ -105,7 +109,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def canary_options(pytestconfig: pytest.Config) -> CanaryOptions:
-    return pytestconfig.canary_options
+    return pytestconfig.stash[OPTIONS]
 
 
 @pytest.fixture(scope="session")
@@ -132,7 +136,7 @@ def config_server_args(request) -> list[str]:
 @pytest.fixture
 def canary_notes(pytestconfig: pytest.Config) -> list[str]:
     """Lines for the end-of-run "canary" section (printed once, by the controlling process)."""
-    return pytestconfig.canary_notes
+    return pytestconfig.stash[NOTES]
 
 
 SUMMARY_PROPERTY = "canary_summary"
@@ -167,7 +171,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if hasattr(config, "workerinput"):
         return
     summaries = recorded_summaries(terminalreporter)
-    notes = getattr(config, "canary_notes", None)
+    notes = config.stash.get(NOTES, None)
     if not summaries and not notes:
         return
     terminalreporter.section("canary")

@@ -16,9 +16,9 @@ import csv
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 MIB = 1024 * 1024
 
@@ -57,7 +57,7 @@ class RssSampler:
         self._thread = threading.Thread(target=self._loop, name=f"rss-sampler-{pid}", daemon=True)
         self._t0 = 0.0
 
-    def start(self) -> "RssSampler":
+    def start(self) -> RssSampler:
         self._t0 = time.monotonic()
         self._thread.start()
         return self
@@ -68,7 +68,7 @@ class RssSampler:
         self._sample()  # the end state, whatever the phase of the interval
         return self.samples
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 
@@ -51,5 +52,5 @@ def run_with_watchdog(fn: Callable[[], T], *, deadline_s: float, stall_s: float,
             on_tick(now - start)
             next_tick += tick_s
     if "error" in result:
-        raise result["error"]
-    return result["value"]
+        raise cast(BaseException, result["error"])
+    return cast(T, result["value"])

@@ -173,7 +173,7 @@ def _bump_last_digit(text: str) -> str:
     """The last digit of the text + 1 (mod 10), only past the `[NONCE]` prefix: a value in the
     answer body (a changed nonce is the nonce oracle's, which caught it before this issue)."""
     match = None
-    for match in re.finditer(r"\d", text):
+    for match in re.finditer(r"\d", text):  # noqa: B007 - the loop keeps the last digit's match
         pass
     if match is None or match.start() < text.find("]"):
         return text

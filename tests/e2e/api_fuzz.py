@@ -91,7 +91,8 @@ def tool_def(name: str) -> st.SearchStrategy[dict]:
 
 # Well-typed message text, sometimes with lone surrogates (valid JSON escapes, invalid Unicode).
 message_text = st.one_of(st.text(min_size=1, max_size=40), st.text(min_size=1, max_size=40),
-                         st.builds(lambda a, s, b: a + s + b, st.text(max_size=5), lone_surrogates, st.text(max_size=5)))
+                         st.builds(lambda a, s, b: a + s + b, st.text(max_size=5), lone_surrogates,
+                                   st.text(max_size=5)))
 
 
 @st.composite

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
+from canary.targets import embedded_server
 from runtime.server import request_body
 from tests.e2e.api_fuzz import PARSER_HEADER_LIMIT, FuzzStats, Outcome, Probe, probes, problems, send
-from canary.targets import embedded_server
 from tests.e2e.launch import serve_in_thread, tiny_state
 
 pytestmark = pytest.mark.e2e

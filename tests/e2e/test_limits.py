@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
-from typing import Iterator
 
 import httpx
 import pytest
 
-from runtime.env import Env
 from canary.targets import embedded_server
+from runtime.env import Env
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from runtime.server.auth import OPEN_PATHS, BearerAuth
 from canary.targets import embedded_server
+from runtime.server.auth import OPEN_PATHS, BearerAuth
 from tests.e2e.launch import serve_in_thread, tiny_state
 
 pytestmark = pytest.mark.e2e

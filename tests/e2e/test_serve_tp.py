@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from canary.targets import embedded_server
 from canary.logprob_close import Generation, check_logprobs_close
+from canary.targets import embedded_server
 
 pytestmark = pytest.mark.e2e
 BODY = {"model": "tiny-random", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,

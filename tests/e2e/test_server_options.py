@@ -99,7 +99,8 @@ def test_option_at_its_honoured_value_is_accepted(state, option):
 
 def test_tool_result_for_an_unknown_call_is_a_400(state):
     call = {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-    ok = [*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_a", "content": "1"}]
+    ok = [*USER, {"role": "assistant", "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "call_a", "content": "1"}]
     assert post(state, {"messages": ok, "max_tokens": 1, "tools": TOOLS}).status_code == 200
     bad = [*ok, {"role": "tool", "tool_call_id": "call_b", "content": "2"}]
     resp = post(state, {"messages": bad, "max_tokens": 1, "tools": TOOLS})

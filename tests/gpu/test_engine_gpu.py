@@ -10,8 +10,8 @@ import random
 import pytest
 
 from canary.engine_gates import Arrival, at_once, drive
-from runtime.config import EngineConfig, default_model
 from canary.logprob_close import Generation, check_logprobs_close
+from runtime.config import EngineConfig, default_model
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from canary.engine_gates import at_once, drive
+from canary.logprob_close import Generation, check_logprobs_close
 from runtime.config import EngineConfig, default_model
 from runtime.distributed.errors import DesyncError
-from canary.logprob_close import Generation, check_logprobs_close
 from runtime.distributed.tp_engine import start_engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from runtime.env import Env
-from runtime.models.loader import load_model
 from runtime.eval_canary import evaluate
+from runtime.models.loader import load_model
 
 pytestmark = pytest.mark.unit
 

@@ -14,11 +14,12 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from runtime.server.chat_template import ChatTemplate
-from runtime.server.protocol import ChatCompletionRequest
 from runtime.server.prompt import render_prompt
+from runtime.server.protocol import ChatCompletionRequest
 from runtime.tokenizer import ByteTokenizer
 from tests.reference_impls import deepseek_recipe, needs_recipe
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from runtime.server.dsml import DSML, DsmlParser, collect, parse
 from tests.reference_impls import DeepSeekV4Detector, Function, Tool, needs_sglang

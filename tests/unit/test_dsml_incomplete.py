@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from runtime.server.dsml import DSML, DsmlParser, ParsedCall, collect, parse
 from runtime.server.output import ChoiceBuilder, OutputOptions, fold

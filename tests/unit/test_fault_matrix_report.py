@@ -8,8 +8,18 @@ import json
 
 import pytest
 
-from canary.fault_matrix import (CAUGHT, ERROR, MISSED, NOT_RUN, Detector, GateResult, render_table, run_clean,
-                                 run_matrix, to_json)
+from canary.fault_matrix import (
+    CAUGHT,
+    ERROR,
+    MISSED,
+    NOT_RUN,
+    Detector,
+    GateResult,
+    render_table,
+    run_clean,
+    run_matrix,
+    to_json,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -57,7 +57,9 @@ def test_skipped_checks_say_why():
     notes = ["golden-transcript oracle skipped: the target is not the embedded canary runtime",
              "NO PERFORMANCE BASELINE for this hardware at x.json: perf gate skipped"]
     text = "\n".join(summary_lines(gate_summary(golden=None, perf_gate=None, kv_pages_in_use=None, notes=notes,
-                                                differential={"compared": 12, "equal": 12, "benign_near_ties": 0, "failed": 0, "exact": True, "wall_s": 3.0}), [], None))
+                                                differential={"compared": 12, "equal": 12, "benign_near_ties": 0,
+                                                              "failed": 0, "exact": True, "wall_s": 3.0}),
+                                   [], None))
     assert "golden: not checked (golden-transcript oracle skipped" in text
     assert "perf: not gated (NO PERFORMANCE BASELINE" in text
     assert "KV pages in use after the run: skipped (no kv_pages_in_use gauge in /metrics)" in text

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from canary.oracles import (ToolCall, Turn, check_finish_and_usage, check_gibberish, check_nonce,
-                            check_stream_equivalence, check_tool_calls)
+from canary.oracles import (
+    ToolCall,
+    Turn,
+    check_finish_and_usage,
+    check_gibberish,
+    check_nonce,
+    check_stream_equivalence,
+    check_tool_calls,
+)
 
 pytestmark = pytest.mark.unit
 

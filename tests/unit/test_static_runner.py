@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from canary.engine_gates import at_once, drive
-from runtime.config import EngineConfig
 from canary.logprob_close import Generation, check_logprobs_close
+from runtime.config import EngineConfig
 from runtime.distributed.tp_engine import start_engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
@@ -159,7 +159,8 @@ def test_static_runner_triton_attention_comparison_sees_a_planted_bug(tiny, monk
     clean = run(tiny, prompts, params, runner="static", max_model_len=128)
     real = triton_attention.sparse_mla_decode
     monkeypatch.setattr(triton_attention, "sparse_mla_decode",
-                        lambda q, cache, slots, latent, scale, **kw: real(q, cache, slots, latent, latent ** -0.5, **kw))
+                        lambda q, cache, slots, latent, scale, **kw:
+                        real(q, cache, slots, latent, latent ** -0.5, **kw))
     planted = run(tiny, prompts, params, **TRITON_ATTENTION)
     with pytest.raises(AssertionError):
         check_logprobs_close(clean, planted, margin=1e-3, logprob_atol=1e-4)

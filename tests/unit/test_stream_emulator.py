@@ -45,9 +45,9 @@ def test_random_mode_explores_more_than_one_order():
         ran = []
         ex = AdversarialExecutor(mode="random", seed=seed)
         ex.fork("side")
-        ex.submit(Task("idx", "side", (), (), fn=lambda: ran.append("idx")))
-        ex.submit(Task("m1", MAIN, (), (), fn=lambda: ran.append("m1")))
-        ex.submit(Task("m2", MAIN, (), (), fn=lambda: ran.append("m2")))
+        ex.submit(Task("idx", "side", (), (), fn=lambda ran=ran: ran.append("idx")))
+        ex.submit(Task("m1", MAIN, (), (), fn=lambda ran=ran: ran.append("m1")))
+        ex.submit(Task("m2", MAIN, (), (), fn=lambda ran=ran: ran.append("m2")))
         ex.synchronize()
         orders.add(tuple(ran))
     assert len(orders) > 1, "random mode must not collapse to a single schedule"

@@ -11,17 +11,17 @@ import signal
 import threading
 
 import pytest
+from test_overlap import drive_like_the_server, make_workload, run
 
+from canary.logprob_close import Generation, NotClose, check_logprobs_close
 from runtime.config import EngineConfig
 from runtime.distributed.errors import CollectiveError, DesyncError
-from canary.logprob_close import Generation, NotClose, check_logprobs_close
 from runtime.distributed.tp_engine import start_engine
 from runtime.distributed.worker import LOCAL_ABORT_STEP
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from test_overlap import drive_like_the_server, make_workload, run
 
 pytestmark = pytest.mark.unit
 
