@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from canary import bisect, faults_cli, golden_cli
+from canary.cli import bisect
+from canary.cli import faults as faults_cli
+from canary.cli import golden as golden_cli
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from canary.golden import Transcript
-from canary.oracles import (
+from canary.oracles.golden import Transcript
+from canary.oracles.turn import (
     Failure,
     StreamProtocol,
     ToolCall,

@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from canary import differential, machine_speed, perf
 from canary.driver import DriverOptions, RequestRecord, RunResult
 from canary.driver_pool import run_sessions
-from canary.golden import Transcript, first_divergence, read_store, write_store
-from canary.metrics import gated_figures, run_metrics
 from canary.options import CanaryOptions
+from canary.oracles import differential
+from canary.oracles.golden import Transcript, first_divergence, read_store, write_store
+from canary.perf import machine_speed
+from canary.perf import verdict as perf
+from canary.perf.metrics import gated_figures, run_metrics
 from canary.provenance import device_name, fingerprint, git_commit, versions
 from canary.targets import Target
 
@@ -135,7 +137,7 @@ def baseline_fingerprint(target: Target, info: dict, options: DriverOptions) -> 
 
 def gate_against_baseline(figures: dict, fp: dict, baseline: Path | None, tolerance: float, update: bool,
                           outcome: GateOutcome, machine_speed: float | None = None) -> None:
-    """`machine_speed`: this run's probe (canary/machine_speed.py) where the server computes on this
+    """`machine_speed`: this run's probe (canary/perf/machine_speed.py) where the server computes on this
     machine's CPU, else None; with a probe stored beside the baseline, the baseline is scaled by the ratio."""
     path = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
     stored = perf.load_baseline(path)

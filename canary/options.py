@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from canary.differential import DEFAULT_SAMPLE  # stdlib imports only
+from canary.oracles.differential import DEFAULT_SAMPLE  # stdlib imports only
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from canary.differential import DEFAULT_SAMPLE  # stdlib imports only: `pytest --help` stays fast
 from canary.options import CanaryOptions
+from canary.oracles.differential import DEFAULT_SAMPLE  # stdlib imports only: `pytest --help` stays fast
 
 # Session state on the config, typed (pytest's stash): the parsed options and the end-of-run notes.
 OPTIONS = pytest.StashKey[CanaryOptions]()

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from canary.rss import MIB, Flatness, RssSample, sustained_levels
+from canary.soak.rss import MIB, Flatness, RssSample, sustained_levels
 
 
 def write_summary(report_dir: Path, summary: dict[str, Any]) -> Path:
@@ -141,7 +141,7 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
 
 
 def _differential_line(differential: dict[str, Any]) -> str:
-    """The load-vs-solo oracle's figures (canary/differential.py): replays identical out of compared,
+    """The load-vs-solo oracle's figures (canary/oracles/differential.py): replays identical out of compared,
     near-ties allowed or not, and how long the replays took."""
     mode = "exact" if differential.get("exact") else "near-ties benign"
     skipped = differential.get("skipped")

@@ -1,11 +1,11 @@
-"""The load-vs-solo differential oracle (canary/differential.py) against the embedded runtime: a
+"""The load-vs-solo differential oracle (canary/oracles/differential.py) against the embedded runtime: a
 fault that corrupts only under load trips it with golden transcripts off, and a clean run is exact.
 
 Golden transcripts are switched off the way the gate switches them off for any server it did not
 start (`Target.embedded` False): the oracle must stand on its own, as it does for SGLang or vLLM.
 `overlap-stale-token` (with --overlap) corrupts a request alone just as under load, and `stream-race`
 changes nothing on the CPU's in-order stream executor, so neither belongs here (measured: 16/16
-and 24/24 replays equal; their own gates are in canary/fault_detectors.py).
+and 24/24 replays equal; their own gates are in canary/faults/detectors.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import dataclasses
 
 import pytest
 
-from canary.differential import DEFAULT_SAMPLE, TAG
 from canary.driver import DriverOptions
 from canary.gate import run_gate
+from canary.oracles.differential import DEFAULT_SAMPLE, TAG
 from canary.targets import embedded_server
 from runtime.config import DEFAULT_MODEL
 

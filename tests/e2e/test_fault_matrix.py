@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from canary.__main__ import main
-from canary.fault_detectors import DETECTORS
-from canary.fault_matrix import CAUGHT, NOT_RUN, MatrixReport, distinct_gates, render_table, run_clean, run_fault
+from canary.faults.detectors import DETECTORS
+from canary.faults.matrix import CAUGHT, NOT_RUN, MatrixReport, distinct_gates, render_table, run_clean, run_fault
 from runtime.faults import REGISTRY
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from canary.logprob_close import Generation, check_logprobs_close
+from canary.oracles.logprob_close import Generation, check_logprobs_close
 from canary.targets import embedded_server
 
 pytestmark = pytest.mark.e2e

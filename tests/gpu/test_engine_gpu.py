@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from canary.engine_gates import Arrival, at_once, drive
-from canary.logprob_close import Generation, check_logprobs_close
+from canary.faults.engine_gates import Arrival, at_once, drive
+from canary.oracles.logprob_close import Generation, check_logprobs_close
 from runtime.config import EngineConfig, default_model
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from canary.engine_gates import at_once, drive
-from canary.logprob_close import Generation, check_logprobs_close
+from canary.faults.engine_gates import at_once, drive
+from canary.oracles.logprob_close import Generation, check_logprobs_close
 from runtime.config import EngineConfig, default_model
 from runtime.distributed.errors import DesyncError
 from runtime.distributed.tp_engine import start_engine

@@ -12,8 +12,8 @@ import torch
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from canary.tolerances import assert_close_to_reference
-from canary.topk_compare import wrong_topk_indices
+from canary.oracles.tolerances import assert_close_to_reference
+from canary.oracles.topk_compare import wrong_topk_indices
 from runtime.kernels import cpu, reference
 from runtime.kernels.cpu import ROW_TILE
 from runtime.kernels.types import MoEWeights

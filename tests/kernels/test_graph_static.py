@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canary.tolerances import assert_close_to_reference
+from canary.oracles.tolerances import assert_close_to_reference
 from runtime.faults import FaultSet
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.graph.runner import COARSE_BUCKETS, FINE_BUCKETS, can_use_cuda_graph, pad_batch, pad_inputs

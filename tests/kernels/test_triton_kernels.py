@@ -15,8 +15,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from canary.tolerances import assert_close_to_reference
-from canary.topk_compare import wrong_topk_indices
+from canary.oracles.tolerances import assert_close_to_reference
+from canary.oracles.topk_compare import wrong_topk_indices
 from runtime.kernels import reference
 from runtime.kernels.triton import INTERPRETED, attention, elementwise, indexer, matmul, moe
 

@@ -16,9 +16,9 @@ import pytest
 from canary.gate import run_gate
 from canary.options import driver_options
 from canary.reports import write_rss_plot, write_summary
-from canary.rss import MIB, RssSampler, check_flat, write_csv
+from canary.soak.rss import MIB, RssSampler, check_flat, write_csv
+from canary.soak.watchdog import run_with_watchdog
 from canary.targets import embedded_server
-from canary.watchdog import run_with_watchdog
 
 pytestmark = [pytest.mark.stress, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ WARMUP_FRACTION = 0.2  # of the requests: allocator arenas, caches and batch-siz
 # A per-request leak is what a soak exists to find. About 4,600 of the run's ~5,800 requests come
 # after the warm-up, so 64 MiB catches any leak of more than ~14 KiB per request: less than one
 # leaked request's prompt token list (1-3k Python ints). It bounds the sustained level (30 s rolling
-# median, canary/rss.py), whose jitter in a server that reuses its memory is a few tens of MiB at
+# median, canary/soak/rss.py), whose jitter in a server that reuses its memory is a few tens of MiB at
 # most, and it is independent of the model's size.
 RSS_GROWTH_BOUND = 64 * MIB
 

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from canary.differential import TAG, check_load_vs_solo, choose, compare
 from canary.driver import DriverOptions, RequestRecord, RunResult
 from canary.gate import GateOutcome
-from canary.golden import Transcript
-from canary.oracles import Turn
+from canary.oracles.differential import TAG, check_load_vs_solo, choose, compare
+from canary.oracles.golden import Transcript
+from canary.oracles.turn import Turn
 
 pytestmark = pytest.mark.unit
 

@@ -51,7 +51,7 @@ def test_every_session_ends_once_with_its_reason_and_the_gate_checks_it(monkeypa
     computed and dropped, as stream-equivalence's were)."""
     from canary.driver import RunResult
     from canary.gate import GateOutcome, check_session_ends
-    from canary.oracles import Failure
+    from canary.oracles.turn import Failure
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(500, json={"error": {"message": "boom", "type": "server_error"}})

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from canary import fault_detectors
 from canary.__main__ import main
-from canary.fault_matrix import Detector, GateResult
+from canary.faults import detectors as fault_detectors
+from canary.faults.matrix import Detector, GateResult
 from runtime.faults import REGISTRY
 
 pytestmark = pytest.mark.unit

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from canary.fault_matrix import (
+from canary.faults.matrix import (
     CAUGHT,
     ERROR,
     MISSED,

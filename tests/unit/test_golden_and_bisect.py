@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from canary.bisect import SKIP, bisect, classify
-from canary.golden import Transcript, first_divergence, read_store, write_store
+from canary.cli.bisect import SKIP, bisect, classify
+from canary.oracles.golden import Transcript, first_divergence, read_store, write_store
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

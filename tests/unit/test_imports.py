@@ -96,7 +96,9 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def is_cli(name: str) -> bool:
     parts = name.split(".")
-    return parts[-1] in ("__main__", "serve", "generate") or parts[-1].endswith("_cli") or "cli" in parts[1:-1]
+    # bisect_step is what `git bisect run` executes (python -m canary.bisect_step): a command line too.
+    return parts[-1] in ("__main__", "serve", "generate", "bisect_step") or parts[-1].endswith("_cli") \
+        or "cli" in parts[1:-1]
 
 
 @pytest.mark.parametrize("package", ["runtime", "canary"])

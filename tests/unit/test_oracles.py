@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from canary.oracles import (
+from canary.oracles.turn import (
     ToolCall,
     Turn,
     check_finish_and_usage,
@@ -100,7 +100,7 @@ def test_finish_and_usage_oracles_fire():
 
 
 def test_grounding_oracle_passes_copied_values_and_fires_on_a_flipped_character():
-    from canary.oracles import check_grounded_arguments
+    from canary.oracles.turn import check_grounded_arguments
 
     conversation = "Where is order N7Q4-ZX81? I need 3 of them."
     assert check_grounded_arguments(tool_turn(), conversation) == []
@@ -113,7 +113,7 @@ def test_grounding_oracle_passes_copied_values_and_fires_on_a_flipped_character(
 # ---- issue 17 item 2: whole-value grounding, answers, required calls, ids, stream protocol ------
 
 def test_grounding_matches_whole_values_not_substrings():
-    from canary.oracles import check_grounded_arguments, is_grounded
+    from canary.oracles.turn import check_grounded_arguments, is_grounded
 
     assert not is_grounded("85", "Where is ORD-4855?")  # inside a longer id
     assert not is_grounded("4855", "Where is ORD-4855?")  # a piece of the id, not the id
@@ -126,7 +126,7 @@ def test_grounding_matches_whole_values_not_substrings():
 
 
 def test_answer_grounding_passes_copied_values_and_fires_on_a_changed_digit_or_name():
-    from canary.oracles import answer_values, check_grounded_answer
+    from canary.oracles.turn import answer_values, check_grounded_answer
 
     conversation = ('You are the canary assistant. Session nonce: J4U7FH.\nStatus of ORD-2055 with items please.\n'
                     '{"order_id": "ORD-2055", "status": "delivered", "items": 6}\nBook Yara Dubois on Monday.')
@@ -145,7 +145,7 @@ def test_answer_grounding_passes_copied_values_and_fires_on_a_changed_digit_or_n
 def test_the_corpus_reference_answers_are_grounded():
     """The oracle's clean control on the canary corpus itself: the answer a perfect canary model
     gives is grounded in every held-out session (system prompt, user turns and tool results)."""
-    from canary.oracles import check_grounded_answer
+    from canary.oracles.turn import check_grounded_answer
     from runtime.train.corpus import make_session, session_messages
 
     for seed in range(500_000, 500_300):
@@ -158,7 +158,7 @@ def test_the_corpus_reference_answers_are_grounded():
 
 
 def test_required_calls_fire_on_a_lost_or_changed_call_and_not_on_order():
-    from canary.oracles import check_required_calls
+    from canary.oracles.turn import check_required_calls
 
     required = [("lookup_order", {"order_id": "N7Q4-ZX81", "qty": 3}), ("get_weather", {"city": "Oslo"})]
     both = [ToolCall("a", "get_weather", '{"city":"Oslo"}'), ToolCall("b", "lookup_order",
@@ -176,7 +176,7 @@ def test_required_calls_fire_on_a_lost_or_changed_call_and_not_on_order():
 
 
 def test_call_ids_must_be_present_and_distinct():
-    from canary.oracles import check_call_ids
+    from canary.oracles.turn import check_call_ids
 
     two = tool_turn(tool_calls=[ToolCall("call_0", "lookup_order", "{}"), ToolCall("call_1", "lookup_order", "{}")])
     assert check_call_ids(two) == []
@@ -186,7 +186,7 @@ def test_call_ids_must_be_present_and_distinct():
 
 
 def test_stream_protocol_oracles():
-    from canary.oracles import StreamProtocol, check_stream_protocol
+    from canary.oracles.turn import StreamProtocol, check_stream_protocol
 
     turn = tool_turn(streamed=True)
     clean = StreamProtocol(done=True, usage_chunks=1, tool_call_indexes=[0, 1])
@@ -206,7 +206,7 @@ def test_stream_protocol_oracles():
 @pytest.mark.parametrize("text", ["<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                                   '<｜DSML｜invoke name="x">'])
 def test_control_token_text_in_a_reply_fires(text):
-    from canary.oracles import check_control_text
+    from canary.oracles.turn import check_control_text
 
     assert check_control_text(answer_turn()) == []
     assert oracles_fired(check_control_text(answer_turn(f"Order {NONCE} ships.{text}"))) == ["control-text"]

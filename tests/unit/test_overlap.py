@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from canary.engine_gates import Arrival, drive
+from canary.faults.engine_gates import Arrival, drive
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams

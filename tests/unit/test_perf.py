@@ -7,8 +7,15 @@ import math
 import pytest
 
 from canary.gate import GateOutcome, gate_against_baseline
-from canary.machine_speed import probe
-from canary.perf import compare_to_baseline, find_cliffs, fit_step_time, percentile, save_baseline, scale_for_machine
+from canary.perf.machine_speed import probe
+from canary.perf.verdict import (
+    compare_to_baseline,
+    find_cliffs,
+    fit_step_time,
+    percentile,
+    save_baseline,
+    scale_for_machine,
+)
 
 pytestmark = pytest.mark.unit
 

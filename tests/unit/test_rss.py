@@ -13,7 +13,7 @@ import time
 import pytest
 
 from canary.reports import write_rss_plot
-from canary.rss import MIB, RssSample, RssSampler, check_flat, read_rss_bytes, sustained_levels, write_csv
+from canary.soak.rss import MIB, RssSample, RssSampler, check_flat, read_rss_bytes, sustained_levels, write_csv
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ import threading
 import pytest
 from test_overlap import drive_like_the_server, make_workload, run
 
-from canary.logprob_close import Generation, NotClose, check_logprobs_close
+from canary.oracles.logprob_close import Generation, NotClose, check_logprobs_close
 from runtime.config import EngineConfig
 from runtime.distributed.errors import CollectiveError, DesyncError
 from runtime.distributed.tp_engine import start_engine

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from canary.watchdog import HangError, run_with_watchdog
+from canary.soak.watchdog import HangError, run_with_watchdog
 
 pytestmark = pytest.mark.unit
 

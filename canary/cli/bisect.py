@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from canary.golden import EXIT_REGRESSION
+from canary.oracles.golden import EXIT_REGRESSION
 
 SKIP = 125
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from canary.fault_matrix import GateResult
+from canary.faults.matrix import GateResult
 
 MODEL = "tiny-random"
 PAGE, PAGES_PER_REQUEST, STEPS = 16, 24, 6

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from canary.driver import RunResult
-from canary.perf import summarize
+from canary.perf.verdict import summarize
 
 
 def run_metrics(result: RunResult) -> dict:

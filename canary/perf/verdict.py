@@ -107,7 +107,7 @@ def save_baseline(path: Path, fingerprint: dict, metrics: dict[str, float], mach
 
 def scale_for_machine(metrics: dict[str, float], speed_ratio: float) -> dict[str, float]:
     """The baseline's figures as expected on a machine `speed_ratio` times as fast as the recording one
-    (canary/machine_speed.py): throughput scales with the speed, latencies with its inverse."""
+    (canary/perf/machine_speed.py): throughput scales with the speed, latencies with its inverse."""
     if not (math.isfinite(speed_ratio) and speed_ratio > 0):
         raise ValueError(f"machine speed ratio must be a positive number, got {speed_ratio}")
     return {k: v * speed_ratio if k in HIGHER_IS_BETTER else v / speed_ratio for k, v in metrics.items()}

@@ -1,8 +1,8 @@
 """Which gate catches which fault: `DETECTORS` maps every fault of runtime/faults.py to its gates.
 
 The server gates start the embedded runtime with the canary model (the only model with golden
-transcripts) on a small workload; the engine and GPU gates live in canary/engine_gates.py and
-canary/gpu_gates.py. Each detector says which failure lines are its gate firing for its own
+transcripts) on a small workload; the engine and GPU gates live in canary/faults/engine_gates.py and
+canary/faults/gpu_gates.py. Each detector says which failure lines are its gate firing for its own
 reason: the canary gate's correctness oracles (anything but a perf regression), the A/B gate's
 `[perf-regression]`, and the tag each in-process comparison writes.
 """
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from canary import engine_gates, gpu_gates
-from canary.fault_matrix import Detector, GateResult
+from canary.faults import engine_gates, gpu_gates
+from canary.faults.matrix import Detector, GateResult
 from runtime.config import DEFAULT_MODEL
 
 # Small workloads (the 80-session gate is `make gate`): big enough that each fault shows in every

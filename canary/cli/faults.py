@@ -54,8 +54,8 @@ def command(args: argparse.Namespace) -> int:
     if args.gpu:
         # Before the first cuBLAS call: deterministic GEMMs across streams (bit-for-bit comparisons).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    from canary.fault_detectors import DETECTORS
-    from canary.fault_matrix import NOT_RUN, render_table, run_matrix, to_json
+    from canary.faults.detectors import DETECTORS
+    from canary.faults.matrix import NOT_RUN, render_table, run_matrix, to_json
     from runtime.faults import REGISTRY
 
     faults = args.only or list(REGISTRY)

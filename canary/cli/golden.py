@@ -12,7 +12,14 @@ import json
 import sys
 from pathlib import Path
 
-from canary.golden import DEFAULT_NEAR_TIE, EXIT_REGRESSION, Transcript, first_divergence, read_store, write_store
+from canary.oracles.golden import (
+    DEFAULT_NEAR_TIE,
+    EXIT_REGRESSION,
+    Transcript,
+    first_divergence,
+    read_store,
+    write_store,
+)
 from canary.provenance import device_name, git_commit, versions
 
 SCENARIO_SEED = 20261130

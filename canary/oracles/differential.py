@@ -9,7 +9,7 @@ corruption the seeds found (KV pages shared between live requests, stale inputs 
 only shows when requests share a batch, and a solo replay is the reference that does not.
 
 At the first differing token the divergence is benign only where it is a near-tie on both sides
-(canary/logprob_close.py, the rule the golden store and the pairwise engine checks use): a server
+(canary/oracles/logprob_close.py, the rule the golden store and the pairwise engine checks use): a server
 whose reductions change with the batch shape may legitimately flip a near-tie. In exact mode
 (`--deterministic`) no divergence is benign: a batch-invariant server (SGLang
 --enable-deterministic-inference, vLLM VLLM_BATCH_INVARIANT=1, the embedded runtime) computes the
@@ -25,7 +25,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from canary.logprob_close import Generation, NotClose, check_logprobs_close, first_mismatch, logprob_gap
+from canary.oracles.logprob_close import Generation, NotClose, check_logprobs_close, first_mismatch, logprob_gap
 
 TAG = "[load-vs-solo]"
 # 24 replays, one at a time: about 10-14 s on the 2-core CPU (solo requests of the canary model, late

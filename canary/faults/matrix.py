@@ -1,7 +1,7 @@
 """The fault matrix: every fault of runtime/faults.py REGISTRY through the gate(s) meant to catch it,
 then the clean runtime through the same gates.
 
-A `Detector` wraps one gate (canary/fault_detectors.py holds the registry). With the fault on, a
+A `Detector` wraps one gate (canary/faults/detectors.py holds the registry). With the fault on, a
 row is "caught" only when the gate failed for the reason it exists for (its named oracle or check:
 `Detector.fires_for`), "missed" when the gate passed, and "error" when it crashed or failed for
 some other reason: a crash proves nothing about the gate. A fault counts as caught when every gate

@@ -1,7 +1,7 @@
 """Golden transcripts: exact tokens plus top-k logprobs per scenario, and the first-divergence check.
 
 A run matches its golden transcript when the tokens are identical. At the first differing
-position the divergence is benign only if it is a recorded near-tie (canary/logprob_close.py): both
+position the divergence is benign only if it is a recorded near-tie (canary/oracles/logprob_close.py): both
 tokens appear in the recorded top-k and their recorded logprobs differ by at most `near_tie` nats.
 After any divergence the rest of the scenario is not comparable and is not checked.
 """
@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from canary.logprob_close import first_mismatch, is_near_tie, logprob_gap
+from canary.oracles.logprob_close import first_mismatch, is_near_tie, logprob_gap
 
 DEFAULT_NEAR_TIE = 0.05  # nats
-# Exit status of `python -m canary golden check` on a regression; canary/bisect.py reads it as "bad".
+# Exit status of `python -m canary golden check` on a regression; canary/cli/bisect.py reads it as "bad".
 EXIT_REGRESSION = 3
 
 

@@ -28,8 +28,8 @@ from typing import cast
 
 import torch
 
-from canary.fault_matrix import GateResult
-from canary.logprob_close import first_mismatch
+from canary.faults.matrix import GateResult
+from canary.oracles.logprob_close import first_mismatch
 from runtime.config import EngineConfig
 from runtime.distributed.tp_engine import start_engine
 from runtime.engine.engine import Engine

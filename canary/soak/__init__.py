@@ -1,0 +1,1 @@
+"""Long runs: `rss` (server memory growth over a soak), `watchdog` (progress or a named hang)."""
