@@ -3,7 +3,7 @@
 Each workload is driven identically in both loops (arrivals by iteration, aborts triggered by how
 many tokens the caller has seen), and each test asserts that what it claims to exercise happened:
 aborts inside the overlap window, stop-string finishes with a discarded speculative row,
-preemptions under a tiny pool (the driver is canary/engine_gates.drive). "No extra decode" is checked
+preemptions under a tiny pool (the driver is canary/faults/engine_gates.drive). "No extra decode" is checked
 row by row, from each step's StepResult.plan: a request gets exactly
 one row per delivered token, plus at most the one row already in flight when it stopped or was
 aborted (none when it finished by length).
