@@ -2,16 +2,14 @@
 
 import os
 
-import torch
 from hypothesis import HealthCheck, Verbosity, settings
 
-# Without CUDA the Triton kernels run under Triton's interpreter, which Triton picks when a @jit
-# function is defined - triton.language's own helpers (tl.sum, tl.cumsum) included. So it is switched
-# on before any test module imports triton: a module that imported sglang first (the DSML
-# differential) got those helpers compiled, and every interpreted kernel in that worker then failed
-# with "Cannot call @triton.jit'd outside of the scope of a kernel".
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Imported first for its side effect: without CUDA it switches Triton's interpreter on. Triton picks
+# the interpreter when a @jit function is defined - triton.language's own helpers (tl.sum, tl.cumsum)
+# included - so it must happen before any test module imports triton: a module that imported sglang
+# first (the DSML differential) got those helpers compiled, and every interpreted kernel in that
+# worker then failed with "Cannot call @triton.jit'd outside of the scope of a kernel".
+import runtime.kernels.triton  # noqa: E402, F401, I001
 
 # Installed, the package registers the plugin itself (pyproject.toml's pytest11 entry point, under
 # this same name, so this line is then a no-op); from a bare checkout on PYTHONPATH, this loads it.

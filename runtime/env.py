@@ -52,10 +52,6 @@ class Env:
     # Server: the API key when --api-key is not given (an argument is visible to every local user
     # in the process list; the environment is not). Kept out of repr so a logged Env cannot leak it.
     server_api_key: str | None = field(default=None, repr=False)
-    # Server: Python's GIL switch interval in milliseconds (0 keeps Python's 5 ms). The engine thread
-    # gives the GIL up at every CUDA wait and must win it back from the busy event loop; a shorter
-    # interval bounds that wait (measured on the H200 gate: docs/results.md).
-    server_switch_interval_ms: float = 0.0
     # Fraction of tool calls whose arguments the `tool-json-corrupt` fault corrupts.
     tool_corrupt_rate: float = 0.1
     # CUDA-graph batch-size buckets, comma-separated (empty: runtime/graph/runner.py FINE_BUCKETS).
@@ -83,7 +79,7 @@ class Env:
             kwargs["num_threads"] = int(value)
         if (value := get("TP_CHECK")) is not None:
             kwargs["tp_check"] = _bool(value)
-        for knob in ("tp_timeout_s", "tp_watchdog_grace_s", "tp_startup_timeout_s", "server_switch_interval_ms"):
+        for knob in ("tp_timeout_s", "tp_watchdog_grace_s", "tp_startup_timeout_s"):
             if (value := get(knob.upper())) is not None:
                 kwargs[knob] = float(value)
         if (value := get("SERVER_MAX_BODY_BYTES")) is not None:

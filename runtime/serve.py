@@ -110,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, UnknownFaultError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if state.env.server_switch_interval_ms > 0:
-        sys.setswitchinterval(state.env.server_switch_interval_ms / 1000)
     import uvicorn
 
     from runtime.server.app import create_app

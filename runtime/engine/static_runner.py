@@ -89,8 +89,6 @@ class StaticModelRunner:
                                   scratch_page=self.scratch_page, faults=faults, env=env)
         if cfg.cuda_graphs and on_gpu:
             self.graphs.capture()
-        if on_gpu:
-            self.graphs.warm_eager(self.max_rows)
         self.future: FutureTokens | None = None  # set by build_runner for the overlap loop
         self.timeline: StepTimeline | None = None  # set by benchmarks
 

@@ -129,13 +129,6 @@ class GraphRunner:
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
 
-    def warm_eager(self, rows: int) -> None:
-        """One eager pass of `rows` padding rows (scratch page only), so kernel variants that only
-        eager passes above the largest bucket use compile at start-up, not inside a served step (a
-        py-spy profile of the H200 gate found the engine thread compiling Triton kernels mid-run)."""
-        self.eager(self._dummy(rows))
-        torch.cuda.synchronize()
-
     def forward(self, inp: DecodeInputs) -> torch.Tensor:
         """Logits [N, V] for a real batch: graph replay at its bucket, or eager above the largest."""
         n = inp.batch_size
