@@ -33,8 +33,10 @@ from runtime.kernels.triton.configs import config_file_name
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
 CALLS_PER_GRAPH = 6
+# Only BLOCK_N, warps and stages vary (moe.py: BLOCK_M and BLOCK_K fix a row's reduction order).
 MOE_CANDIDATES = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
-                  ((16, 4, 4), (32, 4, 4), (64, 4, 4), (32, 4, 2), (128, 8, 3))]
+                  ((16, 4, 4), (32, 4, 4), (32, 4, 2), (32, 2, 4), (64, 4, 4), (64, 4, 3), (64, 8, 3),
+                   (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))]
 
 
 def graph_us(calls, reps: int = 15) -> float:
