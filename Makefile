@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -n 2 -m "not stress and not timing" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 -m "not stress and not timing" --durations=30 $(PYTEST_ARGS)
 	$(PY) -m pytest -m "stress or timing" --sessions 80 $(PYTEST_ARGS)
 
 gate: $(STAMP)
