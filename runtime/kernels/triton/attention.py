@@ -63,6 +63,11 @@ def _fold(M, L, A, m, l, acc):
 
 
 @triton.jit
+def _normalize(A, L, h_ok):
+    return A / tl.where(h_ok, L, 1.0)[:, None]  # padding heads (L = 0) divide by 1, not 0
+
+
+@triton.jit
 def _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs_c, ok,
                    LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
     """The spread mode's chunk states [T, N, H, C] (+ [T, N, H, 2] max and sum), folded in chunk order
@@ -77,7 +82,7 @@ def _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs
         l_s = tl.load(stats_ptr + base * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
         acc = tl.load(part_ptr + base[:, None] * LATENT + offs_c[None, :], mask=ok, other=0.0, cache_modifier=".cg")
         M, L, A = _fold(M, L, A, m, l_s, acc)
-    return A / L[:, None]
+    return _normalize(A, L, h_ok)
 
 
 @triton.jit
@@ -163,7 +168,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(ticket_ptr + query * head_blocks + head_block, 0, sem="relaxed", scope="gpu")
     else:
-        out = A / L[:, None]
+        out = _normalize(A, L, h_ok)
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
