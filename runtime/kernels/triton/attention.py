@@ -47,18 +47,27 @@ def default_num_splits(num_selected: int, num_heads: int) -> int:
     return default_launch(num_selected, num_heads)["num_splits"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fill_programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def spreads(tokens: int, head_blocks: int, splits: int, device: torch.device) -> bool:
+    """The automatic mode: spread the chunks exactly when one program per (query, head block)
+    would leave SMs idle. Free to follow the batch: both modes give the same bits."""
+    fill = INTERPRETER_FILL if INTERPRETED else _fill_programs(device.index or 0)
+    return splits > 1 and tokens * head_blocks < fill
 
 
 @triton.jit
 def _fold(M, L, A, m, l, acc):
     """The softmax state (M, L, A) followed by a chunk's (m, l, acc): the one merge formula of both
-    modes. From the empty state (-1e30, 0, 0) it returns the chunk's state bit for bit."""
+    modes. From the empty state (-1e30, 0, 0) it must return the chunk's state bit for bit (the
+    spread mode folds each chunk into it twice): a side that holds the max gets weight 1 exactly,
+    not exp2(0) of an approximate exp2."""
     M_new = tl.maximum(M, m)
-    keep = tl.exp2(M - M_new)
-    take = tl.exp2(m - M_new)
+    keep = tl.where(M == M_new, 1.0, tl.exp2(M - M_new))
+    take = tl.where(m == M_new, 1.0, tl.exp2(m - M_new))
     return M_new, L * keep + l * take, A * keep[:, None] + acc * take[:, None]
 
 
@@ -225,10 +234,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     blocks_per_chunk = triton.cdiv(triton.cdiv(selected, splits), block_s)
     splits = triton.cdiv(selected, blocks_per_chunk * block_s)
     head_blocks = triton.cdiv(heads, block_h)
-    if spread is None:
-        fill = INTERPRETER_FILL if INTERPRETED else _fill_programs(q.device.index or 0)
-        spread = tokens * head_blocks < fill
-    spread = spread and splits > 1
+    spread = spreads(tokens, head_blocks, splits, q.device) if spread is None else spread and splits > 1
     ticket = spread and merge == "ticket"
     rope_dim = width - latent_dim
     warps, stages = ((4, 1) if INTERPRETED else
