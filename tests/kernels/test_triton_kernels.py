@@ -208,13 +208,15 @@ def test_sparse_mla_decode_matches_reference_and_is_batch_invariant(seed, querie
 @settings(max_examples=8)
 @given(seed=SEEDS, queries=st.sampled_from([1, 3]), heads=st.sampled_from([20, 48, 64]),
        topk=st.sampled_from([40, 57, 100]), splits=st.sampled_from([2, 3, 5, 7]), block_h=st.sampled_from([16, 32]),
-       dtype=st.sampled_from(DTYPES))
-@example(seed=1, queries=1, heads=64, topk=100, splits=7, block_h=16, dtype=DTYPES[0])
-def test_sparse_mla_launch_modes_give_the_same_bits(seed, queries, heads, topk, splits, block_h, dtype):
+       latent=st.sampled_from([64, 192]), dtype=st.sampled_from(DTYPES))
+@example(seed=1, queries=1, heads=64, topk=100, splits=7, block_h=16, latent=64, dtype=DTYPES[0])
+@example(seed=2, queries=3, heads=20, topk=57, splits=3, block_h=16, latent=192, dtype=DTYPES[0])
+def test_sparse_mla_launch_modes_give_the_same_bits(seed, queries, heads, topk, splits, block_h, latent, dtype):
     """The grid that fills the GPU at bs 1 (one program per chunk and head block, heads not a
-    multiple of the block, selections not a multiple of the position block) and the one that does
-    not spread: the same bits, and the reference's values; rows permuted give rows permuted."""
-    latent, rope_dim, window = 64, 16, 12
+    multiple of the block, selections not a multiple of the position block, latent tiles of the
+    merge not dividing the latent) and the one that does not spread: the same bits, and the
+    reference's values; rows permuted give rows permuted."""
+    rope_dim, window = 16, 12
     q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, 3 * (window + topk),
                                                       window, topk, dtype)
     scale = (latent + rope_dim) ** -0.5

@@ -184,10 +184,11 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
 @triton.jit
 def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, splits, stride_ot, stride_oh,
                   LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Small [BLOCK_H, BLOCK_C] tiles: at bs 1 the merge's reads spread over many SMs.
     query = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < heads
-    offs_c = tl.arange(0, BLOCK_C)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = h_ok[:, None] & (offs_c < LATENT)[None, :]
     out = _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs_c, ok, LATENT, BLOCK_H, BLOCK_C)
     tl.store(out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :],
@@ -255,8 +256,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if spread and not ticket:
-        merge_h = min(8, triton.next_power_of_2(heads))
-        _merge_kernel[(tokens, triton.cdiv(heads, merge_h))](
+        merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, block_c)
+        _merge_kernel[(tokens, triton.cdiv(heads, merge_h), triton.cdiv(latent_dim, merge_c))](
             part, stats, out, heads, splits, out.stride(0), out.stride(1),
-            LATENT=latent_dim, BLOCK_H=merge_h, BLOCK_C=block_c, num_warps=4, enable_fp_fusion=False)
+            LATENT=latent_dim, BLOCK_H=merge_h, BLOCK_C=merge_c, num_warps=4, enable_fp_fusion=False)
     return out
