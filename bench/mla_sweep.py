@@ -1,5 +1,5 @@
 """Launch-shape sweep for the sparse MLA decode kernel: one device run picks
-attention.default_launch's (BLOCK_H, BLOCK_S, chunk, warps, stages) per head count.
+attention.default_launch's (BLOCK_H, BLOCK_S, chunk, warps, stages, V_SPLIT) per head count.
 
 Each candidate is a different numerics (its chunks and blocks fix a row's reduction order), so the
 choice is per deployment and must be good at every batch: each is timed at bs 1..128 in all three
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 from pathlib import Path
 
 import torch
@@ -24,13 +25,17 @@ import torch
 from bench.kernels import CALLS_PER_GRAPH, MLA_CONTEXT, MLA_LATENT, MLA_ROPE, MLA_WINDOW, graph_us, mla_inputs
 from runtime.kernels.triton import attention
 
-# (BLOCK_H, BLOCK_S, chunk positions, warps, stages); chunk >= S means one chunk (never spread).
-CANDIDATES = {
-    64: [(16, 64, 128, 4, 2), (16, 64, 64, 4, 2), (16, 32, 64, 4, 2), (16, 32, 32, 4, 2), (16, 64, 128, 4, 3),
-         (16, 64, 128, 8, 2), (32, 64, 128, 8, 2), (32, 64, 64, 8, 2), (32, 32, 64, 4, 2), (64, 64, 128, 8, 2),
-         (64, 32, 64, 8, 2), (64, 64, 128, 16, 2), (64, 64, 320, 8, 2), (64, 64, 4096, 8, 2), (16, 64, 4096, 4, 2)],
-    16: [(16, 64, 128, 4, 2), (16, 64, 64, 4, 2), (16, 32, 64, 4, 2), (16, 32, 32, 4, 2), (16, 64, 128, 4, 3),
-         (16, 32, 32, 4, 3), (16, 64, 128, 8, 2), (16, 64, 64, 8, 2), (16, 16, 32, 4, 2), (16, 64, 4096, 4, 2)],
+# (BLOCK_H, BLOCK_S, chunk positions, warps, stages, V_SPLIT); chunk >= S: one chunk (never spread).
+CANDIDATES = {  # most likely first: a run cut short by its timeout loses the least
+    64: [(16, 64, 128, 4, 2, 1), (16, 64, 64, 4, 2, 1), (16, 64, 128, 4, 2, 2), (16, 64, 64, 4, 2, 2),
+         (32, 64, 128, 8, 2, 1), (16, 32, 64, 4, 2, 1), (32, 64, 128, 4, 2, 2), (64, 64, 128, 8, 2, 1),
+         (64, 64, 320, 8, 2, 1), (64, 64, 4096, 8, 2, 1), (16, 64, 4096, 4, 2, 1), (16, 32, 32, 4, 2, 1),
+         (16, 64, 128, 4, 3, 1), (16, 64, 128, 8, 2, 1), (32, 64, 64, 8, 2, 1), (32, 32, 64, 4, 2, 1),
+         (64, 32, 64, 8, 2, 1), (64, 64, 128, 16, 2, 1), (64, 64, 128, 8, 2, 2)],
+    16: [(16, 64, 128, 4, 2, 1), (16, 64, 64, 4, 2, 1), (16, 32, 32, 4, 2, 1), (16, 64, 128, 4, 2, 2),
+         (16, 64, 64, 4, 2, 2), (16, 32, 32, 4, 2, 2), (16, 64, 128, 4, 2, 4), (16, 32, 64, 4, 2, 1),
+         (16, 64, 4096, 4, 2, 1), (16, 64, 128, 4, 3, 1), (16, 32, 32, 4, 3, 1), (16, 64, 128, 8, 2, 1),
+         (16, 64, 64, 8, 2, 1), (16, 16, 32, 4, 2, 1)],
 }
 MODES = {"ticket": dict(spread=True, merge="ticket"), "kernel": dict(spread=True, merge="kernel"),
          "gathered": dict(spread=False)}
@@ -38,9 +43,9 @@ PREFILL_ROWS = 4096
 
 
 def launch_of(candidate: tuple, selected: int) -> dict:
-    block_h, block_s, chunk, warps, stages = candidate
+    block_h, block_s, chunk, warps, stages, v_split = candidate
     return dict(num_splits=max(1, -(-selected // chunk)), block_h=block_h, block_s=block_s, num_warps=warps,
-                num_stages=stages)
+                num_stages=stages, v_split=v_split)
 
 
 def sweep(heads: int, topk: int, batches: list, cache: torch.Tensor, vs, rows: list) -> None:
@@ -77,25 +82,31 @@ def sweep(heads: int, topk: int, batches: list, cache: torch.Tensor, vs, rows: l
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
+        print("  " + summary_line(row, batches), flush=True)
+
+
+def summary_line(r: dict, batches: list) -> str:
+    head = f"H={r['H']} top-{r['topk']} {tuple(r['candidate'])}"
+    if "error" in r:
+        return f"{head}: {r['error'][:160]}"
+    cells, ratios = [], []
+    for b in batches:
+        us, mode = min((us, key.split("/")[1]) for key, us in r["us"].items() if key.startswith(f"{b}/"))
+        ratio = r["sglang_us"].get(b, float("nan")) / us
+        ratios.append(ratio)
+        cells.append(f"bs{b} {us:.1f} {mode[0]} ({ratio:.2f})")
+    bits = "same" if r["modes_equal"] else "DIFFER"
+    return (f"{head:<41} " + " | ".join(cells) + f" | worst {min(ratios):.2f}"
+            f" | prefill {r['us'][f'{PREFILL_ROWS}/gathered']:.0f} | modes' bits {bits}")
 
 
 def summary(rows: list, batches: list) -> str:
-    lines = ["== sparse MLA sweep: best mode us per batch (sglang_us / ours), worst ratio, prefill us"]
-    for r in rows:
-        head = f"H={r['H']} top-{r['topk']} {r['candidate']}"
-        if "error" in r:
-            lines.append(f"{head}: {r['error'][:120]}")
-            continue
-        cells, ratios = [], []
-        for b in batches:
-            us, mode = min((us, key.split("/")[1]) for key, us in r["us"].items() if key.startswith(f"{b}/"))
-            ratio = r["sglang_us"].get(b, float("nan")) / us
-            ratios.append(ratio)
-            cells.append(f"bs{b} {us:.1f} {mode[0]} ({ratio:.2f})")
-        bits = "same" if r["modes_equal"] else "DIFFER"
-        lines.append(f"{head:<38} " + " | ".join(cells) + f" | worst {min(ratios):.2f}"
-                     f" | prefill {r['us'][f'{PREFILL_ROWS}/gathered']:.0f} | modes' bits {bits}")
-    return "\n".join(lines)
+    head = "== sparse MLA sweep: best mode (t/k/g) us per batch (sglang_us / ours), worst ratio, prefill us"
+    return "\n".join([head] + [summary_line(r, batches) for r in rows])
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main() -> None:
@@ -114,6 +125,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     cache = torch.randn(max(batches) * MLA_CONTEXT, MLA_LATENT + MLA_ROPE, device="cuda", dtype=torch.bfloat16)
     rows: list = []
+    # `timeout` ends a long run with SIGTERM: still print the summary and write the JSON.
+    signal.signal(signal.SIGTERM, _stop)
     try:
         for heads in (int(h) for h in args.heads.split(",")):
             sweep(heads, args.topk, batches, cache, vs, rows)

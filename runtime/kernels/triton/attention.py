@@ -6,14 +6,17 @@ top-k, as slot ids into the cache, -1 = padding), N = chunks.
 Numerics: each query's S positions are cut into N chunks of whole BLOCK_S blocks. Each chunk runs
 its own online softmax from the empty state, then the chunks' states are folded left to right in
 chunk order (`_fold`), and out = A / L. N and the launch shape (BLOCK_H heads per program, BLOCK_S,
-warps) are a property of the deployment (`default_launch` reads only S and H), never of the batch.
+warps, V_SPLIT) are a property of the deployment (`default_launch` reads only S and H), never of the batch.
 
 Two launch modes compute exactly those operations, so they give the same bits and the mode can
-follow the batch:
-- spread: one program per (query, chunk, head block) writes its chunk's state in float32; a second
-  kernel folds them. Small batches fill the GPU this way (bs 1, H=64: N x H/BLOCK_H programs).
-- gathered: one program per (query, head block) runs all N chunks and folds them in registers. Large
-  batches (and prefill) fill the GPU already and save the partial-state traffic and the merge.
+follow the batch (`spreads`):
+- spread: one program per (query, chunk, head block, latent-column block) writes its chunk's state
+  in float32; the last of a query's N programs to finish (an atomic ticket) folds them in chunk
+  order, or a second launch does (merge="kernel"). Small batches fill the GPU this way (bs 1,
+  H=64: N x H/BLOCK_H x V_SPLIT programs).
+- gathered: one program per (query, head block, column block) runs all N chunks and folds them in
+  registers. Large batches (and prefill) fill the GPU already and save the partial-state traffic
+  and the merge.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
     else:
         block_h, block_s, chunk, warps, stages = 16, 64, 128, 4, 2
     return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
-                num_warps=warps, num_stages=stages, merge="ticket")
+                num_warps=warps, num_stages=stages, merge="ticket", v_split=1)
 
 
 def default_num_splits(num_selected: int, num_heads: int) -> int:
@@ -100,27 +103,34 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                        stride_qt, stride_qh, stride_kv, stride_idx, stride_ot, stride_oh,
                        LATENT: tl.constexpr, ROPE: tl.constexpr, SPREAD: tl.constexpr, TICKET: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+                       BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr):
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
-    # head blocks) run side by side and share them through L2.
+    # head blocks and latent-column blocks) run side by side and share them through L2. With
+    # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
+    # output columns (more, smaller programs and partial states at small batch).
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(heads, BLOCK_H)
     head_block = pid % head_blocks
+    v_block = (pid // head_blocks) % V_SPLIT
+    rest = pid // head_blocks // V_SPLIT
     if SPREAD:
-        chunk = (pid // head_blocks) % splits
-        query = (pid // head_blocks // splits).to(tl.int64)
+        chunk = rest % splits
+        query = (rest // splits).to(tl.int64)
     else:
         chunk = 0
-        query = (pid // head_blocks).to(tl.int64)
+        query = rest.to(tl.int64)
+    BLOCK_V: tl.constexpr = BLOCK_C // V_SPLIT
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < heads
     offs_c = tl.arange(0, BLOCK_C)
+    offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     c_ok = offs_c < LATENT
+    v_ok = offs_v < LATENT
     r_ok = offs_r < ROPE
-    ok = h_ok[:, None] & c_ok[None, :]
+    ok = h_ok[:, None] & v_ok[None, :]
     q_rows = q_ptr + query * stride_qt + offs_h[:, None] * stride_qh
-    q_lat = tl.load(q_rows + offs_c[None, :], mask=ok, other=0.0)
+    q_lat = tl.load(q_rows + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
     q_rope = tl.load(q_rows + LATENT + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     if SPREAD:  # this program's chunk only
         first_block = chunk * blocks_per_chunk
@@ -131,10 +141,10 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     # Folded state and the running chunk's state. -1e30, finite: an empty chunk must not give inf - inf.
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    A = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    A = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
     m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
     # One flat loop over blocks (chunk ends inside it), so the gathered loads pipeline across chunks.
     for block in range(first_block, end_block):
         offs_s = block * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -144,6 +154,10 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         # Masked: -1 slots may point at never-written (NaN-poisoned) rows, and 0 * NaN = NaN.
         kv_lat = tl.load(rows + offs_c[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
         kv_rope = tl.load(rows + LATENT + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+        if V_SPLIT == 1:
+            kv_v = kv_lat
+        else:  # this program's columns again (an L1 hit)
+            kv_v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
         scores = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
         scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=PRECISION)
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
@@ -151,17 +165,18 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc * alpha[:, None], input_precision=PRECISION)
+        acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
         if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
             M, L, A = _fold(M, L, A, m_i, l_i, acc)
             m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
             l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
-    out_ptrs = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]
+            acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
+    out_ptrs = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
     if SPREAD:
         base = (query * splits + chunk) * heads + offs_h
-        tl.store(part_ptr + base[:, None] * LATENT + offs_c[None, :], A, mask=ok)
+        tl.store(part_ptr + base[:, None] * LATENT + offs_v[None, :], A, mask=ok)
+        # Every column block stores the same (M, L): its own ticket then covers the (M, L) it reads.
         tl.store(stats_ptr + base * 2, M, mask=h_ok)
         tl.store(stats_ptr + base * 2 + 1, L, mask=h_ok)
         if TICKET:
@@ -169,13 +184,14 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
             # order, whichever program it is) and re-arms the counter for the next launch. The
             # barrier + release/acquire ticket make every program's stores visible to it.
             tl.debug_barrier()
-            ticket = tl.atomic_add(ticket_ptr + query * head_blocks + head_block, 1, sem="acq_rel", scope="gpu")
+            counter = ticket_ptr + (query * head_blocks + head_block) * V_SPLIT + v_block
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == splits - 1:
                 tl.debug_barrier()
-                out = _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs_c, ok,
-                                     LATENT, BLOCK_H, BLOCK_C)
+                out = _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs_v, ok,
+                                     LATENT, BLOCK_H, BLOCK_V)
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
-                tl.atomic_xchg(ticket_ptr + query * head_blocks + head_block, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         out = _normalize(A, L, h_ok)
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
@@ -212,11 +228,13 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, scale: float,
                       num_splits: int | None = None, block_h: int | None = None, block_s: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, spread: bool | None = None,
-                      merge: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      merge: str | None = None, v_split: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
-    num_splits, block_h, block_s, num_warps, num_stages: default_launch's unless given (fix them per
-    deployment, not per batch: they set a row's reduction order).
+    num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
+    block): default_launch's unless given (fix them per deployment, not per batch: they set a
+    row's reduction order).
     spread: one program per chunk (True) or per query (False); the same bits either way. None:
     spread exactly when T x H/BLOCK_H programs would leave the device's SMs idle.
     merge (spread only): "ticket" = the last program of each query folds the chunks, "kernel" = a
@@ -232,6 +250,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     block_h = block_h or launch["block_h"]
     block_s = block_s or launch["block_s"]
     merge = merge or launch["merge"]
+    v_split = v_split or launch["v_split"]
     blocks_per_chunk = triton.cdiv(triton.cdiv(selected, splits), block_s)
     splits = triton.cdiv(selected, blocks_per_chunk * block_s)
     head_blocks = triton.cdiv(heads, block_h)
@@ -245,15 +264,15 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         part = torch.empty(tokens, splits, heads, latent_dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
     if ticket:
-        tickets = _tickets(q.device, tokens * head_blocks)
+        tickets = _tickets(q.device, tokens * head_blocks * v_split)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_c = triton.next_power_of_2(latent_dim)
     # No mul+add contraction: the fold must round alike in registers and from memory.
-    _sparse_mla_kernel[(head_blocks * (splits if spread else 1) * tokens,)](
+    _sparse_mla_kernel[(head_blocks * v_split * (splits if spread else 1) * tokens,)](
         q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, splits, scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
-        BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+        BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if spread and not ticket:
         merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, block_c)
