@@ -216,7 +216,8 @@ def bench_mla(ceilings, rows: list, vs=None) -> None:
                                     reps=5)
                 us = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(q, cache, s, latent, scale)
                                for q, s in calls_in])
-                spread = attention.spreads(batch, -(-heads // launch["block_h"]), launch["num_splits"], cache.device)
+                spread = attention.spreads(batch, -(-heads // launch["block_h"]) * launch["v_split"],
+                                           launch["num_splits"], cache.device)
                 rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch,
                                  splits=launch["num_splits"], mode="spread" if spread else "gathered",
                                  us=us, roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,

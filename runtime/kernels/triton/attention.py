@@ -55,11 +55,12 @@ def _fill_programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def spreads(tokens: int, head_blocks: int, splits: int, device: torch.device) -> bool:
-    """The automatic mode: spread the chunks exactly when one program per (query, head block)
-    would leave SMs idle. Free to follow the batch: both modes give the same bits."""
+def spreads(tokens: int, programs_per_query: int, splits: int, device: torch.device) -> bool:
+    """The automatic mode: spread the chunks exactly when the gathered mode's programs (per query:
+    head blocks x column blocks) would leave SMs idle. Free to follow the batch: both modes give
+    the same bits."""
     fill = INTERPRETER_FILL if INTERPRETED else _fill_programs(device.index or 0)
-    return splits > 1 and tokens * head_blocks < fill
+    return splits > 1 and tokens * programs_per_query < fill
 
 
 @triton.jit
@@ -254,7 +255,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     blocks_per_chunk = triton.cdiv(triton.cdiv(selected, splits), block_s)
     splits = triton.cdiv(selected, blocks_per_chunk * block_s)
     head_blocks = triton.cdiv(heads, block_h)
-    spread = spreads(tokens, head_blocks, splits, q.device) if spread is None else spread and splits > 1
+    spread = spreads(tokens, head_blocks * v_split, splits, q.device) if spread is None else spread and splits > 1
     ticket = spread and merge == "ticket"
     rope_dim = width - latent_dim
     warps, stages = ((4, 1) if INTERPRETED else
