@@ -1,5 +1,6 @@
 """Launch-shape sweep for the sparse MLA decode kernel: one device run picks
-attention.default_launch's (BLOCK_H, BLOCK_S, chunk, warps, stages, V_SPLIT) per head count.
+attention.default_launch's (BLOCK_H, BLOCK_S, chunk, warps, stages, V_SPLIT, narrow partials)
+per head count.
 
 Each candidate is a different numerics (its chunks and blocks fix a row's reduction order), so the
 choice is per deployment and must be good at every batch: each is timed at bs 1..128 in all three
@@ -25,17 +26,19 @@ import torch
 from bench.kernels import CALLS_PER_GRAPH, MLA_CONTEXT, MLA_LATENT, MLA_ROPE, MLA_WINDOW, graph_us, mla_inputs
 from runtime.kernels.triton import attention
 
-# (BLOCK_H, BLOCK_S, chunk positions, warps, stages, V_SPLIT); chunk >= S: one chunk (never spread).
+# (BLOCK_H, BLOCK_S, chunk positions, warps, stages, V_SPLIT[, narrow partials]); chunk >= S: one
+# chunk (never spread).
 CANDIDATES = {  # most likely first: a run cut short by its timeout loses the least
     64: [(16, 64, 128, 4, 2, 1), (16, 64, 64, 4, 2, 1), (16, 64, 128, 4, 2, 2), (16, 64, 64, 4, 2, 2),
+         (16, 64, 64, 4, 2, 1, True), (16, 64, 64, 4, 2, 2, True), (16, 64, 128, 4, 2, 1, True),
          (32, 64, 128, 8, 2, 1), (16, 32, 64, 4, 2, 1), (32, 64, 128, 4, 2, 2), (64, 64, 128, 8, 2, 1),
          (64, 64, 320, 8, 2, 1), (64, 64, 4096, 8, 2, 1), (16, 64, 4096, 4, 2, 1), (16, 32, 32, 4, 2, 1),
          (16, 64, 128, 4, 3, 1), (16, 64, 128, 8, 2, 1), (32, 64, 64, 8, 2, 1), (32, 32, 64, 4, 2, 1),
          (64, 32, 64, 8, 2, 1), (64, 64, 128, 16, 2, 1), (64, 64, 128, 8, 2, 2)],
     16: [(16, 64, 128, 4, 2, 1), (16, 64, 64, 4, 2, 1), (16, 32, 32, 4, 2, 1), (16, 64, 128, 4, 2, 2),
-         (16, 64, 64, 4, 2, 2), (16, 32, 32, 4, 2, 2), (16, 64, 128, 4, 2, 4), (16, 32, 64, 4, 2, 1),
-         (16, 64, 4096, 4, 2, 1), (16, 64, 128, 4, 3, 1), (16, 32, 32, 4, 3, 1), (16, 64, 128, 8, 2, 1),
-         (16, 64, 64, 8, 2, 1), (16, 16, 32, 4, 2, 1)],
+         (16, 64, 64, 4, 2, 2), (16, 32, 32, 4, 2, 2), (16, 64, 64, 4, 2, 2, True), (16, 32, 32, 4, 2, 1, True),
+         (16, 64, 128, 4, 2, 4), (16, 32, 64, 4, 2, 1), (16, 64, 4096, 4, 2, 1), (16, 64, 128, 4, 3, 1),
+         (16, 32, 32, 4, 3, 1), (16, 64, 128, 8, 2, 1), (16, 64, 64, 8, 2, 1), (16, 16, 32, 4, 2, 1)],
 }
 MODES = {"ticket": dict(spread=True, merge="ticket"), "kernel": dict(spread=True, merge="kernel"),
          "gathered": dict(spread=False)}
@@ -43,9 +46,9 @@ PREFILL_ROWS = 4096
 
 
 def launch_of(candidate: tuple, selected: int) -> dict:
-    block_h, block_s, chunk, warps, stages, v_split = candidate
+    block_h, block_s, chunk, warps, stages, v_split, *narrow = candidate
     return dict(num_splits=max(1, -(-selected // chunk)), block_h=block_h, block_s=block_s, num_warps=warps,
-                num_stages=stages, v_split=v_split)
+                num_stages=stages, v_split=v_split, narrow_partials=bool(narrow and narrow[0]))
 
 
 def sweep(heads: int, topk: int, batches: list, cache: torch.Tensor, vs, rows: list) -> None:
@@ -96,7 +99,7 @@ def summary_line(r: dict, batches: list) -> str:
         ratios.append(ratio)
         cells.append(f"bs{b} {us:.1f} {mode[0]} ({ratio:.2f})")
     bits = "same" if r["modes_equal"] else "DIFFER"
-    return (f"{head:<41} " + " | ".join(cells) + f" | worst {min(ratios):.2f}"
+    return (f"{head:<47} " + " | ".join(cells) + f" | worst {min(ratios):.2f}"
             f" | prefill {r['us'][f'{PREFILL_ROWS}/gathered']:.0f} | modes' bits {bits}")
 
 

@@ -165,10 +165,10 @@ def _attention_case(seed, queries, heads, latent, rope_dim, context, window, top
 
 
 def _run_attention(q, cache, slots, latent, scale, splits, block_h=None, block_s=32, spread=None, merge=None,
-                   v_split=None):
+                   v_split=None, narrow_partials=None):
     out = poisoned(q.shape[0], q.shape[1], latent, dtype=q.dtype)
     attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=splits, block_h=block_h, block_s=block_s,
-                                spread=spread, merge=merge, v_split=v_split, out=out)
+                                spread=spread, merge=merge, v_split=v_split, narrow_partials=narrow_partials, out=out)
     return out
 
 
@@ -209,21 +209,24 @@ def test_sparse_mla_decode_matches_reference_and_is_batch_invariant(seed, querie
 @settings(max_examples=8)
 @given(seed=SEEDS, queries=st.sampled_from([1, 3]), heads=st.sampled_from([20, 48, 64]),
        topk=st.sampled_from([40, 57, 100]), splits=st.sampled_from([2, 3, 5, 7]), block_h=st.sampled_from([16, 32]),
-       latent=st.sampled_from([64, 192]), v_split=st.sampled_from([1, 2]), dtype=st.sampled_from(DTYPES))
-@example(seed=1, queries=1, heads=64, topk=100, splits=7, block_h=16, latent=64, v_split=1, dtype=DTYPES[0])
-@example(seed=2, queries=3, heads=20, topk=57, splits=3, block_h=16, latent=192, v_split=2, dtype=DTYPES[0])
+       latent=st.sampled_from([64, 192]), v_split=st.sampled_from([1, 2]), narrow=st.booleans(),
+       dtype=st.sampled_from(DTYPES))
+@example(seed=1, queries=1, heads=64, topk=100, splits=7, block_h=16, latent=64, v_split=1, narrow=False,
+         dtype=DTYPES[0])
+@example(seed=2, queries=3, heads=20, topk=57, splits=3, block_h=16, latent=192, v_split=2, narrow=True,
+         dtype=torch.float16)
 def test_sparse_mla_launch_modes_give_the_same_bits(seed, queries, heads, topk, splits, block_h, latent, v_split,
-                                                    dtype):
+                                                    narrow, dtype):
     """The grid that fills the GPU at bs 1 (one program per chunk and head block, heads not a
     multiple of the block, selections not a multiple of the position block, latent tiles of the
-    merge not dividing the latent, latent-column blocks) and the one that does not spread: the
-    same bits, and the reference's values; rows permuted give rows permuted."""
+    merge not dividing the latent, latent-column blocks, 16-bit partial states) and the one that
+    does not spread: the same bits, and the reference's values; rows permuted give rows permuted."""
     rope_dim, window = 16, 12
     q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, 3 * (window + topk),
                                                       window, topk, dtype)
     scale = (latent + rope_dim) ** -0.5
     run = lambda q, s, mode: _run_attention(q, cache, s, latent, scale, splits, block_h, 16, *mode,  # noqa: E731
-                                            v_split=v_split)
+                                            v_split=v_split, narrow_partials=narrow)
     outs = {mode: run(q, slots, mode) for mode in MLA_MODES}
     assert_same_bits(outs)
     assert_close_scaled(outs[MLA_MODES[0]], reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale), dtype)
@@ -543,7 +546,8 @@ def test_sparse_mla_under_graph_replay_and_side_stream(queries, splits):
 
 @gpu
 @pytest.mark.parametrize("heads,topk,launch", [(64, 512, {}), (16, 640, {}), (64, 512, dict(block_h=32, num_warps=8)),
-                                               (20, 300, dict(block_s=32, num_splits=7, v_split=2))])
+                                               (20, 300, dict(block_s=32, num_splits=7, v_split=2)),
+                                               (64, 512, dict(num_splits=10, narrow_partials=True))])
 def test_sparse_mla_launch_modes_agree_on_the_gpu(heads, topk, launch):
     """Compiled, the modes must still round alike (same MMA layouts, no contraction in the fold),
     at the deployment shapes (C=512, R=64, window 128) and bs 1 / 3."""

@@ -10,8 +10,9 @@ warps, V_SPLIT) are a property of the deployment (`default_launch` reads only S 
 
 Two launch modes compute exactly those operations, so they give the same bits and the mode can
 follow the batch (`spreads`):
-- spread: one program per (query, chunk, head block, latent-column block) writes its chunk's state
-  in float32; the last of a query's N programs to finish (an atomic ticket) folds them in chunk
+- spread: one program per (query, chunk, head block, latent-column block) writes its chunk's
+  state (float32, or with narrow_partials the sum in q's 16-bit dtype, rounded alike in both
+  modes); the last of a query's N programs to finish (an atomic ticket) folds them in chunk
   order, or a second launch does (merge="kernel"). Small batches fill the GPU this way (bs 1,
   H=64: N x H/BLOCK_H x V_SPLIT programs).
 - gathered: one program per (query, head block, column block) runs all N chunks and folds them in
@@ -43,7 +44,7 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
     else:
         block_h, block_s, chunk, warps, stages = 16, 64, 128, 4, 2
     return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
-                num_warps=warps, num_stages=stages, merge="ticket", v_split=1)
+                num_warps=warps, num_stages=stages, merge="ticket", v_split=1, narrow_partials=False)
 
 
 def default_num_splits(num_selected: int, num_heads: int) -> int:
@@ -93,7 +94,8 @@ def _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs
         base = (query * splits + s) * heads + offs_h
         m = tl.load(stats_ptr + base * 2, mask=h_ok, other=-1e30, cache_modifier=".cg")
         l_s = tl.load(stats_ptr + base * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(part_ptr + base[:, None] * LATENT + offs_c[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_ptr + base[:, None] * LATENT + offs_c[None, :], mask=ok, other=0.0,
+                      cache_modifier=".cg").to(tl.float32)
         M, L, A = _fold(M, L, A, m, l_s, acc)
     return _normalize(A, L, h_ok)
 
@@ -104,7 +106,8 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                        stride_qt, stride_qh, stride_kv, stride_idx, stride_ot, stride_oh,
                        LATENT: tl.constexpr, ROPE: tl.constexpr, SPREAD: tl.constexpr, TICKET: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr):
+                       BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
+                       NARROW: tl.constexpr):
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
     # head blocks and latent-column blocks) run side by side and share them through L2. With
     # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
@@ -169,6 +172,8 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
         if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
+            if NARROW:  # the chunk's average as the spread mode stores it, in both modes
+                acc = acc.to(q_ptr.dtype.element_ty).to(tl.float32)
             M, L, A = _fold(M, L, A, m_i, l_i, acc)
             m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
             l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -176,7 +181,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     out_ptrs = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
     if SPREAD:
         base = (query * splits + chunk) * heads + offs_h
-        tl.store(part_ptr + base[:, None] * LATENT + offs_v[None, :], A, mask=ok)
+        tl.store(part_ptr + base[:, None] * LATENT + offs_v[None, :], A.to(part_ptr.dtype.element_ty), mask=ok)
         # Every column block stores the same (M, L): its own ticket then covers the (M, L) it reads.
         tl.store(stats_ptr + base * 2, M, mask=h_ok)
         tl.store(stats_ptr + base * 2 + 1, L, mask=h_ok)
@@ -229,13 +234,14 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, scale: float,
                       num_splits: int | None = None, block_h: int | None = None, block_s: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, spread: bool | None = None,
-                      merge: str | None = None, v_split: int | None = None,
+                      merge: str | None = None, v_split: int | None = None, narrow_partials: bool | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
     num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
     block): default_launch's unless given (fix them per deployment, not per batch: they set a
-    row's reduction order).
+    row's reduction order). narrow_partials: each chunk's unnormalized average rounded to q's
+    16-bit dtype (half the partial-state bytes; float32 q keeps float32).
     spread: one program per chunk (True) or per query (False); the same bits either way. None:
     spread exactly when T x H/BLOCK_H programs would leave the device's SMs idle.
     merge (spread only): "ticket" = the last program of each query folds the chunks, "kernel" = a
@@ -252,6 +258,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     block_s = block_s or launch["block_s"]
     merge = merge or launch["merge"]
     v_split = v_split or launch["v_split"]
+    narrow = launch["narrow_partials"] if narrow_partials is None else narrow_partials
+    part_dtype = q.dtype if narrow and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     blocks_per_chunk = triton.cdiv(triton.cdiv(selected, splits), block_s)
     splits = triton.cdiv(selected, blocks_per_chunk * block_s)
     head_blocks = triton.cdiv(heads, block_h)
@@ -262,7 +270,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                      (num_warps or launch["num_warps"], num_stages or launch["num_stages"]))
     part = stats = tickets = out  # unused unless spread
     if spread:
-        part = torch.empty(tokens, splits, heads, latent_dim, dtype=torch.float32, device=q.device)
+        part = torch.empty(tokens, splits, heads, latent_dim, dtype=part_dtype, device=q.device)
         stats = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
     if ticket:
         tickets = _tickets(q.device, tokens * head_blocks * v_split)
@@ -274,7 +282,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        NARROW=part_dtype != torch.float32, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if spread and not ticket:
         merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, block_c)
         _merge_kernel[(tokens, triton.cdiv(heads, merge_h), triton.cdiv(latent_dim, merge_c))](
