@@ -51,9 +51,9 @@ def launch_of(candidate: tuple, selected: int) -> dict:
                 num_stages=stages, v_split=v_split, narrow_partials=bool(narrow and narrow[0]))
 
 
-def sweep(heads: int, topk: int, batches: list, cache: torch.Tensor, vs, rows: list) -> None:
+def prepare(heads: int, topk: int, batches: list, cache: torch.Tensor, vs) -> dict:
+    """One head count's inputs (every batch + the prefill rows) and SGLang's times on them."""
     gen = torch.Generator().manual_seed(heads)
-    selected = MLA_WINDOW + topk
     scale = (MLA_LATENT + MLA_ROPE) ** -0.5
     inputs = {b: mla_inputs(b, heads, topk, gen, cache.shape[0]) for b in batches + [PREFILL_ROWS]}
     sgl_us = {}
@@ -64,28 +64,32 @@ def sweep(heads: int, topk: int, batches: list, cache: torch.Tensor, vs, rows: l
                                                                             vs.mla_workspace) for q, s in inputs[b]])
             except Exception as err:  # noqa: BLE001 - one failing SGLang call must not lose the sweep
                 print(f"  sglang H={heads} bs={b}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-    for candidate in CANDIDATES[heads]:
-        launch = launch_of(candidate, selected)
-        row = dict(kernel="sparse_mla_sweep", H=heads, topk=topk, candidate=candidate, launch=launch, us={},
-                   sglang_us=sgl_us)
-        try:
-            q, s = inputs[8][0] if 8 in inputs else inputs[batches[0]][0]
-            outs = [attention.sparse_mla_decode(q, cache, s, MLA_LATENT, scale, **launch, **mode)
-                    for mode in MODES.values()]
-            row["modes_equal"] = all(torch.equal(outs[0], o) for o in outs[1:])
-            for b in batches:
-                for name, mode in MODES.items():
-                    if name != "gathered" and launch["num_splits"] == 1:
-                        continue
-                    row["us"][f"{b}/{name}"] = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(
-                        q, cache, s, MLA_LATENT, scale, **launch, **mode) for q, s in inputs[b]], reps=10)
-            row["us"][f"{PREFILL_ROWS}/gathered"] = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(
-                q, cache, s, MLA_LATENT, scale, **launch, spread=False) for q, s in inputs[PREFILL_ROWS][:2]], reps=3)
-        except Exception as err:  # noqa: BLE001 - a shape the chip cannot hold (shared memory, registers)
-            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        print("  " + summary_line(row, batches), flush=True)
+    return dict(inputs=inputs, sglang_us=sgl_us)
+
+
+def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache: torch.Tensor, prepared: dict) -> dict:
+    inputs, scale = prepared["inputs"], (MLA_LATENT + MLA_ROPE) ** -0.5
+    launch = launch_of(candidate, MLA_WINDOW + topk)
+    row = dict(kernel="sparse_mla_sweep", H=heads, topk=topk, candidate=candidate, launch=launch, us={},
+               sglang_us=prepared["sglang_us"])
+    try:
+        q, s = inputs[8][0] if 8 in inputs else inputs[batches[0]][0]
+        outs = [attention.sparse_mla_decode(q, cache, s, MLA_LATENT, scale, **launch, **mode)
+                for mode in MODES.values()]
+        row["modes_equal"] = all(torch.equal(outs[0], o) for o in outs[1:])
+        for b in batches:
+            for name, mode in MODES.items():
+                if name != "gathered" and launch["num_splits"] == 1:
+                    continue
+                row["us"][f"{b}/{name}"] = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(
+                    q, cache, s, MLA_LATENT, scale, **launch, **mode) for q, s in inputs[b]], reps=10)
+        row["us"][f"{PREFILL_ROWS}/gathered"] = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(
+            q, cache, s, MLA_LATENT, scale, **launch, spread=False) for q, s in inputs[PREFILL_ROWS][:2]], reps=3)
+    except Exception as err:  # noqa: BLE001 - a shape the chip cannot hold (shared memory, registers)
+        row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    print(json.dumps(row), flush=True)
+    print("  " + summary_line(row, batches), flush=True)
+    return row
 
 
 def summary_line(r: dict, batches: list) -> str:
@@ -131,8 +135,13 @@ def main() -> None:
     # `timeout` ends a long run with SIGTERM: still print the summary and write the JSON.
     signal.signal(signal.SIGTERM, _stop)
     try:
-        for heads in (int(h) for h in args.heads.split(",")):
-            sweep(heads, args.topk, batches, cache, vs, rows)
+        heads = [int(h) for h in args.heads.split(",")]
+        prepared = {h: prepare(h, args.topk, batches, cache, vs) for h in heads}
+        # Head counts interleaved, each list most-likely first: a run cut short keeps the best of both.
+        order = [(h, CANDIDATES[h][i]) for i in range(max(len(CANDIDATES[h]) for h in heads)) for h in heads
+                 if i < len(CANDIDATES[h])]
+        for h, candidate in order:
+            rows.append(time_candidate(h, args.topk, candidate, batches, cache, prepared[h]))
     finally:
         print(summary(rows, batches), flush=True)
         args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), calls_per_graph=CALLS_PER_GRAPH,
