@@ -37,8 +37,9 @@ INTERPRETER_FILL = 8
 
 
 def default_launch(num_selected: int, num_heads: int) -> dict:
-    """The launch shape of a deployment: N chunks, BLOCK_H, BLOCK_S, warps, stages. It fixes a row's
-    reduction order, so it reads only S and H. Chosen on the H200 by `bench.kernels --mla-sweep`."""
+    """The launch shape of a deployment: N chunks, BLOCK_H, BLOCK_S, warps, stages, V_SPLIT, narrow
+    partials (and the merge, which does not change bits). It fixes a row's
+    reduction order, so it reads only S and H. Chosen on the H200 by `python -m bench.mla_sweep`."""
     if num_heads >= 64:
         block_h, block_s, chunk, warps, stages = 16, 64, 128, 4, 2
     else:
@@ -240,10 +241,10 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
     num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
     block): default_launch's unless given (fix them per deployment, not per batch: they set a
-    row's reduction order). narrow_partials: each chunk's unnormalized average rounded to q's
+    row's reduction order). narrow_partials: each chunk's unnormalized sum rounded to q's
     16-bit dtype (half the partial-state bytes; float32 q keeps float32).
     spread: one program per chunk (True) or per query (False); the same bits either way. None:
-    spread exactly when T x H/BLOCK_H programs would leave the device's SMs idle.
+    spread exactly when T x H/BLOCK_H x v_split programs would leave the device's SMs idle.
     merge (spread only): "ticket" = the last program of each query folds the chunks, "kernel" = a
     second launch does; the same bits either way."""
     tokens, heads, width = q.shape
