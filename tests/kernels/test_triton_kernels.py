@@ -182,6 +182,38 @@ def assert_same_bits(outs: dict) -> None:
         assert torch.equal(got, want), f"launch mode {name} differs from {first}"
 
 
+# The compiled checks first: a device run cut short by its time limit still has them.
+@gpu
+@pytest.mark.parametrize("heads,topk,launch", [(64, 512, {}), (16, 640, {}), (64, 512, dict(block_h=32, num_warps=8)),
+                                               (20, 300, dict(block_s=32, num_splits=7, v_split=2)),
+                                               (64, 512, dict(num_splits=10, narrow_partials=True))])
+def test_sparse_mla_launch_modes_agree_on_the_gpu(heads, topk, launch):
+    """Compiled, the modes must still round alike (same MMA layouts, no contraction in the fold),
+    at the deployment shapes (C=512, R=64, window 128) and bs 1 / 3."""
+    for queries in (1, 3):
+        q, cache, slots, dense_kv, mask = _attention_case(queries, queries, heads, 512, 64, 2 * (topk + 128), 128,
+                                                          topk, torch.bfloat16, page_size=64)
+        outs = {}
+        for spread, merge in MLA_MODES:
+            outs[spread, merge] = poisoned(queries, heads, 512, dtype=torch.bfloat16)
+            attention.sparse_mla_decode(q, cache, slots, 512, 0.04, spread=spread, merge=merge, out=outs[spread, merge],
+                                        **launch)
+        assert_same_bits(outs)
+        assert_close_scaled(outs[MLA_MODES[0]], reference.sparse_attention(q.cpu(), dense_kv, mask, 512, 0.04),
+                            torch.bfloat16)
+
+
+@gpu
+def test_sparse_mla_invariant_across_the_spread_switch_on_the_gpu():
+    """160 queries x 1 head block spread over chunks below the SM count, not above it: prefixes on
+    both sides of the switch give the rows' same bits."""
+    q, cache, slots, _, _ = _attention_case(7, 160, 16, 512, 64, 900, 128, 512, torch.bfloat16, page_size=64)
+    run = lambda k: _run_attention(q[:k], cache, slots[:k], 512, 0.04, None, block_s=None)  # noqa: E731
+    full = run(160)
+    for k in (1, 37, 131, 159):
+        assert torch.equal(full[:k], run(k)), f"row results changed with the batch (k={k} of 160)"
+
+
 @EXAMPLES
 @given(seed=SEEDS, queries=st.sampled_from([1, 2, 5]), heads=st.sampled_from([1, 16, 20]),
        dims=st.sampled_from([(32, 16), (48, 8), (64, 64)]), context_vs_selected=st.sampled_from([-5, 0, 1, 40]),
@@ -542,37 +574,6 @@ def test_sparse_mla_under_graph_replay_and_side_stream(queries, splits):
         make, lambda q, c, s: attention.sparse_mla_decode(q, c, s, 512, 0.04, num_splits=splits))
     assert torch.equal(replayed, eager), "graph replay differs from eager"
     assert torch.equal(side, eager), "side stream differs from eager"
-
-
-@gpu
-@pytest.mark.parametrize("heads,topk,launch", [(64, 512, {}), (16, 640, {}), (64, 512, dict(block_h=32, num_warps=8)),
-                                               (20, 300, dict(block_s=32, num_splits=7, v_split=2)),
-                                               (64, 512, dict(num_splits=10, narrow_partials=True))])
-def test_sparse_mla_launch_modes_agree_on_the_gpu(heads, topk, launch):
-    """Compiled, the modes must still round alike (same MMA layouts, no contraction in the fold),
-    at the deployment shapes (C=512, R=64, window 128) and bs 1 / 3."""
-    for queries in (1, 3):
-        q, cache, slots, dense_kv, mask = _attention_case(queries, queries, heads, 512, 64, 2 * (topk + 128), 128,
-                                                          topk, torch.bfloat16, page_size=64)
-        outs = {}
-        for spread, merge in MLA_MODES:
-            outs[spread, merge] = poisoned(queries, heads, 512, dtype=torch.bfloat16)
-            attention.sparse_mla_decode(q, cache, slots, 512, 0.04, spread=spread, merge=merge, out=outs[spread, merge],
-                                        **launch)
-        assert_same_bits(outs)
-        assert_close_scaled(outs[MLA_MODES[0]], reference.sparse_attention(q.cpu(), dense_kv, mask, 512, 0.04),
-                            torch.bfloat16)
-
-
-@gpu
-def test_sparse_mla_invariant_across_the_spread_switch_on_the_gpu():
-    """160 queries x 1 head block spread over chunks below the SM count, not above it: prefixes on
-    both sides of the switch give the rows' same bits."""
-    q, cache, slots, _, _ = _attention_case(7, 160, 16, 512, 64, 900, 128, 512, torch.bfloat16, page_size=64)
-    run = lambda k: _run_attention(q[:k], cache, slots[:k], 512, 0.04, None, block_s=None)  # noqa: E731
-    full = run(160)
-    for k in (1, 37, 131, 159):
-        assert torch.equal(full[:k], run(k)), f"row results changed with the batch (k={k} of 160)"
 
 
 @gpu
