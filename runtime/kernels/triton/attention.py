@@ -40,12 +40,14 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
     """The launch shape of a deployment: N chunks, BLOCK_H, BLOCK_S, warps, stages, V_SPLIT, narrow
     partials (and the merge, which does not change bits). It fixes a row's
     reduction order, so it reads only S and H. Chosen on the H200 by `python -m bench.mla_sweep`."""
+    # bench.mla_sweep on the H200 (docs/results.md, "Sparse MLA launch sweep"): 128-position
+    # chunks of 16 heads; H=64 keeps its chunk sums in bf16 (2 us less at bs 1-8), H=16 runs 8 warps.
     if num_heads >= 64:
-        block_h, block_s, chunk, warps, stages = 16, 64, 128, 4, 2
+        block_h, block_s, chunk, warps, narrow = 16, 64, 128, 4, True
     else:
-        block_h, block_s, chunk, warps, stages = 16, 64, 128, 4, 2
+        block_h, block_s, chunk, warps, narrow = 16, 64, 128, 8, False
     return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
-                num_warps=warps, num_stages=stages, merge="ticket", v_split=1, narrow_partials=False)
+                num_warps=warps, num_stages=2, merge="kernel", v_split=1, narrow_partials=narrow)
 
 
 def default_num_splits(num_selected: int, num_heads: int) -> int:
@@ -59,9 +61,9 @@ def _fill_programs(device_index: int) -> int:
 
 def spreads(tokens: int, programs_per_query: int, splits: int, device: torch.device) -> bool:
     """The automatic mode: spread the chunks exactly when the gathered mode's programs (per query:
-    head blocks x column blocks) would leave SMs idle. Free to follow the batch: both modes give
-    the same bits."""
-    fill = INTERPRETER_FILL if INTERPRETED else _fill_programs(device.index or 0)
+    head blocks x column blocks) would leave most SMs idle (below half of them: measured, spread
+    wins at 32 programs and loses at 128). Free to follow the batch: both modes give the same bits."""
+    fill = INTERPRETER_FILL if INTERPRETED else _fill_programs(device.index or 0) // 2
     return splits > 1 and tokens * programs_per_query < fill
 
 
@@ -83,16 +85,16 @@ def _normalize(A, L, h_ok):
 
 
 @triton.jit
-def _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs_c, ok,
-                   LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+def _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok,
+                   SPLITS: tl.constexpr, LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
     """The spread mode's chunk states [T, N, H, C] (+ [T, N, H, 2] max and sum), folded in chunk order
     from the empty state: the same operations as the gathered mode's fold in registers. `.cg`: read
     at L2, not a possibly stale L1 line (other programs of this launch wrote them)."""
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
     A = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
-    for s in range(0, splits):
-        base = (query * splits + s) * heads + offs_h
+    for s in tl.static_range(SPLITS):  # unrolled: the N loads need not wait for each other's folds
+        base = (query * SPLITS + s) * heads + offs_h
         m = tl.load(stats_ptr + base * 2, mask=h_ok, other=-1e30, cache_modifier=".cg")
         l_s = tl.load(stats_ptr + base * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
         acc = tl.load(part_ptr + base[:, None] * LATENT + offs_c[None, :], mask=ok, other=0.0,
@@ -103,12 +105,12 @@ def _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs
 
 @triton.jit
 def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, ticket_ptr,
-                       heads, selected, blocks_per_chunk, splits, sm_scale_log2,
+                       heads, selected, blocks_per_chunk, sm_scale_log2,
                        stride_qt, stride_qh, stride_kv, stride_idx, stride_ot, stride_oh,
                        LATENT: tl.constexpr, ROPE: tl.constexpr, SPREAD: tl.constexpr, TICKET: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
-                       NARROW: tl.constexpr):
+                       NARROW: tl.constexpr, SPLITS: tl.constexpr):
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
     # head blocks and latent-column blocks) run side by side and share them through L2. With
     # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
@@ -119,8 +121,8 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     v_block = (pid // head_blocks) % V_SPLIT
     rest = pid // head_blocks // V_SPLIT
     if SPREAD:
-        chunk = rest % splits
-        query = (rest // splits).to(tl.int64)
+        chunk = rest % SPLITS
+        query = (rest // SPLITS).to(tl.int64)
     else:
         chunk = 0
         query = rest.to(tl.int64)
@@ -181,7 +183,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
             acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
     out_ptrs = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
     if SPREAD:
-        base = (query * splits + chunk) * heads + offs_h
+        base = (query * SPLITS + chunk) * heads + offs_h
         tl.store(part_ptr + base[:, None] * LATENT + offs_v[None, :], A.to(part_ptr.dtype.element_ty), mask=ok)
         # Every column block stores the same (M, L): its own ticket then covers the (M, L) it reads.
         tl.store(stats_ptr + base * 2, M, mask=h_ok)
@@ -193,10 +195,10 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
             tl.debug_barrier()
             counter = ticket_ptr + (query * head_blocks + head_block) * V_SPLIT + v_block
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == splits - 1:
+            if ticket == SPLITS - 1:
                 tl.debug_barrier()
-                out = _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs_v, ok,
-                                     LATENT, BLOCK_H, BLOCK_V)
+                out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok,
+                                     SPLITS, LATENT, BLOCK_H, BLOCK_V)
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
@@ -205,15 +207,15 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
 
 
 @triton.jit
-def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, splits, stride_ot, stride_oh,
-                  LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, stride_ot, stride_oh,
+                  SPLITS: tl.constexpr, LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
     # Small [BLOCK_H, BLOCK_C] tiles: at bs 1 the merge's reads spread over many SMs.
     query = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < heads
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = h_ok[:, None] & (offs_c < LATENT)[None, :]
-    out = _fold_partials(part_ptr, stats_ptr, query, splits, heads, offs_h, h_ok, offs_c, ok, LATENT, BLOCK_H, BLOCK_C)
+    out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok, SPLITS, LATENT, BLOCK_H, BLOCK_C)
     tl.store(out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :],
              out.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -279,14 +281,14 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     block_c = triton.next_power_of_2(latent_dim)
     # No mul+add contraction: the fold must round alike in registers and from memory.
     _sparse_mla_kernel[(head_blocks * v_split * (splits if spread else 1) * tokens,)](
-        q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, splits, scale * LOG2E,
+        q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
-        NARROW=part_dtype != torch.float32, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        NARROW=part_dtype != torch.float32, SPLITS=splits, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if spread and not ticket:
         merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, block_c)
         _merge_kernel[(tokens, triton.cdiv(heads, merge_h), triton.cdiv(latent_dim, merge_c))](
-            part, stats, out, heads, splits, out.stride(0), out.stride(1),
+            part, stats, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
             LATENT=latent_dim, BLOCK_H=merge_h, BLOCK_C=merge_c, num_warps=4, enable_fp_fusion=False)
     return out
