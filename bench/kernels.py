@@ -218,14 +218,21 @@ def bench_mla(ceilings, rows: list, vs=None) -> None:
                                for q, s in calls_in])
                 spread = attention.spreads(batch, -(-heads // launch["block_h"]) * launch["v_split"],
                                            launch["num_splits"], cache.device)
+                # Every launch mode (same bits) of the same launch, for choosing the switch and folds.
+                modes_us = {f"{'spread' if spread_ else 'gathered'}/{merge}": graph_us(
+                    [lambda q=q, s=s, sp=spread_, m=merge: attention.sparse_mla_decode(
+                        q, cache, s, latent, scale, spread=sp, merge=m) for q, s in calls_in], reps=8)
+                    for spread_, merge in ((True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory"))}
                 rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch,
                                  splits=launch["num_splits"], mode="spread" if spread else "gathered",
                                  us=us, roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
-                                 speedup_vs_torch=torch_us / us, launch=launch))
+                                 speedup_vs_torch=torch_us / us, launch=launch, modes_us=modes_us))
                 if vs is not None:
                     vs.mla(rows[-1], calls_in, cache, latent, scale,
                            reference=lambda q, s: _torch_mla(q, cache, s, latent, scale))
                 print(json.dumps(rows[-1]), flush=True)
+                print(f"  mla H={heads} top-{topk} bs={batch} modes us: "
+                      + " ".join(f"{k} {v:.1f}" for k, v in modes_us.items()), flush=True)
     del cache
     torch.cuda.empty_cache()
 

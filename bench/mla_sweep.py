@@ -4,7 +4,8 @@ per head count.
 
 Each candidate is a different numerics (its chunks and blocks fix a row's reduction order), so the
 choice is per deployment and must be good at every batch: each is timed at bs 1..128 in all three
-launch modes (spread + in-kernel ticket merge, spread + merge launch, gathered), which give the
+launch modes (spread + in-kernel ticket merge, spread + merge launch, gathered folding in
+registers or through memory), which give the
 same bits (checked here on the GPU, `modes_equal`), and at a 4,096-row prefill pass (gathered).
 With --vs-sglang, SGLang's kernel on the same inputs gives the ratio column.
 
@@ -41,7 +42,7 @@ CANDIDATES = {  # most likely first: a run cut short by its timeout loses the le
          (16, 32, 32, 4, 3, 1), (16, 64, 128, 8, 2, 1), (16, 64, 64, 8, 2, 1), (16, 16, 32, 4, 2, 1)],
 }
 MODES = {"ticket": dict(spread=True, merge="ticket"), "kernel": dict(spread=True, merge="kernel"),
-         "gathered": dict(spread=False)}
+         "gathered": dict(spread=False, merge="registers"), "memory": dict(spread=False, merge="memory")}
 PREFILL_ROWS = 4096
 
 
@@ -79,12 +80,13 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
         row["modes_equal"] = all(torch.equal(outs[0], o) for o in outs[1:])
         for b in batches:
             for name, mode in MODES.items():
-                if name != "gathered" and launch["num_splits"] == 1:
+                if name != "gathered" and launch["num_splits"] == 1:  # one chunk: every mode is this one
                     continue
                 row["us"][f"{b}/{name}"] = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(
                     q, cache, s, MLA_LATENT, scale, **launch, **mode) for q, s in inputs[b]], reps=10)
         row["us"][f"{PREFILL_ROWS}/gathered"] = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(
-            q, cache, s, MLA_LATENT, scale, **launch, spread=False) for q, s in inputs[PREFILL_ROWS][:2]], reps=3)
+            q, cache, s, MLA_LATENT, scale, **launch, **MODES["gathered"]) for q, s in inputs[PREFILL_ROWS][:2]],
+            reps=3)
     except Exception as err:  # noqa: BLE001 - a shape the chip cannot hold (shared memory, registers)
         row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
     print(json.dumps(row), flush=True)
@@ -108,7 +110,7 @@ def summary_line(r: dict, batches: list) -> str:
 
 
 def summary(rows: list, batches: list) -> str:
-    head = "== sparse MLA sweep: best mode (t/k/g) us per batch (sglang_us / ours), worst ratio, prefill us"
+    head = "== sparse MLA sweep: best mode (t/k/g/m) us per batch (sglang_us / ours), worst ratio, prefill us"
     return "\n".join([head] + [summary_line(r, batches) for r in rows])
 
 

@@ -172,7 +172,8 @@ def _run_attention(q, cache, slots, latent, scale, splits, block_h=None, block_s
     return out
 
 
-MLA_MODES = [(True, "ticket"), (True, "kernel"), (False, None)]  # spread + in-kernel merge, + merge launch, gathered
+# spread + in-kernel merge, spread + merge launch, gathered (fold in registers), gathered (through memory)
+MLA_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory")]
 
 
 def assert_same_bits(outs: dict) -> None:

@@ -16,8 +16,8 @@ follow the batch (`spreads`):
   order, or a second launch does (merge="kernel"). Small batches fill the GPU this way (bs 1,
   H=64: N x H/BLOCK_H x V_SPLIT programs).
 - gathered: one program per (query, head block, column block) runs all N chunks and folds them in
-  registers. Large batches (and prefill) fill the GPU already and save the partial-state traffic
-  and the merge.
+  registers (or, merge="memory", writes their states and folds them back like the merge does).
+  Large batches (and prefill) fill the GPU already and save the merge launch.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
     else:
         block_h, block_s, chunk, warps, narrow = 16, 64, 128, 8, False
     return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
-                num_warps=warps, num_stages=2, merge="kernel", v_split=1, narrow_partials=narrow)
+                num_warps=warps, num_stages=2, merge="kernel", gathered_fold="registers", v_split=1,
+                narrow_partials=narrow)
 
 
 def default_num_splits(num_selected: int, num_heads: int) -> int:
@@ -110,7 +111,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                        LATENT: tl.constexpr, ROPE: tl.constexpr, SPREAD: tl.constexpr, TICKET: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
-                       NARROW: tl.constexpr, SPLITS: tl.constexpr):
+                       NARROW: tl.constexpr, SPLITS: tl.constexpr, STREAM: tl.constexpr):
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
     # head blocks and latent-column blocks) run side by side and share them through L2. With
     # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
@@ -175,9 +176,16 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
         if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
-            if NARROW:  # the chunk's average as the spread mode stores it, in both modes
+            if NARROW:  # the chunk's sum as the spread mode stores it, in every mode
                 acc = acc.to(q_ptr.dtype.element_ty).to(tl.float32)
-            M, L, A = _fold(M, L, A, m_i, l_i, acc)
+            if STREAM:  # the chunk's state to memory, as a spread program would write it
+                at = (query * SPLITS + block // blocks_per_chunk) * heads + offs_h
+                tl.store(part_ptr + at[:, None] * LATENT + offs_v[None, :], acc.to(part_ptr.dtype.element_ty),
+                         mask=ok)
+                tl.store(stats_ptr + at * 2, m_i, mask=h_ok)
+                tl.store(stats_ptr + at * 2 + 1, l_i, mask=h_ok)
+            else:
+                M, L, A = _fold(M, L, A, m_i, l_i, acc)
             m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
             l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
             acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
@@ -201,6 +209,11 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                                      SPLITS, LATENT, BLOCK_H, BLOCK_V)
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    elif STREAM:  # this program's own chunk states, folded from memory like the spread mode's
+        tl.debug_barrier()
+        out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok, SPLITS, LATENT, BLOCK_H,
+                             BLOCK_V)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         out = _normalize(A, L, h_ok)
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
@@ -247,8 +260,10 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     16-bit dtype (half the partial-state bytes; float32 q keeps float32).
     spread: one program per chunk (True) or per query (False); the same bits either way. None:
     spread exactly when T x H/BLOCK_H x v_split programs would leave the device's SMs idle.
-    merge (spread only): "ticket" = the last program of each query folds the chunks, "kernel" = a
-    second launch does; the same bits either way."""
+    merge: spread: "ticket" = the last program of each query folds the chunks, else a second launch
+    does; not spread: "memory" = the program writes each chunk's state and folds them back from
+    memory (no second accumulator in registers), else it folds in registers. The same bits in
+    every case."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
@@ -259,7 +274,6 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     splits = num_splits or launch["num_splits"]
     block_h = block_h or launch["block_h"]
     block_s = block_s or launch["block_s"]
-    merge = merge or launch["merge"]
     v_split = v_split or launch["v_split"]
     narrow = launch["narrow_partials"] if narrow_partials is None else narrow_partials
     part_dtype = q.dtype if narrow and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
@@ -267,12 +281,14 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     splits = triton.cdiv(selected, blocks_per_chunk * block_s)
     head_blocks = triton.cdiv(heads, block_h)
     spread = spreads(tokens, head_blocks * v_split, splits, q.device) if spread is None else spread and splits > 1
+    merge = merge or launch["merge" if spread else "gathered_fold"]
     ticket = spread and merge == "ticket"
+    stream = not spread and merge == "memory" and splits > 1
     rope_dim = width - latent_dim
     warps, stages = ((4, 1) if INTERPRETED else
                      (num_warps or launch["num_warps"], num_stages or launch["num_stages"]))
     part = stats = tickets = out  # unused unless spread
-    if spread:
+    if spread or stream:
         part = torch.empty(tokens, splits, heads, latent_dim, dtype=part_dtype, device=q.device)
         stats = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
     if ticket:
@@ -285,7 +301,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
-        NARROW=part_dtype != torch.float32, SPLITS=splits, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False)
     if spread and not ticket:
         merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, block_c)
         _merge_kernel[(tokens, triton.cdiv(heads, merge_h), triton.cdiv(latent_dim, merge_c))](
