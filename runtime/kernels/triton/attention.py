@@ -237,9 +237,9 @@ _TICKETS: dict[tuple[int, int], list[torch.Tensor]] = {}
 
 
 def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (query, head block), for the in-kernel merge. Each launch
-    leaves them zero again, so they persist per (device, stream): captured graphs keep the
-    address, and older buffers stay alive for the graphs that hold them."""
+    """Zeroed int32 counters, one per (query, head block, column block), for the in-kernel merge.
+    Each launch leaves them zero again, so they persist per (device, stream): captured graphs keep
+    the address, and older buffers stay alive for the graphs that hold them."""
     key = (device.index or 0, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     held = _TICKETS.setdefault(key, [])
     if not held or held[-1].numel() < count:
@@ -259,7 +259,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     row's reduction order). narrow_partials: each chunk's unnormalized sum rounded to q's
     16-bit dtype (half the partial-state bytes; float32 q keeps float32).
     spread: one program per chunk (True) or per query (False); the same bits either way. None:
-    spread exactly when T x H/BLOCK_H x v_split programs would leave the device's SMs idle.
+    spread exactly when T x H/BLOCK_H x v_split programs would leave most SMs idle (`spreads`).
     merge: spread: "ticket" = the last program of each query folds the chunks, else a second launch
     does; not spread: "memory" = the program writes each chunk's state and folds them back from
     memory (no second accumulator in registers), else it folds in registers. The same bits in
