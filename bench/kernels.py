@@ -172,62 +172,73 @@ def _torch_mla(q, cache, slots, latent, scale):
     return torch.einsum("ths,tsc->thc", torch.softmax(scores, -1), kv[..., :latent].float()).to(q.dtype)
 
 
-MLA_SHAPES = [dict(block_h=h, block_s=s, num_warps=w, num_stages=st) for h, s, w, st in
-              ((32, 32, 8, 2), (32, 32, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2), (16, 32, 4, 2), (16, 32, 4, 3),
-               (16, 64, 4, 2), (16, 64, 4, 3))]
+MLA_LATENT, MLA_ROPE, MLA_CONTEXT, MLA_WINDOW = 512, 64, 65536, 128
+
+
+def mla_cache(max_batch: int) -> torch.Tensor:
+    """One 64K-position region of latent rows per request of the largest batch (bf16)."""
+    return torch.randn(max_batch * MLA_CONTEXT, MLA_LATENT + MLA_ROPE, device="cuda", dtype=torch.bfloat16)
+
+
+def mla_inputs(batch: int, heads: int, topk: int, gen: torch.Generator, cache_rows: int) -> list:
+    """CALLS_PER_GRAPH (q, slots) pairs: each request selects its last 128 positions + top-k random
+    earlier ones of its own region (or, past the cache's regions, of any region: prefill rows)."""
+    calls_in = []
+    regions = cache_rows // MLA_CONTEXT
+    for _ in range(CALLS_PER_GRAPH):
+        base = ((torch.arange(batch) % regions) * MLA_CONTEXT)[:, None]
+        earlier = torch.rand(batch, MLA_CONTEXT - MLA_WINDOW, device="cuda").argsort(dim=1)[:, :topk].cpu()
+        recent = torch.arange(MLA_CONTEXT - MLA_WINDOW, MLA_CONTEXT)[None, :].expand(batch, -1)
+        slots = (base + torch.cat([recent, earlier], 1)).to(torch.int32).cuda()
+        q = torch.randn(batch, heads, MLA_LATENT + MLA_ROPE, generator=gen).to(torch.bfloat16).cuda()
+        calls_in.append((q, slots))
+    return calls_in
+
+
+def mla_bytes_flops(batch: int, heads: int, selected: int) -> tuple[int, int]:
+    width = MLA_LATENT + MLA_ROPE
+    return (batch * (selected * width * 2 + heads * (MLA_LATENT + width) * 2),
+            2 * batch * heads * selected * (MLA_LATENT + width))
 
 
 def bench_mla(ceilings, rows: list, vs=None) -> None:
-    latent, rope_dim, context, window = 512, 64, 65536, 128
+    """The deployment's launch (attention.default_launch; spread or gathered as the batch asks)."""
     gen = torch.Generator().manual_seed(1)
-    cache = torch.randn(max(BATCHES) * context, latent + rope_dim, device="cuda", dtype=torch.bfloat16)
-    scale = (latent + rope_dim) ** -0.5
-    best_shape: dict = {}
+    cache = mla_cache(max(BATCHES))
+    latent, scale = MLA_LATENT, (MLA_LATENT + MLA_ROPE) ** -0.5
     for heads in (64, 16):
         for topk in (512, 640):
-            selected = window + topk
+            selected = MLA_WINDOW + topk
+            launch = attention.default_launch(selected, heads)
             for batch in sorted(BATCHES, reverse=True):
-                calls_in = []
-                for _ in range(CALLS_PER_GRAPH):
-                    base = (torch.arange(batch) * context)[:, None]
-                    earlier = torch.rand(batch, context - window, device="cuda").argsort(dim=1)[:, :topk].cpu()
-                    recent = torch.arange(context - window, context)[None, :].expand(batch, -1)
-                    slots = (base + torch.cat([recent, earlier], 1)).to(torch.int32).cuda()
-                    q = torch.randn(batch, heads, latent + rope_dim, generator=gen).to(torch.bfloat16).cuda()
-                    calls_in.append((q, slots))
-                bytes_moved = batch * (selected * (latent + rope_dim) * 2 + heads * (2 * latent + rope_dim) * 2)
-                flops = 2 * batch * heads * selected * (2 * latent + rope_dim)
+                calls_in = mla_inputs(batch, heads, topk, gen, cache.shape[0])
+                bytes_moved, flops = mla_bytes_flops(batch, heads, selected)
                 roof = roofline_us(bytes_moved, flops, ceilings)
                 torch_us = graph_us([lambda q=q, s=s: _torch_mla(q, cache, s, latent, scale) for q, s in calls_in[:2]],
                                     reps=5)
-                default_splits = attention.default_num_splits(selected, heads)
-                if batch == max(BATCHES):  # launch shape: the fastest at the largest batch, then kept
-                    timed = []
-                    for shape in MLA_SHAPES:
-                        if shape["block_h"] > max(16, heads):
-                            continue
-                        try:
-                            timed.append((graph_us([lambda q=q, s=s, sh=shape: attention.sparse_mla_decode(
-                                q, cache, s, latent, scale, num_splits=default_splits, **sh) for q, s in calls_in],
-                                reps=8), shape))
-                        except Exception as err:  # a launch shape the chip cannot hold (shared memory)
-                            print(f"  mla {shape}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-                            continue
-                        print(f"  mla H={heads} top-{topk} bs={batch} {shape}: {timed[-1][0]:.1f} us", flush=True)
-                    best_shape[(heads, topk)] = min(timed, key=lambda t: t[0])[1]
-                shape = best_shape.get((heads, topk), {})
-                for splits in sorted({default_splits, 1}):
-                    us = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(q, cache, s, latent, scale,
-                                                                                num_splits=splits, **shape)
-                                   for q, s in calls_in])
-                    rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch,
-                                     splits=splits,
-                                     us=us, roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
-                                     speedup_vs_torch=torch_us / us, launch=shape))
-                    if vs is not None and splits == default_splits:
-                        vs.mla(rows[-1], calls_in, cache, latent, scale,
-                               reference=lambda q, s: _torch_mla(q, cache, s, latent, scale))
-                    print(json.dumps(rows[-1]), flush=True)
+                us = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(q, cache, s, latent, scale)
+                               for q, s in calls_in])
+                spread = attention.spreads(batch, -(-heads // launch["block_h"]) * launch["v_split"],
+                                           launch["num_splits"], cache.device)
+                # Every launch mode (same bits) of the same launch, for choosing the switch and folds.
+                modes_us = {}
+                for spread_, merge in ((True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory")):
+                    try:
+                        modes_us[f"{'spread' if spread_ else 'gathered'}/{merge}"] = graph_us(
+                            [lambda q=q, s=s, sp=spread_, m=merge: attention.sparse_mla_decode(
+                                q, cache, s, latent, scale, spread=sp, merge=m) for q, s in calls_in], reps=8)
+                    except Exception as err:  # noqa: BLE001 - one mode failing must not lose the row
+                        print(f"  mla mode spread={spread_} merge={merge}: {type(err).__name__}: {str(err)[:200]}")
+                rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch,
+                                 splits=launch["num_splits"], mode="spread" if spread else "gathered",
+                                 us=us, roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
+                                 speedup_vs_torch=torch_us / us, launch=launch, modes_us=modes_us))
+                if vs is not None:
+                    vs.mla(rows[-1], calls_in, cache, latent, scale,
+                           reference=lambda q, s: _torch_mla(q, cache, s, latent, scale))
+                print(json.dumps(rows[-1]), flush=True)
+                print(f"  mla H={heads} top-{topk} bs={batch} modes us: "
+                      + " ".join(f"{k} {v:.1f}" for k, v in modes_us.items()), flush=True)
     del cache
     torch.cuda.empty_cache()
 

@@ -164,32 +164,134 @@ def _attention_case(seed, queries, heads, latent, rope_dim, context, window, top
     return q, cache, slots, dense_kv, mask
 
 
-def _run_attention(q, cache, slots, latent, scale, splits, block_h=None, block_s=32):
+def _run_attention(q, cache, slots, latent, scale, splits, block_h=None, block_s=32, spread=None, merge=None,
+                   v_split=None, narrow_partials=None):
     out = poisoned(q.shape[0], q.shape[1], latent, dtype=q.dtype)
     attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=splits, block_h=block_h, block_s=block_s,
-                                out=out)
+                                spread=spread, merge=merge, v_split=v_split, narrow_partials=narrow_partials, out=out)
     return out
+
+
+# spread + in-kernel merge, spread + merge launch, gathered (fold in registers), gathered (through memory)
+MLA_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory")]
+
+
+def assert_same_bits(outs: dict) -> None:
+    """Every launch mode's output equals the first one's bit for bit."""
+    (first, want), *rest = outs.items()
+    for name, got in rest:
+        assert torch.equal(got, want), f"launch mode {name} differs from {first}"
+
+
+# The compiled checks first: a device run cut short by its time limit still has them.
+@gpu
+@pytest.mark.parametrize("heads,topk,launch", [(64, 512, {}), (16, 640, {}), (64, 512, dict(block_h=32, num_warps=8)),
+                                               (20, 300, dict(block_s=32, num_splits=7, v_split=2)),
+                                               (64, 512, dict(num_splits=10, narrow_partials=True))])
+def test_sparse_mla_launch_modes_agree_on_the_gpu(heads, topk, launch):
+    """Compiled, the modes must still round alike (same MMA layouts, no contraction in the fold),
+    at the deployment shapes (C=512, R=64, window 128) and bs 1 / 3."""
+    for queries in (1, 3):
+        q, cache, slots, dense_kv, mask = _attention_case(queries, queries, heads, 512, 64, 2 * (topk + 128), 128,
+                                                          topk, torch.bfloat16, page_size=64)
+        outs = {}
+        for spread, merge in MLA_MODES:
+            outs[spread, merge] = poisoned(queries, heads, 512, dtype=torch.bfloat16)
+            attention.sparse_mla_decode(q, cache, slots, 512, 0.04, spread=spread, merge=merge, out=outs[spread, merge],
+                                        **launch)
+        assert_same_bits(outs)
+        assert_close_scaled(outs[MLA_MODES[0]], reference.sparse_attention(q.cpu(), dense_kv, mask, 512, 0.04),
+                            torch.bfloat16)
+
+
+@gpu
+def test_sparse_mla_invariant_across_the_spread_switch_on_the_gpu():
+    """160 queries x 1 head block: chunks spread below half the SM count, not above it; prefixes on
+    both sides of the switch give the rows' same bits."""
+    q, cache, slots, _, _ = _attention_case(7, 160, 16, 512, 64, 900, 128, 512, torch.bfloat16, page_size=64)
+    run = lambda k: _run_attention(q[:k], cache, slots[:k], 512, 0.04, None, block_s=None)  # noqa: E731
+    full = run(160)
+    for k in (1, 37, 65, 67, 131, 159):
+        assert torch.equal(full[:k], run(k)), f"row results changed with the batch (k={k} of 160)"
 
 
 @EXAMPLES
 @given(seed=SEEDS, queries=st.sampled_from([1, 2, 5]), heads=st.sampled_from([1, 16, 20]),
        dims=st.sampled_from([(32, 16), (48, 8), (64, 64)]), context_vs_selected=st.sampled_from([-5, 0, 1, 40]),
        splits=st.sampled_from([1, 2, 3]), dtype=st.sampled_from(DTYPES),
-       blocks=st.sampled_from([(None, 32), (16, 16), (64, 64)]))
-@example(seed=0, queries=2, heads=20, dims=(48, 8), context_vs_selected=1, splits=3, dtype=DTYPES[0], blocks=(16, 16))
+       blocks=st.sampled_from([(None, 32), (16, 16), (64, 64)]), mode=st.sampled_from(MLA_MODES + [(None, None)]))
+@example(seed=0, queries=2, heads=20, dims=(48, 8), context_vs_selected=1, splits=3, dtype=DTYPES[0], blocks=(16, 16),
+         mode=(None, None))
 def test_sparse_mla_decode_matches_reference_and_is_batch_invariant(seed, queries, heads, dims, context_vs_selected,
-                                                                    splits, dtype, blocks):
+                                                                    splits, dtype, blocks, mode):
     latent, rope_dim = dims
     window, topk = 8, 24
     context = max(queries, window + topk + context_vs_selected)  # shorter / equal / longer than window+topk
     q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, context, window, topk,
                                                       dtype)
     scale = (latent + rope_dim) ** -0.5
-    out = _run_attention(q, cache, slots, latent, scale, splits, *blocks)
+    out = _run_attention(q, cache, slots, latent, scale, splits, *blocks, *mode)
     expected = reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale)
     assert_close_scaled(out, expected, dtype)
-    assert_prefix_invariant(out, lambda k: _run_attention(q[:k], cache, slots[:k], latent, scale, splits, *blocks),
-                            queries)
+    # mode (None, None): the mode follows the batch (spread below INTERPRETER_FILL programs), and
+    # the prefixes cross that switch.
+    assert_prefix_invariant(out, lambda k: _run_attention(q[:k], cache, slots[:k], latent, scale, splits, *blocks,
+                                                          *mode), queries)
+
+
+@settings(max_examples=8 if ON_GPU else 3)  # + the two examples; each runs 4 launch modes (interpreted: slow)
+@given(seed=SEEDS, queries=st.sampled_from([1, 3]), heads=st.sampled_from([20, 48, 64]),
+       topk=st.sampled_from([40, 57, 100]), splits=st.sampled_from([2, 3, 5, 7]), block_h=st.sampled_from([16, 32]),
+       latent=st.sampled_from([64, 192]), v_split=st.sampled_from([1, 2]), narrow=st.booleans(),
+       dtype=st.sampled_from(DTYPES))
+@example(seed=1, queries=1, heads=64, topk=100, splits=7, block_h=16, latent=64, v_split=1, narrow=False,
+         dtype=DTYPES[0])
+@example(seed=2, queries=3, heads=20, topk=57, splits=3, block_h=16, latent=192, v_split=2, narrow=True,
+         dtype=torch.float16)
+def test_sparse_mla_launch_modes_give_the_same_bits(seed, queries, heads, topk, splits, block_h, latent, v_split,
+                                                    narrow, dtype):
+    """The grid that fills the GPU at bs 1 (one program per chunk and head block, heads not a
+    multiple of the block, selections not a multiple of the position block, latent tiles of the
+    merge not dividing the latent, latent-column blocks, 16-bit partial states) and the one that
+    does not spread: the same bits, and the reference's values; rows permuted give rows permuted."""
+    rope_dim, window = 16, 12
+    q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, 3 * (window + topk),
+                                                      window, topk, dtype)
+    scale = (latent + rope_dim) ** -0.5
+    run = lambda q, s, mode: _run_attention(q, cache, s, latent, scale, splits, block_h, 16, *mode,  # noqa: E731
+                                            v_split=v_split, narrow_partials=narrow)
+    outs = {mode: run(q, slots, mode) for mode in MLA_MODES}
+    assert_same_bits(outs)
+    assert_close_scaled(outs[MLA_MODES[0]], reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale), dtype)
+    perm = torch.randperm(queries, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    assert torch.equal(run(q[perm], slots[perm], MLA_MODES[0]), outs[MLA_MODES[0]][perm]), "row order changed bits"
+
+
+def test_launch_mode_oracle_fails_when_a_mode_folds_other_chunks():
+    """Negative control: a gathered mode that ran the query as one chunk (no fold) instead of the
+    deployment's 3 would round differently, and the same-bits check sees it."""
+    q, cache, slots, _, _ = _attention_case(4, 2, 20, 64, 16, 120, 8, 64, torch.float32)
+    outs = {"spread, 3 chunks": _run_attention(q, cache, slots, 64, 0.1, 3, 16, 16, True, "ticket"),
+            "gathered, 1 chunk": _run_attention(q, cache, slots, 64, 0.1, 1, 16, 16, False)}
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_bits(outs)
+
+
+def test_sparse_mla_never_reads_unselected_poisoned_slots():
+    """-1 slots point nowhere; every cache row no query selects is NaN (never written). Negative
+    control: the same padding turned into a real slot id of a poisoned row leaks NaN."""
+    q, cache, slots, dense_kv, mask = _attention_case(5, 3, 20, 64, 16, 30, 8, 40, torch.float32)
+    used = torch.zeros(cache.shape[0], dtype=torch.bool, device=DEVICE)
+    used[slots[slots >= 0].long()] = True
+    cache[~used] = float("nan")
+    assert (slots < 0).any() and (~used).any()
+    scale = 80 ** -0.5
+    expected = reference.sparse_attention(q.cpu(), torch.nan_to_num(dense_kv, nan=0.0), mask, 64, scale)
+    for mode in MLA_MODES:
+        assert_close_scaled(_run_attention(q, cache, slots, 64, scale, 3, 16, 16, *mode), expected, torch.float32)
+    leaky = torch.where(slots < 0, int(torch.nonzero(~used)[0]), slots).to(torch.int32)
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_close_scaled(_run_attention(q, cache, leaky, 64, scale, 3, 16, 16), expected, torch.float32)
 
 
 def test_batch_invariance_oracle_fails_when_splits_follow_the_batch():
@@ -464,7 +566,7 @@ def test_fused_moe_under_graph_replay_and_side_stream(tokens, split_k):
 
 
 @gpu
-@pytest.mark.parametrize("queries,splits", [(1, 4), (9, 1), (9, 3)])
+@pytest.mark.parametrize("queries,splits", [(1, 4), (9, 1), (9, 3), (200, 3)])  # 200: the gathered mode
 def test_sparse_mla_under_graph_replay_and_side_stream(queries, splits):
     def make(seed):
         q, cache, slots, _, _ = _attention_case(seed, queries, 16, 512, 64, 300, 16, 128, torch.bfloat16)

@@ -1,16 +1,28 @@
 """Sparse latent-MQA decode attention over the paged latent cache.
 
 T = queries, H = heads, C = latent dim, R = rope dim, S = selected positions per query (window U
-top-k, as slot ids into the cache, -1 = padding), N = splits.
+top-k, as slot ids into the cache, -1 = padding), N = chunks.
 
-Each query's S positions are cut into N equal chunks (split-KV), one program per (query, chunk,
-head block), so a single query still spreads over many SMs; a second kernel merges the chunks'
-partial softmax states in chunk order. N is a property of the deployment (default_num_splits
-reads only S and H), never of the batch: the same chunks, in the same order, whatever the batch,
-so a row's bits do not change with the batch. With N = 1 the first kernel writes the output itself.
+Numerics: each query's S positions are cut into N chunks of whole BLOCK_S blocks. Each chunk runs
+its own online softmax from the empty state, then the chunks' states are folded left to right in
+chunk order (`_fold`), and out = A / L. N and the launch shape (BLOCK_H heads per program, BLOCK_S,
+warps, V_SPLIT) are a property of the deployment (`default_launch` reads only S and H), never of the batch.
+
+Two launch modes compute exactly those operations, so they give the same bits and the mode can
+follow the batch (`spreads`):
+- spread: one program per (query, chunk, head block, latent-column block) writes its chunk's
+  state (float32, or with narrow_partials the sum in q's 16-bit dtype, rounded alike in both
+  modes); the last of a query's N programs to finish (an atomic ticket) folds them in chunk
+  order, or a second launch does (merge="kernel"). Small batches fill the GPU this way (bs 1,
+  H=64: N x H/BLOCK_H x V_SPLIT programs).
+- gathered: one program per (query, head block, column block) runs all N chunks and folds them in
+  registers (or, merge="memory", writes their states and folds them back like the merge does).
+  Large batches (and prefill) fill the GPU already and save the merge launch.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -19,44 +31,141 @@ import triton.language as tl
 from runtime.kernels.triton import INTERPRETED
 
 LOG2E = 1.4426950408889634
+# Programs that fill the device without spreading chunks; the interpreter's small value lets the
+# CPU tests cross the mode switch with a few queries.
+INTERPRETER_FILL = 8
+
+
+def default_launch(num_selected: int, num_heads: int) -> dict:
+    """The launch shape of a deployment: N chunks, BLOCK_H, BLOCK_S, warps, stages, V_SPLIT, narrow
+    partials (and the merge, which does not change bits). It fixes a row's
+    reduction order, so it reads only S and H. Chosen on the H200 by `python -m bench.mla_sweep`."""
+    # bench.mla_sweep on the H200 (docs/results.md, "Sparse MLA launch sweep"): 128-position
+    # chunks of 16 heads; H=64 keeps its chunk sums in bf16 (2 us less at bs 1-8), H=16 runs 8 warps.
+    if num_heads >= 64:
+        block_h, block_s, chunk, warps, narrow = 16, 64, 128, 4, True
+    else:
+        block_h, block_s, chunk, warps, narrow = 16, 64, 128, 8, False
+    return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
+                num_warps=warps, num_stages=2, merge="kernel", gathered_fold="registers", v_split=1,
+                narrow_partials=narrow)
 
 
 def default_num_splits(num_selected: int, num_heads: int) -> int:
-    # Partial states cost 2 * H * C * 4 bytes per chunk against S * (C+R) * 2 bytes of cache read:
-    # many heads -> fewer, longer chunks.
-    return max(1, triton.cdiv(num_selected, 128 if num_heads <= 16 else 384))
+    return default_launch(num_selected, num_heads)["num_splits"]
+
+
+@functools.cache
+def _fill_programs(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def spreads(tokens: int, programs_per_query: int, splits: int, device: torch.device) -> bool:
+    """The automatic mode: spread the chunks exactly when the gathered mode's programs (per query:
+    head blocks x column blocks) would leave most SMs idle (below half of them: measured, spread
+    wins at 32 programs and loses at 128). Free to follow the batch: both modes give the same bits."""
+    fill = INTERPRETER_FILL if INTERPRETED else _fill_programs(device.index or 0) // 2
+    return splits > 1 and tokens * programs_per_query < fill
 
 
 @triton.jit
-def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr,
-                       heads, selected, chunk, sm_scale_log2,
+def _fold(M, L, A, m, l, acc):
+    """The softmax state (M, L, A) followed by a chunk's (m, l, acc): the one merge formula of both
+    modes. From the empty state (-1e30, 0, 0) it must return the chunk's state bit for bit (the
+    spread mode folds each chunk into it twice): a side that holds the max gets weight 1 exactly,
+    not exp2(0) of an approximate exp2."""
+    M_new = tl.maximum(M, m)
+    keep = tl.where(M == M_new, 1.0, tl.exp2(M - M_new))
+    take = tl.where(m == M_new, 1.0, tl.exp2(m - M_new))
+    return M_new, L * keep + l * take, A * keep[:, None] + acc * take[:, None]
+
+
+@triton.jit
+def _normalize(A, L, h_ok):
+    return A / tl.where(h_ok, L, 1.0)[:, None]  # padding heads (L = 0) divide by 1, not 0
+
+
+@triton.jit
+def _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok,
+                   SPLITS: tl.constexpr, LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The spread mode's chunk states [T, N, H, C] (+ [T, N, H, 2] max and sum), folded in chunk order
+    from the empty state: the same operations as the gathered mode's fold in registers. `.cg`: read
+    at L2, not a possibly stale L1 line (other programs of this launch wrote them)."""
+    M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+    L = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    A = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):  # unrolled: the N loads need not wait for each other's folds
+        base = (query * SPLITS + s) * heads + offs_h
+        m = tl.load(stats_ptr + base * 2, mask=h_ok, other=-1e30, cache_modifier=".cg")
+        l_s = tl.load(stats_ptr + base * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_ptr + base[:, None] * LATENT + offs_c[None, :], mask=ok, other=0.0,
+                      cache_modifier=".cg").to(tl.float32)
+        M, L, A = _fold(M, L, A, m, l_s, acc)
+    return _normalize(A, L, h_ok)
+
+
+@triton.jit
+def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, ticket_ptr,
+                       heads, selected, blocks_per_chunk, sm_scale_log2,
                        stride_qt, stride_qh, stride_kv, stride_idx, stride_ot, stride_oh,
-                       LATENT: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
+                       LATENT: tl.constexpr, ROPE: tl.constexpr, SPREAD: tl.constexpr, TICKET: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    query = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+                       BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
+                       NARROW: tl.constexpr, SPLITS: tl.constexpr, STREAM: tl.constexpr):
+    # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
+    # head blocks and latent-column blocks) run side by side and share them through L2. With
+    # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
+    # output columns (more, smaller programs and partial states at small batch).
+    pid = tl.program_id(0)
+    head_blocks = tl.cdiv(heads, BLOCK_H)
+    head_block = pid % head_blocks
+    v_block = (pid // head_blocks) % V_SPLIT
+    rest = pid // head_blocks // V_SPLIT
+    if SPREAD:
+        chunk = rest % SPLITS
+        query = (rest // SPLITS).to(tl.int64)
+    else:
+        chunk = 0
+        query = rest.to(tl.int64)
+    BLOCK_V: tl.constexpr = BLOCK_C // V_SPLIT
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < heads
     offs_c = tl.arange(0, BLOCK_C)
+    offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
     c_ok = offs_c < LATENT
+    v_ok = offs_v < LATENT
     r_ok = offs_r < ROPE
+    ok = h_ok[:, None] & v_ok[None, :]
     q_rows = q_ptr + query * stride_qt + offs_h[:, None] * stride_qh
     q_lat = tl.load(q_rows + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
     q_rope = tl.load(q_rows + LATENT + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)  # finite: an empty block must not give inf - inf
+    if SPREAD:  # this program's chunk only
+        first_block = chunk * blocks_per_chunk
+        end_block = tl.minimum(first_block + blocks_per_chunk, tl.cdiv(selected, BLOCK_S))
+    else:  # every chunk of the query
+        first_block = 0
+        end_block = tl.cdiv(selected, BLOCK_S)
+    # Folded state and the running chunk's state. -1e30, finite: an empty chunk must not give inf - inf.
+    M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+    L = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    A = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
+    m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
-    start = split * chunk
-    end = tl.minimum(start + chunk, selected)
-    for s0 in range(start, end, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        slot = tl.load(idx_ptr + query * stride_idx + offs_s, mask=offs_s < end, other=-1)
+    acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
+    # One flat loop over blocks (chunk ends inside it), so the gathered loads pipeline across chunks.
+    for block in range(first_block, end_block):
+        offs_s = block * BLOCK_S + tl.arange(0, BLOCK_S)
+        slot = tl.load(idx_ptr + query * stride_idx + offs_s, mask=offs_s < selected, other=-1)
         valid = slot >= 0
         rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
+        # Masked: -1 slots may point at never-written (NaN-poisoned) rows, and 0 * NaN = NaN.
         kv_lat = tl.load(rows + offs_c[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
         kv_rope = tl.load(rows + LATENT + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+        if V_SPLIT == 1:
+            kv_v = kv_lat
+        else:  # this program's columns again (an L1 hit)
+            kv_v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
         scores = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
         scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=PRECISION)
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
@@ -64,74 +173,139 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc * alpha[:, None], input_precision=PRECISION)
+        acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    if SPLIT:
-        base = (query * tl.num_programs(1) + split) * heads + offs_h
-        tl.store(part_ptr + base[:, None] * LATENT + offs_c[None, :], acc, mask=h_ok[:, None] & c_ok[None, :])
-        tl.store(stats_ptr + base * 2, m_i, mask=h_ok)
-        tl.store(stats_ptr + base * 2 + 1, l_i, mask=h_ok)
+        if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
+            if NARROW:  # the chunk's sum as the spread mode stores it, in every mode
+                acc = acc.to(q_ptr.dtype.element_ty).to(tl.float32)
+            if STREAM:  # the chunk's state to memory, as a spread program would write it
+                at = (query * SPLITS + block // blocks_per_chunk) * heads + offs_h
+                tl.store(part_ptr + at[:, None] * LATENT + offs_v[None, :], acc.to(part_ptr.dtype.element_ty),
+                         mask=ok)
+                tl.store(stats_ptr + at * 2, m_i, mask=h_ok)
+                tl.store(stats_ptr + at * 2 + 1, l_i, mask=h_ok)
+            else:
+                M, L, A = _fold(M, L, A, m_i, l_i, acc)
+            m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+            l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
+    out_ptrs = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
+    if SPREAD:
+        base = (query * SPLITS + chunk) * heads + offs_h
+        tl.store(part_ptr + base[:, None] * LATENT + offs_v[None, :], A.to(part_ptr.dtype.element_ty), mask=ok)
+        # Every column block stores the same (M, L): its own ticket then covers the (M, L) it reads.
+        tl.store(stats_ptr + base * 2, M, mask=h_ok)
+        tl.store(stats_ptr + base * 2 + 1, L, mask=h_ok)
+        if TICKET:
+            # The last of a (query, head block)'s N programs to finish folds all N states (in chunk
+            # order, whichever program it is) and re-arms the counter for the next launch. The
+            # barrier + release/acquire ticket make every program's stores visible to it.
+            tl.debug_barrier()
+            counter = ticket_ptr + (query * head_blocks + head_block) * V_SPLIT + v_block
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLITS - 1:
+                tl.debug_barrier()
+                out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok,
+                                     SPLITS, LATENT, BLOCK_H, BLOCK_V)
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    elif STREAM:  # this program's own chunk states, folded from memory like the spread mode's
+        tl.debug_barrier()
+        out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok, SPLITS, LATENT, BLOCK_H,
+                             BLOCK_V)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
     else:
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & c_ok[None, :])
+        out = _normalize(A, L, h_ok)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, splits, stride_ot, stride_oh,
-                  LATENT: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Chunks merged in chunk order: out = sum_s acc_s 2^(m_s - m) / sum_s l_s 2^(m_s - m)
+def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, stride_ot, stride_oh,
+                  SPLITS: tl.constexpr, LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Small [BLOCK_H, BLOCK_C] tiles: at bs 1 the merge's reads spread over many SMs.
     query = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_c = tl.arange(0, BLOCK_C)
-    c_ok = offs_c < LATENT
-    m = -1e30
-    for s in range(0, splits):
-        m = tl.maximum(m, tl.load(stats_ptr + ((query * splits + s) * heads + head) * 2))
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    total = 0.0
-    for s in range(0, splits):
-        base = (query * splits + s) * heads + head
-        weight = tl.exp2(tl.load(stats_ptr + base * 2) - m)
-        total += tl.load(stats_ptr + base * 2 + 1) * weight
-        acc += tl.load(part_ptr + base * LATENT + offs_c, mask=c_ok, other=0.0) * weight
-    tl.store(out_ptr + query * stride_ot + head * stride_oh + offs_c, (acc / total).to(out_ptr.dtype.element_ty),
-             mask=c_ok)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < heads
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = h_ok[:, None] & (offs_c < LATENT)[None, :]
+    out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok, SPLITS, LATENT, BLOCK_H, BLOCK_C)
+    tl.store(out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_TICKETS: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (query, head block, column block), for the in-kernel merge.
+    Each launch leaves them zero again, so they persist per (device, stream): captured graphs keep
+    the address, and older buffers stay alive for the graphs that hold them."""
+    key = (device.index or 0, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    held = _TICKETS.setdefault(key, [])
+    if not held or held[-1].numel() < count:
+        held.append(torch.zeros(triton.next_power_of_2(max(count, 1024)), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, scale: float,
-                      num_splits: int | None = None, block_h: int | None = None, block_s: int = 32,
-                      num_warps: int | None = None, num_stages: int = 2,
+                      num_splits: int | None = None, block_h: int | None = None, block_s: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None, spread: bool | None = None,
+                      merge: str | None = None, v_split: int | None = None, narrow_partials: bool | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
-    num_splits: chunks per query (default default_num_splits; fix it per deployment, not per batch);
-    block_h, block_s, num_warps, num_stages: launch shape (heads per program, positions per step)."""
+    num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
+    block): default_launch's unless given (fix them per deployment, not per batch: they set a
+    row's reduction order). narrow_partials: each chunk's unnormalized sum rounded to q's
+    16-bit dtype (half the partial-state bytes; float32 q keeps float32).
+    spread: one program per chunk (True) or per query (False); the same bits either way. None:
+    spread exactly when T x H/BLOCK_H x v_split programs would leave most SMs idle (`spreads`).
+    merge: spread: "ticket" = the last program of each query folds the chunks, else a second launch
+    does; not spread: "memory" = the program writes each chunk's state and folds them back from
+    memory (no second accumulator in registers), else it folds in registers. The same bits in
+    every case."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
         out = torch.empty(tokens, heads, latent_dim, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
-    splits = num_splits or default_num_splits(selected, heads)
-    if block_h is None:  # the fastest measured on the H200 (docs/results.md): all 64 heads in one program
-        block_h, block_s, num_warps = (64, 64, 8) if heads >= 64 else (16, 32, 4)
-    chunk = triton.cdiv(triton.cdiv(selected, splits), block_s) * block_s
-    splits = triton.cdiv(selected, chunk)
+    launch = default_launch(selected, heads)
+    splits = num_splits or launch["num_splits"]
+    block_h = block_h or launch["block_h"]
+    block_s = block_s or launch["block_s"]
+    v_split = v_split or launch["v_split"]
+    narrow = launch["narrow_partials"] if narrow_partials is None else narrow_partials
+    part_dtype = q.dtype if narrow and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    blocks_per_chunk = triton.cdiv(triton.cdiv(selected, splits), block_s)
+    splits = triton.cdiv(selected, blocks_per_chunk * block_s)
+    head_blocks = triton.cdiv(heads, block_h)
+    spread = spreads(tokens, head_blocks * v_split, splits, q.device) if spread is None else spread and splits > 1
+    merge = merge or launch["merge" if spread else "gathered_fold"]
+    ticket = spread and merge == "ticket"
+    stream = not spread and merge == "memory" and splits > 1
     rope_dim = width - latent_dim
-    warps, stages = (4, 1) if INTERPRETED else (num_warps or (8 if block_h >= 32 else 4), num_stages)
-    part = stats = out  # unused when not split
-    if splits > 1:
-        part = torch.empty(tokens, splits, heads, latent_dim, dtype=torch.float32, device=q.device)
+    warps, stages = ((4, 1) if INTERPRETED else
+                     (num_warps or launch["num_warps"], num_stages or launch["num_stages"]))
+    part = stats = tickets = out  # unused unless spread
+    if spread or stream:
+        part = torch.empty(tokens, splits, heads, latent_dim, dtype=part_dtype, device=q.device)
         stats = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
+    if ticket:
+        tickets = _tickets(q.device, tokens * head_blocks * v_split)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _sparse_mla_kernel[(tokens, splits, triton.cdiv(heads, block_h))](
-        q, kv_cache, slots, out, part, stats, heads, selected, chunk, scale * LOG2E,
+    block_c = triton.next_power_of_2(latent_dim)
+    # No mul+add contraction: the fold must round alike in registers and from memory.
+    _sparse_mla_kernel[(head_blocks * v_split * (splits if spread else 1) * tokens,)](
+        q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
-        LATENT=latent_dim, ROPE=rope_dim, SPLIT=splits > 1, PRECISION=precision, BLOCK_H=block_h,
-        BLOCK_S=block_s, BLOCK_C=triton.next_power_of_2(latent_dim),
-        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), num_warps=warps, num_stages=stages)
-    if splits > 1:
-        _merge_kernel[(tokens, heads)](part, stats, out, heads, splits, out.stride(0), out.stride(1),
-                                       LATENT=latent_dim, BLOCK_C=triton.next_power_of_2(latent_dim))
+        LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
+        BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
+        NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False)
+    if spread and not ticket:
+        merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, block_c)
+        _merge_kernel[(tokens, triton.cdiv(heads, merge_h), triton.cdiv(latent_dim, merge_c))](
+            part, stats, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
+            LATENT=latent_dim, BLOCK_H=merge_h, BLOCK_C=merge_c, num_warps=4, enable_fp_fusion=False)
     return out

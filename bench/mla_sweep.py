@@ -1,0 +1,171 @@
+"""Launch-shape sweep for the sparse MLA decode kernel: one device run picks
+attention.default_launch's (BLOCK_H, BLOCK_S, chunk, warps, stages, V_SPLIT, narrow partials)
+per head count.
+
+Each candidate is a different numerics (its chunks and blocks fix a row's reduction order), so the
+choice is per deployment and must be good at every batch: each is timed at bs 1..128 in all three
+launch modes (spread + in-kernel ticket merge, spread + merge launch, gathered folding in
+registers or through memory), which give the
+same bits (checked here on the GPU, `modes_equal`), and at a 4,096-row prefill pass (gathered).
+With --vs-sglang, SGLang's kernel on the same inputs gives the ratio column.
+
+  python -m bench.mla_sweep --json $OUT/mla_sweep.json [--vs-sglang] [--heads 64,16] [--batches 1,8,32,128]
+
+The summary ends the log: per candidate and batch the best mode's us (and sglang_us / ours), the
+worst ratio over batches, and the prefill us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+from pathlib import Path
+
+import torch
+
+from bench.kernels import CALLS_PER_GRAPH, MLA_CONTEXT, MLA_LATENT, MLA_ROPE, MLA_WINDOW, graph_us, mla_inputs
+from runtime.kernels.triton import attention
+
+# (BLOCK_H, BLOCK_S, chunk positions, warps, stages, V_SPLIT[, narrow partials]); chunk >= S: one
+# chunk (never spread).
+CANDIDATES = {  # most likely first: a run cut short by its timeout loses the least
+    64: [(16, 64, 128, 4, 2, 1), (16, 64, 64, 4, 2, 1), (16, 64, 128, 4, 2, 2), (16, 64, 64, 4, 2, 2),
+         (16, 64, 64, 4, 2, 1, True), (16, 64, 64, 4, 2, 2, True), (16, 64, 128, 4, 2, 1, True),
+         (32, 64, 128, 8, 2, 1), (16, 32, 64, 4, 2, 1), (32, 64, 128, 4, 2, 2), (64, 64, 128, 8, 2, 1),
+         (64, 64, 320, 8, 2, 1), (64, 64, 4096, 8, 2, 1), (16, 64, 4096, 4, 2, 1), (16, 32, 32, 4, 2, 1),
+         (16, 64, 128, 4, 3, 1), (16, 64, 128, 8, 2, 1), (32, 64, 64, 8, 2, 1), (32, 32, 64, 4, 2, 1),
+         (64, 32, 64, 8, 2, 1), (64, 64, 128, 16, 2, 1), (64, 64, 128, 8, 2, 2)],
+    16: [(16, 64, 128, 4, 2, 1), (16, 64, 64, 4, 2, 1), (16, 32, 32, 4, 2, 1), (16, 64, 128, 4, 2, 2),
+         (16, 64, 64, 4, 2, 2), (16, 32, 32, 4, 2, 2), (16, 64, 64, 4, 2, 2, True), (16, 32, 32, 4, 2, 1, True),
+         (16, 64, 128, 4, 2, 4), (16, 32, 64, 4, 2, 1), (16, 64, 4096, 4, 2, 1), (16, 64, 128, 4, 3, 1),
+         (16, 32, 32, 4, 3, 1), (16, 64, 128, 8, 2, 1), (16, 64, 64, 8, 2, 1), (16, 16, 32, 4, 2, 1)],
+}
+MODES = {"ticket": dict(spread=True, merge="ticket"), "kernel": dict(spread=True, merge="kernel"),
+         "gathered": dict(spread=False, merge="registers"), "memory": dict(spread=False, merge="memory")}
+PREFILL_ROWS = 4096
+
+
+def launch_of(candidate: tuple, selected: int) -> dict:
+    block_h, block_s, chunk, warps, stages, v_split, *narrow = candidate
+    return dict(num_splits=max(1, -(-selected // chunk)), block_h=block_h, block_s=block_s, num_warps=warps,
+                num_stages=stages, v_split=v_split, narrow_partials=bool(narrow and narrow[0]))
+
+
+def prepare(heads: int, topk: int, batches: list, cache: torch.Tensor, vs) -> dict:
+    """One head count's inputs (every batch + the prefill rows) and SGLang's times on them."""
+    gen = torch.Generator().manual_seed(heads)
+    scale = (MLA_LATENT + MLA_ROPE) ** -0.5
+    inputs = {b: mla_inputs(b, heads, topk, gen, cache.shape[0]) for b in batches + [PREFILL_ROWS]}
+    sgl_us = {}
+    if vs is not None:
+        for b in batches:
+            try:
+                sgl_us[b] = vs.graph_us([lambda q=q, s=s: vs.sgl.sparse_mla(q, cache, s, MLA_LATENT, scale,
+                                                                            vs.mla_workspace) for q, s in inputs[b]])
+            except Exception as err:  # noqa: BLE001 - one failing SGLang call must not lose the sweep
+                print(f"  sglang H={heads} bs={b}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+    return dict(inputs=inputs, sglang_us=sgl_us)
+
+
+def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache: torch.Tensor, prepared: dict) -> dict:
+    inputs, scale = prepared["inputs"], (MLA_LATENT + MLA_ROPE) ** -0.5
+    launch = launch_of(candidate, MLA_WINDOW + topk)
+    row = dict(kernel="sparse_mla_sweep", H=heads, topk=topk, candidate=candidate, launch=launch, us={},
+               sglang_us=prepared["sglang_us"])
+    try:
+        q, s = inputs[8][0] if 8 in inputs else inputs[batches[0]][0]
+        outs = [attention.sparse_mla_decode(q, cache, s, MLA_LATENT, scale, **launch, **mode)
+                for mode in MODES.values()]
+        row["modes_equal"] = all(torch.equal(outs[0], o) for o in outs[1:])
+        for b in batches:
+            for name, mode in MODES.items():
+                if name != "gathered" and launch["num_splits"] == 1:  # one chunk: every mode is this one
+                    continue
+                row["us"][f"{b}/{name}"] = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(
+                    q, cache, s, MLA_LATENT, scale, **launch, **mode) for q, s in inputs[b]], reps=10)
+        row["us"][f"{PREFILL_ROWS}/gathered"] = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(
+            q, cache, s, MLA_LATENT, scale, **launch, **MODES["gathered"]) for q, s in inputs[PREFILL_ROWS][:2]],
+            reps=3)
+    except Exception as err:  # noqa: BLE001 - a shape the chip cannot hold (shared memory, registers)
+        row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    print(json.dumps(row), flush=True)
+    print("  " + summary_line(row, batches), flush=True)
+    return row
+
+
+def summary_line(r: dict, batches: list) -> str:
+    head = f"H={r['H']} top-{r['topk']} {tuple(r['candidate'])}"
+    if "error" in r:
+        return f"{head}: {r['error'][:160]}"
+    cells, ratios = [], []
+    for b in batches:
+        us, mode = min((us, key.split("/")[1]) for key, us in r["us"].items() if key.startswith(f"{b}/"))
+        ratio = r["sglang_us"].get(b, float("nan")) / us
+        ratios.append(ratio)
+        cells.append(f"bs{b} {us:.1f} {mode[0]} ({ratio:.2f})")
+    bits = "same" if r["modes_equal"] else "DIFFER"
+    return (f"{head:<47} " + " | ".join(cells) + f" | worst {min(ratios):.2f}"
+            f" | prefill {r['us'][f'{PREFILL_ROWS}/gathered']:.0f} | modes' bits {bits}")
+
+
+def summary(rows: list, batches: list) -> str:
+    head = "== sparse MLA sweep: best mode (t/k/g/m) us per batch (sglang_us / ours), worst ratio, prefill us"
+    return "\n".join([head] + [summary_line(r, batches) for r in rows])
+
+
+def _vs_sglang():
+    """SGLang beside ours, its wheel in .whl-sglang/ here or in a folder above (a tree exported
+    under another checkout); without it the sweep still runs, ours only."""
+    from bench import sglang_kernels
+
+    try:
+        for folder in [sglang_kernels.WHEEL_DIR, *(d / ".whl-sglang" for d in sglang_kernels.ROOT.parents)]:
+            wheel = sglang_kernels.find_wheel(folder)
+            if wheel is not None:
+                sglang_kernels._LOADED = sglang_kernels._LOADED or sglang_kernels.SGLang(wheel)
+                break
+        vs = sglang_kernels.VsSGLang(graph_us)
+    except (SystemExit, Exception) as err:  # noqa: BLE001 - the sweep of ours is still worth its run
+        print(f"no SGLang beside ours: {type(err).__name__}: {str(err)[:300]}", flush=True)
+        return None
+    print(vs.header(), flush=True)
+    return vs
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--heads", default="64,16")
+    parser.add_argument("--topk", type=int, default=512)
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--vs-sglang", action="store_true")
+    args = parser.parse_args()
+    vs = None
+    if args.vs_sglang:
+        vs = _vs_sglang()
+    batches = [int(b) for b in args.batches.split(",")]
+    cache = torch.randn(max(batches) * MLA_CONTEXT, MLA_LATENT + MLA_ROPE, device="cuda", dtype=torch.bfloat16)
+    rows: list = []
+    # `timeout` ends a long run with SIGTERM: still print the summary and write the JSON.
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        heads = [int(h) for h in args.heads.split(",")]
+        prepared = {h: prepare(h, args.topk, batches, cache, vs) for h in heads}
+        # Head counts interleaved, each list most-likely first: a run cut short keeps the best of both.
+        order = [(h, CANDIDATES[h][i]) for i in range(max(len(CANDIDATES[h]) for h in heads)) for h in heads
+                 if i < len(CANDIDATES[h])]
+        for h, candidate in order:
+            rows.append(time_candidate(h, args.topk, candidate, batches, cache, prepared[h]))
+    finally:
+        print(summary(rows, batches), flush=True)
+        args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), calls_per_graph=CALLS_PER_GRAPH,
+                                             rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
