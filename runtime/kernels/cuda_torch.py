@@ -93,7 +93,18 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int,
                  topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions each query attends to: the window ending at itself, plus the top-k older ones.
     scores: [B, L] -> (positions [B, S] long, valid [B, S] bool). Ties go to the earlier position
-    (stable sort), as in reference.select_tokens."""
+    (stable sort), as in reference.select_tokens. On a GPU the Triton radix select
+    (kernels/triton/topk.py) returns the same tensors bit for bit without sorting whole rows."""
+    if scores.is_cuda and topk > 0:
+        from runtime.kernels.triton.topk import select_slots as triton_select_slots
+
+        return triton_select_slots(scores, positions, window, topk)
+    return select_slots_by_sort(scores, positions, window, topk)
+
+
+def select_slots_by_sort(scores: torch.Tensor, positions: torch.Tensor, window: int,
+                         topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_slots by a stable descending sort of every row: the readable definition (and the CPU path)."""
     cols = torch.arange(scores.shape[1], device=scores.device)[None, :]
     pos = positions[:, None]
     window_pos = pos - window + 1 + torch.arange(window, device=scores.device)[None, :]

@@ -152,26 +152,34 @@ def _select_kernel(scores_ptr, pos_ptr, out_ptr, ok_ptr, scratch_ptr, width,
     tl.store(ok_ptr + row * stride_ok + w, window_pos >= 0, mask=w < WINDOW)
 
 
-def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int,
-                 first_bits: int = 10, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int, first_bits: int = 10,
+                 block: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
-    (positions [B, window + min(topk, L)] int64, valid [B, window + min(topk, L)] bool).
-    first_bits: width of the first radix digit (8..12); any value gives the same output."""
+    (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
+    first_bits: width of the first radix digit (8..12); every width gives the same output.
+    out: (positions, valid) buffers to fill; scratch: [B, L] int64 workspace (tests poison both)."""
     rows, width = scores.shape
     chosen = min(topk, width)
-    out = torch.empty(rows, window + chosen, dtype=torch.int64, device=scores.device)
-    ok = torch.empty(rows, window + chosen, dtype=torch.bool, device=scores.device)
-    if rows == 0 or chosen == 0:
+    if out is None:
+        out = (torch.empty(rows, window + chosen, dtype=torch.int64, device=scores.device),
+               torch.empty(rows, window + chosen, dtype=torch.bool, device=scores.device))
+    sel, ok = out
+    assert sel.shape == ok.shape == (rows, window + chosen) and sel.dtype == torch.int64 and ok.dtype == torch.bool
+    if rows == 0:
+        return sel, ok
+    if chosen == 0:
         window_pos = positions[:, None] - window + 1 + torch.arange(window, device=scores.device)[None, :]
-        out.copy_(window_pos.clamp(min=0))
+        sel.copy_(window_pos.clamp(min=0))
         ok.copy_(window_pos >= 0)
-        return out, ok
+        return sel, ok
     assert 8 <= first_bits <= 12 and width < 2**31
     scores = scores.contiguous().float()
-    scratch = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
+    if scratch is None:
+        scratch = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
     block = block or (64 if INTERPRETED else 2048)
     _select_kernel[(rows,)](
-        scores, positions.contiguous(), out, ok, scratch, width, scores.stride(0), out.stride(0), ok.stride(0),
+        scores, positions.contiguous(), sel, ok, scratch, width, scores.stride(0), sel.stride(0), ok.stride(0),
         scratch.stride(0), WINDOW=window, WINDOW_P2=triton.next_power_of_2(max(window, 1)), TOPK=chosen,
         TOPK_P2=triton.next_power_of_2(chosen), FIRST_BITS=first_bits, BLOCK=block, num_warps=8)
-    return out, ok
+    return sel, ok

@@ -1,0 +1,242 @@
+"""The Triton radix-select selection (kernels/triton/topk.py) vs a readable Python definition.
+
+The tie rule is fixed (lower position first), so the comparison is exact: the same positions in
+the same order and the same valid mask, for hypothesis-drawn scores with planted ties, values that
+differ only in their last mantissa bits (every radix digit decides), NaN / +-inf / +-0.0, rows with
+fewer candidates than top-k. The chosen set also passes the tie-aware oracle. Outputs and the
+workspace are poisoned before every run; batch invariance is bit for bit. Each check has a negative
+control. Under the Triton interpreter on CPU (float32); on a GPU also 64K-position rows against
+torch's CUDA stable sort (select_slots_by_sort), graph replay and a side stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from canary.oracles.topk_compare import wrong_topk_indices
+from runtime.kernels import cuda_torch
+from runtime.kernels.triton import topk
+
+pytestmark = pytest.mark.kernels
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+gpu = pytest.mark.gpu
+STYLES = ("normal", "few_values", "all_equal", "last_bits", "specials")
+POISON_POS = -7  # never a position
+
+
+def reference_selection(scores: torch.Tensor, positions: torch.Tensor, window: int, k: int,
+                        ties_to_lower: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row in Python: the window (p - window, p] (clamped at 0, valid if >= 0), then the first
+    min(k, L) positions ordered by score descending, position ascending, where positions
+    > p - window rank as -inf, NaN ranks above +inf and -0.0 equals +0.0 (so do Python's floats).
+    ties_to_lower=False: the other tie rule (negative control only)."""
+    rows, width = scores.shape
+    sel, ok = [], []
+    for r in range(rows):
+        p = int(positions[r])
+        window_pos = [p - window + 1 + j for j in range(window)]
+
+        def rank(j: int, r=r, p=p) -> tuple:
+            v = float(scores[r, j]) if j <= p - window else -math.inf
+            tie = j if ties_to_lower else -j
+            return (0, 0.0, tie) if math.isnan(v) else (1, -v, tie)
+        order = sorted(range(width), key=rank)[:min(k, width)]
+        sel.append([max(w, 0) for w in window_pos] + order)
+        ok.append([w >= 0 for w in window_pos] + [j <= p - window for j in order])
+    return (torch.tensor(sel, dtype=torch.int64).view(rows, -1), torch.tensor(ok, dtype=torch.bool).view(rows, -1))
+
+
+def draw_scores(seed: int, rows: int, width: int, style: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if style == "few_values":  # heavy ties: 4 distinct values
+        return torch.randint(0, 4, (rows, width), generator=gen).float()
+    if style == "all_equal":
+        return torch.full((rows, width), 0.5)
+    if style == "last_bits":  # equal above the last 6 mantissa bits: the last digit decides
+        return 1.0 + torch.randint(0, 64, (rows, width), generator=gen).float() * 2.0**-23
+    x = torch.randn(rows, width, generator=gen)
+    x[:, ::5] = x[:, :1].clone()  # planted ties with the row's first score
+    if style == "specials":
+        picks = torch.randint(0, width, (rows, 6), generator=gen)
+        for r in range(rows):
+            for value, j in zip((float("nan"), float("inf"), float("-inf"), -0.0, 0.0, float("nan")), picks[r]):
+                x[r, j] = value
+    return x
+
+
+def draw_positions(seed: int, rows: int, width: int) -> torch.Tensor:
+    p = torch.randint(0, width, (rows,), generator=torch.Generator().manual_seed(seed + 1))
+    p[0] = width - 1  # a full row
+    return p
+
+
+def run_poisoned(scores, positions, window, k, first_bits, expected_ok=None):
+    """The kernel on poisoned buffers: positions -7, valid the opposite of the expected mask (or all
+    True), workspace all int64 max (the packed key of a NaN at position 0: first if read unwritten)."""
+    rows, width = scores.shape
+    s = window + min(k, width)
+    sel = torch.full((rows, s), POISON_POS, dtype=torch.int64, device=DEVICE)
+    ok = (~expected_ok.to(DEVICE)) if expected_ok is not None else torch.ones(rows, s, dtype=torch.bool, device=DEVICE)
+    scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
+    topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, first_bits=first_bits,
+                      out=(sel, ok), scratch=scratch)
+    return sel.cpu(), ok.cpu()
+
+
+def assert_same_selection(actual, expected, msg="") -> None:
+    (sel, ok), (want_sel, want_ok) = actual, expected
+    assert sel.shape == want_sel.shape, f"shape {tuple(sel.shape)} != {tuple(want_sel.shape)} {msg}"
+    assert not bool((sel == POISON_POS).any()), f"unwritten positions {msg}"
+    bad = torch.nonzero((sel != want_sel) | (ok != want_ok))
+    assert bad.numel() == 0, f"selection differs at (row, slot) {bad[:8].tolist()} {msg}"
+
+
+def assert_tie_aware(sel, ok, scores, positions, window, k) -> None:
+    """The chosen set, ignoring order and the tie rule: zero wrong indices (canary's oracle)."""
+    for r in range(scores.shape[0]):
+        width = scores.shape[1]
+        candidates = torch.arange(width) <= int(positions[r]) - window
+        if bool(torch.isnan(scores[r][candidates]).any()):
+            continue  # the oracle compares numbers; the exact check covers NaN
+        chosen = torch.zeros(width, dtype=torch.bool)
+        part = sel[r, window:][ok[r, window:]]
+        assert len(set(part.tolist())) == len(part), f"row {r}: a position chosen twice"
+        chosen[part] = True
+        wrong = wrong_topk_indices(chosen, scores[r], candidates, k, tie_tol=0.0)
+        assert wrong == [], f"row {r}: wrong top-k indices {wrong}"
+
+
+def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
+    """f(x)[:k] == f(x[:k]) bit for bit for several prefixes k."""
+    for n in sorted({1, rows // 2, rows - 1}):
+        if 0 < n < rows:
+            part = run_prefix(n)
+            assert all(torch.equal(a[:n], b) for a, b in zip(full, part)), \
+                f"row results changed with the batch (k={n} of {rows})"
+
+
+@settings(max_examples=12)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 5]),
+       width=st.sampled_from([1, 7, 64, 65, 200]), window=st.sampled_from([0, 1, 8, 128]),
+       k=st.sampled_from([1, 5, 24, 64, 512]), first_bits=st.sampled_from([8, 10, 11]),
+       style=st.sampled_from(STYLES))
+@example(seed=3, rows=2, width=200, window=8, k=24, first_bits=10, style="few_values")
+@example(seed=4, rows=2, width=200, window=8, k=24, first_bits=8, style="last_bits")
+@example(seed=5, rows=2, width=65, window=1, k=5, first_bits=11, style="specials")
+def test_selection_matches_reference_exactly(seed, rows, width, window, k, first_bits, style):
+    scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
+    expected = reference_selection(scores, positions, window, k)
+    actual = run_poisoned(scores, positions, window, k, first_bits, expected_ok=expected[1])
+    assert_same_selection(actual, expected, msg=f"({style}, first_bits={first_bits})")
+    assert_tie_aware(*actual, scores, positions, window, k)
+    # The torch definition the CPU path runs agrees too (the lead's golden stores were recorded with it).
+    assert_same_selection(cuda_torch.select_slots_by_sort(scores, positions, window, k), expected, msg="(by sort)")
+    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, first_bits), rows)
+
+
+def test_select_slots_dispatch_keeps_the_sort_definition_on_cpu():
+    scores, positions = draw_scores(9, 3, 40, "few_values"), draw_positions(9, 3, 40)
+    a = cuda_torch.select_slots(scores, positions, 4, 8)
+    b = cuda_torch.select_slots_by_sort(scores, positions, 4, 8)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------- negative controls
+
+def test_exact_check_fails_on_the_other_tie_rule():
+    """Ties broken toward the higher position: the same scores, another (valid-looking) order."""
+    scores, positions = draw_scores(1, 2, 64, "few_values"), draw_positions(1, 2, 64)
+    expected = reference_selection(scores, positions, 4, 16)
+    other = reference_selection(scores, positions, 4, 16, ties_to_lower=False)
+    with pytest.raises(AssertionError, match="selection differs"):
+        assert_same_selection(other, expected)
+
+
+def test_poison_check_fails_on_an_unwritten_window():
+    scores, positions = draw_scores(2, 2, 64, "normal"), draw_positions(2, 2, 64)
+    expected = reference_selection(scores, positions, 8, 16)
+    sel, ok = run_poisoned(scores, positions, 8, 16, 10, expected_ok=expected[1])
+    sel[:, :8] = POISON_POS  # as if the kernel skipped the window part
+    ok[:, :8] = ~expected[1][:, :8]
+    with pytest.raises(AssertionError, match="unwritten positions"):
+        assert_same_selection((sel, ok), expected)
+
+
+def test_tie_aware_check_fails_on_a_lower_score_chosen():
+    scores, positions = draw_scores(3, 1, 64, "normal"), torch.tensor([63])
+    sel, ok = reference_selection(scores, positions, 4, 8)
+    worst = int(torch.argmin(torch.where(torch.arange(64) <= 59, scores[0], torch.tensor(float("inf")))))
+    sel[0, -1] = worst  # the lowest candidate instead of the 8th best
+    with pytest.raises(AssertionError, match="wrong top-k"):
+        assert_tie_aware(sel, ok, scores, positions, 4, 8)
+
+
+def test_invariance_check_fails_when_rows_depend_on_the_batch():
+    scores, positions = draw_scores(4, 4, 64, "normal"), draw_positions(4, 4, 64)
+
+    def batch_dependent(n):  # top-k width chosen by the batch: a row's result depends on its batch
+        return reference_selection(scores[:n], positions[:n], 4, 4 + n)
+    with pytest.raises(AssertionError, match="row results changed"):
+        assert_prefix_invariant(batch_dependent(4), batch_dependent, 4)
+
+
+# ---------------------------------------------------------------- GPU: full-size rows, graphs, streams
+
+def _logits_like(seed: int, rows: int, width: int, style: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if style == "indexer":  # sums of relu'd products: positive, concentrated (what the indexer emits)
+        x = torch.relu(torch.randn(rows, width, 8, generator=gen)).sum(-1)
+    elif style == "zeros":
+        x = torch.zeros(rows, width)
+    else:
+        x = draw_scores(seed, rows, width, style)
+    return x.cuda()
+
+
+@gpu
+@pytest.mark.parametrize("style", ["indexer", "normal", "few_values", "zeros", "last_bits", "specials"])
+@pytest.mark.parametrize("first_bits", [8, 10, 11])
+def test_full_rows_match_torch_cuda_stable_sort(style, first_bits):
+    rows, width, window, k = 64, 65536, 128, 512
+    scores = _logits_like(7, rows, width, style)
+    positions = torch.randint(0, width, (rows,), generator=torch.Generator().manual_seed(8)).cuda()
+    positions[:8] = width - 1
+    positions[8] = 100  # fewer candidates than k
+    expected = tuple(t.cpu() for t in cuda_torch.select_slots_by_sort(scores, positions, window, k))
+    actual = run_poisoned(scores, positions, window, k, first_bits, expected_ok=expected[1])
+    assert_same_selection(actual, expected, msg=f"({style}, first_bits={first_bits})")
+    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, first_bits), rows)
+
+
+@gpu
+def test_selection_under_graph_replay_and_side_stream():
+    rows, width, window, k = 16, 8192, 128, 512
+    scores = _logits_like(1, rows, width, "indexer")
+    positions = torch.full((rows,), width - 1, dtype=torch.int64, device="cuda")
+    run = lambda: topk.select_slots(scores, positions, window, k)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    scores.copy_(_logits_like(2, rows, width, "few_values"))  # new inputs, same addresses
+    positions.copy_(torch.randint(0, width, (rows,), generator=torch.Generator().manual_seed(3)).cuda())
+    graph.replay()
+    eager = run()
+    side_stream = torch.cuda.Stream()
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):
+        side = run()
+    torch.cuda.current_stream().wait_stream(side_stream)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager)), "graph replay differs from eager"
+    assert all(torch.equal(a, b) for a, b in zip(side, eager)), "side stream differs from eager"
+    assert_same_selection(tuple(t.cpu() for t in eager),
+                          tuple(t.cpu() for t in cuda_torch.select_slots_by_sort(scores, positions, window, k)))
