@@ -239,31 +239,32 @@ SELECT_WINDOW = 128
 
 def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> dict:
     """The decode step's selection (window U top-k, sorted, ties to the lower position): select_slots'
-    torch stable sort vs the Triton radix select at each first-digit width, at B = all rows, 16 and 1,
-    plus a row set where every score ties (the radix select's worst case: no digit prunes anything).
-    The outputs must be equal; `select_same_as_sort` records it."""
-    def ours(x, p, bits=10):
-        return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, first_bits=bits)
+    torch stable sort vs the Triton radix select at each (first-digit width, block) launch, at B = all rows,
+    16 and 1, plus rows where every score ties (the radix select's worst case: no digit prunes
+    anything). Every launch gives the same output; `select_same_as_sort` checks the fastest."""
+    def ours(x, p, launch):
+        return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, first_bits=launch[0], block=launch[1])
 
     def by_sort(x, p):
         return cuda_torch.select_slots_by_sort(x, p, SELECT_WINDOW, topk)
 
-    by_bits = {}
-    for bits in (8, 10, 11):
+    by_launch = {}
+    for launch in [(bits, block) for bits in (8, 10, 11) for block in (2048, 8192)]:
         try:
-            by_bits[bits] = graph_us([lambda bits=bits: ours(logits, positions, bits)] * 3)
-        except Exception as err:  # a digit width the compiler cannot lower: report, keep the others
-            print(f"  select first_bits={bits}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-    first_bits = min(by_bits, key=by_bits.get)
+            by_launch[launch] = graph_us([lambda launch=launch: ours(logits, positions, launch)] * 3)
+        except Exception as err:  # a launch the compiler cannot lower: report, keep the others
+            print(f"  select {launch}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+    launch = min(by_launch, key=by_launch.get)
     tied = torch.zeros_like(logits)
-    same = all(torch.equal(a, b) for x in (logits, tied) for a, b in zip(ours(x, positions, first_bits),
+    same = all(torch.equal(a, b) for x in (logits, tied) for a, b in zip(ours(x, positions, launch),
                                                                           by_sort(x, positions)))
-    out = dict(first_bits=first_bits, select_ours_us_by_first_bits=by_bits, select_same_as_sort=same,
-               select_all_tied_ours_us=graph_us([lambda: ours(tied, positions, first_bits)] * 3),
+    out = dict(select_launch=launch, select_ours_us_by_launch={f"{b}/{n}": us for (b, n), us in by_launch.items()},
+               select_same_as_sort=same,
+               select_all_tied_ours_us=graph_us([lambda: ours(tied, positions, launch)] * 3),
                select_all_tied_sort_us=graph_us([lambda: by_sort(tied, positions)] * 3))
     for rows in sorted({logits.shape[0], 16, 1}, reverse=True):
         x, p = logits[:rows].contiguous(), positions[:rows].contiguous()
-        out[f"select_ours_us_B{rows}"] = graph_us([lambda x=x, p=p: ours(x, p, first_bits)] * 3)
+        out[f"select_ours_us_B{rows}"] = graph_us([lambda x=x, p=p: ours(x, p, launch)] * 3)
         out[f"select_sort_us_B{rows}"] = graph_us([lambda x=x, p=p: by_sort(x, p)] * 3)
     return out
 
@@ -291,8 +292,9 @@ def bench_indexer(ceilings, rows: list) -> None:
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
         selection = _bench_selection(logits, positions, topk)
+        bits, block = selection["select_launch"]
         ours_both_us = graph_us([lambda: triton_topk.select_slots(logits_fn(), positions, SELECT_WINDOW, topk,
-                                                                  first_bits=selection["first_bits"])] * 3)
+                                                                  first_bits=bits, block=block)] * 3)
         bytes_moved = batch * context * (key_bytes + 4)
         flops = 2 * batch * heads * dim * context
         roof = roofline_us(bytes_moved, flops, ceilings)
