@@ -77,7 +77,7 @@ def draw_positions(seed: int, rows: int, width: int) -> torch.Tensor:
     return p
 
 
-def run_poisoned(scores, positions, window, k, first_bits, expected_ok=None):
+def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, rank_order=None):
     """The kernel on poisoned buffers: positions -7, valid the opposite of the expected mask (or all
     True), workspace all int64 max (the packed key of a NaN at position 0: first if read unwritten)."""
     rows, width = scores.shape
@@ -85,8 +85,8 @@ def run_poisoned(scores, positions, window, k, first_bits, expected_ok=None):
     sel = torch.full((rows, s), POISON_POS, dtype=torch.int64, device=DEVICE)
     ok = (~expected_ok.to(DEVICE)) if expected_ok is not None else torch.ones(rows, s, dtype=torch.bool, device=DEVICE)
     scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
-    topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, first_bits=first_bits,
-                      out=(sel, ok), scratch=scratch)
+    topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, group=group, out=(sel, ok),
+                      scratch=scratch, rank_order=rank_order)
     return sel.cpu(), ok.cpu()
 
 
@@ -125,20 +125,31 @@ def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
 @settings(max_examples=12)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 5]),
        width=st.sampled_from([1, 7, 64, 65, 200]), window=st.sampled_from([0, 1, 8, 128]),
-       k=st.sampled_from([1, 5, 24, 64, 512]), first_bits=st.sampled_from([8, 10, 11]),
+       k=st.sampled_from([1, 5, 24, 64, 512]), group=st.sampled_from([None, 1, 2, 8]),
        style=st.sampled_from(STYLES))
-@example(seed=3, rows=2, width=200, window=8, k=24, first_bits=10, style="few_values")
-@example(seed=4, rows=2, width=200, window=8, k=24, first_bits=8, style="last_bits")
-@example(seed=5, rows=2, width=65, window=1, k=5, first_bits=11, style="specials")
-def test_selection_matches_reference_exactly(seed, rows, width, window, k, first_bits, style):
+@example(seed=3, rows=2, width=200, window=8, k=24, group=None, style="few_values")
+@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits")
+@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials")
+def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style):
     scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
     expected = reference_selection(scores, positions, window, k)
-    actual = run_poisoned(scores, positions, window, k, first_bits, expected_ok=expected[1])
-    assert_same_selection(actual, expected, msg=f"({style}, first_bits={first_bits})")
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1])
+    assert_same_selection(actual, expected, msg=f"({style}, group={group})")
     assert_tie_aware(*actual, scores, positions, window, k)
     # The torch definition the CPU path runs agrees too (the lead's golden stores were recorded with it).
     assert_same_selection(cuda_torch.select_slots_by_sort(scores, positions, window, k), expected, msg="(by sort)")
-    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, first_bits), rows)
+    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group), rows)
+
+
+@settings(max_examples=4)
+@given(seed=st.integers(0, 2**31 - 1), style=st.sampled_from(STYLES), k=st.sampled_from([1, 3, 16]))
+def test_the_gpu_order_tl_sort_matches_too(seed, style, k):
+    """The interpreter orders the chosen by counting (rank_order); the GPU by tl.sort: small k here,
+    where the interpreter's sort is affordable."""
+    scores, positions = draw_scores(seed, 2, 70, style), draw_positions(seed, 2, 70)
+    expected = reference_selection(scores, positions, 4, k)
+    actual = run_poisoned(scores, positions, 4, k, expected_ok=expected[1], rank_order=False)
+    assert_same_selection(actual, expected, msg=f"({style}, tl.sort)")
 
 
 def test_select_slots_dispatch_keeps_the_sort_definition_on_cpu():
@@ -162,7 +173,7 @@ def test_exact_check_fails_on_the_other_tie_rule():
 def test_poison_check_fails_on_an_unwritten_window():
     scores, positions = draw_scores(2, 2, 64, "normal"), draw_positions(2, 2, 64)
     expected = reference_selection(scores, positions, 8, 16)
-    sel, ok = run_poisoned(scores, positions, 8, 16, 10, expected_ok=expected[1])
+    sel, ok = run_poisoned(scores, positions, 8, 16, expected_ok=expected[1])
     sel[:, :8] = POISON_POS  # as if the kernel skipped the window part
     ok[:, :8] = ~expected[1][:, :8]
     with pytest.raises(AssertionError, match="unwritten positions"):
@@ -202,17 +213,17 @@ def _logits_like(seed: int, rows: int, width: int, style: str) -> torch.Tensor:
 
 @gpu
 @pytest.mark.parametrize("style", ["indexer", "normal", "few_values", "zeros", "last_bits", "specials"])
-@pytest.mark.parametrize("first_bits", [8, 10, 11])
-def test_full_rows_match_torch_cuda_stable_sort(style, first_bits):
+@pytest.mark.parametrize("group", [None, 16, 128])
+def test_full_rows_match_torch_cuda_stable_sort(style, group):
     rows, width, window, k = 64, 65536, 128, 512
     scores = _logits_like(7, rows, width, style)
     positions = torch.randint(0, width, (rows,), generator=torch.Generator().manual_seed(8)).cuda()
     positions[:8] = width - 1
     positions[8] = 100  # fewer candidates than k
     expected = tuple(t.cpu() for t in cuda_torch.select_slots_by_sort(scores, positions, window, k))
-    actual = run_poisoned(scores, positions, window, k, first_bits, expected_ok=expected[1])
-    assert_same_selection(actual, expected, msg=f"({style}, first_bits={first_bits})")
-    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, first_bits), rows)
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1])
+    assert_same_selection(actual, expected, msg=f"({style}, group={group})")
+    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group), rows)
 
 
 @gpu
