@@ -7,7 +7,8 @@ selection on an order-preserving 32-bit key of the float instead:
      maxima (one in-register sort) bounds the k-th largest key from below;
   2. the elements at or above the bound (k plus a few, unless scores tie massively) are compacted,
      in position order, into a scratch row;
-  3. a radix select (four 8-bit digit histograms) over that row finds the k-th key exactly; every
+  3. a radix select (four 8-bit digit histograms) over that row finds the k-th key exactly (the
+     bound itself when fewer than k lie above it: ties at the top cost no histogram); every
      candidate above it and the lowest-position ones equal to it are chosen;
   4. the k chosen are sorted in registers by (score descending, position ascending).
 Two passes over the row, the rest over ~k elements. tl.histogram costs ~50 instructions per element
@@ -124,6 +125,7 @@ def _select_kernel(scores_ptr, pos_ptr, out_ptr, ok_ptr, scratch_ptr, maxima_ptr
 
         # Pass 2: every element at or above the bound -> scratch, in position order.
         n_cand = 0
+        n_above = 0
         for start in range(0, width, BLOCK):
             cols = start + offs
             inside = cols < width
@@ -131,9 +133,14 @@ def _select_kernel(scores_ptr, pos_ptr, out_ptr, ok_ptr, scratch_ptr, maxima_ptr
             cand = inside & (key >= bound)
             tl.store(scratch + n_cand + _exclusive_cumsum(cand), _packed(key, cols), mask=cand)
             n_cand += tl.sum(cand.to(tl.int32), 0)
+            n_above += tl.sum((cand & (key > bound)).to(tl.int32), 0)
         tl.debug_barrier()  # the scratch row is read back by other threads of this program
 
-        prefix, need = _radix_select(scratch, n_cand, TOPK, BLOCK)
+        if n_above < TOPK:  # the bound is the TOPK-th key itself (many ties at the top): no histograms
+            prefix = bound
+            need = TOPK - n_above
+        else:
+            prefix, need = _radix_select(scratch, n_cand, TOPK, BLOCK)
 
         # prefix is now the TOPK-th largest key: take every candidate above it and the first `need`
         # equal to it (the lowest positions: the scratch row is in position order).
