@@ -27,7 +27,10 @@ pytestmark = pytest.mark.kernels
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 gpu = pytest.mark.gpu
-STYLES = ("normal", "few_values", "all_equal", "last_bits", "specials")
+STYLES = ("normal", "few_values", "all_equal", "last_bits", "specials", "zeros_and_nans")
+# NaNs of either sign and several payloads, as float32 bits: all rank equal (above +inf), as torch.sort
+# on CPU ranks them; torch.sort on CUDA (CUB radix) orders NaNs by their bits, so GPU checks skip them.
+NAN_BITS = (0x7FC00000, 0x7FC00001, 0x7F800001, -0x00400000, -0x00000001)
 POISON_POS = -7  # never a position
 
 
@@ -59,6 +62,10 @@ def draw_scores(seed: int, rows: int, width: int, style: str) -> torch.Tensor:
         return torch.randint(0, 4, (rows, width), generator=gen).float()
     if style == "all_equal":
         return torch.full((rows, width), 0.5)
+    if style == "zeros_and_nans":  # -0.0 == +0.0 and every NaN equal: only the position breaks ties
+        nans = torch.tensor(NAN_BITS, dtype=torch.int32).view(torch.float32)
+        values = torch.cat([torch.tensor([-0.0, 0.0, 0.0, -0.0, 1.0, -1.0]), nans])
+        return values[torch.randint(0, len(values), (rows, width), generator=gen)]
     if style == "last_bits":  # equal above the last 6 mantissa bits: the last digit decides
         return 1.0 + torch.randint(0, 64, (rows, width), generator=gen).float() * 2.0**-23
     x = torch.randn(rows, width, generator=gen)
@@ -125,11 +132,12 @@ def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
 @settings(max_examples=12)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 5]),
        width=st.sampled_from([1, 7, 64, 65, 200]), window=st.sampled_from([0, 1, 8, 128]),
-       k=st.sampled_from([1, 5, 24, 64, 512]), group=st.sampled_from([None, 1, 2, 8]),
+       k=st.sampled_from([1, 5, 24, 64, 512]), group=st.sampled_from([None, 1, 4, 16]),
        style=st.sampled_from(STYLES))
-@example(seed=3, rows=2, width=200, window=8, k=24, group=None, style="few_values")
+@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal")
 @example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits")
 @example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials")
+@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans")
 def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style):
     scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
     expected = reference_selection(scores, positions, window, k)
@@ -150,6 +158,17 @@ def test_the_gpu_order_tl_sort_matches_too(seed, style, k):
     expected = reference_selection(scores, positions, 4, k)
     actual = run_poisoned(scores, positions, 4, k, expected_ok=expected[1], rank_order=False)
     assert_same_selection(actual, expected, msg=f"({style}, tl.sort)")
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("group", [4, 16])
+def test_every_style_through_the_histogram_path(style, group):
+    """Groups > 1 leave more than k candidates above the bound, so the digit histograms decide
+    (group 1 makes the bound the k-th key itself; short rows take positions [0, k))."""
+    scores, positions = draw_scores(11, 2, 256, style), torch.tensor([255, 200])
+    expected = reference_selection(scores, positions, 8, 16)
+    assert_same_selection(run_poisoned(scores, positions, 8, 16, group, expected_ok=expected[1]), expected,
+                          msg=f"({style}, group={group})")
 
 
 def test_select_slots_dispatch_keeps_the_sort_definition_on_cpu():
