@@ -246,6 +246,21 @@ def test_full_rows_match_torch_cuda_stable_sort(style, group):
 
 
 @gpu
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("group", [None, 16])
+def test_gpu_kernel_matches_the_readable_reference(style, group):
+    """The compiled kernel (tl.sort order, the GPU's -0.0 and NaN handling) against the Python
+    definition, NaNs of every sign and payload included."""
+    scores, positions = draw_scores(5, 4, 2048, style), draw_positions(5, 4, 2048)
+    positions[1] = 40  # fewer candidates than k
+    expected = reference_selection(scores, positions, 128, 64)
+    actual = run_poisoned(scores, positions, 128, 64, group, expected_ok=expected[1])
+    assert_same_selection(actual, expected, msg=f"({style}, group={group})")
+    dispatched = cuda_torch.select_slots(scores.cuda(), positions.cuda(), 128, 64)  # what decode_model calls
+    assert_same_selection(tuple(t.cpu() for t in dispatched), expected, msg="(cuda_torch.select_slots)")
+
+
+@gpu
 def test_selection_under_graph_replay_and_side_stream():
     rows, width, window, k = 16, 8192, 128, 512
     scores = _logits_like(1, rows, width, "indexer")
