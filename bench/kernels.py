@@ -254,6 +254,8 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
             by_launch[launch] = graph_us([lambda launch=launch: ours(logits, positions, launch)] * 3)
         except Exception as err:  # a launch the compiler cannot lower: report, keep the others
             print(f"  select {launch}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+    if not by_launch:
+        return dict(select_error="no launch compiled (see the lines above)")
     launch = min(by_launch, key=by_launch.get)
     tied = torch.zeros_like(logits)
     same = all(torch.equal(a, b) for x in (logits, tied) for a, b in zip(ours(x, positions, launch),
@@ -292,9 +294,10 @@ def bench_indexer(ceilings, rows: list) -> None:
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
         selection = _bench_selection(logits, positions, topk)
-        group, block = selection["select_launch"]
+        group, block = selection.get("select_launch", (None, None))
         ours_both_us = graph_us([lambda: triton_topk.select_slots(logits_fn(), positions, SELECT_WINDOW, topk,
-                                                                  group=group, block=block)] * 3)
+                                                                  group=group, block=block)] * 3) \
+            if "select_launch" in selection else None
         bytes_moved = batch * context * (key_bytes + 4)
         flops = 2 * batch * heads * dim * context
         roof = roofline_us(bytes_moved, flops, ceilings)
