@@ -285,3 +285,16 @@ def test_selection_under_graph_replay_and_side_stream():
     assert all(torch.equal(a, b) for a, b in zip(side, eager)), "side stream differs from eager"
     assert_same_selection(tuple(t.cpu() for t in eager),
                           tuple(t.cpu() for t in cuda_torch.select_slots_by_sort(scores, positions, window, k)))
+
+
+@gpu
+def test_dispatch_falls_back_to_the_sort_with_a_warning(monkeypatch):
+    """A Triton build that cannot compile the kernel must cost speed, not the decode step."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted compile failure")
+    monkeypatch.setattr(topk, "select_slots", broken)
+    monkeypatch.setattr(cuda_torch, "_TRITON_SELECT_FAILED", [])
+    scores, positions = draw_scores(2, 3, 512, "few_values").cuda(), draw_positions(2, 3, 512).cuda()
+    with pytest.warns(RuntimeWarning, match="planted compile failure"):
+        got = cuda_torch.select_slots(scores, positions, 8, 16)
+    assert all(torch.equal(a, b) for a, b in zip(got, cuda_torch.select_slots_by_sort(scores, positions, 8, 16)))
