@@ -71,7 +71,7 @@ def _radix_select(packed_ptr, n, k, BLOCK: tl.constexpr):
     need = k  # how many to take among the values matching `prefix`
     prefix = n.to(tl.int64) * 0
     for level in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * level
+        shift = 24 - 8 * level
         hist = tl.zeros([256], dtype=tl.int32)
         skipped = 0
         for start in range(0, n, BLOCK):
