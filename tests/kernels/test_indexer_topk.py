@@ -298,3 +298,56 @@ def test_dispatch_falls_back_to_the_sort_with_a_warning(monkeypatch):
     with pytest.warns(RuntimeWarning, match="planted compile failure"):
         got = cuda_torch.select_slots(scores, positions, 8, 16)
     assert all(torch.equal(a, b) for a, b in zip(got, cuda_torch.select_slots_by_sort(scores, positions, 8, 16)))
+
+
+# ---------------------------------------------------------------- the compiler, without a GPU
+
+# Compiles a @triton.jit function of a module for an H200 (sm_90) in a fresh process without the
+# interpreter: the interpreter accepts code the compiler refuses (a constexpr reassigned in a
+# static_range did pass here and fail there). Needs only Triton's bundled ptxas, no device.
+_COMPILE = """
+import importlib, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, signature, constants = sys.argv[1], sys.argv[2], eval(sys.argv[3]), eval(sys.argv[4])
+fn = getattr(importlib.import_module(module), name)
+signature.update({key: "constexpr" for key in constants})
+triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
+               options=dict(num_warps=8))
+print("compiled")
+"""
+_SIGNATURE = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "ok_ptr": "*i1", "scratch_ptr": "*i64",
+              "maxima_ptr": "*i64", "width": "i32", "stride_s": "i32", "stride_out": "i32", "stride_ok": "i32",
+              "stride_scratch": "i32", "stride_maxima": "i32"}
+
+
+def compile_for_sm90(module: str, name: str, signature: dict, constants: dict):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend")
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-c", _COMPILE, module, name, repr(signature), repr(constants)],
+                          capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU every test above compiles it for real")
+@pytest.mark.parametrize("window, k, group, rank_order", [(128, 512, 64, False), (0, 1, 1, True)])
+def test_kernel_compiles_for_the_gpu_without_one(window, k, group, rank_order):
+    constants = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
+                     TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, BLOCK=4096, RANK_ORDER=rank_order)
+    done = compile_for_sm90("runtime.kernels.triton.topk", "_select_kernel", dict(_SIGNATURE), constants)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_compile_check_fails_on_code_only_the_interpreter_accepts():
+    """Negative control: the constexpr reassignment the interpreter let through must fail here."""
+    done = compile_for_sm90("tests.kernels.planted_compile_error", "reassigns_a_constexpr", {"out_ptr": "*i32"}, {})
+    assert done.returncode != 0 and "constexpr cannot be reassigned" in done.stderr
