@@ -342,7 +342,8 @@ def compile_for_sm90(module: str, name: str, signature: dict, constants: dict):
 @pytest.mark.parametrize("window, k, group, rank_order", [(128, 512, 64, False), (0, 1, 1, True)])
 def test_kernel_compiles_for_the_gpu_without_one(window, k, group, rank_order):
     constants = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
-                     TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, BLOCK=4096, RANK_ORDER=rank_order)
+                     TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, BLOCK=4096, SMALL_BLOCK=1024,
+                     RANK_ORDER=rank_order)
     done = compile_for_sm90("runtime.kernels.triton.topk", "_select_kernel", dict(_SIGNATURE), constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 

@@ -92,7 +92,8 @@ def _radix_select(packed_ptr, n, k, BLOCK: tl.constexpr):
 def _select_kernel(scores_ptr, pos_ptr, out_ptr, ok_ptr, scratch_ptr, maxima_ptr, width,
                    stride_s, stride_out, stride_ok, stride_scratch, stride_maxima,
                    WINDOW: tl.constexpr, WINDOW_P2: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK: tl.constexpr, RANK_ORDER: tl.constexpr):
+                   GROUP: tl.constexpr, BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
+                   RANK_ORDER: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     last = pos - WINDOW  # the last candidate position of the top-k part
@@ -121,7 +122,7 @@ def _select_kernel(scores_ptr, pos_ptr, out_ptr, ok_ptr, scratch_ptr, maxima_ptr
             g = start // GROUP + tl.arange(0, BLOCK // GROUP)
             tl.store(maxima + g, _packed(group_max, g), mask=g * GROUP < width)
         tl.debug_barrier()  # the maxima are read back by other threads of this program
-        bound, _ = _radix_select(maxima, tl.cdiv(width, GROUP), TOPK, BLOCK)
+        bound, _ = _radix_select(maxima, tl.cdiv(width, GROUP), TOPK, SMALL_BLOCK)
 
         # Pass 2: every element at or above the bound -> scratch, in position order.
         n_cand = 0
@@ -140,14 +141,14 @@ def _select_kernel(scores_ptr, pos_ptr, out_ptr, ok_ptr, scratch_ptr, maxima_ptr
             prefix = bound
             need = TOPK - n_above
         else:
-            prefix, need = _radix_select(scratch, n_cand, TOPK, BLOCK)
+            prefix, need = _radix_select(scratch, n_cand, TOPK, SMALL_BLOCK)
 
         # prefix is now the TOPK-th largest key: take every candidate above it and the first `need`
         # equal to it (the lowest positions: the scratch row is in position order).
         n_chosen = 0
         ties = 0
-        for start in range(0, n_cand, BLOCK):
-            idx = start + offs
+        for start in range(0, n_cand, SMALL_BLOCK):
+            idx = start + tl.arange(0, SMALL_BLOCK)
             inside = idx < n_cand
             packed = tl.load(scratch + idx, mask=inside, other=0)
             ukey = (packed >> 32) + 2147483648
@@ -229,5 +230,6 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
         ok.stride(0), scratch.stride(0), maxima.stride(0), WINDOW=window,
         WINDOW_P2=triton.next_power_of_2(max(window, 1)), TOPK=chosen, TOPK_P2=max(2, triton.next_power_of_2(chosen)),
         GROUP=group, BLOCK=block,
+        SMALL_BLOCK=64 if INTERPRETED else 1024,  # the ~k candidates: a whole 4096-lane histogram would waste 3/4
         RANK_ORDER=INTERPRETED if rank_order is None else rank_order, num_warps=8)
     return sel, ok
