@@ -227,7 +227,7 @@ def _logits_like(seed: int, rows: int, width: int, style: str) -> torch.Tensor:
         x = torch.zeros(rows, width)
     else:
         x = draw_scores(seed, rows, width, style)
-        # CUB's radix sort (torch.sort on CUDA) orders -0.0 below +0.0: compared against it, no zeros
+        # CUB's radix sort (torch.sort on CUDA) may order -0.0 and +0.0 by their bits: against it, no zeros
         # (test_gpu_kernel_matches_the_readable_reference covers them).
         x = torch.where(x == 0, torch.full_like(x, 1e-3), x)
     return x.cuda()
