@@ -4,15 +4,16 @@ torch.sort of a whole [B, L] score matrix (select_slots' stable descending sort)
 over every key of every row to keep 512 of them. Here each row finds its k-th largest score by
 selection on an order-preserving 32-bit key of the float instead:
   1. the maximum key of every GROUP consecutive positions (>= k groups); the k-th largest of those
-     maxima (one in-register sort) bounds the k-th largest key from below;
+     maxima (a radix select over ~1024 of them) bounds the k-th largest key from below;
   2. the elements at or above the bound (k plus a few, unless scores tie massively) are compacted,
      in position order, into a scratch row;
   3. a radix select (four 8-bit digit histograms) over that row finds the k-th key exactly (the
      bound itself when fewer than k lie above it: ties at the top cost no histogram); every
      candidate above it and the lowest-position ones equal to it are chosen;
   4. the k chosen are sorted in registers by (score descending, position ascending).
-Two passes over the row, the rest over ~k elements. tl.histogram costs ~50 instructions per element
-at 256 bins, which is why it never runs over the whole row. Rows with at most k candidates (early
+Two passes over the row, the rest over ~k elements: tl.histogram lowers to a ballot per bin bit plus
+a popcount per bin (about 50 instructions an element at 256 bins, read off its lowering, not
+measured), so it never runs over the whole row. Rows with at most k candidates (early
 positions) take positions [0, k) directly. The output is select_slots' exactly: the same positions
 in the same order, ties to the lower position, non-candidates (positions > p - window) ranked as
 -inf, NaN above +inf as torch.sort does, -0.0 equal to +0.0.
@@ -185,7 +186,7 @@ def _select_kernel(scores_ptr, pos_ptr, out_ptr, ok_ptr, scratch_ptr, maxima_ptr
 
 def group_size(width: int, topk: int, group: int | None = None) -> int:
     """Positions per pass-1 maximum: a power of two leaving at least topk groups (the bound needs
-    them), by default about max(1024, 2 * topk) groups (few candidates, a cheap sort of the maxima)."""
+    them), by default about max(1024, 2 * topk) groups (few candidates, a cheap select over the maxima)."""
     chosen = min(topk, width)
     if group is None:
         group = triton.next_power_of_2(triton.cdiv(width, max(1024, 2 * triton.next_power_of_2(chosen))))
