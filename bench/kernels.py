@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels import cuda_torch
 from runtime.kernels.triton import attention, elementwise, indexer, moe
+from runtime.kernels.triton import topk as triton_topk
 from runtime.kernels.triton.configs import config_file_name
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -245,6 +247,43 @@ def bench_mla(ceilings, rows: list, vs=None) -> None:
 
 # ---------------------------------------------------------------- indexer
 
+SELECT_WINDOW = 128
+
+
+def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> dict:
+    """The decode step's selection (window U top-k, sorted, ties to the lower position): select_slots'
+    torch stable sort vs the Triton radix select at each (group, block) launch, at B = all rows,
+    16 and 1, plus rows where every score ties (the radix select's worst case: no digit prunes
+    anything). Every launch gives the same output; `select_same_as_sort` checks the fastest."""
+    def ours(x, p, launch):
+        return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, group=launch[0], block=launch[1])
+
+    def by_sort(x, p):
+        return cuda_torch.select_slots_by_sort(x, p, SELECT_WINDOW, topk)
+
+    by_launch = {}
+    for launch in [(group, block) for group in (16, 32, 64, 128) for block in (1024, 4096)]:
+        try:
+            by_launch[launch] = graph_us([lambda launch=launch: ours(logits, positions, launch)] * 3)
+        except Exception as err:  # a launch the compiler cannot lower: report, keep the others
+            print(f"  select {launch}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+    if not by_launch:
+        return dict(select_error="no launch compiled (see the lines above)")
+    launch = min(by_launch, key=by_launch.get)
+    tied = torch.zeros_like(logits)
+    same = all(torch.equal(a, b) for x in (logits, tied) for a, b in zip(ours(x, positions, launch),
+                                                                          by_sort(x, positions)))
+    out = dict(select_launch=launch, select_ours_us_by_launch={f"{b}/{n}": us for (b, n), us in by_launch.items()},
+               select_same_as_sort=same,
+               select_all_tied_ours_us=graph_us([lambda: ours(tied, positions, launch)] * 3),
+               select_all_tied_sort_us=graph_us([lambda: by_sort(tied, positions)] * 3))
+    for rows in sorted({logits.shape[0], 16, 1}, reverse=True):
+        x, p = logits[:rows].contiguous(), positions[:rows].contiguous()
+        out[f"select_ours_us_B{rows}"] = graph_us([lambda x=x, p=p: ours(x, p, launch)] * 3)
+        out[f"select_sort_us_B{rows}"] = graph_us([lambda x=x, p=p: by_sort(x, p)] * 3)
+    return out
+
+
 def bench_indexer(ceilings, rows: list) -> None:
     batch, heads, dim, context, page_size, topk = 64, 64, 128, 65536, 64, 512
     gen = torch.Generator().manual_seed(2)
@@ -252,6 +291,7 @@ def bench_indexer(ceilings, rows: list) -> None:
     page_table = torch.stack([torch.randperm(pages * batch, generator=gen)[:pages] for _ in range(batch)])
     page_table = page_table.to(torch.int32).cuda()
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    positions = (lens - 1).long()
     keys16 = torch.randn(pages * batch * page_size, dim, device="cuda", dtype=torch.bfloat16)
     keys8, key_scale = elementwise.quantize_groups(keys16)
     key_scale = key_scale[:, 0].contiguous()
@@ -266,11 +306,18 @@ def bench_indexer(ceilings, rows: list) -> None:
         logits_us = graph_us([logits_fn] * 3)
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
+        selection = _bench_selection(logits, positions, topk)
+        group, block = selection.get("select_launch", (None, None))
+        ours_both_us = graph_us([lambda: triton_topk.select_slots(logits_fn(), positions, SELECT_WINDOW, topk,
+                                                                  group=group, block=block)] * 3) \
+            if "select_launch" in selection else None
         bytes_moved = batch * context * (key_bytes + 4)
         flops = 2 * batch * heads * dim * context
         roof = roofline_us(bytes_moved, flops, ceilings)
         rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
-                         logits_plus_topk_us=both_us, roofline_us=roof, pct_roofline=100 * roof / logits_us))
+                         logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
+                         roofline_us=roof,
+                         pct_roofline=100 * roof / logits_us))
         print(json.dumps(rows[-1]), flush=True)
 
 

@@ -16,12 +16,17 @@ S = window + topk selected slots, K = experts per token; other letters as in ref
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
 from runtime.kernels.cpu import select_experts
 
 GROUP = 16  # rows per call of a shape-dependent library kernel (see by_row_groups)
+# Set once if the Triton selection kernel fails (compile error on this Triton build): select_slots
+# then sorts, with one warning. Its own tests (tests/kernels/test_indexer_topk.py) call it directly.
+_TRITON_SELECT_FAILED: list[str] = []
 
 
 def by_row_groups(fn, *tensors: torch.Tensor):
@@ -93,7 +98,23 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int,
                  topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions each query attends to: the window ending at itself, plus the top-k older ones.
     scores: [B, L] -> (positions [B, S] long, valid [B, S] bool). Ties go to the earlier position
-    (stable sort), as in reference.select_tokens."""
+    (stable sort), as in reference.select_tokens. On a GPU the Triton radix select
+    (kernels/triton/topk.py) returns the same tensors bit for bit without sorting whole rows."""
+    if scores.is_cuda and topk > 0 and not _TRITON_SELECT_FAILED:
+        from runtime.kernels.triton.topk import select_slots as triton_select_slots
+
+        try:
+            return triton_select_slots(scores, positions, window, topk)
+        except Exception as err:  # a Triton build that cannot compile it: the same result by sorting
+            _TRITON_SELECT_FAILED.append(f"{type(err).__name__}: {err}")
+            warnings.warn(f"Triton top-k selection unavailable, using torch.sort: {_TRITON_SELECT_FAILED[0][:500]}",
+                          RuntimeWarning, stacklevel=2)
+    return select_slots_by_sort(scores, positions, window, topk)
+
+
+def select_slots_by_sort(scores: torch.Tensor, positions: torch.Tensor, window: int,
+                         topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_slots by a stable descending sort of every row: the readable definition (and the CPU path)."""
     cols = torch.arange(scores.shape[1], device=scores.device)[None, :]
     pos = positions[:, None]
     window_pos = pos - window + 1 + torch.arange(window, device=scores.device)[None, :]

@@ -1,0 +1,357 @@
+"""The Triton radix-select selection (kernels/triton/topk.py) vs a readable Python definition.
+
+The tie rule is fixed (lower position first), so the comparison is exact: the same positions in
+the same order and the same valid mask, for hypothesis-drawn scores with planted ties, values that
+differ only in their last mantissa bits (every radix digit decides), NaN / +-inf / +-0.0, rows with
+fewer candidates than top-k. The chosen set also passes the tie-aware oracle. Outputs and the
+workspace are poisoned before every run; batch invariance is bit for bit. Each check has a negative
+control. Under the Triton interpreter on CPU (float32); on a GPU also 64K-position rows against
+torch's CUDA stable sort (select_slots_by_sort), graph replay and a side stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from canary.oracles.topk_compare import wrong_topk_indices
+from runtime.kernels import cuda_torch
+from runtime.kernels.triton import topk
+
+pytestmark = pytest.mark.kernels
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+gpu = pytest.mark.gpu
+STYLES = ("normal", "few_values", "all_equal", "last_bits", "specials", "zeros_and_nans")
+# NaNs of either sign and several payloads, as float32 bits: all rank equal (above +inf), as torch.sort
+# on CPU ranks them; torch.sort on CUDA (CUB radix) orders NaNs by their bits, so GPU checks skip them.
+NAN_BITS = (0x7FC00000, 0x7FC00001, 0x7F800001, -0x00400000, -0x00000001)
+POISON_POS = -7  # never a position
+
+
+def reference_selection(scores: torch.Tensor, positions: torch.Tensor, window: int, k: int,
+                        ties_to_lower: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row in Python: the window (p - window, p] (clamped at 0, valid if >= 0), then the first
+    min(k, L) positions ordered by score descending, position ascending, where positions
+    > p - window rank as -inf, NaN ranks above +inf and -0.0 equals +0.0 (so do Python's floats).
+    ties_to_lower=False: the other tie rule (negative control only)."""
+    rows, width = scores.shape
+    sel, ok = [], []
+    for r in range(rows):
+        p = int(positions[r])
+        window_pos = [p - window + 1 + j for j in range(window)]
+
+        def rank(j: int, r=r, p=p) -> tuple:
+            v = float(scores[r, j]) if j <= p - window else -math.inf
+            tie = j if ties_to_lower else -j
+            return (0, 0.0, tie) if math.isnan(v) else (1, -v, tie)
+        order = sorted(range(width), key=rank)[:min(k, width)]
+        sel.append([max(w, 0) for w in window_pos] + order)
+        ok.append([w >= 0 for w in window_pos] + [j <= p - window for j in order])
+    return (torch.tensor(sel, dtype=torch.int64).view(rows, -1), torch.tensor(ok, dtype=torch.bool).view(rows, -1))
+
+
+def draw_scores(seed: int, rows: int, width: int, style: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if style == "few_values":  # heavy ties: 4 distinct values
+        return torch.randint(0, 4, (rows, width), generator=gen).float()
+    if style == "all_equal":
+        return torch.full((rows, width), 0.5)
+    if style == "zeros_and_nans":  # -0.0 == +0.0 and every NaN equal: only the position breaks ties
+        nans = torch.tensor(NAN_BITS, dtype=torch.int32).view(torch.float32)
+        values = torch.cat([torch.tensor([-0.0, 0.0, 0.0, -0.0, 1.0, -1.0]), nans])
+        return values[torch.randint(0, len(values), (rows, width), generator=gen)]
+    if style == "last_bits":  # equal above the last 6 mantissa bits: the last digit decides
+        return 1.0 + torch.randint(0, 64, (rows, width), generator=gen).float() * 2.0**-23
+    x = torch.randn(rows, width, generator=gen)
+    x[:, ::5] = x[:, :1].clone()  # planted ties with the row's first score
+    if style == "specials":
+        picks = torch.randint(0, width, (rows, 6), generator=gen)
+        for r in range(rows):
+            for value, j in zip((float("nan"), float("inf"), float("-inf"), -0.0, 0.0, float("nan")), picks[r]):
+                x[r, j] = value
+    return x
+
+
+def draw_positions(seed: int, rows: int, width: int) -> torch.Tensor:
+    p = torch.randint(0, width, (rows,), generator=torch.Generator().manual_seed(seed + 1))
+    p[0] = width - 1  # a full row
+    return p
+
+
+def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, rank_order=None):
+    """The kernel on poisoned buffers: positions -7, valid the opposite of the expected mask (or all
+    True), workspace all int64 max (the packed key of a NaN at position 0: first if read unwritten)."""
+    rows, width = scores.shape
+    s = window + min(k, width)
+    sel = torch.full((rows, s), POISON_POS, dtype=torch.int64, device=DEVICE)
+    ok = (~expected_ok.to(DEVICE)) if expected_ok is not None else torch.ones(rows, s, dtype=torch.bool, device=DEVICE)
+    scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
+    topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, group=group, out=(sel, ok),
+                      scratch=scratch, rank_order=rank_order)
+    return sel.cpu(), ok.cpu()
+
+
+def assert_same_selection(actual, expected, msg="") -> None:
+    (sel, ok), (want_sel, want_ok) = actual, expected
+    assert sel.shape == want_sel.shape, f"shape {tuple(sel.shape)} != {tuple(want_sel.shape)} {msg}"
+    assert not bool((sel == POISON_POS).any()), f"unwritten positions {msg}"
+    bad = torch.nonzero((sel != want_sel) | (ok != want_ok))
+    assert bad.numel() == 0, f"selection differs at (row, slot) {bad[:8].tolist()} {msg}"
+
+
+def assert_tie_aware(sel, ok, scores, positions, window, k) -> None:
+    """The chosen set, ignoring order and the tie rule: zero wrong indices (canary's oracle)."""
+    for r in range(scores.shape[0]):
+        width = scores.shape[1]
+        candidates = torch.arange(width) <= int(positions[r]) - window
+        if bool(torch.isnan(scores[r][candidates]).any()):
+            continue  # the oracle compares numbers; the exact check covers NaN
+        chosen = torch.zeros(width, dtype=torch.bool)
+        part = sel[r, window:][ok[r, window:]]
+        assert len(set(part.tolist())) == len(part), f"row {r}: a position chosen twice"
+        chosen[part] = True
+        wrong = wrong_topk_indices(chosen, scores[r], candidates, k, tie_tol=0.0)
+        assert wrong == [], f"row {r}: wrong top-k indices {wrong}"
+
+
+def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
+    """f(x)[:k] == f(x[:k]) bit for bit for several prefixes k."""
+    for n in sorted({1, rows // 2, rows - 1}):
+        if 0 < n < rows:
+            part = run_prefix(n)
+            assert all(torch.equal(a[:n], b) for a, b in zip(full, part)), \
+                f"row results changed with the batch (k={n} of {rows})"
+
+
+@settings(max_examples=12)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 5]),
+       width=st.sampled_from([1, 7, 64, 65, 200]), window=st.sampled_from([0, 1, 8, 128]),
+       k=st.sampled_from([1, 5, 24, 64, 512]), group=st.sampled_from([None, 1, 4, 16]),
+       style=st.sampled_from(STYLES))
+@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal")
+@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits")
+@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials")
+@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans")
+def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style):
+    scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
+    expected = reference_selection(scores, positions, window, k)
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1])
+    assert_same_selection(actual, expected, msg=f"({style}, group={group})")
+    assert_tie_aware(*actual, scores, positions, window, k)
+    # The torch definition the CPU path runs agrees too (the lead's golden stores were recorded with it).
+    assert_same_selection(cuda_torch.select_slots_by_sort(scores, positions, window, k), expected, msg="(by sort)")
+    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group), rows)
+
+
+@settings(max_examples=4)
+@given(seed=st.integers(0, 2**31 - 1), style=st.sampled_from(STYLES), k=st.sampled_from([1, 3, 16]))
+def test_the_gpu_order_tl_sort_matches_too(seed, style, k):
+    """The interpreter orders the chosen by counting (rank_order); the GPU by tl.sort: small k here,
+    where the interpreter's sort is affordable."""
+    scores, positions = draw_scores(seed, 2, 70, style), draw_positions(seed, 2, 70)
+    expected = reference_selection(scores, positions, 4, k)
+    actual = run_poisoned(scores, positions, 4, k, expected_ok=expected[1], rank_order=False)
+    assert_same_selection(actual, expected, msg=f"({style}, tl.sort)")
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("group", [4, 16])
+def test_every_style_through_the_histogram_path(style, group):
+    """Groups > 1 leave more than k candidates above the bound, so the digit histograms decide
+    (group 1 makes the bound the k-th key itself; short rows take positions [0, k))."""
+    scores, positions = draw_scores(11, 2, 256, style), torch.tensor([255, 200])
+    expected = reference_selection(scores, positions, 8, 16)
+    assert_same_selection(run_poisoned(scores, positions, 8, 16, group, expected_ok=expected[1]), expected,
+                          msg=f"({style}, group={group})")
+
+
+def test_select_slots_dispatch_keeps_the_sort_definition_on_cpu():
+    scores, positions = draw_scores(9, 3, 40, "few_values"), draw_positions(9, 3, 40)
+    a = cuda_torch.select_slots(scores, positions, 4, 8)
+    b = cuda_torch.select_slots_by_sort(scores, positions, 4, 8)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------- negative controls
+
+def test_exact_check_fails_on_the_other_tie_rule():
+    """Ties broken toward the higher position: the same scores, another (valid-looking) order."""
+    scores, positions = draw_scores(1, 2, 64, "few_values"), draw_positions(1, 2, 64)
+    expected = reference_selection(scores, positions, 4, 16)
+    other = reference_selection(scores, positions, 4, 16, ties_to_lower=False)
+    with pytest.raises(AssertionError, match="selection differs"):
+        assert_same_selection(other, expected)
+
+
+def test_poison_check_fails_on_an_unwritten_window():
+    scores, positions = draw_scores(2, 2, 64, "normal"), draw_positions(2, 2, 64)
+    expected = reference_selection(scores, positions, 8, 16)
+    sel, ok = run_poisoned(scores, positions, 8, 16, expected_ok=expected[1])
+    sel[:, :8] = POISON_POS  # as if the kernel skipped the window part
+    ok[:, :8] = ~expected[1][:, :8]
+    with pytest.raises(AssertionError, match="unwritten positions"):
+        assert_same_selection((sel, ok), expected)
+
+
+def test_tie_aware_check_fails_on_a_lower_score_chosen():
+    scores, positions = draw_scores(3, 1, 64, "normal"), torch.tensor([63])
+    sel, ok = reference_selection(scores, positions, 4, 8)
+    worst = int(torch.argmin(torch.where(torch.arange(64) <= 59, scores[0], torch.tensor(float("inf")))))
+    sel[0, -1] = worst  # the lowest candidate instead of the 8th best
+    with pytest.raises(AssertionError, match="wrong top-k"):
+        assert_tie_aware(sel, ok, scores, positions, 4, 8)
+
+
+def test_invariance_check_fails_when_rows_depend_on_the_batch():
+    scores, positions = draw_scores(4, 4, 64, "normal"), draw_positions(4, 4, 64)
+
+    def batch_dependent(n):  # top-k width chosen by the batch: a row's result depends on its batch
+        return reference_selection(scores[:n], positions[:n], 4, 4 + n)
+    with pytest.raises(AssertionError, match="row results changed"):
+        assert_prefix_invariant(batch_dependent(4), batch_dependent, 4)
+
+
+# ---------------------------------------------------------------- GPU: full-size rows, graphs, streams
+
+def _logits_like(seed: int, rows: int, width: int, style: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if style == "indexer":  # sums of relu'd products: positive, concentrated (what the indexer emits)
+        x = torch.relu(torch.randn(rows, width, 8, generator=gen)).sum(-1)
+    elif style == "zeros":
+        x = torch.zeros(rows, width)
+    else:
+        x = draw_scores(seed, rows, width, style)
+        # CUB's radix sort (torch.sort on CUDA) may order -0.0 and +0.0 by their bits: against it, no zeros
+        # (test_gpu_kernel_matches_the_readable_reference covers them).
+        x = torch.where(x == 0, torch.full_like(x, 1e-3), x)
+    return x.cuda()
+
+
+@gpu
+@pytest.mark.parametrize("style", ["indexer", "normal", "few_values", "zeros", "last_bits", "specials"])
+@pytest.mark.parametrize("group", [None, 16, 128])
+def test_full_rows_match_torch_cuda_stable_sort(style, group):
+    rows, width, window, k = 64, 65536, 128, 512
+    scores = _logits_like(7, rows, width, style)
+    positions = torch.randint(0, width, (rows,), generator=torch.Generator().manual_seed(8)).cuda()
+    positions[:8] = width - 1
+    positions[8] = 100  # fewer candidates than k
+    expected = tuple(t.cpu() for t in cuda_torch.select_slots_by_sort(scores, positions, window, k))
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1])
+    assert_same_selection(actual, expected, msg=f"({style}, group={group})")
+    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group), rows)
+
+
+@gpu
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("group", [None, 16])
+def test_gpu_kernel_matches_the_readable_reference(style, group):
+    """The compiled kernel (tl.sort order, the GPU's -0.0 and NaN handling) against the Python
+    definition, NaNs of every sign and payload included."""
+    scores, positions = draw_scores(5, 4, 2048, style), draw_positions(5, 4, 2048)
+    positions[1] = 40  # fewer candidates than k
+    expected = reference_selection(scores, positions, 128, 64)
+    actual = run_poisoned(scores, positions, 128, 64, group, expected_ok=expected[1])
+    assert_same_selection(actual, expected, msg=f"({style}, group={group})")
+    dispatched = cuda_torch.select_slots(scores.cuda(), positions.cuda(), 128, 64)  # what decode_model calls
+    assert_same_selection(tuple(t.cpu() for t in dispatched), expected, msg="(cuda_torch.select_slots)")
+
+
+@gpu
+def test_selection_under_graph_replay_and_side_stream():
+    rows, width, window, k = 16, 8192, 128, 512
+    scores = _logits_like(1, rows, width, "indexer")
+    positions = torch.full((rows,), width - 1, dtype=torch.int64, device="cuda")
+    run = lambda: topk.select_slots(scores, positions, window, k)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    scores.copy_(_logits_like(2, rows, width, "few_values"))  # new inputs, same addresses
+    positions.copy_(torch.randint(0, width, (rows,), generator=torch.Generator().manual_seed(3)).cuda())
+    graph.replay()
+    eager = run()
+    side_stream = torch.cuda.Stream()
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):
+        side = run()
+    torch.cuda.current_stream().wait_stream(side_stream)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager)), "graph replay differs from eager"
+    assert all(torch.equal(a, b) for a, b in zip(side, eager)), "side stream differs from eager"
+    assert_same_selection(tuple(t.cpu() for t in eager),
+                          tuple(t.cpu() for t in cuda_torch.select_slots_by_sort(scores, positions, window, k)))
+
+
+@gpu
+def test_dispatch_falls_back_to_the_sort_with_a_warning(monkeypatch):
+    """A Triton build that cannot compile the kernel must cost speed, not the decode step."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted compile failure")
+    monkeypatch.setattr(topk, "select_slots", broken)
+    monkeypatch.setattr(cuda_torch, "_TRITON_SELECT_FAILED", [])
+    scores, positions = draw_scores(2, 3, 512, "few_values").cuda(), draw_positions(2, 3, 512).cuda()
+    with pytest.warns(RuntimeWarning, match="planted compile failure"):
+        got = cuda_torch.select_slots(scores, positions, 8, 16)
+    assert all(torch.equal(a, b) for a, b in zip(got, cuda_torch.select_slots_by_sort(scores, positions, 8, 16)))
+
+
+# ---------------------------------------------------------------- the compiler, without a GPU
+
+# Compiles a @triton.jit function of a module for an H200 (sm_90) in a fresh process without the
+# interpreter: the interpreter accepts code the compiler refuses (a constexpr reassigned in a
+# static_range did pass here and fail there). Needs only Triton's bundled ptxas, no device.
+_COMPILE = """
+import importlib, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, signature, constants = sys.argv[1], sys.argv[2], eval(sys.argv[3]), eval(sys.argv[4])
+fn = getattr(importlib.import_module(module), name)
+signature.update({key: "constexpr" for key in constants})
+triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
+               options=dict(num_warps=8))
+print("compiled")
+"""
+_SIGNATURE = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "ok_ptr": "*i1", "scratch_ptr": "*i64",
+              "maxima_ptr": "*i64", "width": "i32", "stride_s": "i32", "stride_out": "i32", "stride_ok": "i32",
+              "stride_scratch": "i32", "stride_maxima": "i32"}
+
+
+def compile_for_sm90(module: str, name: str, signature: dict, constants: dict):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no NVIDIA backend")
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-c", _COMPILE, module, name, repr(signature), repr(constants)],
+                          capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU every test above compiles it for real")
+@pytest.mark.parametrize("window, k, group, rank_order", [(128, 512, 64, False), (0, 1, 1, True)])
+def test_kernel_compiles_for_the_gpu_without_one(window, k, group, rank_order):
+    constants = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
+                     TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, BLOCK=4096, SMALL_BLOCK=1024,
+                     RANK_ORDER=rank_order)
+    done = compile_for_sm90("runtime.kernels.triton.topk", "_select_kernel", dict(_SIGNATURE), constants)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_compile_check_fails_on_code_only_the_interpreter_accepts():
+    """Negative control: the constexpr reassignment the interpreter let through must fail here."""
+    done = compile_for_sm90("tests.kernels.planted_compile_error", "reassigns_a_constexpr", {"out_ptr": "*i32"}, {})
+    assert done.returncode != 0 and "constexpr cannot be reassigned" in done.stderr
