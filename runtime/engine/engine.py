@@ -112,6 +112,17 @@ class Engine:
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort(rid)
 
+    def admit_prefilled(self, req: Request) -> str | None:
+        """PD decode: take over a request prefilled elsewhere (KV in `req.pages`, first token in
+        `output_ids`); returns its finish reason when that token already ended it."""
+        reason = self.scheduler.admit_prefilled(req)
+        if reason is None and self.runner.future is not None:  # overlap: decode inputs come from here
+            self.runner.future.write([req.rid], torch.tensor(req.output_ids[-1:], dtype=torch.long))
+        if reason is not None:
+            self.scheduler.finished.remove(req)
+            self.scheduler.requests.pop(req.rid, None)
+        return reason
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.in_flight is not None

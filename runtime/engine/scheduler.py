@@ -59,6 +59,24 @@ class Scheduler:
         self.requests[req.rid] = req
         self.waiting.append(req)
 
+    def admit_prefilled(self, req: Request) -> str | None:
+        """PD decode: a request whose prompt KV is already in `req.pages` (owned by `req.rid`) and whose
+        first token is in `output_ids` joins the running batch as if this scheduler had prefilled it.
+        Returns the finish reason if that first token already ends it (its pages are then freed)."""
+        if req.rid in self.requests:
+            raise RequestRejected(f"duplicate request id {req.rid!r}")
+        self.pool.check_owned(req.rid, req.pages)
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        req.status = Status.RUNNING
+        req.num_computed = len(req.prompt_ids)
+        self.requests[req.rid] = req
+        self.running.append(req)
+        reason = self._stop_reason(req)
+        if reason is not None:
+            self._finish(req, reason)
+        return reason
+
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
         if req is None or req.finished:
