@@ -21,6 +21,8 @@ from runtime.faults import NO_FAULTS, FaultSet
 # The wheel and the Debian packages it links against (Makefile `install` target).
 INSTALL_HINT = ("Mooncake's transfer engine is not installed: `make install` adds "
                 "mooncake-transfer-engine-non-cuda and the Debian packages libibverbs1 librdmacm1")
+# Entries per batch call: Mooncake 0.3.13 fails a batch somewhere between 2,048 and 3,000 entries.
+MAX_BATCH = 1024
 
 
 class TransferUnavailable(RuntimeError):
@@ -159,8 +161,10 @@ class KVTransfer:
         if not srcs:
             return WriteStats(0, 0, 0.0)
         started = time.perf_counter()
-        if self.engine.batch_transfer_sync_write(peer.session, srcs, dsts, lens) != 0:
-            raise TransferError(f"KV write to {peer.session} failed ({len(srcs)} chunks)")
+        for at in range(0, len(srcs), MAX_BATCH):  # the engine refuses batches of a few thousand entries
+            part = slice(at, at + MAX_BATCH)
+            if self.engine.batch_transfer_sync_write(peer.session, srcs[part], dsts[part], lens[part]) != 0:
+                raise TransferError(f"KV write to {peer.session} failed ({len(srcs)} chunks)")
         if self.faults.enabled("pd-kv-corrupt"):
             # The bug: one block arrives with a flipped byte (a transport that loses integrity).
             self._scratch[0] = _byte_at(srcs[0]) ^ 0x01

@@ -191,3 +191,22 @@ def test_stale_bootstrap_fault_is_caught_by_the_restart_check():
     """Negative control: with pd-stale-bootstrap the prefill side writes into the dead decode
     process's pool; the request after the restart fails (an error, never a hang)."""
     assert restart_then_answer(("--inject-fault", "pd-stale-bootstrap")) != 200
+
+
+def test_equality_oracle_fires_when_the_decode_side_loses_sampler_state(servers, monkeypatch):
+    """Negative control of the bit-for-bit comparison: a decode side that restarts the request's
+    generator instead of continuing the prefill side's stream samples other tokens."""
+    from runtime.disagg import decode
+
+    pair, colocated = servers
+    payload = body(PROMPTS[1], temperature=0.8, seed=11)
+    planted = decode.prefilled_request
+
+    def forgetful(*args, **kwargs):
+        req = planted(*args, **kwargs)
+        assert req.generator is not None
+        req.generator.manual_seed(11)  # the bug: the stream starts over on the decode side
+        return req
+
+    monkeypatch.setattr(decode, "prefilled_request", forgetful)
+    assert answer(pair.router, payload) != answer(colocated, payload)
