@@ -94,9 +94,9 @@ class PrefillSide:
             raise api_error(exc) from None
         except TimeoutError:
             state.bridge.abort(rid)
-            error = BootstrapTimeout(f"room {room_id}: prefill did not finish within {self.timeout_s:g} s")
-            self.registry.fail(room_id, error)
-            raise api_error(error) from None
+            timeout = BootstrapTimeout(f"room {room_id}: prefill did not finish within {self.timeout_s:g} s")
+            self.registry.fail(room_id, timeout)
+            raise api_error(timeout) from None
         except asyncio.CancelledError:  # the router went away: stop the prefill, tell the decode side
             state.bridge.abort(rid)
             self.registry.fail(room_id, RoomFailed(f"room {room_id}: aborted on the prefill server"))

@@ -13,16 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.disagg.transfer import (KVTransfer, PoolDescriptor, TransferError, kv_digest, page_runs,
-                                     unavailable_reason)
-from runtime.faults import FaultSet
+from runtime.disagg.transfer import KVTransfer, PoolDescriptor, TransferError, kv_digest, page_runs, unavailable_reason
+from runtime.faults import NO_FAULTS, FaultSet
 from tests import pd_peer
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def sender(faults: FaultSet = FaultSet()) -> KVTransfer:
+def sender(faults: FaultSet = NO_FAULTS) -> KVTransfer:
     latent, index_keys = pd_peer.pool()
     torch.manual_seed(0)
     latent.copy_(torch.randn_like(latent))
