@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from runtime.config import EngineConfig
 from runtime.engine.plan import Extend, StepPlan
@@ -29,6 +29,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the newest is preempted first
         self.requests: dict[str, Request] = {}
+        # PD decode: requests prefilled elsewhere (KV already in their pages) waiting for a running slot.
+        self.prefilled: deque[Request] = deque()
+        self.on_promote: Callable[[Request], None] | None = None  # a prefilled request joins the batch
         self.finished: list[Request] = []  # finished since the caller last drained it
         self.step = 0
         self.num_preemptions = 0
@@ -71,7 +74,7 @@ class Scheduler:
         req.status = Status.RUNNING
         req.num_computed = len(req.prompt_ids)
         self.requests[req.rid] = req
-        self.running.append(req)
+        self.prefilled.append(req)
         reason = self._stop_reason(req)
         if reason is not None:
             self._finish(req, reason)
@@ -86,12 +89,17 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_aborts)
+        return bool(self.waiting or self.running or self.prefilled or self._pending_aborts)
 
     # ---- planning -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self.step += 1
         aborted = self._apply_aborts()
+        while self.prefilled and len(self.running) < self.cfg.max_running_requests:
+            promoted = self.prefilled.popleft()
+            self.running.append(promoted)  # decodes from this step on
+            if self.on_promote is not None:
+                self.on_promote(promoted)
         preempted: list[str] = []
         decode = self._plan_decode(preempted)
         prefill = self._plan_prefill()
@@ -214,6 +222,8 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         if req in self.running:
             self.running.remove(req)
+        elif req in self.prefilled:
+            self.prefilled.remove(req)
         elif req.status is Status.WAITING:  # queued, or preempted while its last token was in flight
             self.waiting.remove(req)
         if req.pages:
