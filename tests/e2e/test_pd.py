@@ -210,3 +210,22 @@ def test_equality_oracle_fires_when_the_decode_side_loses_sampler_state(servers,
 
     monkeypatch.setattr(decode, "prefilled_request", forgetful)
     assert answer(pair.router, payload) != answer(colocated, payload)
+
+
+@pytest.mark.parametrize("phase", ["prefilling", "decoding"])
+def test_a_client_gone_during_each_phase_frees_pages_on_both_sides(phase):
+    """The client leaves while the prompt is still prefilling (slow prefill steps: the KV is not yet
+    sent), or once decoding has started; both pools end with every page free, and the pair serves."""
+    prefill_args = ("--inject-fault", "slow-step") if phase == "prefilling" else ()
+    with pd_pair(prefill_args=prefill_args) as pair:
+        payload = body(PROMPTS[3], stream=True, max_tokens=300)
+        try:
+            with httpx.stream("POST", f"{pair.router}/v1/chat/completions", json=payload,
+                              timeout=httpx.Timeout(60, read=0.2 if phase == "prefilling" else 60)) as reply:
+                for n, _line in enumerate(reply.iter_lines()):
+                    if n > 3:
+                        break
+        except httpx.ReadTimeout:
+            assert phase == "prefilling"
+        assert wait_pages_free(pair.prefill_state, pair.decode_state, timeout_s=30) == [0, 0]
+        assert answer(pair.router, body(PROMPTS[2]))["finish"] in ("stop", "length")
