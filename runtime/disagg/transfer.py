@@ -133,6 +133,16 @@ class KVTransfer:
         if self.engine.register_memory(self._scratch.data_ptr(), self._scratch.numel()) != 0:
             raise TransferUnavailable("Mooncake could not register its scratch buffer")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
+        self._registered = True
+
+    def close(self) -> None:
+        """Unregister the pool (idempotent): from now on the engine refuses a peer's write into it
+        ("not within any registered buffer"), so a peer holding our old descriptor gets an error
+        instead of storing into memory that may belong to something else by then."""
+        if self._registered:
+            for tensor in (self.latent, self.index_keys, self._scratch):
+                self.engine.unregister_memory(tensor.data_ptr())
+            self._registered = False
 
     def descriptor(self) -> PoolDescriptor:
         return PoolDescriptor(self.session, self.latent.data_ptr(), self.index_keys.data_ptr(),

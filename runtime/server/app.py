@@ -81,6 +81,8 @@ def create_app(state: ServerState) -> FastAPI:
         state.bridge.start()
         yield
         state.bridge.stop()
+        if state.pd is not None:  # unregister the KV pool: a peer's late write is refused, not a stray store
+            state.pd.transfer.close()
 
     app = FastAPI(title="dsv4 runtime", lifespan=lifespan)
     app.state.server = state

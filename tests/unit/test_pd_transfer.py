@@ -95,3 +95,11 @@ def test_bad_peers_are_errors_not_hangs():
         src.write_pages(PoolDescriptor(**{**good.to_dict(), "session": "127.0.0.1:1"}), [0], [1])
     with pytest.raises(ValueError, match="destination pages"):
         src.write_pages(good, [0, 1], [1])
+
+
+def test_a_closed_pool_refuses_writes():
+    src, dst = sender(), sender()
+    dst.close()
+    with pytest.raises(TransferError, match="failed"):
+        src.write_pages(dst.descriptor(), [0], [1])
+    dst.close()  # idempotent
