@@ -74,6 +74,24 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
     async def models(request: Request) -> Response:
         return await proxy_get(request, "/v1/models")
 
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """The pair's KV pages in use (prefill + decode: 0 when nothing leaked on either side) first,
+        then each upstream's figure by role; each server's own /metrics has its transfer metrics."""
+        lines, total = [], 0.0
+        for role, urls in (("prefill", prefill), ("decode", decode)):
+            for url in urls:
+                try:
+                    text = (await clients["http"].get(f"{url}/metrics", headers=_forwarded(request))).text
+                except httpx.HTTPError:
+                    continue
+                pages = next((float(line.split()[-1]) for line in text.splitlines()
+                              if line.startswith("dsv4_kv_pages_in_use ")), 0.0)
+                total += pages
+                lines.append(f'dsv4_pd_upstream_kv_pages_in_use{{role="{role}",url="{url}"}} {pages}')
+        head = ["# TYPE dsv4_kv_pages_in_use gauge", f"dsv4_kv_pages_in_use {total}"]
+        return Response("\n".join([*head, *lines]) + "\n", media_type="text/plain; version=0.0.4")
+
     @app.get("/server_info")
     async def server_info(request: Request) -> Response:
         return await proxy_get(request, "/server_info")

@@ -45,6 +45,7 @@ class RoomFailed(BootstrapError):
 @dataclass(frozen=True)
 class Session:
     name: str  # the decode server's stable name (its URL by default)
+    instance: str  # the decode process's id: a new one means the server restarted
     session_id: str
     version: int
     pool: PoolDescriptor
@@ -66,11 +67,14 @@ class BootstrapRegistry:
         self._opened: dict[str, asyncio.Future] = {}  # room id -> resolves with the Room once opened
 
     # ---- sessions -------------------------------------------------------------------------------
-    def register(self, name: str, pool: PoolDescriptor) -> Session:
+    def register(self, name: str, instance: str, pool: PoolDescriptor) -> Session:
+        """The session of decode server `name` as process `instance`: the current one again when the same
+        process registers twice (concurrent first requests), a new version when the process is new."""
         old = self.sessions.get(name)
-        if old is not None and self.faults.enabled("pd-stale-bootstrap"):
-            return old  # the bug: a restarted decode server is handed its previous life's session state
-        session = Session(name, uuid.uuid4().hex, (old.version + 1) if old else 1, pool)
+        if old is not None and (old.instance == instance or self.faults.enabled("pd-stale-bootstrap")):
+            # (the fault: a restarted decode server is handed its previous life's session state)
+            return old
+        session = Session(name, instance, uuid.uuid4().hex, (old.version + 1) if old else 1, pool)
         self.sessions[name] = session
         if old is not None:  # rooms of the dead process can never complete: fail them now
             for room in [r for r in self.rooms.values() if r.session.session_id == old.session_id]:

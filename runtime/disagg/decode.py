@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import uuid
 
 import httpx
 import torch
@@ -34,29 +35,37 @@ class DecodeSide:
         self.timeout_s = timeout_s
         self.faults = faults
         self.sessions: dict[str, str] = {}  # prefill URL -> our current session id there
+        self.instance = uuid.uuid4().hex  # this process: a restart registers as a new instance
+        self._registering: dict[str, asyncio.Lock] = {}  # one registration at a time per prefill server
 
     def add_routes(self, app) -> None:
         """The decode side serves nothing extra: it calls the prefill server's bootstrap routes."""
 
-    async def _register(self, client: httpx.AsyncClient, prefill: str) -> str:
-        reply = await client.post(f"{prefill}/pd/register",
-                                  json={"name": self.name, "pool": self.transfer.descriptor().to_dict()})
-        if reply.status_code != 200:
-            raise error_from_body(reply.status_code, _json(reply), f"registering with {prefill} failed")
-        self.sessions[prefill] = reply.json()["session_id"]
-        return self.sessions[prefill]
+    async def _session(self, client: httpx.AsyncClient, prefill: str, stale: str | None = None) -> str:
+        """Our session at `prefill`, registering when there is none (or only the `stale` one)."""
+        async with self._registering.setdefault(prefill, asyncio.Lock()):
+            current = self.sessions.get(prefill)
+            if current is not None and current != stale:
+                return current  # another request registered while this one waited
+            reply = await client.post(f"{prefill}/pd/register", json={
+                "name": self.name, "instance": self.instance, "pool": self.transfer.descriptor().to_dict()})
+            if reply.status_code != 200:
+                raise error_from_body(reply.status_code, _json(reply), f"registering with {prefill} failed")
+            self.sessions[prefill] = reply.json()["session_id"]
+            return self.sessions[prefill]
 
     async def _await_kv(self, prefill: str, room: str, pages: list[int]) -> dict:
         timeout = httpx.Timeout(self.timeout_s + 5)  # the prefill side's own deadline answers first
         async with httpx.AsyncClient(timeout=timeout) as client:
+            refused: str | None = None
             for attempt in range(2):
-                session = self.sessions.get(prefill) or await self._register(client, prefill)
+                session = await self._session(client, prefill, refused)
                 reply = await client.post(f"{prefill}/pd/transfer", json={
                     "room": room, "name": self.name, "session_id": session, "dst_pages": pages})
                 body = _json(reply)
                 stale = reply.status_code == 409 and body.get("error", {}).get("code") == "pd_stale_session"
-                if stale and attempt == 0:  # the prefill server restarted or we did: register once more
-                    self.sessions.pop(prefill, None)
+                if stale and attempt == 0:  # the prefill server restarted: register once more
+                    refused = session
                     continue
                 if reply.status_code != 200:
                     raise error_from_body(reply.status_code, body, f"KV transfer for room {room} failed")

@@ -45,7 +45,8 @@ class PrefillSide:
         @app.post("/pd/register")
         async def register(request: Request) -> dict:
             body = await request.json()
-            session = self.registry.register(str(body["name"]), PoolDescriptor.from_dict(body["pool"]))
+            session = self.registry.register(str(body["name"]), str(body["instance"]),
+                                             PoolDescriptor.from_dict(body["pool"]))
             mine = self.transfer.descriptor()
             if session.pool.layout() != mine.layout():
                 raise ApiError(409, f"decode pool layout {session.pool.layout()} differs from the prefill "

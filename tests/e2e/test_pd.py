@@ -229,3 +229,14 @@ def test_a_client_gone_during_each_phase_frees_pages_on_both_sides(phase):
             assert phase == "prefilling"
         assert wait_pages_free(pair.prefill_state, pair.decode_state, timeout_s=30) == [0, 0]
         assert answer(pair.router, body(PROMPTS[2]))["finish"] in ("stop", "length")
+
+
+def test_concurrent_first_requests_of_a_fresh_pair_share_one_session():
+    """A fresh decode server's first requests all register at once: one session, every request served
+    (the 16-session PD gate found each registration bumping the version and refusing the others)."""
+    with pd_pair() as pair:
+        async def all_at_once():
+            return await asyncio.gather(*(asyncio.to_thread(answer, pair.router, body(p)) for p in PROMPTS * 2))
+
+        assert all(a["finish"] in ("stop", "length") for a in asyncio.run(all_at_once()))
+        assert pair.prefill_state.pd.registry.sessions["decode-0"].version == 1

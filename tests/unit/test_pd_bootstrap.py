@@ -27,8 +27,8 @@ def restarted_session_is_fresh(faults: FaultSet) -> bool:
     """The oracle: after a restart under the same name, the old session id is refused and the new
     session points at the new process's pool."""
     registry = BootstrapRegistry(faults)
-    old = registry.register("decode-0", pool(1000))
-    new = registry.register("decode-0", pool(2000))
+    old = registry.register("decode-0", "life-1", pool(1000))
+    new = registry.register("decode-0", "life-2", pool(2000))
     try:
         registry.current("decode-0", old.session_id)
     except StaleSessionError:
@@ -47,8 +47,8 @@ def test_stale_bootstrap_fault_is_caught():
 def test_stale_and_unknown_sessions_are_refused_by_name():
     async def scenario():
         registry = BootstrapRegistry()
-        old = registry.register("decode-0", pool(1000))
-        registry.register("decode-0", pool(2000))
+        old = registry.register("decode-0", "life-1", pool(1000))
+        registry.register("decode-0", "life-2", pool(2000))
         with pytest.raises(StaleSessionError, match="stale.*register again"):
             registry.open("room-1", "decode-0", old.session_id, [0])
         with pytest.raises(StaleSessionError, match="no session here"):
@@ -60,7 +60,7 @@ def test_stale_and_unknown_sessions_are_refused_by_name():
 def test_rooms_meet_and_complete():
     async def scenario():
         registry = BootstrapRegistry()
-        session = registry.register("decode-0", pool(1000))
+        session = registry.register("decode-0", "life-1", pool(1000))
         prefill = asyncio.create_task(registry.wait_opened("room-1", 5))
         await asyncio.sleep(0)
         registry.open("room-1", "decode-0", session.session_id, [3, 4])
@@ -80,7 +80,7 @@ def test_every_wait_times_out_with_an_error():
         registry = BootstrapRegistry()
         with pytest.raises(BootstrapTimeout, match="no decode server opened room room-1 within 0.05 s"):
             await registry.wait_opened("room-1", 0.05)
-        session = registry.register("decode-0", pool(1000))
+        session = registry.register("decode-0", "life-1", pool(1000))
         registry.open("room-2", "decode-0", session.session_id, [0])
         with pytest.raises(BootstrapTimeout, match="did not deliver the KV"):
             await registry.wait_done("room-2", 0.05)
@@ -92,12 +92,24 @@ def test_every_wait_times_out_with_an_error():
 def test_re_registration_fails_the_old_sessions_rooms_at_once():
     async def scenario():
         registry = BootstrapRegistry()
-        old = registry.register("decode-0", pool(1000))
+        old = registry.register("decode-0", "life-1", pool(1000))
         registry.open("room-1", "decode-0", old.session_id, [0])
         waiter = asyncio.create_task(registry.wait_done("room-1", 30))
         await asyncio.sleep(0)
-        registry.register("decode-0", pool(2000))
+        registry.register("decode-0", "life-2", pool(2000))
         with pytest.raises(StaleSessionError, match="re-registered"):
             await asyncio.wait_for(waiter, 1)
+
+    run(scenario())
+
+
+def test_the_same_process_registering_twice_keeps_its_session():
+    """Concurrent first requests of one decode server each register: that must not look like a restart."""
+    async def scenario():
+        registry = BootstrapRegistry()
+        first = registry.register("decode-0", "life-1", pool(1000))
+        registry.open("room-1", "decode-0", first.session_id, [0])
+        again = registry.register("decode-0", "life-1", pool(1000))
+        assert again == first and registry.open_rooms == 1
 
     run(scenario())
