@@ -17,6 +17,7 @@ All methods run on the prefill server's event loop (the engine thread completes 
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -57,6 +58,10 @@ class Room:
     session: Session
     dst_pages: list[int]
     done: asyncio.Future = field(repr=False)
+    # Held by the engine thread while it writes into dst_pages; `closed` is set under it when the room
+    # fails, so once the decode side hears of a failure (and frees the pages) no write can still land.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    closed: bool = False
 
 
 class BootstrapRegistry:
@@ -127,6 +132,9 @@ class BootstrapRegistry:
                                              f"within {timeout_s:g} s"))
             raise BootstrapTimeout(f"room {room}: the prefill server did not deliver the KV within "
                                    f"{timeout_s:g} s") from None
+        except asyncio.CancelledError:  # the decode side's connection went away: no write may land now
+            self.fail(room, RoomFailed(f"room {room}: the decode side stopped waiting"))
+            raise
         finally:
             self.close(room)
 
@@ -137,6 +145,9 @@ class BootstrapRegistry:
 
     def fail(self, room: str, error: BootstrapError) -> None:
         entry = self.rooms.get(room)
+        if entry is not None:
+            with entry.lock:  # waits out a write in progress (milliseconds), then bars any later one
+                entry.closed = True
         if entry is not None and not entry.done.done():
             entry.done.set_exception(error)
             entry.done.exception()  # retrieved: a room nobody waits on must not log "never retrieved"

@@ -129,13 +129,14 @@ class PrefillSide:
     def _write(self, req, room: Room, result: StepResult) -> dict:
         if req.finish_reason == "abort":
             raise RoomFailed(f"room {room.room}: aborted on the prefill server")
-        if room.done.done():  # the decode side gave up (timeout, abort): its pages may be reused now
-            raise RoomFailed(f"room {room.room}: the decode side is no longer waiting")
         pages = next(ext.pages for ext in result.plan.extends if ext.rid == req.rid)
         num_tokens = len(req.prompt_ids)
         src = list(pages[:self.engine.pool.pages_for_tokens(num_tokens)])
         started = time.perf_counter()
-        stats = self.transfer.write_pages(room.session.pool, src, room.dst_pages[:len(src)])
+        with room.lock:
+            if room.closed:  # the decode side gave up (timeout, abort): its pages may be reused by now
+                raise RoomFailed(f"room {room.room}: the decode side is no longer waiting")
+            stats = self.transfer.write_pages(room.session.pool, src, room.dst_pages[:len(src)])
         digest = kv_digest(self.transfer.latent, self.transfer.index_keys, src, self.engine.pool.page_size,
                            num_tokens)
         self.metrics.transfer_bytes.inc(stats.bytes)

@@ -113,3 +113,17 @@ def test_the_same_process_registering_twice_keeps_its_session():
         assert again == first and registry.open_rooms == 1
 
     run(scenario())
+
+
+def test_a_failed_room_bars_later_writes():
+    """Once a room has failed (and the decode side may free its pages), the writer finds it closed."""
+    async def scenario():
+        registry = BootstrapRegistry()
+        session = registry.register("decode-0", "life-1", pool(1000))
+        room = registry.open("room-1", "decode-0", session.session_id, [0])
+        with pytest.raises(BootstrapTimeout):
+            await registry.wait_done("room-1", 0.01)
+        with room.lock:
+            assert room.closed
+
+    run(scenario())
