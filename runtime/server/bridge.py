@@ -131,11 +131,15 @@ class EngineBridge:
             self._flush()
 
     def _drain_commands(self) -> None:
+        drained = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                if drained:  # PD commands allocate and free pages outside any step: keep the gauge true
+                    self.metrics.kv_pages.set(self.engine.pages_in_use)
                 return
+            drained = True
             if command[0] == "add":
                 _, rid, prompt_ids, params, sink = command
                 self._sinks[rid] = sink

@@ -240,3 +240,35 @@ def test_concurrent_first_requests_of_a_fresh_pair_share_one_session():
 
         assert all(a["finish"] in ("stop", "length") for a in asyncio.run(all_at_once()))
         assert pair.prefill_state.pd.registry.sessions["decode-0"].version == 1
+
+
+def test_a_prefill_server_killed_mid_request_is_an_error_and_leaks_nothing(tmp_path):
+    """Processes this time: the prefill server (slow steps, so the request is still prefilling) is
+    SIGKILLed; the client gets an OpenAI-shaped error, the decode pool ends empty (its /metrics says so,
+    the gauge the gate reads), and a new prefill server serves the same decode server."""
+    import os
+    import signal
+    import threading
+
+    from canary.targets import embedded_server
+    from runtime.config import DEFAULT_MODEL
+
+    env = {"DSV4_SLOW_STEP_MS": "3000"}
+    with embedded_server(DEFAULT_MODEL, ["--disaggregation-mode", "decode"], log_dir=tmp_path) as decode:
+        with embedded_server(DEFAULT_MODEL, ["--disaggregation-mode", "prefill"], faults=("slow-step",), env=env,
+                             log_dir=tmp_path) as prefill, \
+                serve_in_thread(create_router_app([prefill.root_url], [decode.root_url])) as router:
+            replies: list[httpx.Response] = []
+            thread = threading.Thread(target=lambda: replies.append(httpx.post(
+                f"{router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)))
+            thread.start()
+            time.sleep(1.5)  # in the prefill server's 3 s step
+            assert prefill.pid is not None
+            os.kill(prefill.pid, signal.SIGKILL)
+            thread.join(timeout=60)
+        assert replies and replies[0].status_code >= 500, replies
+        assert replies[0].json()["error"]["code"].startswith("pd_"), replies[0].text
+        assert decode.wait_kv_pages_idle() == 0
+        with embedded_server(DEFAULT_MODEL, ["--disaggregation-mode", "prefill"], log_dir=tmp_path) as prefill, \
+                serve_in_thread(create_router_app([prefill.root_url], [decode.root_url])) as router:
+            assert answer(router, body(PROMPTS[0]))["finish"] in ("stop", "length")
