@@ -45,6 +45,13 @@ class Scheduler:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self._check_limits(req)
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def _check_limits(self, req: Request) -> None:
         if req.rid in self.requests:
             raise RequestRejected(f"duplicate request id {req.rid!r}")
         longest = len(req.prompt_ids) + req.params.max_tokens
@@ -57,17 +64,12 @@ class Scheduler:
                                   f"{self.cfg.max_prefill_tokens}")
         if self.pool.pages_for_tokens(longest) > self.pool.num_pages:
             raise RequestRejected(f"request needs more KV pages than the pool holds ({self.pool.num_pages})")
-        req.arrival = self._arrivals
-        self._arrivals += 1
-        self.requests[req.rid] = req
-        self.waiting.append(req)
 
     def admit_prefilled(self, req: Request) -> str | None:
         """PD decode: a request whose prompt KV is already in `req.pages` (owned by `req.rid`) and whose
         first token is in `output_ids` joins the running batch as if this scheduler had prefilled it.
         Returns the finish reason if that first token already ends it (its pages are then freed)."""
-        if req.rid in self.requests:
-            raise RequestRejected(f"duplicate request id {req.rid!r}")
+        self._check_limits(req)  # the same limits as a request prefilled here
         self.pool.check_owned(req.rid, req.pages)
         req.arrival = self._arrivals
         self._arrivals += 1

@@ -167,7 +167,9 @@ class EngineBridge:
         self._sinks[req.rid] = sink
         try:
             reason = self.engine.admit_prefilled(req)
-        except ValueError as exc:
+        except ValueError as exc:  # over a limit: its reserved pages go back, the client gets the reason
+            if req.rid not in self.engine.scheduler.requests:
+                self.engine.pool.free(req.rid, req.pages)
             self._send(req.rid, Rejected(str(exc)))
             del self._sinks[req.rid]
             return
