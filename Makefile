@@ -22,6 +22,24 @@ REFERENCE_PKGS := sglang==0.5.23 deepseek-recipe==0.2.0 orjson==3.13.0 psutil==7
 	aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 aiohappyeyeballs==2.7.1 \
 	aiosignal==1.4.0 frozenlist==1.8.0 partial-json-parser==0.2.1.1.post7
 
+# Prefill/decode disaggregation (runtime/disagg) moves KV pages with Mooncake's transfer engine: the
+# CPU/TCP wheel (cp311 manylinux x86_64; --no-deps: its declared deps are for Mooncake's store and
+# proxy, not the engine, and aiohttp/requests are pinned above) links against libibverbs and
+# librdmacm, installed with apt where this runs as root. Where either step cannot run it says so and
+# the install goes on: the PD tests then skip with the reason (runtime/disagg/transfer.py).
+PD_PKGS := mooncake-transfer-engine-non-cuda==0.3.13.post1
+PD_DEBS := libibverbs1 librdmacm1
+
+define install_pd
+	if /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' && /sbin/ldconfig -p | grep -q 'librdmacm.so.1 '; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(PD_DEBS) >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(PD_DEBS) >/dev/null; } || \
+		echo "PD: apt-get install $(PD_DEBS) failed; the PD tests will skip"; \
+	else echo "PD: $(PD_DEBS) missing and apt-get unavailable (needs root); the PD tests will skip"; fi
+	$(PY) -m pip install -q --no-deps $(PD_PKGS) || echo "PD: $(PD_PKGS) has no wheel for this Python/platform; the PD tests will skip"
+endef
+
 # On hosts without CUDA, torch comes from the CPU build on disk (a bare `torch` pulls a multi-GB
 # CUDA build); the project's own lower bound (torch>=2.11) is then already satisfied.
 $(STAMP): pyproject.toml Makefile
@@ -30,6 +48,7 @@ $(STAMP): pyproject.toml Makefile
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e ".[test,lint]"
 	$(PY) -m pip install -q --no-deps $(REFERENCE_PKGS)
+	$(install_pd)
 	touch $(STAMP)
 
 # The stress gate and the other tests whose oracle measures speed (marker `timing`) run alone after

@@ -34,6 +34,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--abort-ratio", type=float, default=0.0, help="fraction of streamed requests aborted mid-stream")
     add("--inject-fault", action="append", default=[], metavar="NAME",
         help="start the embedded runtime with this fault on (repeatable)")
+    add("--pd", action="store_true",
+        help="gate the embedded runtime as a PD pair: prefill + decode servers and runtime.router in front")
     add("--server-arg", action="append", default=[], metavar="ARG",
         help="extra argument for the embedded `runtime.serve` (repeatable), e.g. --server-arg=--dtype=float32")
     add("--baseline", type=Path, default=None, help="performance baseline JSON (default: by fingerprint)")
@@ -124,6 +126,13 @@ def canary_target(canary_options: CanaryOptions, tmp_path_factory, request):
     model = canary_options.model or DEFAULT_MODEL
     if not Path(model).exists() and model != "tiny-random":
         pytest.fail(f"canary model {model!r} not found (expected the trained model in {DEFAULT_MODEL})")
+    if request.config.getoption("--pd"):
+        from canary.pd_target import embedded_pd_pair
+
+        with embedded_pd_pair(model, config_server_args(request), faults=canary_options.faults,
+                              log_dir=tmp_path_factory.mktemp("server")) as target:
+            yield target
+        return
     with embedded_server(model, config_server_args(request), faults=canary_options.faults,
                          log_dir=tmp_path_factory.mktemp("server")) as target:
         yield target

@@ -2,7 +2,7 @@
 
     python -m runtime.serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 30000]
         [--max-running N] [--api-key KEY] [--max-concurrent-requests N] [--inject-fault NAME ...]
-        [--tp N] [--overlap]
+        [--tp N] [--overlap] [--disaggregation-mode prefill|decode]
 
 Binds loopback by default: exposing the server is a deliberate `--host 0.0.0.0`. With an API key
 (`--api-key`, or DSV4_SERVER_API_KEY to keep it out of the process list) every route but /health
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from runtime.config import EngineConfig
-from runtime.faults import REGISTRY, FaultSet, UnknownFaultError
+from runtime.faults import KNOWN_FAULTS, FaultSet, UnknownFaultError
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from other machines only when asked for
 
@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
                         help="generation requests in flight at once; one more gets a 429 "
                              "(default: DSV4_SERVER_MAX_CONCURRENT)")
-    parser.add_argument("--inject-fault", action="append", default=[], choices=sorted(REGISTRY), metavar="NAME",
-                        help="switch on a named fault (repeatable): " + ", ".join(sorted(REGISTRY)))
+    parser.add_argument("--inject-fault", action="append", default=[], choices=sorted(KNOWN_FAULTS),
+                        metavar="NAME", help="switch on a named fault (repeatable): " + ", ".join(sorted(KNOWN_FAULTS)))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo on CPU)")
     parser.add_argument("--overlap", action="store_true",
                         help="overlap scheduler: plan step N+1 while N runs (the default on cuda)")
@@ -60,6 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "auto = triton on cuda, torch on cpu")
     parser.add_argument("--runner", default="auto", choices=["auto", "eager", "static"],
                         help="model runner: auto = static (capturable, one row per token) on cuda, eager on cpu")
+    parser.add_argument("--disaggregation-mode", default=None, choices=["prefill", "decode"],
+                        help="PD disaggregation (runtime/disagg): this server only prefills, or only decodes; "
+                             "clients talk to `python -m runtime.router --prefill URL --decode URL`")
+    parser.add_argument("--disaggregation-timeout", type=float, default=30.0, metavar="S",
+                        help="PD: longest wait for the peer (room opened, KV written) before the request fails")
+    parser.add_argument("--disaggregation-name", default=None,
+                        help="PD decode: the name this server registers under with prefill servers "
+                             "(default: its URL); a restart under the same name replaces the old session")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -98,8 +106,13 @@ def build_state(args: argparse.Namespace):
     engine = start_engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=overlap,
                           tp=args.tp)
     template = ChatTemplate.for_model(Path(loaded.path) if loaded.path else None)
+    pd = None
+    if args.disaggregation_mode:
+        from runtime.disagg.setup import build_pd_side
+
+        pd = build_pd_side(args, engine)
     return ServerState(loaded, engine, template, env, api_key=args.api_key or env.server_api_key,
-                       max_concurrent_requests=args.max_concurrent_requests)
+                       max_concurrent_requests=args.max_concurrent_requests, pd=pd)
 
 
 def main(argv: list[str] | None = None) -> int:

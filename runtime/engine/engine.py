@@ -112,6 +112,24 @@ class Engine:
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort(rid)
 
+    def admit_prefilled(self, req: Request) -> str | None:
+        """PD decode: take over a request prefilled elsewhere (KV in `req.pages`, first token in
+        `output_ids`); returns its finish reason when that token already ended it."""
+        if self.runner.future is not None:
+            self.scheduler.on_promote = self._seed_future
+        reason = self.scheduler.admit_prefilled(req)
+        if reason is not None:
+            self.scheduler.finished.remove(req)
+            self.scheduler.requests.pop(req.rid, None)
+        return reason
+
+    def _seed_future(self, req: Request) -> None:
+        """Overlap loop: a prefilled request's decode input comes from the future buffer, which only a
+        step of this engine fills; its first token is put there as it joins the batch (not earlier:
+        queued requests must not hold future slots)."""
+        assert self.runner.future is not None
+        self.runner.future.write([req.rid], torch.tensor(req.output_ids[-1:], dtype=torch.long))
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.in_flight is not None

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from runtime.config import EngineConfig
 from runtime.engine.plan import Extend, StepPlan
@@ -29,6 +29,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the newest is preempted first
         self.requests: dict[str, Request] = {}
+        # PD decode: requests prefilled elsewhere (KV already in their pages) waiting for a running slot.
+        self.prefilled: deque[Request] = deque()
+        self.on_promote: Callable[[Request], None] | None = None  # a prefilled request joins the batch
         self.finished: list[Request] = []  # finished since the caller last drained it
         self.step = 0
         self.num_preemptions = 0
@@ -42,6 +45,13 @@ class Scheduler:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self._check_limits(req)
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def _check_limits(self, req: Request) -> None:
         if req.rid in self.requests:
             raise RequestRejected(f"duplicate request id {req.rid!r}")
         longest = len(req.prompt_ids) + req.params.max_tokens
@@ -54,10 +64,23 @@ class Scheduler:
                                   f"{self.cfg.max_prefill_tokens}")
         if self.pool.pages_for_tokens(longest) > self.pool.num_pages:
             raise RequestRejected(f"request needs more KV pages than the pool holds ({self.pool.num_pages})")
+
+    def admit_prefilled(self, req: Request) -> str | None:
+        """PD decode: a request whose prompt KV is already in `req.pages` (owned by `req.rid`) and whose
+        first token is in `output_ids` joins the running batch as if this scheduler had prefilled it.
+        Returns the finish reason if that first token already ends it (its pages are then freed)."""
+        self._check_limits(req)  # the same limits as a request prefilled here
+        self.pool.check_owned(req.rid, req.pages)
         req.arrival = self._arrivals
         self._arrivals += 1
+        req.status = Status.RUNNING
+        req.num_computed = len(req.prompt_ids)
         self.requests[req.rid] = req
-        self.waiting.append(req)
+        self.prefilled.append(req)
+        reason = self._stop_reason(req)
+        if reason is not None:
+            self._finish(req, reason)
+        return reason
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
@@ -68,12 +91,17 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_aborts)
+        return bool(self.waiting or self.running or self.prefilled or self._pending_aborts)
 
     # ---- planning -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self.step += 1
         aborted = self._apply_aborts()
+        while self.prefilled and len(self.running) < self.cfg.max_running_requests:
+            promoted = self.prefilled.popleft()
+            self.running.append(promoted)  # decodes from this step on
+            if self.on_promote is not None:
+                self.on_promote(promoted)
         preempted: list[str] = []
         decode = self._plan_decode(preempted)
         prefill = self._plan_prefill()
@@ -196,6 +224,8 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         if req in self.running:
             self.running.remove(req)
+        elif req in self.prefilled:
+            self.prefilled.remove(req)
         elif req.status is Status.WAITING:  # queued, or preempted while its last token was in flight
             self.waiting.remove(req)
         if req.pages:

@@ -60,6 +60,7 @@ class ServerState:
     env: Env
     api_key: str | None = None
     max_concurrent_requests: int | None = None  # None: env.server_max_concurrent
+    pd: Any = None  # PD disaggregation: runtime/disagg PrefillSide or DecodeSide; None = colocated
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics()
@@ -68,6 +69,10 @@ class ServerState:
                                   self.metrics.in_flight.set)
         self.model_name = self.loaded.name
         self.model_hash = self.loaded.weights_hash
+        if self.pd is not None:
+            self.pd.metrics.attach(self.metrics.registry)
+            if self.pd.mode == "prefill":
+                self.bridge.on_step = self.pd.on_step
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -76,6 +81,8 @@ def create_app(state: ServerState) -> FastAPI:
         state.bridge.start()
         yield
         state.bridge.stop()
+        if state.pd is not None:  # unregister the KV pool: a peer's late write is refused, not a stray store
+            state.pd.transfer.close()
 
     app = FastAPI(title="dsv4 runtime", lifespan=lifespan)
     app.state.server = state
@@ -140,7 +147,14 @@ def create_app(state: ServerState) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         # Prompts are user data: only at debug level, which an operator switches on deliberately.
         log.debug("%s: %d prompt tokens: %r", rid, len(prepared.prompt_ids), prepared.prompt)
-        sink = state.bridge.submit(rid, prepared.prompt_ids, prepared.params)
+        if state.pd is not None:  # PD: prefill answers here; decode hands back the sink of a prefilled request
+            started = await state.pd.start(state, request, rid, prepared)
+            if isinstance(started, Response):
+                state.metrics.requests.labels(request.url.path, "200").inc()
+                return started
+            sink = started
+        else:
+            sink = state.bridge.submit(rid, prepared.prompt_ids, prepared.params)
         first = await sink.get()
         if isinstance(first, Rejected):
             raise bad_request(f"request rejected: {first.message}", code="context_length_exceeded"
@@ -154,6 +168,8 @@ def create_app(state: ServerState) -> FastAPI:
                                      media_type="text/event-stream")
         return await _unary(state, request, rid, sink, builder, len(prepared.prompt_ids))
 
+    if state.pd is not None:
+        state.pd.add_routes(app)
     route_paths.update(getattr(route, "path", "") for route in app.routes)
     # add_middleware wraps: the last one added runs first (headers, the key, a slot, then the 500 net).
     # A bug, not a bad input: an OpenAI-shaped 500 with an error id, innermost so a slot is still released.

@@ -15,10 +15,12 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from runtime.engine.engine import Engine
-from runtime.engine.request import SamplingParams
+from runtime.engine.engine import Engine, StepResult
+from runtime.engine.request import Request, SamplingParams
 from runtime.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,9 @@ class EngineBridge:
         self._outbox: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Event]] = []
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None  # set if the engine thread died
+        # PD prefill (runtime/disagg/prefill.py): sees every step's result on the engine thread, before
+        # the next step can reuse the pages of the requests that finished in it.
+        self.on_step: Callable[[StepResult], None] | None = None
         metrics.kv_pages_total.set(engine.pool.num_pages)
 
     # ---- event-loop side ------------------------------------------------------------------------
@@ -84,6 +89,22 @@ class EngineBridge:
         self._commands.put(("add", rid, prompt_ids, params, (asyncio.get_running_loop(), sink)))
         self._wake.set()
         return sink
+
+    def submit_prefilled(self, req: Request) -> asyncio.Queue:
+        """PD decode: queue a request whose prompt KV is already in its pages and whose first token is
+        in `output_ids`; its events (Accepted, then that first token) arrive on the returned queue."""
+        sink: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("admit", req, (asyncio.get_running_loop(), sink)))
+        self._wake.set()
+        return sink
+
+    def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
+        """Run `fn(engine)` on the engine thread (the pool and KV are not thread-safe); await its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", fn, loop, future))
+        self._wake.set()
+        return future
 
     def abort(self, rid: str) -> None:
         self._commands.put(("abort", rid))
@@ -110,11 +131,15 @@ class EngineBridge:
             self._flush()
 
     def _drain_commands(self) -> None:
+        drained = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                if drained:  # PD commands allocate and free pages outside any step: keep the gauge true
+                    self.metrics.kv_pages.set(self.engine.pages_in_use)
                 return
+            drained = True
             if command[0] == "add":
                 _, rid, prompt_ids, params, sink = command
                 self._sinks[rid] = sink
@@ -128,9 +153,42 @@ class EngineBridge:
                 self._send(rid, Accepted(len(prompt_ids)))
             elif command[0] == "abort":
                 self.engine.abort(command[1])
+            elif command[0] == "admit":
+                self._admit(command[1], command[2])
+            elif command[0] == "call":
+                _, fn, loop, future = command
+                try:
+                    outcome, failed = fn(self.engine), False
+                except Exception as exc:  # the caller's error, not the engine's: hand it back
+                    outcome, failed = exc, True
+                loop.call_soon_threadsafe(_settle, future, outcome, failed)
+
+    def _admit(self, req: Request, sink: tuple[asyncio.AbstractEventLoop, asyncio.Queue]) -> None:
+        self._sinks[req.rid] = sink
+        try:
+            reason = self.engine.admit_prefilled(req)
+        except ValueError as exc:  # over a limit: its reserved pages go back, the client gets the reason
+            if req.rid not in self.engine.scheduler.requests:
+                self.engine.pool.free(req.rid, req.pages)
+            self._send(req.rid, Rejected(str(exc)))
+            del self._sinks[req.rid]
+            return
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        self._send(req.rid, Accepted(len(req.prompt_ids)))
+        token = req.output_ids[0]
+        stop_token = reason == "stop" and isinstance(req.matched_stop, int) and (
+            token == self.engine.tokenizer.eos_token_id or token in req.params.stop_token_ids)
+        self._send(req.rid, TokenOut(token, req.output_logprobs[0] if req.output_logprobs else 0.0,
+                                     req.output_top_logprobs[0] if req.output_top_logprobs else [], reason,
+                                     stop_token))
+        if reason is not None:  # the first token already ended it: nothing left for the loop
+            self.metrics.finished.labels(reason).inc()
+            self._sinks.pop(req.rid, None)
 
     def _step(self) -> None:
         result = self.engine.step()
+        if self.on_step is not None:
+            self.on_step(result)
         requests = self.engine.scheduler.requests
         eos = self.engine.tokenizer.eos_token_id
         for rid, out in result.outputs.items():
@@ -170,6 +228,15 @@ class EngineBridge:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the loop is closed (server shutting down)
                 pass
+
+
+def _settle(future: asyncio.Future, outcome: Any, failed: bool) -> None:
+    if future.done():  # the awaiting coroutine was cancelled
+        return
+    if failed:
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:

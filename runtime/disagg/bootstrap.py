@@ -1,0 +1,165 @@
+"""`BootstrapRegistry`: the prefill side's table of decode sessions and per-request rooms.
+
+A decode server registers its KV pool (`PoolDescriptor`) under its name and gets a session: an id
+and a version that grows with every registration of that name. A restarted decode server registers
+again, so the session it had before is replaced and any room opened under the old id is refused with
+`StaleSessionError` (never written into a dead process's memory, never waited on forever).
+
+A room is one request's meeting point: the router gives the prefill and the decode server the same
+room id; the decode side opens it with its destination page ids and long-polls for the result, the
+prefill side waits for it to be opened, runs the prompt and completes it. Every wait has a deadline
+that becomes `BootstrapTimeout`, an error the client sees.
+
+All methods run on the prefill server's event loop (the engine thread completes rooms through
+`loop.call_soon_threadsafe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from runtime.disagg.transfer import PoolDescriptor
+from runtime.faults import NO_FAULTS, FaultSet
+
+
+class BootstrapError(RuntimeError):
+    """A room or session problem, reported to the client (code names the kind)."""
+
+    code = "pd_bootstrap_error"
+
+
+class StaleSessionError(BootstrapError):
+    code = "pd_stale_session"
+
+
+class BootstrapTimeout(BootstrapError):
+    code = "pd_timeout"
+
+
+class RoomFailed(BootstrapError):
+    code = "pd_transfer_failed"
+
+
+@dataclass(frozen=True)
+class Session:
+    name: str  # the decode server's stable name (its URL by default)
+    instance: str  # the decode process's id: a new one means the server restarted
+    session_id: str
+    version: int
+    pool: PoolDescriptor
+
+
+@dataclass
+class Room:
+    room: str
+    session: Session
+    dst_pages: list[int]
+    done: asyncio.Future = field(repr=False)
+    # Held by the engine thread while it writes into dst_pages; `closed` is set under it when the room
+    # fails, so once the decode side hears of a failure (and frees the pages) no write can still land.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    closed: bool = False
+
+
+class BootstrapRegistry:
+    def __init__(self, faults: FaultSet = NO_FAULTS) -> None:
+        self.faults = faults
+        self.sessions: dict[str, Session] = {}  # by decode name: the current session only
+        self.rooms: dict[str, Room] = {}
+        self._opened: dict[str, asyncio.Future] = {}  # room id -> resolves with the Room once opened
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def register(self, name: str, instance: str, pool: PoolDescriptor) -> Session:
+        """The session of decode server `name` as process `instance`: the current one again when the same
+        process registers twice (concurrent first requests), a new version when the process is new."""
+        old = self.sessions.get(name)
+        if old is not None and (old.instance == instance or self.faults.enabled("pd-stale-bootstrap")):
+            # (the fault: a restarted decode server is handed its previous life's session state)
+            return old
+        session = Session(name, instance, uuid.uuid4().hex, (old.version + 1) if old else 1, pool)
+        self.sessions[name] = session
+        if old is not None:  # rooms of the dead process can never complete: fail them now
+            for room in [r for r in self.rooms.values() if r.session.session_id == old.session_id]:
+                self.fail(room.room, StaleSessionError(f"decode server {name!r} re-registered (session "
+                                                       f"v{old.version} -> v{session.version}) while room "
+                                                       f"{room.room} was in flight"))
+        return session
+
+    def current(self, name: str, session_id: str) -> Session:
+        session = self.sessions.get(name)
+        if session is None:
+            raise StaleSessionError(f"decode server {name!r} has no session here (the prefill server restarted?): "
+                                    f"register again")
+        if session.session_id != session_id:
+            raise StaleSessionError(f"session {session_id} of decode server {name!r} is stale: the current one "
+                                    f"is v{session.version}; register again")
+        return session
+
+    # ---- rooms ----------------------------------------------------------------------------------
+    def _opened_future(self, room: str) -> asyncio.Future:
+        return self._opened.setdefault(room, asyncio.get_running_loop().create_future())
+
+    def open(self, room: str, name: str, session_id: str, dst_pages: list[int]) -> Room:
+        session = self.current(name, session_id)
+        if room in self.rooms:
+            raise BootstrapError(f"room {room} is already open")
+        entry = Room(room, session, list(dst_pages), asyncio.get_running_loop().create_future())
+        self.rooms[room] = entry
+        opened = self._opened_future(room)
+        if not opened.done():
+            opened.set_result(entry)
+        return entry
+
+    async def wait_opened(self, room: str, timeout_s: float) -> Room:
+        """Prefill side: the room once its decode server has opened it."""
+        opened = self._opened_future(room)
+        try:
+            return await asyncio.wait_for(asyncio.shield(opened), timeout_s)
+        except TimeoutError:
+            self._opened.pop(room, None)
+            raise BootstrapTimeout(f"no decode server opened room {room} within {timeout_s:g} s") from None
+
+    async def wait_done(self, room: str, timeout_s: float) -> dict:
+        """Decode side: the prefill result (first token, digest, stats) once the KV has been written."""
+        entry = self.rooms[room]
+        try:
+            return await asyncio.wait_for(asyncio.shield(entry.done), timeout_s)
+        except TimeoutError:
+            self.fail(room, BootstrapTimeout(f"room {room}: the prefill server did not deliver the KV "
+                                             f"within {timeout_s:g} s"))
+            raise BootstrapTimeout(f"room {room}: the prefill server did not deliver the KV within "
+                                   f"{timeout_s:g} s") from None
+        except asyncio.CancelledError:  # the decode side's connection went away: no write may land now
+            self.fail(room, RoomFailed(f"room {room}: the decode side stopped waiting"))
+            raise
+        finally:
+            self.close(room)
+
+    def complete(self, room: str, result: dict) -> None:
+        entry = self.rooms.get(room)
+        if entry is not None and not entry.done.done():
+            entry.done.set_result(result)
+
+    def fail(self, room: str, error: BootstrapError) -> None:
+        entry = self.rooms.get(room)
+        if entry is not None:
+            with entry.lock:  # waits out a write in progress (milliseconds), then bars any later one
+                entry.closed = True
+        if entry is not None and not entry.done.done():
+            entry.done.set_exception(error)
+            entry.done.exception()  # retrieved: a room nobody waits on must not log "never retrieved"
+        opened = self._opened.get(room)
+        if opened is not None and not opened.done():
+            opened.set_exception(error)
+            opened.exception()
+
+    def close(self, room: str) -> None:
+        self.rooms.pop(room, None)
+        self._opened.pop(room, None)
+
+    @property
+    def open_rooms(self) -> int:
+        return len(self.rooms)

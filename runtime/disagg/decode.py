@@ -1,0 +1,139 @@
+"""The decode server's side of PD: reserve pages for a prompt's KV, register with the request's
+prefill server (once per prefill server and session), open the request's room with those page ids,
+wait for the KV, check it arrived intact, and hand the request to the engine as already prefilled.
+
+The reserved pages are freed on every path that does not end in admission (timeout, prefill error,
+corrupt KV, client gone); a request admitted to the engine is freed by the scheduler as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+
+import httpx
+import torch
+from fastapi import Request
+
+from runtime.disagg.metrics import PDMetrics
+from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER, error_from_body
+from runtime.disagg.transfer import KVTransfer, kv_digest
+from runtime.engine.engine import Engine
+from runtime.engine.request import Request as EngineRequest
+from runtime.faults import FaultSet
+from runtime.kvcache.page_pool import OutOfPagesError
+from runtime.server.errors import ApiError, bad_request
+
+
+class DecodeSide:
+    mode = "decode"
+
+    def __init__(self, engine: Engine, transfer: KVTransfer, name: str, metrics: PDMetrics, timeout_s: float,
+                 faults: FaultSet) -> None:
+        self.engine, self.transfer, self.name, self.metrics = engine, transfer, name, metrics
+        self.timeout_s = timeout_s
+        self.faults = faults
+        self.sessions: dict[str, str] = {}  # prefill URL -> our current session id there
+        self.instance = uuid.uuid4().hex  # this process: a restart registers as a new instance
+        self._registering: dict[str, asyncio.Lock] = {}  # one registration at a time per prefill server
+
+    def add_routes(self, app) -> None:
+        """The decode side serves nothing extra: it calls the prefill server's bootstrap routes."""
+
+    async def _session(self, client: httpx.AsyncClient, prefill: str, stale: str | None = None) -> str:
+        """Our session at `prefill`, registering when there is none (or only the `stale` one)."""
+        async with self._registering.setdefault(prefill, asyncio.Lock()):
+            current = self.sessions.get(prefill)
+            if current is not None and current != stale:
+                return current  # another request registered while this one waited
+            reply = await client.post(f"{prefill}/pd/register", json={
+                "name": self.name, "instance": self.instance, "pool": self.transfer.descriptor().to_dict()})
+            if reply.status_code != 200:
+                raise error_from_body(reply.status_code, _json(reply), f"registering with {prefill} failed")
+            self.sessions[prefill] = reply.json()["session_id"]
+            return self.sessions[prefill]
+
+    async def _await_kv(self, prefill: str, room: str, pages: list[int]) -> dict:
+        timeout = httpx.Timeout(self.timeout_s + 5)  # the prefill side's own deadline answers first
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            refused: str | None = None
+            for attempt in range(2):
+                session = await self._session(client, prefill, refused)
+                reply = await client.post(f"{prefill}/pd/transfer", json={
+                    "room": room, "name": self.name, "session_id": session, "dst_pages": pages})
+                body = _json(reply)
+                stale = reply.status_code == 409 and body.get("error", {}).get("code") == "pd_stale_session"
+                if stale and attempt == 0:  # the prefill server restarted: register once more
+                    refused = session
+                    continue
+                if reply.status_code != 200:
+                    raise error_from_body(reply.status_code, body, f"KV transfer for room {room} failed")
+                return body
+        raise AssertionError("unreachable")
+
+    async def start(self, state, request: Request, rid: str, prepared) -> asyncio.Queue:
+        room, prefill = request.headers.get(ROOM_HEADER), request.headers.get(BOOTSTRAP_HEADER)
+        if not room or not prefill:
+            raise bad_request("this is a PD decode server: requests come through `python -m runtime.router` "
+                              f"({ROOM_HEADER} / {BOOTSTRAP_HEADER} headers missing)")
+        ids = prepared.prompt_ids
+        page_size = self.engine.pool.page_size
+
+        def reserve(engine: Engine) -> list[int]:
+            return engine.pool.allocate(rid, engine.pool.pages_for_tokens(len(ids)))
+
+        try:
+            pages = await state.bridge.call(reserve)
+        except OutOfPagesError as exc:
+            raise ApiError(503, f"decode server out of KV pages: {exc}", type="server_error",
+                           code="pd_out_of_pages") from None
+        self.metrics.pages_in_flight.inc(len(pages))
+        admitted = False
+        try:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                result = await self._await_kv(prefill, room, pages)
+            except httpx.HTTPError as exc:
+                raise ApiError(502, f"prefill server {prefill} unreachable for room {room}: {exc!r}",
+                               type="server_error", code="pd_prefill_unreachable") from None
+            self.metrics.transfer_seconds.observe(loop.time() - started)
+            digest = await state.bridge.call(lambda engine: kv_digest(
+                self.transfer.latent, self.transfer.index_keys, pages, page_size, len(ids)))
+            if digest != result["digest"]:
+                self.metrics.transfers.labels("corrupt").inc()
+                raise ApiError(502, f"room {room}: the KV arrived corrupted (digest {digest} != sender's "
+                                    f"{result['digest']})", type="server_error", code="pd_kv_corrupt")
+            self.metrics.transfer_bytes.inc(int(result["kv_bytes"]))
+            self.metrics.transfers.labels("ok").inc()
+            req = prefilled_request(rid, ids, prepared.params, pages, result)
+            sink = state.bridge.submit_prefilled(req)
+            admitted = True
+            return sink
+        finally:
+            self.metrics.pages_in_flight.dec(len(pages))
+            if not admitted and not self.faults.enabled("pd-abort-leak"):  # the fault: reserved pages leak
+                state.bridge.call(lambda engine: engine.pool.free(rid, pages))
+
+
+def prefilled_request(rid: str, ids: list[int], params, pages: list[int], result: dict) -> EngineRequest:
+    """The engine request as the prefill server left it: prompt, first token, sampler state."""
+    req = EngineRequest(rid, list(ids), params)
+    req.output_ids = [int(result["token"])]
+    if params.logprobs:
+        req.output_logprobs = [float(result["logprob"])]
+        req.output_top_logprobs = [[(int(t), float(v)) for t, v in result["top"]]]
+    req.pages = list(pages)
+    req.num_sampled = int(result["num_sampled"])
+    assert req.generator is not None
+    req.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(result["generator"])), dtype=torch.uint8))
+    return req
+
+
+def _json(reply: httpx.Response) -> dict:
+    try:
+        body = reply.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}

@@ -1,0 +1,29 @@
+"""Transfer metrics of one PD server, in that server's registry (so /metrics exports them)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
+
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+class PDMetrics:
+    """Built before the server's registry exists (with the PD side); `attach` adds them to it."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.transfer_bytes = Counter("dsv4_pd_transfer_bytes", "KV bytes written to (prefill) or received by "
+                                      "(decode) this server", registry=registry)
+        self.transfer_seconds = Histogram("dsv4_pd_transfer_seconds", "Wall time of one request's KV write "
+                                          "(prefill) or wait for it (decode)", buckets=TRANSFER_BUCKETS,
+                                          registry=registry)
+        self.pages_in_flight = Gauge("dsv4_pd_pages_in_flight", "KV pages reserved for a transfer that has not "
+                                     "completed", registry=registry)
+        self.transfers = Counter("dsv4_pd_transfers", "Request KV transfers by outcome", ["outcome"],
+                                 registry=registry)
+
+    def attach(self, registry: CollectorRegistry) -> None:
+        collectors: list[Collector] = [self.transfer_bytes, self.transfer_seconds, self.pages_in_flight,
+                                       self.transfers]
+        for collector in collectors:
+            registry.register(collector)

@@ -1,0 +1,163 @@
+"""The PD router: one OpenAI-compatible front for prefill and decode servers.
+
+    python -m runtime.router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]
+        [--host 127.0.0.1] [--port 30000] [--timeout S]
+
+Each chat request gets a fresh room id and goes, unchanged, to one prefill server and one decode server
+(round robin) with the room and the prefill server's URL in two headers (runtime/disagg/protocol.py).
+The client gets the decode server's answer, streamed through byte for byte; a request either side
+fails reaches the client as an OpenAI-shaped error (the decode side reports the prefill side's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
+from runtime.server.errors import ApiError
+
+FORWARDED_HEADERS = ("authorization", "content-type")
+
+
+def _unreachable(role: str, url: str, exc: Exception) -> Response:
+    return ApiError(502, f"{role} server {url} unreachable: {exc!r}", type="server_error",
+                    code="pd_upstream_unreachable").response()
+
+
+async def _settle(task: asyncio.Task) -> None:
+    """Let the prefill call end (it answers once the decode side has given up on the room)."""
+    try:
+        await task
+    except (httpx.HTTPError, asyncio.CancelledError):
+        pass
+
+
+def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 60.0) -> FastAPI:
+    if not prefill or not decode:
+        raise ValueError("the router needs at least one --prefill and one --decode server")
+    pick_prefill, pick_decode = itertools.cycle(prefill), itertools.cycle(decode)
+    clients: dict[str, httpx.AsyncClient] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        clients["http"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        yield
+        await clients["http"].aclose()
+
+    app = FastAPI(title="dsv4 PD router", lifespan=lifespan)
+
+    async def proxy_get(request: Request, path: str) -> Response:
+        url = next(pick_decode)
+        try:
+            reply = await clients["http"].get(f"{url}{path}", headers=_forwarded(request))
+        except httpx.HTTPError as exc:
+            return _unreachable("decode", url, exc)
+        return Response(reply.content, status_code=reply.status_code,
+                        media_type=reply.headers.get("content-type"))
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        return await proxy_get(request, "/health")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy_get(request, "/v1/models")
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """The pair's KV pages in use (prefill + decode: 0 when nothing leaked on either side) first,
+        then each upstream's figure by role; each server's own /metrics has its transfer metrics."""
+        lines, total = [], 0.0
+        for role, urls in (("prefill", prefill), ("decode", decode)):
+            for url in urls:
+                try:
+                    text = (await clients["http"].get(f"{url}/metrics", headers=_forwarded(request))).text
+                except httpx.HTTPError:
+                    continue
+                pages = next((float(line.split()[-1]) for line in text.splitlines()
+                              if line.startswith("dsv4_kv_pages_in_use ")), 0.0)
+                total += pages
+                lines.append(f'dsv4_pd_upstream_kv_pages_in_use{{role="{role}",url="{url}"}} {pages}')
+        head = ["# TYPE dsv4_kv_pages_in_use gauge", f"dsv4_kv_pages_in_use {total}"]
+        return Response("\n".join([*head, *lines]) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.get("/server_info")
+    async def server_info(request: Request) -> Response:
+        return await proxy_get(request, "/server_info")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await request.body()
+        try:
+            stream = json.loads(body).get("stream") is True
+        except (ValueError, AttributeError):
+            stream = False  # the servers answer the malformed body with their own 400
+        prefill_url, decode_url = next(pick_prefill), next(pick_decode)
+        headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
+        client = clients["http"]
+        prefill_call = asyncio.create_task(client.post(f"{prefill_url}/v1/chat/completions", content=body,
+                                                       headers=headers))
+        try:
+            reply = await client.send(client.build_request("POST", f"{decode_url}/v1/chat/completions",
+                                                           content=body, headers=headers), stream=True)
+        except httpx.HTTPError as exc:
+            prefill_call.cancel()
+            await _settle(prefill_call)
+            return _unreachable("decode", decode_url, exc)
+        if reply.status_code != 200 or not stream:
+            content = await reply.aread()
+            await reply.aclose()
+            await _settle(prefill_call)
+            return Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+        return StreamingResponse(_pass_through(reply, prefill_call), media_type="text/event-stream")
+
+    return app
+
+
+async def _pass_through(reply: httpx.Response, prefill_call: asyncio.Task) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in reply.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:  # the decode server died mid-stream: say so inside the stream
+        error = ApiError(502, f"decode server stream broke: {exc!r}", type="server_error", code="pd_stream_broken")
+        yield f"data: {json.dumps(error.body())}\n\n".encode()
+    finally:
+        await reply.aclose()  # a client that went away closes the decode stream: its request is aborted
+        await _settle(prefill_call)
+
+
+def _forwarded(request: Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefill", action="append", required=True, metavar="URL")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for an upstream answer")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    strip = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
+    uvicorn.run(create_router_app(*strip, timeout_s=args.timeout), host=args.host, port=args.port,
+                log_level=args.log_level.lower(), timeout_keep_alive=75)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

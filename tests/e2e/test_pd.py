@@ -1,0 +1,274 @@
+"""Issue 16: the PD pair (prefill + decode servers, Mooncake KV transfer over loopback, router in
+front) answers exactly as the colocated server does - same tokens, same logprobs, bit for bit - and
+every failure is an OpenAI-shaped error with every page back in both pools. Each PD fault
+(runtime/faults.py PD_REGISTRY) is caught by the check written for it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from runtime.disagg.transfer import unavailable_reason
+from runtime.router import create_router_app
+from tests.e2e.launch import serve_in_thread
+from tests.e2e.pd_pair import pd_pair, serve_state, server_state
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+MODEL = "canary-moe-v1"
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "2+2=", "Tell me a story " * 20]
+
+
+def body(prompt: str, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+            "temperature": 0, "logprobs": True, "top_logprobs": 3, **extra}
+
+
+def answer(url: str, payload: dict) -> dict:
+    """(text, tokens with logprobs and top logprobs, finish reason) of one request, unary or streamed."""
+    if not payload.get("stream"):
+        reply = httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=120)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        return {"text": choice["message"]["content"], "logprobs": choice["logprobs"]["content"],
+                "finish": choice["finish_reason"]}
+    text, logprobs, finish = "", [], None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            import json
+
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            choice = chunk["choices"][0]
+            text += choice["delta"].get("content", "")
+            logprobs += (choice.get("logprobs") or {}).get("content") or []
+            finish = choice["finish_reason"] or finish
+    return {"text": text, "logprobs": logprobs, "finish": finish}
+
+
+def wait_pages_free(*states, timeout_s: float = 20.0) -> list[int]:
+    """Pages in use on each server once its in-flight work has drained (0 each when nothing leaked)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        used = [s.engine.pages_in_use for s in states]
+        if not any(used):
+            return used
+        time.sleep(0.05)
+    return [s.engine.pages_in_use for s in states]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with pd_pair() as pair, serve_state(server_state()) as colocated:
+        yield pair, colocated
+
+
+PAYLOADS = [pytest.param(body(p, stream=s), id=f"{'stream' if s else 'unary'}-{i}")
+            for i, p in enumerate(PROMPTS) for s in (False, True)]
+PAYLOADS.append(pytest.param(body(PROMPTS[1], temperature=0.8, seed=11), id="seeded-sampling"))
+PAYLOADS.append(pytest.param(body(PROMPTS[0], max_tokens=1), id="one-token"))
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_pd_pair_answers_exactly_as_the_colocated_server(servers, payload):
+    pair, colocated = servers
+    expected, got = answer(colocated, payload), answer(pair.router, payload)
+    assert got == expected
+    assert len(got["logprobs"]) >= 1
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def test_concurrent_requests_batch_on_both_sides_and_still_match(servers):
+    pair, colocated = servers
+    payloads = [body(p, stream=i % 2 == 1) for i, p in enumerate(PROMPTS * 2)]
+    expected = [answer(colocated, p) for p in payloads]
+
+    async def all_at_once():
+        return await asyncio.gather(*(asyncio.to_thread(answer, pair.router, p) for p in payloads))
+
+    assert asyncio.run(all_at_once()) == expected
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def test_metrics_export_transfer_bytes_latency_and_pages_in_flight(servers):
+    pair, _ = servers
+    answer(pair.router, body(PROMPTS[0]))
+    for url in (pair.prefill, pair.decode):
+        text = httpx.get(f"{url}/metrics").text
+        sent = [line for line in text.splitlines() if line.startswith("dsv4_pd_transfer_bytes_total ")]
+        assert sent and float(sent[0].split()[1]) > 0, text
+        assert "dsv4_pd_transfer_seconds_bucket" in text and "dsv4_pd_pages_in_flight 0.0" in text
+
+
+def test_servers_refuse_requests_that_bypass_the_router(servers):
+    pair, _ = servers
+    for url in (pair.prefill, pair.decode):
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body(PROMPTS[0]), timeout=30)
+        assert reply.status_code == 400 and "runtime.router" in reply.json()["error"]["message"]
+
+
+def test_router_passes_validation_errors_through(servers):
+    pair, _ = servers
+    reply = httpx.post(f"{pair.router}/v1/chat/completions", json={**body(PROMPTS[0]), "model": "nope"}, timeout=30)
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def dead_prefill_error(decode_faults: tuple[str, ...]) -> tuple[dict, int]:
+    """A decode server whose prefill server is gone: the client's error and the decode pages left."""
+    from canary.targets import free_port
+
+    state = server_state("--disaggregation-mode", "decode", *decode_faults)
+    with serve_state(state) as decode, \
+            serve_in_thread(create_router_app([f"http://127.0.0.1:{free_port()}"], [decode])) as router:
+        reply = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
+        return {"status": reply.status_code, **reply.json()}, wait_pages_free(state, timeout_s=5)[0]
+
+
+def test_a_dead_prefill_server_is_an_openai_error_and_frees_the_reserved_pages():
+    error, leaked = dead_prefill_error(())
+    assert error["status"] == 502 and error["error"]["code"] == "pd_prefill_unreachable"
+    assert leaked == 0
+
+
+def test_abort_leak_fault_is_caught():
+    """Negative control: pd-abort-leak keeps the pages reserved for a transfer that never completed."""
+    error, leaked = dead_prefill_error(("--inject-fault", "pd-abort-leak"))
+    assert error["status"] == 502
+    assert leaked > 0
+
+
+def test_kv_corrupt_fault_is_caught_and_frees_pages():
+    with pd_pair(prefill_args=("--inject-fault", "pd-kv-corrupt")) as pair:
+        reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
+        assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_kv_corrupt", reply.text
+        assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def test_client_disconnects_mid_stream_free_pages_on_both_sides(servers):
+    pair, _ = servers
+    payload = body(PROMPTS[3], stream=True, max_tokens=400)
+    with httpx.stream("POST", f"{pair.router}/v1/chat/completions", json=payload, timeout=60) as reply:
+        for n, _line in enumerate(reply.iter_lines()):
+            if n > 4:
+                break  # leave with the decode side mid-generation
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def restart_then_answer(prefill_faults: tuple[str, ...]) -> int:
+    """Serve one request, restart the decode server (same name, new process state), serve another:
+    the second request's HTTP status."""
+    with ExitStack() as stack:
+        p_state = server_state("--disaggregation-mode", "prefill", "--disaggregation-timeout", "10",
+                               *prefill_faults)
+        prefill = stack.enter_context(serve_state(p_state))
+        statuses = []
+        for _life in range(2):
+            with serve_state(server_state("--disaggregation-mode", "decode", "--disaggregation-name", "decode-0",
+                                          "--disaggregation-timeout", "10")) as decode, \
+                    serve_in_thread(create_router_app([prefill], [decode])) as router:
+                reply = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[2]), timeout=60)
+                statuses.append(reply.status_code)
+                if reply.status_code != 200:
+                    assert reply.json()["error"]["code"].startswith("pd_"), reply.text
+        assert statuses[0] == 200
+        assert p_state.pd.registry.open_rooms == 0
+        return statuses[1]
+
+
+def test_decode_only_restart_gets_a_fresh_session_and_serves():
+    assert restart_then_answer(()) == 200
+
+
+def test_stale_bootstrap_fault_is_caught_by_the_restart_check():
+    """Negative control: with pd-stale-bootstrap the prefill side writes into the dead decode
+    process's pool; the request after the restart fails (an error, never a hang)."""
+    assert restart_then_answer(("--inject-fault", "pd-stale-bootstrap")) != 200
+
+
+def test_equality_oracle_fires_when_the_decode_side_loses_sampler_state(servers, monkeypatch):
+    """Negative control of the bit-for-bit comparison: a decode side that restarts the request's
+    generator instead of continuing the prefill side's stream samples other tokens."""
+    from runtime.disagg import decode
+
+    pair, colocated = servers
+    payload = body(PROMPTS[1], temperature=0.8, seed=11)
+    planted = decode.prefilled_request
+
+    def forgetful(*args, **kwargs):
+        req = planted(*args, **kwargs)
+        assert req.generator is not None
+        req.generator.manual_seed(11)  # the bug: the stream starts over on the decode side
+        return req
+
+    monkeypatch.setattr(decode, "prefilled_request", forgetful)
+    assert answer(pair.router, payload) != answer(colocated, payload)
+
+
+@pytest.mark.parametrize("phase", ["prefilling", "decoding"])
+def test_a_client_gone_during_each_phase_frees_pages_on_both_sides(phase):
+    """The client leaves while the prompt is still prefilling (slow prefill steps: the KV is not yet
+    sent), or once decoding has started; both pools end with every page free, and the pair serves."""
+    prefill_args = ("--inject-fault", "slow-step") if phase == "prefilling" else ()
+    with pd_pair(prefill_args=prefill_args) as pair:
+        payload = body(PROMPTS[3], stream=True, max_tokens=300)
+        try:
+            with httpx.stream("POST", f"{pair.router}/v1/chat/completions", json=payload,
+                              timeout=httpx.Timeout(60, read=0.2 if phase == "prefilling" else 60)) as reply:
+                for n, _line in enumerate(reply.iter_lines()):
+                    if n > 3:
+                        break
+        except httpx.ReadTimeout:
+            assert phase == "prefilling"
+        assert wait_pages_free(pair.prefill_state, pair.decode_state, timeout_s=30) == [0, 0]
+        assert answer(pair.router, body(PROMPTS[2]))["finish"] in ("stop", "length")
+
+
+def test_concurrent_first_requests_of_a_fresh_pair_share_one_session():
+    """A fresh decode server's first requests all register at once: one session, every request served
+    (the 16-session PD gate found each registration bumping the version and refusing the others)."""
+    with pd_pair() as pair:
+        async def all_at_once():
+            return await asyncio.gather(*(asyncio.to_thread(answer, pair.router, body(p)) for p in PROMPTS * 2))
+
+        assert all(a["finish"] in ("stop", "length") for a in asyncio.run(all_at_once()))
+        assert pair.prefill_state.pd.registry.sessions["decode-0"].version == 1
+
+
+def test_a_prefill_server_killed_mid_request_is_an_error_and_leaks_nothing(tmp_path):
+    """Processes this time: the prefill server (slow steps, so the request is still prefilling) is
+    SIGKILLed; the client gets an OpenAI-shaped error, the decode pool ends empty (its /metrics says so,
+    the gauge the gate reads), and a new prefill server serves the same decode server."""
+    import os
+    import signal
+    import threading
+
+    from canary.targets import embedded_server
+    from runtime.config import DEFAULT_MODEL
+
+    env = {"DSV4_SLOW_STEP_MS": "3000"}
+    with embedded_server(DEFAULT_MODEL, ["--disaggregation-mode", "decode"], log_dir=tmp_path) as decode:
+        with embedded_server(DEFAULT_MODEL, ["--disaggregation-mode", "prefill"], faults=("slow-step",), env=env,
+                             log_dir=tmp_path) as prefill, \
+                serve_in_thread(create_router_app([prefill.root_url], [decode.root_url])) as router:
+            replies: list[httpx.Response] = []
+            thread = threading.Thread(target=lambda: replies.append(httpx.post(
+                f"{router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)))
+            thread.start()
+            time.sleep(1.5)  # in the prefill server's 3 s step
+            assert prefill.pid is not None
+            os.kill(prefill.pid, signal.SIGKILL)
+            thread.join(timeout=60)
+        assert replies and replies[0].status_code >= 500, replies
+        assert replies[0].json()["error"]["code"].startswith("pd_"), replies[0].text
+        assert decode.wait_kv_pages_idle() == 0
+        with embedded_server(DEFAULT_MODEL, ["--disaggregation-mode", "prefill"], log_dir=tmp_path) as prefill, \
+                serve_in_thread(create_router_app([prefill.root_url], [decode.root_url])) as router:
+            assert answer(router, body(PROMPTS[0]))["finish"] in ("stop", "length")
