@@ -195,7 +195,7 @@ class StaticDecodeModel:
 
     def _indexer(self, layer: int, rows: slice, pos: torch.Tensor, write: torch.Tensor, ctx: torch.Tensor | None,
                  pages: torch.Tensor, kv: KVCache) -> None:
-        cfg, w, p = self.cfg, self.w, f"layers.{layer}.indexer."
+        cfg = self.cfg
         HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.rope_dim
         h = self.hidden[rows]
         proj = self.linear(h, self.indexer_proj[layer])  # [B, HI * DI + DI + HI]: queries, key, head weights

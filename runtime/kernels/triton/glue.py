@@ -40,7 +40,8 @@ if INTERPRETED:  # the interpreter has no libdevice: Kahan's log1p from log, acc
     def _log1p_exp(x):
         y = tl.exp(x)
         u = 1.0 + y
-        return tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+        exact = u == 1.0
+        return tl.where(exact, y, tl.log(u) * (y / tl.where(exact, 1.0, u - 1.0)))
 else:  # the CUDA math library's expf and log1pf, which torch's softplus calls
     @triton.jit
     def _log1p_exp(x):
@@ -185,7 +186,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, stride_w
     ok = (group[:, None] < N_GROUP) & (member[None, :] < GROUP_SIZE)
     expert = group[:, None] * GROUP_SIZE + member[None, :]  # [BLOCK_G, BLOCK_E]
     logit = tl.load(logits_ptr + row * stride_l + expert, mask=ok, other=0.0).to(tl.float32)
-    soft = tl.where(logit > SOFTPLUS_THRESHOLD, logit, _log1p_exp(logit))
+    soft = tl.where(logit > SOFTPLUS_THRESHOLD, logit, _log1p_exp(tl.minimum(logit, SOFTPLUS_THRESHOLD)))
     affinity = tl.sqrt_rn(soft)
     choice = affinity + tl.load(bias_ptr + expert, mask=ok, other=0.0).to(tl.float32)
     choice = tl.where(ok, choice, float("-inf"))
@@ -225,15 +226,17 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, stride_w
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, scaling: float,
-          normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+          normalize: bool, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [T, E] router outputs (rows contiguous), bias: [E] -> (weights [T, K] float32, ids [T, K]
-    int64), as cpu.route (sqrt-softplus affinity, noaux_tc selection, group-limited)."""
+    int64), as cpu.route (sqrt-softplus affinity, noaux_tc selection, group-limited); `out`: optional
+    destinations of the same shapes."""
     tokens, experts = logits.shape
     group_size = experts // n_group
     assert group_size * n_group == experts and logits.stride(1) == 1
     assert topk_group * group_size >= top_k, "fewer allowed experts than top_k"
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights, ids = out if out is not None else (
+        torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device),
+        torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device))
     if tokens:
         _route_kernel[(tokens,)](logits, bias, weights, ids, logits.stride(0), weights.stride(0), ids.stride(0),
                                  float(scaling), N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
@@ -256,12 +259,13 @@ def _selected_slots_kernel(table_ptr, pos_ptr, ok_ptr, out_ptr, selected, page_s
     tl.store(out_ptr + row * stride_out + offs, slot.to(tl.int32), mask=in_row)
 
 
-def selected_slots(page_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                   page_size: int) -> torch.Tensor:
+def selected_slots(page_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, page_size: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """page_table: [T, P], positions: [T, S] context positions, valid: [T, S] bool -> int32 [T, S]
     cache slots (page_table[t, p // page] * page + p % page), -1 where not valid."""
     tokens, selected = positions.shape
-    out = torch.empty(tokens, selected, dtype=torch.int32, device=positions.device)
+    if out is None:
+        out = torch.empty(tokens, selected, dtype=torch.int32, device=positions.device)
     if tokens and selected:
         block = min(1024, triton.next_power_of_2(selected))
         _selected_slots_kernel[(tokens, triton.cdiv(selected, block))](
