@@ -8,7 +8,7 @@ per shape, so choosing another is a numerics change, not an invariance break).
 Each candidate runs as a CUDA graph over enough copies of the weight to miss L2 (a decode step
 streams every weight once), so host launch cost is not timed.
 
-    python -m bench.gemm_sweep --out $OUT/gemm_sweep.json
+    python -m bench.gemm_sweep --budget-s 200 --out $OUT/gemm_sweep.json
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import time
 
 import torch
 
@@ -30,8 +31,8 @@ def decode_shapes(cfg) -> dict[str, tuple[int, int]]:
     heads, qk = cfg.num_heads, cfg.kv_latent_dim + cfg.rope_dim
     index = cfg.index_heads * cfg.index_dim + cfg.index_dim + cfg.index_heads
     return {"attn_q_kv": (heads * qk + qk, cfg.hidden_size), "attn_out": (cfg.hidden_size, heads * cfg.kv_latent_dim),
-            "indexer_q_k_w": (index, cfg.hidden_size), "router": (cfg.n_routed_experts, cfg.hidden_size),
-            "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+            "lm_head": (cfg.vocab_size, cfg.hidden_size), "indexer_q_k_w": (index, cfg.hidden_size),
+            "router": (cfg.n_routed_experts, cfg.hidden_size)}
 
 
 def candidates(rows: int):
@@ -101,15 +102,21 @@ def sweep_shape(name: str, n: int, k: int, rows: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="16,128")
+    ap.add_argument("--budget-s", type=float, default=0, help="stop starting new shapes after this long (0: no limit)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     report = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "shapes": []}
-    for rows in (int(r) for r in args.rows.split(",")):
-        for name, (n, k) in decode_shapes(SLICE).items():
+    start = time.monotonic()
+    # Biggest weights first: they decide most of a step's GEMM time.
+    for name, (n, k) in decode_shapes(SLICE).items():
+        for rows in (int(r) for r in args.rows.split(",")):
+            if args.budget_s and time.monotonic() - start > args.budget_s:
+                print(f"budget spent: skipping {name} rows={rows}", flush=True)
+                continue
             report["shapes"].append(sweep_shape(name, n, k, rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+            if args.out:  # after every shape, so a cut-off run keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
