@@ -162,11 +162,13 @@ def write_cache_rows(src: torch.Tensor, positions: torch.Tensor, slots: torch.Te
     tokens, width = src.shape
     head = width - rope_dim
     assert cache.shape[1] == width and src.stride(1) == 1 and cache.stride(1) == 1 and cos.stride(1) == 1
+    assert head > 0 or norm_weight is None, "nothing to normalise"
     if tokens:
         _write_cache_rows_kernel[(tokens,)](
             src, positions, slots, norm_weight if norm_weight is not None else src, cos, sin, cache, head,
             rope_dim // 2, eps, src.stride(0), cos.stride(0), cache.stride(0), NORM=norm_weight is not None,
-            BLOCK_C=triton.next_power_of_2(head), BLOCK_R=triton.next_power_of_2(rope_dim // 2), **_no_fma(src.dtype))
+            BLOCK_C=triton.next_power_of_2(max(head, 1)), BLOCK_R=triton.next_power_of_2(rope_dim // 2),
+            **_no_fma(src.dtype))
 
 
 @triton.jit
