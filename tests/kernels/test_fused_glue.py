@@ -248,3 +248,52 @@ def test_selected_slots_are_page_table_lookups(seed, rows, pages, page_size, sel
     assert torch.equal(out, expected)
     assert torch.equal(out, k.selected_slots(table, positions, valid, page_size))
     assert_prefix_invariant(out, run, rows)
+
+
+# ---------------------------------------------------------------- the decode model through the glue
+
+def dispatch_as_on_a_gpu(patch: pytest.MonkeyPatch) -> None:
+    """The ops of kernels/cuda_torch.py as they dispatch on a GPU (to the Triton kernels), on any
+    device: so the decode model's flow through the fused glue runs under the interpreter too."""
+    from runtime.kernels.triton import matmul
+
+    patch.setattr(k, "add_rms_norm", lambda x, d, w, eps, out=None: glue.add_rms_norm(
+        x.contiguous(), d.contiguous(), w, eps, out=out))
+    patch.setattr(k, "rope_", glue.rope_)
+    patch.setattr(k, "write_cache_rows", glue.write_cache_rows)
+    patch.setattr(k, "route", lambda logits, *args: glue.route(logits.contiguous(), *args))
+    patch.setattr(k, "selected_slots", glue.selected_slots)
+    patch.setattr(k, "rms_norm", lambda x, w, eps, out=None: elementwise.rms_norm(x.contiguous(), w, eps, out=out))
+    patch.setattr(k, "linear", lambda x, w: matmul.matmul(x.contiguous(), w))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs this flow natively (tests/gpu)")
+def test_decode_model_through_the_fused_glue_matches_the_torch_ops_and_is_batch_invariant(tiny):
+    """The tiny model's decode step with every op on its GPU kernel (fused glue, Triton GEMM, sparse
+    MLA, fused MoE) vs the same step on the torch ops: logits and the KV rows written close (float32),
+    no other slot written, and a row's logits bit for bit the same in padded batches of 16 and 48."""
+    from runtime.graph.decode_model import StaticDecodeModel
+    from runtime.graph.runner import pad_inputs
+    from runtime.streams.tasks import InOrderExecutor
+    from tests.kernels import test_graph_static as graph_static
+
+    case, _, inputs = graph_static.decode_case(tiny, 0)
+
+    def step(rows, **kernels):
+        model = StaticDecodeModel(tiny.config, tiny.weights, page_size=graph_static.PAGE,
+                                  max_pages=graph_static.PAGES_PER_REQUEST, max_batch=64, **kernels)
+        kv = graph_static.fresh_kv(case)
+        padded = pad_inputs(inputs, rows, case.scratch_page, graph_static.PAGE)
+        return model.forward(padded, kv, InOrderExecutor())[:inputs.batch_size], kv
+
+    expected, expected_kv = step(16)
+    with pytest.MonkeyPatch.context() as patch:
+        dispatch_as_on_a_gpu(patch)
+        actual, actual_kv = step(16, attention_kernel="triton", moe_kernel="triton")
+        wider, _ = step(48, attention_kernel="triton", moe_kernel="triton")
+    assert_close_to_reference(actual, expected, torch.float32, scale=10, msg="fused glue vs torch ops")
+    for name in ("latent", "index_keys"):  # never-written slots stay NaN on both sides
+        ours, theirs = getattr(actual_kv, name), getattr(expected_kv, name)
+        assert torch.equal(ours.isnan(), theirs.isnan()), f"{name}: other slots written"
+        assert_close_to_reference(ours.nan_to_num(), theirs.nan_to_num(), torch.float32, msg=name)
+    assert torch.equal(actual, wider), "a row's logits changed with the batch"
