@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 from runtime.kernels.triton import INTERPRETED
 
 # Torch's softplus (beta 1) returns x itself above this.
-SOFTPLUS_THRESHOLD = 20.0
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 if INTERPRETED:  # the interpreter has no libdevice: Kahan's log1p from log, accurate to float32
     @triton.jit
