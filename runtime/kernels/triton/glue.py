@@ -7,7 +7,9 @@ routing's dozen ops, residual adds, slot-id gathers).
   unfused `x + delta` then `rms_norm` (same bits as elementwise.rms_norm of that sum).
 - rope_: rotate-half RoPE in place on a strided [T, H, R] view (query heads, indexer queries).
 - write_cache_rows: a token's cache row from its projection: RMSNorm of the head part (or a copy),
-  RoPE of the last R, stored at the token's slot of the paged cache.
+  RoPE of the last R, stored at the token's slot of the paged cache. Its norm is compiled without
+  FMA (for the RoPE's sake), so on a GPU its bits may differ from elementwise.rms_norm's (which
+  fuses the sum of squares).
 - route: noaux_tc routing: sqrt-softplus affinity, bias-corrected group-limited top-k (ties to the
   lower id), weights from the unbiased affinity, renormalised and scaled.
 - selected_slots: the cache slot of every selected context position via the page table, -1 where
@@ -15,8 +17,8 @@ routing's dozen ops, residual adds, slot-id gathers).
 
 Numerics: rope_ and write_cache_rows round after every multiply and add exactly as the torch ops
 in x.dtype do (products of two bf16/fp16 values are exact in float32, so rounding them is the
-torch result; float32 kernels are compiled without FMA contraction), so they give the torch path's
-bits. route uses libdevice exp/log1p and a correctly rounded sqrt, as torch's CUDA kernels do; its
+torch result; both kernels are compiled without FMA contraction, see NO_FMA), so they give the torch
+path's bits. route uses libdevice exp/log1p and a correctly rounded sqrt, as torch's CUDA kernels do; its
 weight sum adds the K weights in rank order (torch's reduction may add them in another order).
 
 One program per row: a row never meets another row's data, so every kernel is batch-invariant.
@@ -108,9 +110,11 @@ def _rope_inplace_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, heads, half, stride_x
     tl.store(base + half, y2, mask=ok)
 
 
-def _no_fma(dtype: torch.dtype) -> dict:
-    # A fused multiply-add skips the product's rounding; bf16/fp16 round explicitly anyway.
-    return {"enable_fp_fusion": False} if dtype == torch.float32 else {}
+# Compiled without FMA contraction: a fused multiply-add skips the product's rounding. Explicit
+# casts do not stop it: for bf16 the compiler shrinks `(a * b).to(bf16)` to a bf16 multiply and then
+# fuses it into the subtraction (seen in the sm_90 PTX: fma.rn.bf16 with fusion on, mul.rn.bf16 +
+# sub.rn.bf16 with it off).
+NO_FMA = {"enable_fp_fusion": False}
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -121,7 +125,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     if tokens:
         _rope_inplace_kernel[(tokens,)](x, positions, cos, sin, heads, width // 2, x.stride(0), x.stride(1),
                                         cos.stride(0), BLOCK_H=triton.next_power_of_2(heads),
-                                        BLOCK_R=triton.next_power_of_2(width // 2), **_no_fma(x.dtype))
+                                        BLOCK_R=triton.next_power_of_2(width // 2), **NO_FMA)
     return x
 
 
@@ -168,7 +172,7 @@ def write_cache_rows(src: torch.Tensor, positions: torch.Tensor, slots: torch.Te
             src, positions, slots, norm_weight if norm_weight is not None else src, cos, sin, cache, head,
             rope_dim // 2, eps, src.stride(0), cos.stride(0), cache.stride(0), NORM=norm_weight is not None,
             BLOCK_C=triton.next_power_of_2(max(head, 1)), BLOCK_R=triton.next_power_of_2(rope_dim // 2),
-            **_no_fma(src.dtype))
+            **NO_FMA)
 
 
 @triton.jit
@@ -244,7 +248,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, to
                                  float(scaling), N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
                                  TOP_K=top_k, NORMALIZE=normalize, BLOCK_G=triton.next_power_of_2(n_group),
                                  BLOCK_E=triton.next_power_of_2(group_size), BLOCK_K=triton.next_power_of_2(top_k),
-                                 num_warps=2, enable_fp_fusion=False)
+                                 num_warps=2, **NO_FMA)
     return weights, ids
 
 
