@@ -136,10 +136,11 @@ class StaticDecodeModel:
         pos, write, pages = inp.positions, inp.write_slots, inp.page_table  # [B], [B], [B, P]
         # Every context slot of every row [B, L]: only the torch attention and indexer gather by it.
         ctx = k.context_slots(pages, self.page_size) if self.sparse_mla is None else None
-        x = self.w["embed.weight"][inp.token_ids]
-        # Each residual add is fused into the norm that follows it (k.add_rms_norm); an attention
-        # norm writes its rows into `hidden`, which the indexer reads on its stream.
-        k.rms_norm(x, self.w["layers.0.attn_norm.weight"], eps, out=self.hidden[rows])
+        # Each residual add is fused into the norm that follows it (k.add_rms_norm), the embedding
+        # gather into the first; an attention norm writes its rows into `hidden`, which the indexer
+        # reads on its stream.
+        x, _ = k.embed_rms_norm(inp.token_ids, self.w["embed.weight"], self.w["layers.0.attn_norm.weight"], eps,
+                                out=self.hidden[rows])
         for layer in range(cfg.num_layers):
             delta = self._attention(layer, rows, self.hidden[rows], pos, write, ctx, pages, kv, streams)
             x, h = k.add_rms_norm(x, delta, self.w[f"layers.{layer}.ffn_norm.weight"], eps)

@@ -65,6 +65,17 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return total, normed if out is None else out.copy_(normed)
 
 
+def embed_rms_norm(token_ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embedding rows and their RMSNorm: (table[token_ids], rms_norm(table[token_ids])) [B, D]."""
+    if table.is_cuda:
+        from runtime.kernels.triton.glue import embed_rms_norm as triton_embed_rms_norm
+
+        return triton_embed_rms_norm(token_ids, table, weight, eps, out=out)
+    rows = table[token_ids]
+    return rows, rms_norm(rows, weight, eps, out=out)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # x: [B, IN], weight: [OUT, IN] -> [B, OUT]
     if x.is_cuda:

@@ -54,6 +54,24 @@ def test_add_rms_norm_is_the_unfused_add_then_norm(seed, rows, width, dtype, mag
     assert_prefix_invariant(normed, lambda n: run(n)[1], rows)
 
 
+@EXAMPLES
+@given(seed=SEEDS, rows=ROWS, width=st.sampled_from([1, 17, 300]), dtype=st.sampled_from(DTYPES),
+       magnitude=st.sampled_from([1e-2, 1.0, 1e3]))
+def test_embed_rms_norm_is_the_gather_then_norm(seed, rows, width, dtype, magnitude):
+    gen = torch.Generator().manual_seed(seed)
+    table, w = randn(gen, 50, width, scale=magnitude, dtype=dtype), randn(gen, width, dtype=dtype)
+    ids = torch.randint(0, 50, (rows,), generator=gen).to(DEVICE)
+
+    def run(n):
+        return glue.embed_rms_norm(ids[:n], table, w, 1e-6, out=poisoned(n, width, dtype=dtype))
+
+    gathered, normed = run(rows)
+    assert torch.equal(gathered, table[ids])
+    assert torch.equal(normed, elementwise.rms_norm(table[ids], w, 1e-6)), "the norm must be rms_norm's bits"
+    assert_close_scaled(normed, reference.rms_norm(table[ids].cpu(), w.cpu(), 1e-6), dtype)
+    assert_prefix_invariant(normed, lambda n: run(n)[1], rows)
+
+
 # ---------------------------------------------------------------- RoPE in place
 
 def _projection(gen, rows, heads, head_dim, rope_dim, dtype):
@@ -259,6 +277,7 @@ def dispatch_as_on_a_gpu(patch: pytest.MonkeyPatch) -> None:
 
     patch.setattr(k, "add_rms_norm", lambda x, d, w, eps, out=None: glue.add_rms_norm(
         x.contiguous(), d.contiguous(), w, eps, out=out))
+    patch.setattr(k, "embed_rms_norm", glue.embed_rms_norm)
     patch.setattr(k, "rope_", glue.rope_)
     patch.setattr(k, "write_cache_rows", glue.write_cache_rows)
     patch.setattr(k, "route", lambda logits, *args: glue.route(logits.contiguous(), *args))

@@ -5,6 +5,7 @@ routing's dozen ops, residual adds, slot-id gathers).
 
 - add_rms_norm: residual add + RMSNorm; the sum is rounded to x.dtype before the norm, as the
   unfused `x + delta` then `rms_norm` (same bits as elementwise.rms_norm of that sum).
+- embed_rms_norm: the embedding gather and the first layer's RMSNorm (rms_norm's bits).
 - rope_: rotate-half RoPE in place on a strided [T, H, R] view (query heads, indexer queries).
 - write_cache_rows: a token's cache row from its projection: RMSNorm of the head part (or a copy),
   RoPE of the last R, stored at the token's slot of the paged cache. Its norm is compiled without
@@ -78,6 +79,34 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
         _add_rms_norm_kernel[(rows,)](x, delta, weight, total, out, width, eps, x.stride(0), delta.stride(0),
                                       total.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(width))
     return total, out
+
+
+@triton.jit
+def _embed_rms_norm_kernel(ids_ptr, table_ptr, w_ptr, rows_ptr, out_ptr, width, eps, stride_table, stride_rows,
+                           stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < width
+    e = tl.load(table_ptr + token * stride_table + offs, mask=ok, other=0.0)
+    tl.store(rows_ptr + row * stride_rows + offs, e, mask=ok)
+    x = e.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)  # as elementwise._rms_norm_kernel
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (x * inv * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def embed_rms_norm(token_ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_ids: [T], table: [V, D] (rows contiguous) -> (table[token_ids], rms_norm(table[token_ids]));
+    out: optional [T, D] destination of the norm (rows contiguous)."""
+    rows = torch.empty(token_ids.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
+    out = torch.empty_like(rows) if out is None else out
+    if rows.shape[0]:
+        _embed_rms_norm_kernel[(rows.shape[0],)](token_ids, table, weight, rows, out, table.shape[1], eps,
+                                                 table.stride(0), rows.stride(0), out.stride(0),
+                                                 BLOCK=triton.next_power_of_2(table.shape[1]))
+    return rows, out
 
 
 @triton.jit
