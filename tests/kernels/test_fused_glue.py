@@ -10,6 +10,11 @@ add_rms_norm elementwise.rms_norm's: both are checked with torch.equal.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -316,3 +321,26 @@ def test_decode_model_through_the_fused_glue_matches_the_torch_ops_and_is_batch_
         assert torch.equal(ours.isnan(), theirs.isnan()), f"{name}: other slots written"
         assert_close_to_reference(ours.nan_to_num(), theirs.nan_to_num(), torch.float32, msg=name)
     assert torch.equal(actual, wider), "a row's logits changed with the batch"
+
+
+# ---------------------------------------------------------------- compiled for the GPU
+
+def compile_for_sm90(*args: str) -> subprocess.CompletedProcess:
+    """tests/kernels/glue_sm90.py in a process where the kernels are compiled, not interpreted."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-m", "tests.kernels.glue_sm90", *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_glue_kernels_compile_for_the_h200_and_rope_has_no_fma():
+    """The interpreter runs code the GPU compiler rejects: every glue kernel is compiled for sm_90
+    here, and the RoPE kernels' PTX must hold no fused multiply-add (their bits are the torch ops')."""
+    result = compile_for_sm90()
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
+def test_fma_check_fails_on_rope_compiled_with_contraction():
+    """Negative control: with FMA contraction on, the bf16 RoPE products fuse and the check sees it."""
+    result = compile_for_sm90("--with-fma")
+    assert result.returncode == 1 and "fused multiply-adds" in result.stdout, result.stdout + result.stderr[-3000:]
