@@ -136,13 +136,15 @@ class StaticDecodeModel:
         pos, write, pages = inp.positions, inp.write_slots, inp.page_table  # [B], [B], [B, P]
         # Every context slot of every row [B, L]: only the torch attention and indexer gather by it.
         ctx = k.context_slots(pages, self.page_size) if self.sparse_mla is None else None
+        # The indexer kernel's int32 page table and key counts: converted once per step, not per layer.
+        paged = (pages.to(torch.int32), (pos + 1).to(torch.int32)) if self.indexer_logits is not None else None
         # Each residual add is fused into the norm that follows it (k.add_rms_norm), the embedding
         # gather into the first; an attention norm writes its rows into `hidden`, which the indexer
         # reads on its stream.
         x, _ = k.embed_rms_norm(inp.token_ids, self.w["embed.weight"], self.w["layers.0.attn_norm.weight"], eps,
                                 out=self.hidden[rows])
         for layer in range(cfg.num_layers):
-            delta = self._attention(layer, rows, self.hidden[rows], pos, write, ctx, pages, kv, streams)
+            delta = self._attention(layer, rows, self.hidden[rows], pos, write, ctx, pages, paged, kv, streams)
             x, h = k.add_rms_norm(x, delta, self.w[f"layers.{layer}.ffn_norm.weight"], eps)
             norm, into = self._next_norm(layer, rows)
             x, h = k.add_rms_norm(x, self._moe(layer, h), norm, eps, out=into)
@@ -151,8 +153,8 @@ class StaticDecodeModel:
         return logits
 
     def _attention(self, layer: int, rows: slice, h: torch.Tensor, pos: torch.Tensor, write: torch.Tensor,
-                   ctx: torch.Tensor | None, pages: torch.Tensor, kv: KVCache,
-                   streams: StreamExecutor) -> torch.Tensor:
+                   ctx: torch.Tensor | None, pages: torch.Tensor, paged: tuple[torch.Tensor, torch.Tensor] | None,
+                   kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
         """h: the normed rows (already in `hidden`). Writes the rows' latent cache, returns the
         attention output [B, D]."""
         cfg, w, p = self.cfg, self.w, f"layers.{layer}."
@@ -161,7 +163,7 @@ class StaticDecodeModel:
         streams.fork(INDEXER_STREAM)
         streams.submit(Task(f"indexer.{layer}", INDEXER_STREAM, reads=("hidden", "index_cache"),
                             writes=("index_cache", "selection"),
-                            fn=lambda: self._indexer(layer, rows, pos, write, ctx, pages, kv)))
+                            fn=lambda: self._indexer(layer, rows, pos, write, ctx, paged, kv)))
 
         proj = self.linear(h, self.attn_proj[layer])  # [B, H * (C + R) + C + R]: queries, then latent + rope key
         heads_width = proj.shape[1] - (C + R)
@@ -195,7 +197,8 @@ class StaticDecodeModel:
         return self.all_reduce(self.linear(out.view(B, -1), w[p + "attn.wo.weight"]))
 
     def _indexer(self, layer: int, rows: slice, pos: torch.Tensor, write: torch.Tensor, ctx: torch.Tensor | None,
-                 pages: torch.Tensor, kv: KVCache) -> None:
+                 paged: tuple[torch.Tensor, torch.Tensor] | None, kv: KVCache) -> None:
+        """paged: the int32 (page table, keys per row) of the indexer kernel; ctx: the torch path's slots."""
         cfg = self.cfg
         HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.rope_dim
         h = self.hidden[rows]
@@ -205,8 +208,8 @@ class StaticDecodeModel:
         k.write_cache_rows(proj[:, HI * DI:HI * DI + DI], pos, write, self.cos, self.sin, kv.index_keys[layer], R)
         head_weights = proj[:, HI * DI + DI:] * (HI * DI) ** -0.5
         if self.indexer_logits is not None:  # reads the paged keys in place; -inf past each row's position
-            scores = self.indexer_logits(q, head_weights.float(), kv.index_keys[layer], pages.to(torch.int32),
-                                         (pos + 1).to(torch.int32), self.page_size)
+            assert paged is not None
+            scores = self.indexer_logits(q, head_weights.float(), kv.index_keys[layer], *paged, self.page_size)
         else:
             assert ctx is not None
             scores = k.indexer_scores(q, head_weights, kv.index_keys[layer][ctx])
