@@ -93,6 +93,7 @@ class StaticDecodeModel:
         self.lm_head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.cos, self.sin = k.rope_table(cfg.rope_dim // 2, cfg.rope_theta, page_size * max_pages,
                                           self.device, self.dtype)
+        self._pack_projections(weights)
         S = cfg.sliding_window + cfg.index_topk
         # Workspace shared between streams; persistent so a graph captures fixed addresses.
         self.max_rows = max_batch
@@ -100,53 +101,89 @@ class StaticDecodeModel:
         self.sel_pos = torch.zeros(max_batch, S, dtype=torch.long, device=self.device)
         self.sel_ok = torch.zeros(max_batch, S, dtype=torch.bool, device=self.device)
 
+    def _pack_projections(self, weights: dict[str, torch.Tensor]) -> None:
+        """Projections that read the same input become one GEMM over their stacked weights, so a step
+        launches one kernel (and reads the input once) instead of two or three: the query and the
+        latent+rope key of attention, and the indexer's query, key and head weights. The stacked
+        copy is the only one the model keeps: self.w's entries become views into it."""
+        self.w = dict(weights)
+        self.attn_proj, self.indexer_proj = [], []
+        for layer in range(self.cfg.num_layers):
+            for names, packed in ((("attn.wq", "attn.wkv"), self.attn_proj),
+                                  (("indexer.wq", "indexer.wk", "indexer.weights_proj"), self.indexer_proj)):
+                keys = [f"layers.{layer}.{name}.weight" for name in names]
+                stacked = torch.cat([weights[key] for key in keys])
+                start = 0
+                for key in keys:
+                    self.w[key] = stacked[start:start + weights[key].shape[0]]
+                    start += weights[key].shape[0]
+                packed.append(stacked)
+
+    def _next_norm(self, layer: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The norm after layer's MoE and where its output goes: the next layer's attention norm
+        into the indexer's `hidden` workspace, or the final norm (a new tensor)."""
+        if layer + 1 < self.cfg.num_layers:
+            return self.w[f"layers.{layer + 1}.attn_norm.weight"], self.hidden[rows]
+        return self.w["norm.weight"], None
+
     @torch.inference_mode()
     def forward(self, inp: DecodeInputs, kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
         """Writes each token's KV; returns float32 logits [N, V], in one pass over the N rows."""
         n = inp.batch_size
         assert 0 < n <= self.max_rows, f"{n} rows, workspace holds {self.max_rows}"
         assert inp.page_table.shape[1] == self.max_pages, "page table width is fixed at construction"
-        rows = slice(0, n)
+        cfg, eps, rows = self.cfg, self.cfg.rms_norm_eps, slice(0, n)
         pos, write, pages = inp.positions, inp.write_slots, inp.page_table  # [B], [B], [B, P]
-        ctx = k.context_slots(pages, self.page_size)  # [B, L]
-        x = self.w["embed.weight"][inp.token_ids]
-        for layer in range(self.cfg.num_layers):
-            x = x + self._attention(layer, rows, x, pos, write, ctx, pages, kv, streams)
-            x = x + self._moe(layer, x)
-        last = k.rms_norm(x, self.w["norm.weight"], self.cfg.rms_norm_eps)
-        logits = self.linear(last, self.lm_head).float()
+        # Every context slot of every row [B, L]: only the torch attention and indexer gather by it.
+        ctx = k.context_slots(pages, self.page_size) if self.sparse_mla is None else None
+        # The indexer kernel's int32 page table and key counts: converted once per step, not per layer.
+        paged = (pages.to(torch.int32), (pos + 1).to(torch.int32)) if self.indexer_logits is not None else None
+        # Each residual add is fused into the norm that follows it (k.add_rms_norm), the embedding
+        # gather into the first; an attention norm writes its rows into `hidden`, which the indexer
+        # reads on its stream.
+        x, _ = k.embed_rms_norm(inp.token_ids, self.w["embed.weight"], self.w["layers.0.attn_norm.weight"], eps,
+                                out=self.hidden[rows])
+        for layer in range(cfg.num_layers):
+            delta = self._attention(layer, rows, self.hidden[rows], pos, write, ctx, pages, paged, kv, streams)
+            x, h = k.add_rms_norm(x, delta, self.w[f"layers.{layer}.ffn_norm.weight"], eps)
+            norm, into = self._next_norm(layer, rows)
+            x, h = k.add_rms_norm(x, self._moe(layer, h), norm, eps, out=into)
+        logits = self.linear(h, self.lm_head).float()
         streams.synchronize()
         return logits
 
-    def _attention(self, layer: int, rows: slice, x: torch.Tensor, pos: torch.Tensor, write: torch.Tensor,
-                   ctx: torch.Tensor, pages: torch.Tensor, kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
+    def _attention(self, layer: int, rows: slice, h: torch.Tensor, pos: torch.Tensor, write: torch.Tensor,
+                   ctx: torch.Tensor | None, pages: torch.Tensor, paged: tuple[torch.Tensor, torch.Tensor] | None,
+                   kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
+        """h: the normed rows (already in `hidden`). Writes the rows' latent cache, returns the
+        attention output [B, D]."""
         cfg, w, p = self.cfg, self.w, f"layers.{layer}."
-        C, R, B = cfg.kv_latent_dim, cfg.rope_dim, x.shape[0]
-        h = k.rms_norm(x, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
-        self.hidden[rows].copy_(h)
+        C, R, B = cfg.kv_latent_dim, cfg.rope_dim, h.shape[0]
 
         streams.fork(INDEXER_STREAM)
         streams.submit(Task(f"indexer.{layer}", INDEXER_STREAM, reads=("hidden", "index_cache"),
                             writes=("index_cache", "selection"),
-                            fn=lambda: self._indexer(layer, rows, pos, write, ctx, pages, kv)))
+                            fn=lambda: self._indexer(layer, rows, pos, write, ctx, paged, kv)))
 
-        q = self.linear(h, w[p + "attn.wq.weight"]).view(B, -1, C + R)
+        proj = self.linear(h, self.attn_proj[layer])  # [B, H * (C + R) + C + R]: queries, then latent + rope key
+        heads_width = proj.shape[1] - (C + R)
+        q = proj[:, :heads_width].view(B, -1, C + R)
         # RoPE in place on the rope slice: a torch.cat of the whole [B, H, C + R] query (and of the
         # cache row) was 5% of a 4,096-row prefill pass. Same values, so the same bits.
-        q[..., C:] = k.rope(q[..., C:], pos, self.cos, self.sin)
-        latent_and_rope = self.linear(h, w[p + "attn.wkv.weight"])
-        cache = kv.latent[layer]
-        cache[write, :C] = k.rms_norm(latent_and_rope[:, :C], w[p + "attn.kv_norm.weight"], cfg.rms_norm_eps)
-        cache[write, C:] = k.rope(latent_and_rope[:, C:], pos, self.cos, self.sin)
+        k.rope_(q[..., C:], pos, self.cos, self.sin)
+        # The cache row: RMSNorm of the latent, RoPE of the key, stored at the row's slot (one kernel on a GPU).
+        k.write_cache_rows(proj[:, heads_width:], pos, write, self.cos, self.sin, kv.latent[layer], R,
+                           w[p + "attn.kv_norm.weight"], cfg.rms_norm_eps)
         out = torch.empty(B, q.shape[1], C, dtype=self.dtype, device=self.device)
 
         def attend() -> None:
             ok = self.sel_ok[rows]
             if self.sparse_mla is not None:
-                slots = torch.where(ok, ctx.gather(1, self.sel_pos[rows]), -1).to(torch.int32)
+                slots = k.selected_slots(pages, self.sel_pos[rows], ok, self.page_size)
                 self.sparse_mla(q, kv.latent[layer], slots, C, cfg.softmax_scale, num_splits=self.attention_splits,
                                 out=out)
                 return
+            assert ctx is not None
             gathered = kv.latent[layer][ctx.gather(1, self.sel_pos[rows])]  # [B, S, C+R]
             # Unselected entries may be never-written (NaN-poisoned) slots: zero them, as 0 * NaN = NaN.
             gathered = torch.where(ok[..., None], gathered, torch.zeros((), dtype=self.dtype, device=self.device))
@@ -159,29 +196,30 @@ class StaticDecodeModel:
                             writes=("attn_out",), fn=attend))
         return self.all_reduce(self.linear(out.view(B, -1), w[p + "attn.wo.weight"]))
 
-    def _indexer(self, layer: int, rows: slice, pos: torch.Tensor, write: torch.Tensor, ctx: torch.Tensor,
-                 pages: torch.Tensor, kv: KVCache) -> None:
-        cfg, w, p = self.cfg, self.w, f"layers.{layer}.indexer."
+    def _indexer(self, layer: int, rows: slice, pos: torch.Tensor, write: torch.Tensor, ctx: torch.Tensor | None,
+                 paged: tuple[torch.Tensor, torch.Tensor] | None, kv: KVCache) -> None:
+        """paged: the int32 (page table, keys per row) of the indexer kernel; ctx: the torch path's slots."""
+        cfg = self.cfg
         HI, DI, R = cfg.index_heads, cfg.index_dim, cfg.rope_dim
         h = self.hidden[rows]
-        q = self.linear(h, w[p + "wq.weight"]).view(h.shape[0], HI, DI)
-        q[..., DI - R:] = k.rope(q[..., DI - R:], pos, self.cos, self.sin)  # in place, as in _attention
-        key = self.linear(h, w[p + "wk.weight"])
-        key[:, DI - R:] = k.rope(key[:, DI - R:], pos, self.cos, self.sin)
-        head_weights = self.linear(h, w[p + "weights_proj.weight"]) * (HI * DI) ** -0.5
-        kv.index_keys[layer, write] = key
+        proj = self.linear(h, self.indexer_proj[layer])  # [B, HI * DI + DI + HI]: queries, key, head weights
+        q = proj[:, :HI * DI].view(h.shape[0], HI, DI)
+        k.rope_(q[..., DI - R:], pos, self.cos, self.sin)  # in place, as in _attention
+        k.write_cache_rows(proj[:, HI * DI:HI * DI + DI], pos, write, self.cos, self.sin, kv.index_keys[layer], R)
+        head_weights = proj[:, HI * DI + DI:] * (HI * DI) ** -0.5
         if self.indexer_logits is not None:  # reads the paged keys in place; -inf past each row's position
-            scores = self.indexer_logits(q, head_weights.float(), kv.index_keys[layer], pages.to(torch.int32),
-                                         (pos + 1).to(torch.int32), self.page_size)
+            assert paged is not None
+            scores = self.indexer_logits(q, head_weights.float(), kv.index_keys[layer], *paged, self.page_size)
         else:
+            assert ctx is not None
             scores = k.indexer_scores(q, head_weights, kv.index_keys[layer][ctx])
         selected, ok = k.select_slots(scores.float(), pos, cfg.sliding_window, cfg.index_topk)
         self.sel_pos[rows].copy_(selected)
         self.sel_ok[rows].copy_(ok)
 
-    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """h: the ffn-normed rows [B, D] -> the MoE output [B, D]."""
         cfg, w, p = self.cfg, self.w, f"layers.{layer}."
-        h = k.rms_norm(x, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
         weights, ids = k.route(self.linear(h, w[p + "moe.gate.weight"]), w[p + "moe.gate.e_score_correction_bias"],
                                cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor,
                                cfg.norm_topk_prob)

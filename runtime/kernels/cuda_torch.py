@@ -48,13 +48,37 @@ def _rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [B, D], weight: [D] -> [B, D] (float32 math)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [B, D], weight: [D] -> [B, D] (float32 math), into `out` when given (rows contiguous)
     if x.is_cuda:
         from runtime.kernels.triton.elementwise import rms_norm as triton_rms_norm
 
-        return triton_rms_norm(x.contiguous(), weight, eps)
-    return by_row_groups(lambda rows: _rms_norm_rows(rows, weight, eps), x)
+        return triton_rms_norm(x.contiguous(), weight, eps, out=out)
+    normed = by_row_groups(lambda rows: _rms_norm_rows(rows, weight, eps), x)
+    return normed if out is None else out.copy_(normed)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: (x + delta, rms_norm(x + delta)) [B, D]; `out` receives the norm."""
+    if x.is_cuda:
+        from runtime.kernels.triton.glue import add_rms_norm as triton_add_rms_norm
+
+        return triton_add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps, out=out)
+    total = x + delta
+    normed = rms_norm(total, weight, eps)
+    return total, normed if out is None else out.copy_(normed)
+
+
+def embed_rms_norm(token_ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embedding rows and their RMSNorm: (table[token_ids], rms_norm(table[token_ids])) [B, D]."""
+    if table.is_cuda:
+        from runtime.kernels.triton.glue import embed_rms_norm as triton_embed_rms_norm
+
+        return triton_embed_rms_norm(token_ids, table, weight, eps, out=out)
+    rows = table[token_ids]
+    return rows, rms_norm(rows, weight, eps, out=out)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -88,10 +112,46 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rope` written back into x: [B, H, R] (a strided view of a projection); returns x."""
+    if x.is_cuda:
+        from runtime.kernels.triton.glue import rope_ as triton_rope_
+
+        return triton_rope_(x, positions, cos, sin)
+    return x.copy_(rope(x, positions, cos, sin))
+
+
+def write_cache_rows(src: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, cache: torch.Tensor, rope_dim: int, norm_weight: torch.Tensor | None = None,
+                     eps: float = 0.0) -> None:
+    """Each token's cache row from its projection src: [B, W] into cache: [num_slots, W] at slots: [B]:
+    the head W - R channels RMSNormed (when norm_weight is given, else copied), the last R roped."""
+    if src.is_cuda:
+        from runtime.kernels.triton.glue import write_cache_rows as triton_write_cache_rows
+
+        return triton_write_cache_rows(src, positions, slots, cos, sin, cache, rope_dim, norm_weight, eps)
+    head = src.shape[1] - rope_dim
+    cache[slots, :head] = src[:, :head] if norm_weight is None else rms_norm(src[:, :head], norm_weight, eps)
+    cache[slots, head:] = rope(src[:, head:], positions, cos, sin)
+    return None
+
+
 def context_slots(page_table: torch.Tensor, page_size: int) -> torch.Tensor:
     # page_table: [B, P] -> [B, L = P * page_size] KV slot of every context position
     offsets = torch.arange(page_size, device=page_table.device)
     return (page_table[:, :, None] * page_size + offsets).flatten(1)
+
+
+def selected_slots(page_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                   page_size: int) -> torch.Tensor:
+    """The cache slot of each selected context position: page_table: [B, P], positions, valid: [B, S]
+    -> int32 [B, S], -1 where not valid (the slot ids sparse MLA reads)."""
+    if page_table.is_cuda:
+        from runtime.kernels.triton.glue import selected_slots as triton_selected_slots
+
+        return triton_selected_slots(page_table, positions, valid, page_size)
+    slots = context_slots(page_table, page_size).gather(1, positions.clamp(min=0))
+    return torch.where(valid, slots, -1).to(torch.int32)
 
 
 def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int,
@@ -149,7 +209,17 @@ def gathered_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, l
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
           scaling: float, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """As cpu.route (sqrtsoftplus, noaux_tc, group-limited), with every tensor on logits' device."""
+    """As cpu.route (sqrtsoftplus, noaux_tc, group-limited), with every tensor on logits' device.
+    On a GPU one Triton kernel (kernels/triton/glue.py); `route_torch` is its readable reference."""
+    if logits.is_cuda:
+        from runtime.kernels.triton.glue import route as triton_route
+
+        return triton_route(logits.contiguous(), bias, top_k, n_group, topk_group, scaling, normalize)
+    return route_torch(logits, bias, top_k, n_group, topk_group, scaling, normalize)
+
+
+def route_torch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                scaling: float, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     def group(logits):
         affinity = torch.sqrt(F.softplus(logits.float()))
         return select_experts(affinity, bias, top_k, n_group, topk_group, scaling, normalize)

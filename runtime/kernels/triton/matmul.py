@@ -102,9 +102,10 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-           split_k: int | None = None) -> torch.Tensor:
+           split_k: int | None = None, config: dict | None = None, block_k: int = BLOCK_K) -> torch.Tensor:
     """x: [M, K], w: [N, K] -> [M, N] in x.dtype. `split_k` overrides split_for (tests only: a
-    deployment's split must never follow the batch)."""
+    deployment's split must never follow the batch); `config` and `block_k` override config_for and
+    BLOCK_K (bench/gemm_sweep.py only)."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.dtype == w.dtype, f"x {tuple(x.shape)} {x.dtype} vs w {tuple(w.shape)} {w.dtype}"
@@ -113,12 +114,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if M == 0:
         return out
     split = split_k or split_for(N, K)
-    k_chunk = triton.cdiv(triton.cdiv(K, split), BLOCK_K) * BLOCK_K
+    k_chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
-    config = config_for(M, x.element_size())
+    config = config or config_for(M, x.element_size())
     grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), split)
     _matmul_kernel[grid](x, w, out, part, M, N, K, k_chunk, x.stride(0), w.stride(0), out.stride(0),
-                         SPLIT_K=split, PRECISION=_precision(x.dtype), BLOCK_K=BLOCK_K, **config)
+                         SPLIT_K=split, PRECISION=_precision(x.dtype), BLOCK_K=block_k, **config)
     if split > 1:
         _split_sum_kernel[(M, triton.cdiv(N, 256))](part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=256)
     return out
