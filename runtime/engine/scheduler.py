@@ -97,8 +97,8 @@ class Scheduler:
     def _plan_decode(self, preempted: list[str]) -> list[Extend]:
         decode = []
         for req in list(self.running):
-            if req not in self.running:  # preempted while making room for an earlier request
-                continue
+            if req.status is not Status.RUNNING:  # preempted while making room for an earlier request
+                continue  # (a status test: `req in self.running` made this loop quadratic in the batch)
             # Count the token still in flight (overlap loop): its result lands after this plan runs.
             in_flight = self.in_flight.get(req.rid, 0)
             length = req.total_len + in_flight
