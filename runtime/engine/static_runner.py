@@ -123,22 +123,25 @@ class StaticModelRunner:
                 tokens.extend(ids)
             row += ext.num_new
         n, e = row, len(extends)
-        counts = np.fromiter((ext.num_new for ext in extends), dtype=np.int64, count=e)
-        starts = np.fromiter((ext.start for ext in extends), dtype=np.int64, count=e)
-        lengths = np.fromiter((len(ext.pages) for ext in extends), dtype=np.int64, count=e)
+        # [extends, 3]: rows, first position and page count of each extend
+        shape = np.array([(ext.num_new, ext.start, len(ext.pages)) for ext in extends], dtype=np.int64)
+        counts, starts, lengths = shape[:, 0], shape[:, 1], shape[:, 2]
         table = np.full((e, self.max_pages), self.scratch_page, dtype=np.int64)
         # The ragged page lists into the padded table at once: a boolean mask fills row-major.
         table[np.arange(self.max_pages) < lengths[:, None]] = np.fromiter(
             itertools.chain.from_iterable(ext.pages for ext in extends), dtype=np.int64, count=int(lengths.sum()))
-        owner = np.repeat(np.arange(e), counts)  # [rows] which extend each row belongs to
         last_rows = np.cumsum(counts) - 1
-        first_row = last_rows + 1 - counts
-        positions = starts[owner] + (np.arange(n) - first_row[owner])
-        slots = table[owner, positions // self.page_size] * self.page_size + positions % self.page_size
+        if n == e:  # one row per extend (a decode step): the rows are the extends
+            positions, row_table = starts, table
+        else:
+            owner = np.repeat(np.arange(e), counts)  # [rows] which extend each row belongs to
+            positions = starts[owner] + (np.arange(n) - (last_rows + 1 - counts)[owner])
+            row_table = table[owner]
+        slots = row_table[np.arange(n), positions // self.page_size] * self.page_size + positions % self.page_size
         # Future-buffer slots the sampled tokens go to (assigned on a request's first step).
         future_write = [self.future.slot(ext.rid) for ext in extends] if from_future else []
         f, w = len(future_rows), len(future_write)
-        flat = np.concatenate([np.asarray(tokens, dtype=np.int64), positions, slots, table[owner].ravel(),
+        flat = np.concatenate([np.asarray(tokens, dtype=np.int64), positions, slots, row_table.ravel(),
                                last_rows, np.asarray(future_rows + future_read + future_write, dtype=np.int64)])
         host = torch.from_numpy(flat)
         if self.device.type == "cuda":
@@ -146,17 +149,9 @@ class StaticModelRunner:
             # the block until the copy has run.
             host = host.pin_memory()
         buf = host.to(self.device, non_blocking=True)
-        at = 0
-
-        def take(size: int) -> torch.Tensor:
-            nonlocal at
-            at += size
-            return buf[at - size:at]
-
-        token_ids, pos, write_slots = take(n), take(n), take(n)
-        page_table = take(n * self.max_pages).view(n, self.max_pages)
-        last = take(e)
-        rows_f, read_f, write_f = take(f), take(f), take(w)
+        token_ids, pos, write_slots, page_rows, last, rows_f, read_f, write_f = torch.split(
+            buf, [n, n, n, n * self.max_pages, e, f, f, w])
+        page_table = page_rows.view(n, self.max_pages)
         if f:
             assert self.future is not None
             token_ids[rows_f] = self.future.tokens[read_f]
