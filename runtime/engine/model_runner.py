@@ -27,7 +27,8 @@ def checked_input_ids(ext: Extend, req: Request, pool: PagePool, page_size: int,
     pool.check_owned(ext.rid, ext.pages)
     if from_future:
         if faults.enabled("overlap-stale-token"):
-            return req.ids_between(req.total_len - 1, req.total_len)  # the bug: the host's last known token, one step behind
+            # the bug: the host's last known token, one step behind
+            return req.ids_between(req.total_len - 1, req.total_len)
         return None
     ids = req.ids_between(ext.start, end)
     assert len(ids) == ext.num_new, f"{ext.rid}: plan asks for tokens the request does not have"

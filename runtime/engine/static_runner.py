@@ -139,7 +139,7 @@ class StaticModelRunner:
             row_table = table[owner]
         slots = row_table[np.arange(n), positions // self.page_size] * self.page_size + positions % self.page_size
         # Future-buffer slots the sampled tokens go to (assigned on a request's first step).
-        future_write = [self.future.slot(ext.rid) for ext in extends] if from_future else []
+        future_write = [self.future.slot(ext.rid) for ext in extends] if self.future is not None else []
         f, w = len(future_rows), len(future_write)
         flat = np.concatenate([np.asarray(tokens, dtype=np.int64), positions, slots, row_table.ravel(),
                                last_rows, np.asarray(future_rows + future_read + future_write, dtype=np.int64)])

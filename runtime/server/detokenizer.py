@@ -27,7 +27,7 @@ def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
     the previous one and the pair (two calls per token, per stream), and replies repeat pairs. A
     decode is a pure function of the ids, so a hit is exact."""
     if len(ids) <= SHORT:
-        return _decode_short(tokenizer, tuple(ids))
+        return _decode_short(tokenizer, tuple(ids))  # type: ignore[arg-type]  # hashed by identity
     return tokenizer.decode(ids)
 
 

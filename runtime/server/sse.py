@@ -29,7 +29,8 @@ class ChunkEncoder:
     def chunk(self, delta: dict[str, Any], logprobs_text: str | None, finish_reason: str | None) -> str:
         """One `data:` event; `logprobs_text` is the JSON list of the chunk's logprob entries (None: none)."""
         logprobs = f'{{"content": {logprobs_text}}}' if logprobs_text is not None else "null"
-        return f'{self._head}{delta_json(delta)}, "logprobs": {logprobs}, "finish_reason": {_dumps(finish_reason)}}}]}}\n\n'
+        finish = _dumps(finish_reason)
+        return f'{self._head}{delta_json(delta)}, "logprobs": {logprobs}, "finish_reason": {finish}}}]}}\n\n'
 
     def delta_chunk(self, delta: Delta, body: dict[str, Any], finish_reason: str | None = None) -> str:
         return self.chunk(body, logprobs_json(delta.logprobs) if delta.logprobs else None, finish_reason)

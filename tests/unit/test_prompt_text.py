@@ -193,7 +193,8 @@ def test_negative_control_greedy_split_and_in_place_marking_are_caught():
     markers = Markers("TXTnOPEN", "TXTnCLOSE")
     text = f"a{markers.open}x{markers.close}b{markers.open}y{markers.close}c"
     start, end = text.find(markers.open), text.rfind(markers.close)
-    greedy = [(text[:start], False), (text[start + len(markers.open):end], True), (text[end + len(markers.close):], False)]
+    greedy = [(text[:start], False), (text[start + len(markers.open):end], True),
+              (text[end + len(markers.close):], False)]
     assert greedy != [(t, r) for t, r in _regex_split(text, markers) if t]
     message = {"role": "user", "content": "hi"}
     before = dict(message)

@@ -33,7 +33,8 @@ floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_fr
 tokens = st.integers(0, 319)
 entries = st.builds(LogprobEntry, st.just(TOK), tokens, floats,
                     st.lists(st.tuples(tokens, floats), max_size=5))
-texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.sampled_from(['"', "\\", "\n\t\x00", "Zürich ✓"])
+texts = (st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
+         | st.sampled_from(['"', "\\", "\n\t\x00", "Zürich ✓"]))
 deltas = st.one_of(
     st.builds(lambda t: {"content": t}, texts),
     st.just({"role": "assistant", "content": ""}),
