@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,11 +164,13 @@ def token_json(tokenizer: Any, token: int) -> tuple[str, str]:
             f', "bytes": {json.dumps(list(utf8))}')
 
 
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
 def json_float(value: float) -> str:
     """A float as json.dumps writes it (repr; NaN and the infinities spelled as JavaScript does)."""
-    if math.isfinite(value):
-        return float.__repr__(value)
-    return json.dumps(value)
+    text = repr(value)
+    return text if text[-1].isdigit() else _NON_FINITE[text]  # a finite repr ends in a digit
 
 
 def logprobs_json(entries: list[LogprobEntry]) -> str:

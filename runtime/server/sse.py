@@ -15,9 +15,11 @@ from typing import Any
 
 from runtime.server.output import Delta, logprobs_json
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False) without a new encoder per call
+
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    return _ENCODER.encode(value)
 
 
 class ChunkEncoder:
