@@ -35,18 +35,20 @@ class PendingOutputs(Mapping):
                 self._event.synchronize()
             tokens = self._host["tokens"].tolist()
             logprobs = self._host["logprobs"].tolist()
-            top_ids = self._host["top_ids"].tolist() if "top_ids" in self._host else []
-            top_vals = self._host["top_vals"].tolist() if "top_vals" in self._host else []
-            outputs = {}
-            for i, rid in enumerate(self._rids):
-                k = self._top_counts[i]
-                top = [(top_ids[i][j], top_vals[i][j]) for j in range(k)] if k else []
-                outputs[rid] = SampleOutput(tokens[i], logprobs[i], top)
+            if "top_ids" in self._host:
+                tops = [list(zip(ids[:k], vals[:k])) for ids, vals, k in
+                        zip(self._host["top_ids"].tolist(), self._host["top_vals"].tolist(), self._top_counts)]
+            else:
+                tops = [[] for _ in self._rids]
+            outputs = dict(zip(self._rids, map(SampleOutput, tokens, logprobs, tops)))
             self._outputs = outputs
         return self._outputs
 
     def __getitem__(self, rid: str) -> SampleOutput:
         return self._resolve()[rid]
+
+    def items(self):  # one resolved dict's view, not a lookup through the Mapping per key
+        return self._resolve().items()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._resolve())
@@ -61,10 +63,11 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> tuple[tor
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
     for i, req in enumerate(requests):
-        if req.params.temperature != 0:
+        params = req.params
+        if params.temperature != 0:
             tokens[i] = sample_row(logits[i].cpu(), req).token  # host sync, own generator
             continue
-        if (forced := forced_token(req)) is not None:
+        if params.forced_ids and (forced := forced_token(req)) is not None:
             tokens[i] = forced
         req.num_sampled += 1
     host = {"tokens": tokens, "logprobs": logprobs.gather(1, tokens[:, None])[:, 0]}

@@ -31,7 +31,7 @@ import torch
 
 from runtime.config import DTYPES, EngineConfig, ModelConfig
 from runtime.engine.plan import StepPlan
-from runtime.engine.request import Request, SamplingParams
+from runtime.engine.request import Request, SamplingParams, Status
 from runtime.engine.runners import build_runner
 from runtime.engine.sampler import SampleOutput
 from runtime.engine.scheduler import Scheduler
@@ -147,9 +147,8 @@ class Engine:
     def normal_step(self) -> StepResult:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
-        outputs = self.dispatch(plan)
-        delivered = self.deliverable(outputs)
-        self.scheduler.postprocess(plan, outputs)
+        delivered = self.deliverable(self.dispatch(plan))
+        self.scheduler.postprocess(plan, delivered)  # it reads exactly the delivered rows' outputs
         return self.finish_step(plan, delivered, started)
 
     def overlap_step(self) -> StepResult:
@@ -163,14 +162,15 @@ class Engine:
             plan = launched.plan if launched else StepPlan(self.scheduler.step, (), ())
             return self.finish_step(plan, {}, started)
         delivered = self.deliverable(last.outputs)
-        self.scheduler.postprocess(last.plan, last.outputs)
+        self.scheduler.postprocess(last.plan, delivered)  # it reads exactly the delivered rows' outputs
         return self.finish_step(last.plan, delivered, started)
 
     def deliverable(self, outputs: Mapping[str, SampleOutput]) -> dict[str, SampleOutput]:
         """The outputs postprocess will append: not those of requests that finished (or were aborted)
         while their row was in flight. Callers stream exactly these, so no token is sent twice."""
         requests = self.scheduler.requests
-        return {rid: out for rid, out in outputs.items() if rid in requests and not requests[rid].finished}
+        return {rid: out for rid, out in outputs.items()
+                if (req := requests.get(rid)) is not None and req.status is not Status.FINISHED}
 
     def dispatch(self, plan: StepPlan) -> Mapping[str, SampleOutput]:
         """Run a plan on every rank: broadcast it first (tp > 1), then execute it here."""

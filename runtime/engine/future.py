@@ -34,6 +34,10 @@ class FutureTokens:
             self._slot[rid] = self._free.pop()
         return self._slot[rid]
 
+    def held_slot(self, rid: str) -> int:
+        """The slot of a request that already has one (a decode row reads its last token there)."""
+        return self._slot[rid]
+
     def release(self, rid: str) -> None:
         """Free the slot of a finished, aborted or preempted request. Safe while one of its rows is
         still in flight: execution is in order, so a later owner's write lands after that row's."""

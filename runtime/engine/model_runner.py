@@ -24,12 +24,13 @@ def checked_input_ids(ext: Extend, req: Request, pool: PagePool, page_size: int,
     end = ext.start + ext.num_new
     if len(ext.pages) * page_size < end:
         raise RuntimeError(f"{ext.rid}: plan gives {len(ext.pages)} pages for {end} tokens")
-    pool.check_owned(ext.rid, list(ext.pages))
+    pool.check_owned(ext.rid, ext.pages)
     if from_future:
         if faults.enabled("overlap-stale-token"):
-            return req.all_ids[-1:]  # the bug: the host's last known token, one step behind
+            # the bug: the host's last known token, one step behind
+            return req.ids_between(req.total_len - 1, req.total_len)
         return None
-    ids = req.all_ids[ext.start:end]
+    ids = req.ids_between(ext.start, end)
     assert len(ids) == ext.num_new, f"{ext.rid}: plan asks for tokens the request does not have"
     return ids
 

@@ -75,6 +75,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """`all_ids[start:end]` without building `all_ids`: a decode row needs one id, and copying
+        the whole sequence for it was per-row work in every step."""
+        split = len(self.prompt_ids)
+        if start >= split:
+            return self.output_ids[start - split:end - split]
+        if end <= split:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - split]
+
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -7,15 +7,17 @@ distribution (before temperature), as SGLang reports them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from runtime.engine.request import Request
 
 
-@dataclass(frozen=True)
-class SampleOutput:
+class SampleOutput(NamedTuple):
+    """One row's result. A tuple, not a dataclass: one is built per row per step, and a frozen
+    dataclass's constructor costs twice as much."""
+
     token: int
     logprob: float
     top: list[tuple[int, float]]

@@ -123,25 +123,29 @@ class Scheduler:
         return aborted
 
     def _plan_decode(self, preempted: list[str]) -> list[Extend]:
+        # One pass per running request per step: lookups hoisted and lengths computed inline (this
+        # loop's per-row Python is part of every step's host time).
         decode = []
+        in_flight_of = self.in_flight.get
+        max_len, page_size = self.cfg.max_model_len, self.pool.page_size
         for req in list(self.running):
-            if req not in self.running:  # preempted while making room for an earlier request
-                continue
+            if req.status is not Status.RUNNING:  # preempted while making room for an earlier request
+                continue  # (a status test: `req in self.running` made this loop quadratic in the batch)
             # Count the token still in flight (overlap loop): its result lands after this plan runs.
-            in_flight = self.in_flight.get(req.rid, 0)
-            length = req.total_len + in_flight
-            if len(req.output_ids) + in_flight >= req.params.max_tokens or length >= self.cfg.max_model_len:
+            produced = len(req.output_ids) + in_flight_of(req.rid, 0)
+            length = len(req.prompt_ids) + produced
+            if produced >= req.params.max_tokens or length >= max_len:
                 continue  # the in-flight token finishes it by length: no extra decode
-            needed = self.pool.pages_for_tokens(length) - len(req.pages)
-            while needed > 0 and not self.pool.can_allocate(needed):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.rid)
-                if victim is req:
-                    break
-            if req.status is not Status.RUNNING:
-                continue
+            needed = -(-length // page_size) - len(req.pages)
             if needed > 0:
+                while not self.pool.can_allocate(needed):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim.rid)
+                    if victim is req:
+                        break
+                if req.status is not Status.RUNNING:
+                    continue
                 req.pages += self.pool.allocate(req.rid, needed)
             decode.append(Extend(req.rid, length - 1, 1, tuple(req.pages)))
         return decode
@@ -180,17 +184,21 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, outputs: Mapping[str, SampleOutput]) -> list[Request]:
         done = []
+        requests, in_flight = self.requests, self.in_flight
         for ext in plan.extends:
-            req = self.requests.get(ext.rid)  # a caller may drop a finished request from the table
-            self.in_flight[ext.rid] -= 1
-            if not self.in_flight[ext.rid]:
-                del self.in_flight[ext.rid]
-            if req is None or req.finished:
+            rid = ext.rid
+            req = requests.get(rid)  # a caller may drop a finished request from the table
+            left = in_flight[rid] - 1
+            if left:
+                in_flight[rid] = left
+            else:
+                del in_flight[rid]
+            if req is None or req.status is Status.FINISHED:
                 self.discarded_rows += 1  # finished (stop or abort) while this row was in flight
                 continue
             if req.status is Status.RUNNING:  # a preempted request keeps its token, not its KV
                 req.num_computed = ext.start + ext.num_new
-            out = outputs[ext.rid]
+            out = outputs[rid]
             req.output_ids.append(out.token)
             if req.params.logprobs:
                 req.output_logprobs.append(out.logprob)

@@ -16,6 +16,7 @@ cache has one page more than the pool hands out: the scratch page that padded ro
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 
 import numpy as np
@@ -25,7 +26,7 @@ from runtime.config import EngineConfig, ModelConfig
 from runtime.engine.device_sampler import sample_on_device
 from runtime.engine.future import FutureTokens
 from runtime.engine.model_runner import checked_input_ids
-from runtime.engine.plan import Extend, StepPlan
+from runtime.engine.plan import StepPlan
 from runtime.engine.request import Request
 from runtime.engine.sampler import SampleOutput
 from runtime.env import Env
@@ -93,64 +94,91 @@ class StaticModelRunner:
         self.timeline: StepTimeline | None = None  # set by benchmarks
 
     # ---- building the rows ---------------------------------------------------------------------
-    def build_inputs(self, extends: tuple[Extend, ...], requests: dict[str, Request],
-                     decode: bool) -> tuple[DecodeInputs, list[int]]:
-        """The rows of these extends on the device, and the row of each extend's last token.
+    def build_step(self, plan: StepPlan, requests: dict[str, Request]) -> StepRows:
+        """A step's rows (prefill extends, then decode extends) on the device, in one pass.
 
-        Built with numpy in a few array operations, not per-row torch calls: in the overlap loop
-        this host work must fit inside one GPU step (about 1 ms for the canary model at bs 16)."""
+        Built with numpy in a few array operations over the whole step, then copied to the device
+        as one pinned buffer: in the overlap loop this host work must fit inside one GPU step (under
+        1 ms for the canary model), and each separate host-to-device copy of pageable memory costs
+        a launch and may wait for the stream. The row of each extend's last token, the future
+        buffer's read and write indices travel in the same buffer."""
+        extends = plan.extends
+        num_prefill = len(plan.prefill)
+        from_future = self.future is not None
         tokens: list[int] = []
-        future_rows, future_rids = [], []
-        counts = np.fromiter((ext.num_new for ext in extends), dtype=np.int64, count=len(extends))
-        table = np.full((len(extends), self.max_pages), self.scratch_page, dtype=np.int64)
+        future_rows: list[int] = []
+        future_read: list[int] = []
         row = 0
         for i, ext in enumerate(extends):
             if len(ext.pages) > self.max_pages:
                 raise RuntimeError(f"{len(ext.pages)} pages exceed max_model_len ({self.max_pages} pages)")
             ids = checked_input_ids(ext, requests[ext.rid], self.pool, self.page_size,
-                                    decode and self.future is not None, self.faults)
-            table[i, :len(ext.pages)] = ext.pages
+                                    from_future and i >= num_prefill, self.faults)
             if ids is None:
+                assert self.future is not None  # rows come from it only in the overlap loop
                 tokens.append(0)  # filled from the device-side future buffer below
                 future_rows.append(row)
-                future_rids.append(ext.rid)
+                future_read.append(self.future.held_slot(ext.rid))
             else:
                 tokens.extend(ids)
             row += ext.num_new
-        starts = np.fromiter((ext.start for ext in extends), dtype=np.int64, count=len(extends))
-        owner = np.repeat(np.arange(len(extends)), counts)  # [rows] which extend each row belongs to
-        first_row = np.cumsum(counts) - counts
-        positions = starts[owner] + (np.arange(row) - first_row[owner])
-        slots = table[owner, positions // self.page_size] * self.page_size + positions % self.page_size
-
-        def dev(a) -> torch.Tensor:
-            return torch.as_tensor(a, dtype=torch.long).to(self.device, non_blocking=True)
-
-        token_ids = dev(tokens)
-        if future_rows:
-            assert self.future is not None  # rows come from it only in the overlap loop
-            token_ids[dev(future_rows)] = self.future.read(future_rids)
-        inp = DecodeInputs(token_ids, dev(positions), dev(slots), dev(table[owner]))
-        return inp, (np.cumsum(counts) - 1).tolist()
+        n, e = row, len(extends)
+        # [extends, 3]: rows, first position and page count of each extend
+        shape = np.array([(ext.num_new, ext.start, len(ext.pages)) for ext in extends], dtype=np.int64)
+        counts, starts, lengths = shape[:, 0], shape[:, 1], shape[:, 2]
+        table = np.full((e, self.max_pages), self.scratch_page, dtype=np.int64)
+        # The ragged page lists into the padded table at once: a boolean mask fills row-major.
+        table[np.arange(self.max_pages) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(ext.pages for ext in extends), dtype=np.int64, count=int(lengths.sum()))
+        last_rows = np.cumsum(counts) - 1
+        if n == e:  # one row per extend (a decode step): the rows are the extends
+            positions, row_table = starts, table
+        else:
+            owner = np.repeat(np.arange(e), counts)  # [rows] which extend each row belongs to
+            positions = starts[owner] + (np.arange(n) - (last_rows + 1 - counts)[owner])
+            row_table = table[owner]
+        slots = row_table[np.arange(n), positions // self.page_size] * self.page_size + positions % self.page_size
+        # Future-buffer slots the sampled tokens go to (assigned on a request's first step).
+        future_write = [self.future.slot(ext.rid) for ext in extends] if self.future is not None else []
+        f, w = len(future_rows), len(future_write)
+        flat = np.concatenate([np.asarray(tokens, dtype=np.int64), positions, slots, row_table.ravel(),
+                               last_rows, np.asarray(future_rows + future_read + future_write, dtype=np.int64)])
+        host = torch.from_numpy(flat)
+        if self.device.type == "cuda":
+            # Pinned staging, so the copy is truly asynchronous; the caching host allocator keeps
+            # the block until the copy has run.
+            host = host.pin_memory()
+        buf = host.to(self.device, non_blocking=True)
+        token_ids, pos, write_slots, page_rows, last, rows_f, read_f, write_f = torch.split(
+            buf, [n, n, n, n * self.max_pages, e, f, f, w])
+        page_table = page_rows.view(n, self.max_pages)
+        if f:
+            assert self.future is not None
+            token_ids[rows_f] = self.future.tokens[read_f]
+        identity = n == e  # every extend is one row (a decode-only step): no gather of the last rows
+        return StepRows(DecodeInputs(token_ids, pos, write_slots, page_table), last_rows, None if identity else last,
+                        write_f if w else None)
 
     # ---- running them --------------------------------------------------------------------------
-    def forward(self, inp: DecodeInputs, last_rows: list[int]) -> torch.Tensor:
+    def forward(self, inp: DecodeInputs, last_rows: np.ndarray, last: torch.Tensor | None) -> torch.Tensor:
         """float32 logits [len(last_rows), V] of a step's rows (prompt and decode rows alike): one
         graph replay at the step's bucket, or eager passes of at most `max_rows` rows above the
-        largest bucket. Passes run in row order, so a prompt split across passes is still causal."""
-        last = torch.tensor(last_rows, dtype=torch.long)
+        largest bucket. Passes run in row order, so a prompt split across passes is still causal.
+        `last` is `last_rows` on the device, or None where they are every row."""
         if self.graphs.graphs and inp.batch_size <= max(self.graphs.buckets):
-            return self.graphs.forward(inp)[last.to(self.device, non_blocking=True)]
+            logits = self.graphs.forward(inp)
+            return logits if last is None else logits[last]
         picked = []
         for start in range(0, inp.batch_size, self.max_rows):
             stop = min(start + self.max_rows, inp.batch_size)
             chunk = DecodeInputs(inp.token_ids[start:stop], inp.positions[start:stop], inp.write_slots[start:stop],
                                  inp.page_table[start:stop])
-            wanted = last[(last >= start) & (last < stop)] - start
+            wanted = last_rows[(last_rows >= start) & (last_rows < stop)] - start
             logits = self.graphs.eager(chunk)
             if len(wanted):
-                picked.append(logits[wanted.to(self.device, non_blocking=True)])
-        return torch.cat(picked)
+                picked.append(logits if len(wanted) == chunk.batch_size else
+                              logits[torch.from_numpy(wanted).to(self.device, non_blocking=True)])
+        return torch.cat(picked) if len(picked) > 1 else picked[0]
 
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> Mapping[str, SampleOutput]:
         if self.future is not None:
@@ -160,22 +188,25 @@ class StaticModelRunner:
             return {}
         # plan.extends order: prefill rows first, then decode rows (their requests are disjoint), all
         # in one pass: a row's bits do not depend on the rows beside it.
-        parts = [self.build_inputs(extends, requests, decode=decode)
-                 for extends, decode in ((plan.prefill, False), (plan.decode, True)) if extends]
-        inp, last_rows = parts[0]
-        if len(parts) == 2:
-            (decode_inp, decode_last), offset = parts[1], inp.batch_size
-            inp = DecodeInputs(*(torch.cat([a, b]) for a, b in zip(
-                (inp.token_ids, inp.positions, inp.write_slots, inp.page_table),
-                (decode_inp.token_ids, decode_inp.positions, decode_inp.write_slots, decode_inp.page_table))))
-            last_rows = last_rows + [offset + row for row in decode_last]
+        rows = self.build_step(plan, requests)
         # After the inputs are built: in the normal loop the GPU idles while the host builds them.
         begin = self.timeline.begin() if self.timeline is not None else None
-        logits = self.forward(inp, last_rows)
-        rows = [requests[ext.rid] for ext in plan.extends]
-        tokens, pending = sample_on_device(logits, rows)
-        if self.future is not None:
-            self.future.write([ext.rid for ext in plan.extends], tokens)
+        logits = self.forward(rows.inputs, rows.last_rows, rows.last)
+        tokens, pending = sample_on_device(logits, [requests[ext.rid] for ext in plan.extends])
+        if rows.future_write is not None:
+            assert self.future is not None
+            self.future.tokens[rows.future_write] = tokens
         if begin is not None and self.timeline is not None:
             self.timeline.end(begin)
         return pending
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+    """What `build_step` hands the forward pass: the rows, where each extend's last row is (host,
+    and on the device unless it is every row), and the future-buffer slots of the step's tokens."""
+
+    inputs: DecodeInputs
+    last_rows: np.ndarray  # [extends]
+    last: torch.Tensor | None  # last_rows on the device; None: every row is a last row
+    future_write: torch.Tensor | None  # [extends] slots of FutureTokens.tokens, overlap loop only

@@ -45,6 +45,7 @@ from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
 from runtime.server.prompt import render_prompt
 from runtime.server.protocol import ChatCompletionRequest, NamedToolChoice
 from runtime.server.request_body import check_content_type, decode_json, read_limited
+from runtime.server.sse import ChunkEncoder
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
@@ -263,15 +264,6 @@ def _required_opening(tok, req: ChatCompletionRequest) -> tuple[int, ...]:
 
 
 # ---- responses ----------------------------------------------------------------------------------
-def _chunk(state: ServerState, rid: str, created: int, delta: dict, logprobs: list | None,
-           finish_reason: str | None) -> str:
-    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-            "system_fingerprint": state.loaded.config.fingerprint,
-            "choices": [{"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
-                         "finish_reason": finish_reason}]}
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
 def _delta_body(delta: Delta) -> dict[str, Any]:
     body: dict[str, Any] = {}
     if delta.content:
@@ -288,32 +280,43 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: ChoiceBuilder, prompt_tokens: int,
                   include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
+    encoder = ChunkEncoder(rid, created, state.model_name, state.loaded.config.fingerprint)
     completion = 0
     done = False
     try:
-        yield _chunk(state, rid, created, {"role": "assistant", "content": ""}, None, None)
+        yield encoder.chunk({"role": "assistant", "content": ""}, None, None)
         while not done:
-            event = await sink.get()
-            if isinstance(event, Rejected):  # the engine died under us: say so inside the stream
-                yield f"data: {json.dumps(ApiError(500, event.message, type='server_error').body())}\n\n"
-                done = True
-                break
-            reason = "abort" if isinstance(event, Aborted) else None
-            if isinstance(event, TokenOut):
-                completion += 1
-                delta = builder.push(event.token, event.logprob, event.top, event.is_stop_token)
-                if delta:
-                    yield _chunk(state, rid, created, _delta_body(delta), delta.logprobs, None)
-                reason = event.finish_reason
-            if reason is not None:
-                last, finish = builder.finish(reason)
-                done = True
-                yield _chunk(state, rid, created, _delta_body(last), last.logprobs, finish)
-        if include_usage:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                    "choices": [], "usage": _usage(prompt_tokens, completion)}
-            yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
+            # Every event that has arrived (a step's token, or several steps' when this loop fell
+            # behind) goes out in one write: a write costs the same for one chunk as for many.
+            events = [await sink.get()]
+            while not sink.empty():
+                events.append(sink.get_nowait())
+            out: list[str] = []
+            for event in events:
+                if isinstance(event, Rejected):  # the engine died under us: say so inside the stream
+                    out.append(f"data: {json.dumps(ApiError(500, event.message, type='server_error').body())}\n\n")
+                    done = True
+                    break
+                reason = "abort" if isinstance(event, Aborted) else None
+                if isinstance(event, TokenOut):
+                    completion += 1
+                    delta = builder.push(event.token, event.logprob, event.top, event.is_stop_token)
+                    if delta:
+                        out.append(encoder.delta_chunk(delta, _delta_body(delta)))
+                    reason = event.finish_reason
+                if reason is not None:
+                    last, finish = builder.finish(reason)
+                    done = True
+                    out.append(encoder.delta_chunk(last, _delta_body(last), finish))
+                    break
+            if done and include_usage:
+                body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                        "choices": [], "usage": _usage(prompt_tokens, completion)}
+                out.append(f"data: {json.dumps(body)}\n\n")
+            if done:
+                out.append("data: [DONE]\n\n")
+            if out:
+                yield "".join(out)
     finally:
         if not done:  # the client went away (or the server is stopping): free the request's pages
             state.bridge.abort(rid)

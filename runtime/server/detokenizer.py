@@ -8,9 +8,27 @@ part of the returned text.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from runtime.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
+SHORT = 4  # decodes of at most this many ids are cached
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _decode_short(tokenizer: Any, ids: tuple[int, ...]) -> str:  # Any: the cache hashes it by identity
+    return tokenizer.decode(list(ids))
+
+
+def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """`tokenizer.decode(ids)`, cached for the short windows streaming decodes: each token decodes
+    the previous one and the pair (two calls per token, per stream), and replies repeat pairs. A
+    decode is a pure function of the ids, so a hit is exact."""
+    if len(ids) <= SHORT:
+        return _decode_short(tokenizer, tuple(ids))  # type: ignore[arg-type]  # hashed by identity
+    return tokenizer.decode(ids)
 
 
 class Detokenizer:
@@ -27,18 +45,18 @@ class Detokenizer:
     def push(self, token: int) -> str:
         """Add one generated token; return the text that became final."""
         self.ids.append(token)
-        new = self.tokenizer.decode(self.ids[self._prefix:])
+        new = decode(self.tokenizer, self.ids[self._prefix:])
         if new.endswith(REPLACEMENT):
             return ""  # an unfinished character: wait for its remaining bytes
-        old = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        old = decode(self.tokenizer, self.ids[self._prefix:self._read])
         self.text += new[len(old):]
         self._prefix, self._read = self._read, len(self.ids)
         return self._release(final=False)
 
     def flush(self) -> str:
         """At the end of the request: decode what is left and release everything before a stop."""
-        rest = self.tokenizer.decode(self.ids[self._prefix:])
-        old = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        rest = decode(self.tokenizer, self.ids[self._prefix:])
+        old = decode(self.tokenizer, self.ids[self._prefix:self._read])
         self.text += rest[len(old):]
         self._prefix = self._read = len(self.ids)
         return self._release(final=True)

@@ -206,6 +206,8 @@ def _bad_body(text: str, at: int, final: bool, reason: str) -> NoReturn:
 class DsmlParser:
     """Feed text, get events; `finish()` flushes. `tool_names=None` accepts any function name."""
 
+    skip_undecided = True  # False: scan every feed in full (the reference the shortcut is tested against)
+
     def __init__(self, tool_names: set[str] | None = None) -> None:
         self.tool_names = tool_names
         self._buf = ""
@@ -289,6 +291,13 @@ class DsmlParser:
         return True
 
     def _invoke(self, events: list[Event], final: bool) -> bool:
+        if self.skip_undecided and not final and INVOKE_CLOSE not in self._buf:
+            head = _INVOKE_HEAD.match(self._buf)
+            if head is not None and head.group("end") == ">":
+                # scan_invoke's answer here is always NeedMore: past a well-formed head, only the
+                # close tag (or the end of the output) decides a body. Rescanning the whole invoke
+                # on every token made a long call quadratic (most of the server's output path).
+                return False
         try:
             end, name, arguments = scan_invoke(self._buf, final)
         except NeedMore:

@@ -9,6 +9,7 @@ text instead of a model.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -27,11 +28,42 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+@dataclass(frozen=True)
+class LogprobEntry:
+    """One token's logprob and its top alternatives, rendered two ways from the same data: a dict
+    (the non-streamed response, through `fold`) and JSON text (a streamed chunk, `as_json`). The
+    JSON is built from per-token pieces cached once per token id: encoding the nested dicts of
+    every streamed token anew was the biggest share of the server's json.dumps time."""
+
+    tokenizer: Any
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # already cut to the request's top_logprobs
+
+    def as_dict(self) -> dict[str, Any]:
+        def item(tid: int, lp: float) -> dict[str, Any]:
+            text, utf8 = token_text(self.tokenizer, tid)
+            return {"token": text, "logprob": lp, "bytes": list(utf8)}
+
+        entry = item(self.token, self.logprob)
+        entry["top_logprobs"] = [item(t, lp) for t, lp in self.top]
+        return entry
+
+    def as_json(self) -> str:
+        """Exactly `json.dumps(self.as_dict(), ensure_ascii=False)` (tests/unit/test_sse_chunks.py)."""
+        tops = []
+        for tid, lp in self.top:
+            head, tail = token_json(self.tokenizer, tid)
+            tops.append(f"{head}{json_float(lp)}{tail}}}")
+        head, tail = token_json(self.tokenizer, self.token)
+        return f"{head}{json_float(self.logprob)}{tail}, \"top_logprobs\": [{', '.join(tops)}]}}"
+
+
 @dataclass
 class Delta:
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.tool_calls or self.logprobs)
@@ -64,7 +96,7 @@ class ChoiceBuilder:
         """One generated token. A stop token (EOS, stop_token_ids) counts but adds no text."""
         delta = Delta()
         if self.options.logprobs:
-            delta.logprobs.append(self._logprob_entry(token, logprob, top))
+            delta.logprobs.append(LogprobEntry(self.tokenizer, token, logprob, top[: self.options.top_logprobs]))
         if not is_stop_token:
             self._apply(delta, self._events(self.detok.push(token)))
         return delta
@@ -113,15 +145,6 @@ class ChoiceBuilder:
                 delta.tool_calls.append({"index": event.index, "id": new_call_id(), "type": "function",
                                          "function": {"name": event.name, "arguments": arguments}})
 
-    def _logprob_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
-        def item(tid: int, lp: float) -> dict[str, Any]:
-            text, utf8 = token_text(self.tokenizer, tid)  # type: ignore[arg-type]  # hashed by identity
-            return {"token": text, "logprob": lp, "bytes": list(utf8)}
-
-        entry = item(token, logprob)
-        entry["top_logprobs"] = [item(t, lp) for t, lp in top[: self.options.top_logprobs]]
-        return entry
-
 
 @functools.lru_cache(maxsize=1 << 16)
 def token_text(tokenizer: Any, token: int) -> tuple[str, bytes]:  # Any: the cache hashes it
@@ -130,6 +153,28 @@ def token_text(tokenizer: Any, token: int) -> tuple[str, bytes]:  # Any: the cac
     H200 gate), and a token's text never changes. Tokenizers hash by identity."""
     text = tokenizer.decode([token])
     return text, text.encode("utf-8")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def token_json(tokenizer: Any, token: int) -> tuple[str, str]:
+    """A logprob item's JSON around its logprob: `{"token": TEXT, "logprob": ` and `, "bytes": [..]`
+    (json.dumps's default separators, ensure_ascii=False, as the chunk encoder writes them)."""
+    text, utf8 = token_text(tokenizer, token)
+    return (f'{{"token": {json.dumps(text, ensure_ascii=False)}, "logprob": ',
+            f', "bytes": {json.dumps(list(utf8))}')
+
+
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def json_float(value: float) -> str:
+    """A float as json.dumps writes it (repr; NaN and the infinities spelled as JavaScript does)."""
+    text = repr(value)
+    return text if text[-1].isdigit() else _NON_FINITE[text]  # a finite repr ends in a digit
+
+
+def logprobs_json(entries: list[LogprobEntry]) -> str:
+    return "[" + ", ".join(e.as_json() for e in entries) + "]"
 
 
 def fold(deltas: list[Delta]) -> dict[str, Any]:
@@ -146,4 +191,4 @@ def fold(deltas: list[Delta]) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return {"message": message, "logprobs": [lp for d in deltas for lp in d.logprobs]}
+    return {"message": message, "logprobs": [lp.as_dict() for d in deltas for lp in d.logprobs]}

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from runtime.server.dsml import DSML, DsmlParser, ParsedCall, collect, parse
+from runtime.server.dsml import DSML, INVOKE_CLOSE, DsmlParser, ParsedCall, collect, parse
 from runtime.server.output import ChoiceBuilder, OutputOptions, fold
 from runtime.tokenizer import ByteTokenizer
 from tests.reference_impls import DeepSeekV4Detector, Function, Tool, needs_sglang
@@ -271,3 +271,41 @@ def test_never_more_lenient_than_sglang_detector(text):
     ours = [(c.name, json.loads(c.arguments)) for c in parse(text, {"f"}).calls]
     for call in ours:
         assert call in theirs
+
+
+def _feed_events(text: str, pieces: list[int], skip: bool) -> list[list]:
+    parser = DsmlParser()
+    parser.skip_undecided = skip
+    out, at = [], 0
+    for size in pieces:
+        out.append(parser.feed(text[at:at + size]))
+        at += size
+    out.append(parser.feed(text[at:]) + parser.finish())
+    return out
+
+
+_malformed = st.sampled_from(list(INVALID.values()) + [f'<{DSML}invoke name=f>\n', f'<{DSML}invoke name="f"/>\n'])
+
+
+@given(reply=st.one_of(_reply, st.tuples(_reply, _malformed).map(lambda r: r[0] + block(r[1]))),
+       pieces=st.lists(st.integers(1, 9), max_size=200))
+def test_the_undecided_invoke_shortcut_changes_no_event(reply, pieces):
+    """DsmlParser skips rescanning an invoke until its close tag arrives: every feed's events (not
+    only the totals) are those of the full rescan."""
+    assert _feed_events(reply, pieces, True) == _feed_events(reply, pieces, False)
+
+
+def test_negative_control_a_shortcut_that_skips_too_much_is_caught(monkeypatch):
+    """Skipping also at the end of the output (final) would lose the cut invoke's text: the
+    comparison above sees it."""
+    text = "hi\n\n" + block(invoke("f", param("a", "x")))[:-30]
+    original = DsmlParser._invoke
+
+    def skip_always(self, events, final):
+        if INVOKE_CLOSE not in self._buf:
+            return False
+        return original(self, events, final)
+
+    reference = _feed_events(text, [3] * 40, False)
+    monkeypatch.setattr(DsmlParser, "_invoke", skip_always)
+    assert _feed_events(text, [3] * 40, True) != reference

@@ -136,3 +136,67 @@ def test_negative_control_encoding_request_text_apart_is_caught(monkeypatch):
 
     monkeypatch.setattr(prompt, "encode_pieces", apart)
     assert not one_piece_between_controls(lambda m, t: prompt.render_prompt(TEMPLATE, TOK, m, t, "auto").ids)
+
+
+def test_rendering_leaves_the_callers_messages_and_tools_unchanged():
+    """Marking copies only the containers it changes: the request's own dicts stay as they were."""
+    import copy
+
+    messages, tools = conversation("<｜User｜>"), [TOOL]
+    before = copy.deepcopy((messages, tools))
+    render_prompt(TEMPLATE, TOK, messages, tools, "auto")
+    assert (messages, tools) == before
+
+
+def _regex_split(rendered: str, markers) -> list[tuple[str, bool]]:
+    """split_marked's reference: the regex it replaced."""
+    import re
+
+    pattern = re.compile(re.escape(markers.open) + "(.*?)" + re.escape(markers.close), re.DOTALL)
+    pieces, at = [], 0
+    for match in pattern.finditer(rendered):
+        pieces += [(rendered[at:match.start()], False), (match.group(1), True)]
+        at = match.end()
+    pieces.append((rendered[at:], False))
+    return pieces
+
+
+def test_split_marked_finds_what_the_regex_found():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from runtime.server.chat_template import TemplateError
+    from runtime.server.prompt import Markers, split_marked
+
+    markers = Markers("TXTnOPEN", "TXTnCLOSE")
+    atoms = st.sampled_from([markers.open, markers.close, "a", "\n", "TXTn", "OPEN", "<｜User｜>"])
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.lists(atoms, max_size=12))
+    def check(parts):
+        text = "".join(parts)
+        reference = _regex_split(text, markers)
+        if any(markers.open in t or markers.close in t for t, _ in reference):
+            with pytest.raises(TemplateError):
+                split_marked(text, markers)
+        else:
+            assert split_marked(text, markers) == [(t, r) for t, r in reference if t]
+
+    check()
+
+
+def test_negative_control_greedy_split_and_in_place_marking_are_caught():
+    """A greedy split (last close instead of the next) differs from the reference, and marking the
+    caller's dict in place shows up in the comparison the non-mutation test makes."""
+    from runtime.server.prompt import Markers
+
+    markers = Markers("TXTnOPEN", "TXTnCLOSE")
+    text = f"a{markers.open}x{markers.close}b{markers.open}y{markers.close}c"
+    start, end = text.find(markers.open), text.rfind(markers.close)
+    greedy = [(text[:start], False), (text[start + len(markers.open):end], True),
+              (text[end + len(markers.close):], False)]
+    assert greedy != [(t, r) for t, r in _regex_split(text, markers) if t]
+    message = {"role": "user", "content": "hi"}
+    before = dict(message)
+    message["content"] = markers.wrap(message["content"])  # the planted bug: marking in place
+    assert message != before
