@@ -44,11 +44,16 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 # runner, multi-stream, eager-vs-graph equivalence
 want graph_tests && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
     tests/kernels/test_triton_kernels.py tests/kernels/test_moe_align.py tests/gpu/test_graph_gpu.py \
-    tests/kernels/test_graph_static.py
+    tests/kernels/test_graph_static.py tests/kernels/test_fused_glue.py tests/kernels/test_indexer_topk.py
 want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model canary \
     --sawtooth 1,16,17,32,33,48,49,64,65,96,97,128 --out "$OUT/decode_canary.json"
 want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.step_profile --batch-sizes 16,128 \
     --out "$OUT/step_profile.json"
+# ---- issue 15: our sparse MLA decode and indexer selection beside SGLang's (needs .whl-sglang carried),
+# and the decode GEMM tile sweep (which configs keep the default's bits, and their times)
+want bench_kernels_vs && section bench_kernels_vs "${BENCH_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_vs.json" \
+    --only mla,indexer --batches 1,8,32,64,128 --vs-sglang
+want gemm_sweep && section gemm_sweep "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --budget-s 100 --out "$OUT/gemm_sweep.json"
 want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model dsv4-slice \
     --batch-sizes 1,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
 
