@@ -51,7 +51,7 @@ want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.st
     --out "$OUT/step_profile.json"
 # ---- issue 15: our sparse MLA decode and indexer selection beside SGLang's (needs .whl-sglang carried),
 # and the decode GEMM tile sweep (which configs keep the default's bits, and their times)
-want bench_kernels_vs && section bench_kernels_vs "${BENCH_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_vs.json" \
+want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_vs.json" \
     --only mla,indexer --batches 1,8,32,64,128 --vs-sglang
 want gemm_sweep && section gemm_sweep "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --budget-s 100 --out "$OUT/gemm_sweep.json"
 want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model dsv4-slice \
