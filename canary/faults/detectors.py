@@ -23,7 +23,7 @@ from runtime.config import DEFAULT_MODEL
 # HTTP client: the device image has none.)
 CANARY_WORKLOAD: dict[str, Any] = dict(sessions=16, turns=2, stream_ratio=0.5, max_tokens=160)
 AB_WORKLOAD: dict[str, Any] = dict(sessions=8, turns=1, stream_ratio=1.0, max_tokens=160)
-AB_ROUNDS = 2  # baseline and candidate interleaved twice: a load spike on the shared CPU hits both
+AB_PAIRS = 3  # perf trial pairs, interleaved (canary/perf/trials.py): a load spike on the shared CPU hits both
 PERF_TOLERANCE = 0.5  # the gate's default for shared CPU runners (canary/pytest_plugin.py --perf-tolerance)
 
 
@@ -53,12 +53,12 @@ def ab_perf_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResul
         setup = time.perf_counter() - started
         started = time.perf_counter()
         outcome = run_ab(candidate, baseline, DriverOptions(**AB_WORKLOAD, seed=seed), PERF_TOLERANCE,
-                         rounds=AB_ROUNDS, progress=False)
+                         pairs=AB_PAIRS, progress=False)
     return GateResult(outcome.failures, time.perf_counter() - started, setup)
 
 
 def is_correctness_oracle(line: str) -> bool:
-    return line.startswith("[") and not line.startswith("[perf-regression]")
+    return line.startswith("[") and not line.startswith(("[perf-regression]", "[perf-inconclusive]"))
 
 
 def tagged(tag: str):
@@ -74,7 +74,7 @@ def by_tag(gate: str, run, tag: str, **kw) -> Detector:
 # (`expecting` in DETECTORS): at least one of them must fire, not just any oracle.
 CANARY_GATE = Detector(f"canary gate ({CANARY_WORKLOAD['sessions']} sessions x {CANARY_WORKLOAD['turns']} turns)",
                        canary_gate, is_correctness_oracle)
-AB_PERF_GATE = by_tag(f"A/B perf gate ({AB_WORKLOAD['sessions']} sessions, {AB_ROUNDS} rounds)", ab_perf_gate,
+AB_PERF_GATE = by_tag(f"A/B perf gate ({AB_WORKLOAD['sessions']} sessions, {AB_PAIRS}+ trial pairs)", ab_perf_gate,
                       "[perf-regression]", timed=True)
 STREAM_EMULATOR = by_tag("CPU stream emulator vs in-order", engine_gates.stream_emulator, "[stream-emulator]")
 OVERLAP_VS_NORMAL = by_tag("overlap loop vs normal loop", engine_gates.overlap_vs_normal, "[overlap-vs-normal]")
