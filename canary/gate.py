@@ -25,6 +25,7 @@ from canary.provenance import device_name, fingerprint, git_commit, versions
 from canary.targets import Target
 
 GOLDEN_DIR = Path("golden/transcripts")
+PERF_WORKLOAD = TrialWorkload()  # the perf verdict's trial workload (canary/perf/trial_load.py)
 BASELINE_DIR = Path("golden/baselines")
 
 
@@ -135,7 +136,7 @@ def trials_fingerprint(target: Target, info: dict, workload: TrialWorkload) -> d
 
 
 def gate_perf(target: Target, info: dict, baseline: Path | None, tolerance: float, record: bool,
-              outcome: GateOutcome, min_trials: int, workload: TrialWorkload = TrialWorkload()) -> None:
+              outcome: GateOutcome, min_trials: int, workload: TrialWorkload = PERF_WORKLOAD) -> None:
     """The perf verdict against the stored baseline's trials (canary/perf/trials.py `stored_trials`):
     ok passes; slower and inconclusive both fail. `record`: run the trials and store them instead."""
     if min_trials <= 0:
@@ -145,9 +146,9 @@ def gate_perf(target: Target, info: dict, baseline: Path | None, tolerance: floa
     path = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
     probe = machine_speed.probe if probes_this_machine(target) else None
     if record:
-        stored = perf_trials.record_trials(target, workload, max(min_trials, 8), probe=probe)
-        perf.save_trials_baseline(path, fp, stored)
-        outcome.notes.append(f"performance baseline recorded: {path} ({len(stored['trials'])} trials)")
+        recorded = perf_trials.record_trials(target, workload, max(min_trials, 8), probe=probe)
+        perf.save_trials_baseline(path, fp, recorded)
+        outcome.notes.append(f"performance baseline recorded: {path} ({len(recorded['trials'])} trials)")
         return
     stored = perf.load_baseline(path)
     if stored is None or "trials" not in stored:
@@ -240,7 +241,7 @@ def _check_pages_idle(target: Target, outcome: GateOutcome) -> None:
 
 
 def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, tolerance: float, pairs: int = 6,
-           progress: bool = True, workload: TrialWorkload = TrialWorkload()) -> GateOutcome:
+           progress: bool = True, workload: TrialWorkload = PERF_WORKLOAD) -> GateOutcome:
     """The candidate's sessions once through every oracle, then the perf verdict on interleaved
     trials of both servers (canary/perf/trials.py `ab_trials`): slower and inconclusive both fail."""
     outcome = GateOutcome()

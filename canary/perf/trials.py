@@ -70,7 +70,7 @@ def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tole
     if not 2 <= min_pairs <= max_pairs:
         raise ValueError(f"need 2 <= min_pairs <= max_pairs, got {min_pairs}, {max_pairs}")
     sides = {"baseline": baseline, "candidate": candidate}
-    for name, target in sides.items():  # warm-up, not counted: first requests pay lazy initialisation
+    for target in sides.values():  # warm-up, not counted: first requests pay lazy initialisation
         measure(target, workload, -1)
     trials: list[dict] = []
     ratios: dict[str, list[float]] = {m: [] for m in workload.metrics()}

@@ -10,7 +10,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 
 def percentile(values: Iterable[float], q: float) -> float:

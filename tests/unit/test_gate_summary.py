@@ -36,7 +36,8 @@ def test_a_passing_gate_says_what_ran_and_what_was_checked():
                  "requests: 40 (1 aborted), 1234 completion tokens in 12.5s = 99 tok/s",
                  "nonce 40", "required-calls 12", "stream-protocol 20",
                  "golden: 38/39 requests token-identical, 1 benign near-ties, 0 diverged",
-                 "ok vs golden/baselines/x.json: tolerance 10%", "decode_tok_s@8 +1.3% [-1.0%, +3.7%] over 6 trials (ok)",
+                 "ok vs golden/baselines/x.json: tolerance 10%",
+                 "decode_tok_s@8 +1.3% [-1.0%, +3.7%] over 6 trials (ok)",
                  "KV pages in use after the run: 0.0", "report: reports/summary.json"):
         assert fact in text, f"{fact!r} missing from\n{text}"
     assert "failures:" not in text
