@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
     parser.add_argument("--out", type=Path, default=Path("perf_trials.jsonl"))
     args = parser.parse_args(argv)
+    # `timeout` (scripts/gpu_suite.sh) sends SIGTERM: exit through the `with` so the servers stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     workload = TrialWorkload(concurrency=tuple(int(c) for c in args.concurrency.split(",")), max_tokens=args.max_tokens,
                              ttft_rate=args.ttft_rate, ttft_requests=args.ttft_requests)

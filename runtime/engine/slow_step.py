@@ -4,10 +4,13 @@ Its size is either fixed (`DSV4_SLOW_STEP_MS`, default 50 ms: far beyond any tol
 percentage of the step's own time (`DSV4_SLOW_STEP_PCT`, e.g. 10: the server ~10% slower at every
 batch size, on a fast GPU and a slow CPU alike), which is what measuring a verdict's catch rate needs.
 
-On a GPU the delay is spent twice at once: the host sleeps and the device busy-waits
-(`torch.cuda._sleep`) for the same time. The overlap loop hides host time whenever the GPU is the
-bottleneck and device time whenever the host is; with both, the step period grows by the delay in
-either regime, instead of by nothing.
+The percentage is spent as a busy-wait on the host, not a sleep: a sleeping engine thread on an
+oversubscribed CPU waits for its core far longer than it asked (a 10% sleep measured +25% on the
+loaded 2-core machine), while a real regression is more work, which keeps the core. On a GPU the
+delay is spent twice at once: the host waits and the device busy-waits (`torch.cuda._sleep`) for
+the same time. The overlap loop hides host time whenever the GPU is the bottleneck and device time
+whenever the host is; with both, the step period grows by the delay in either regime, instead of by
+nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ class SlowStep:
         seconds = self.seconds(step_s)
         if self.cuda and seconds > 0:
             torch.cuda._sleep(int(seconds * self.cycles_per_second()))
-        time.sleep(seconds)
+        if self.pct > 0:
+            until = time.perf_counter() + seconds
+            while time.perf_counter() < until:
+                pass
+        else:
+            time.sleep(seconds)
 
     def cycles_per_second(self) -> float:
         """GPU busy-wait cycles per second, measured once (the clock is not in device properties)."""
