@@ -146,7 +146,7 @@ def gate_perf(target: Target, info: dict, baseline: Path | None, tolerance: floa
     path = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
     probe = machine_speed.probe if probes_this_machine(target) else None
     if record:
-        recorded = perf_trials.record_trials(target, workload, max(min_trials, 8), probe=probe)
+        recorded = perf_trials.record_trials(target, workload, max(min_trials, 8), perf_trials.measure_trial, probe)
         perf.save_trials_baseline(path, fp, recorded)
         outcome.notes.append(f"performance baseline recorded: {path} ({len(recorded['trials'])} trials)")
         return
@@ -157,7 +157,7 @@ def gate_perf(target: Target, info: dict, baseline: Path | None, tolerance: floa
                              "record one with --baseline-update")
         return
     result = perf_trials.stored_trials(target, stored, workload, tolerance, min_trials=min_trials,
-                                       max_trials=2 * min_trials, probe=probe)
+                                       max_trials=2 * min_trials, measure=perf_trials.measure_trial, probe=probe)
     outcome.summary["perf_gate"] = {"baseline": str(path), **result.summary()}
     outcome.failures += result.failures()
 
@@ -247,6 +247,10 @@ def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, t
     outcome = GateOutcome()
     result = run_driver(candidate, options, progress)
     outcome.failures += [f"candidate: {f.describe()}" for _, f in result.failures]
+    if pairs <= 0:
+        outcome.notes.append("perf gate off (--perf-trials 0)")
+        outcome.summary = {"target": candidate.name, "gate_failures": outcome.failures}
+        return outcome
     verdict = perf_trials.ab_trials(candidate, baseline_target, workload, tolerance, min_pairs=pairs,
                                     max_pairs=2 * pairs)
     outcome.failures += verdict.failures()

@@ -6,11 +6,11 @@ that way, and an A/B at 20% failed a clean run 1 time in 3 (docs/results.md, iss
 trial gives one log-ratio (candidate against baseline, oriented so that > 0 is slower), and the
 verdict reads a Student-t interval on their mean:
 
-- "slower": the interval excludes 0 (the build is slower, not noise) and the point estimate lies
-  nearer the tolerance than 0; a slowdown of `tolerance` is the one the gate must catch.
-- "ok": the interval excludes the tolerance (a slowdown that large is ruled out) and the point
-  estimate lies nearer 0.
-- "inconclusive": anything else - too few trials, an interval wider than the tolerance (it cannot
+- "slower": the interval lies above the midpoint between no slowdown and the tolerance (a slowdown
+  of `tolerance` is the one the gate must catch), or it is narrower than the tolerance and centred
+  above that midpoint (then it excludes no slowdown).
+- "ok": the same below the midpoint (a narrow one then excludes a tolerance-sized slowdown).
+- "inconclusive": anything else - too few trials, a wide interval across the midpoint (it cannot
   tell 0 from the tolerance), or a machine that is not comparable. It fails the gate: a verdict that
   cannot see a slowdown must not pass one.
 
@@ -135,7 +135,7 @@ def decide(metric: str, interval: Interval | None, tolerance: float, not_compara
                             not_comparable or "no trials")
     ratio, low, high = math.exp(interval.mean), math.exp(interval.low), math.exp(interval.high)
     limit = math.log1p(tolerance)
-    nearer_tolerance = interval.mean >= limit / 2
+    nearer_tolerance = interval.mean >= limit / 2  # the midpoint in log space
 
     def verdict(status: str, reason: str) -> RatioVerdict:
         return RatioVerdict(metric, status, ratio, low, high, interval.n, tolerance, reason)
@@ -144,14 +144,16 @@ def decide(metric: str, interval: Interval | None, tolerance: float, not_compara
         return verdict(INCONCLUSIVE, not_comparable)
     if interval.n < MIN_TRIALS:
         return verdict(INCONCLUSIVE, f"{interval.n} trials, at least {MIN_TRIALS} needed")
-    if interval.width > limit:
-        return verdict(INCONCLUSIVE, f"interval wider than the tolerance ({(high / low - 1) * 100:.1f}%): "
-                                     "too noisy to tell no slowdown from a tolerance-sized one")
-    if nearer_tolerance and interval.low > 0:
-        return verdict(SLOWER, "interval excludes no slowdown")
-    if not nearer_tolerance and interval.high < limit:
-        return verdict(OK, "interval excludes a tolerance-sized slowdown")
-    return verdict(INCONCLUSIVE, "interval does not decide")  # unreachable for symmetric intervals
+    middle = limit / 2
+    if interval.low >= middle or (interval.width <= limit and nearer_tolerance):
+        return verdict(SLOWER, "interval above the midpoint" if interval.low >= middle else
+                       "narrow interval centred above the midpoint: excludes no slowdown")
+    if interval.high < middle or (interval.width <= limit and not nearer_tolerance):
+        return verdict(OK, "interval below the midpoint" if interval.high < middle else
+                       "narrow interval centred below the midpoint: excludes a tolerance-sized slowdown")
+    return verdict(INCONCLUSIVE, f"interval ({(low - 1) * 100:+.1f}%, {(high - 1) * 100:+.1f}%) is wider than the "
+                                 "tolerance and spans the midpoint: too noisy to tell no slowdown from a "
+                                 "tolerance-sized one")
 
 
 def overall(verdicts: Sequence[RatioVerdict]) -> str:

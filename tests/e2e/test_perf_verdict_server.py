@@ -3,9 +3,11 @@ its step time (DSV4_SLOW_STEP_PCT) is called "slower" by the interleaved A/B tri
 server on both sides (the negative control) is not. Marked `timing`: the oracle measures speed, so
 `make test` runs it alone after the parallel stage (a clean A/B beside another worker once read 73%).
 
-25%, not the 10% the bench measures (bench/perf_verdict_trials.py, docs/results.md): a CI runner's
-noise must not make this test flaky, and the verdict's statistics are tested exactly on synthetic
-trials (tests/unit/test_perf_verdict.py); here the point is the whole path through real servers.
+50%, not the 10% the bench measures (bench/perf_verdict_trials.py, docs/results.md): on a loaded
+2-core machine one trial pair's ratio spread by +-20% and a 25% slowdown came out inconclusive, and a
+CI runner's noise must not make this test flaky. The verdict's statistics are tested exactly on
+synthetic trials (tests/unit/test_perf_verdict.py); here the point is the whole path through real
+servers.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ WORKLOAD = TrialWorkload(concurrency=(8,), max_tokens=48, ttft_rate=4.0, ttft_re
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("servers")
     with embedded_server(DEFAULT_MODEL, log_dir=logs) as clean, \
-            embedded_server(DEFAULT_MODEL, faults=["slow-step"], env={"DSV4_SLOW_STEP_PCT": "25"},
+            embedded_server(DEFAULT_MODEL, faults=["slow-step"], env={"DSV4_SLOW_STEP_PCT": "50"},
                             log_dir=logs) as slowed:
         yield clean, slowed
 

@@ -62,11 +62,15 @@ def test_verdicts_on_known_ratios():
     assert faster.status == OK
 
 
-def test_wide_noise_is_inconclusive_never_ok():
+def test_wide_noise_across_the_midpoint_is_inconclusive_never_ok():
     rng = random.Random(3)
+    spread = (-0.3, -0.1, 0.1, 0.3, -0.2, 0.2)  # sd 0.22: an interval of about +-23% around the ratio
     for ratio in (1.0, 1.1):
-        verdict = decide("m", mean_interval(log_ratios(rng, ratio, 0.2, 6)), TOL)
+        verdict = decide("m", mean_interval([math.log(ratio) + d for d in spread]), TOL)
         assert verdict.status == INCONCLUSIVE and "wider than the tolerance" in verdict.reason
+    # Wide, but far from the midpoint: a 2x slowdown is slower and a 2x speed-up ok, noise or not.
+    assert decide("m", mean_interval(log_ratios(rng, 2.0, 0.2, 6)), TOL).status == SLOWER
+    assert decide("m", mean_interval(log_ratios(rng, 0.5, 0.2, 6)), TOL).status == OK
     too_few = decide("m", mean_interval([0.0, 0.001]), TOL)
     assert too_few.status == INCONCLUSIVE and "at least 3" in too_few.reason
     assert decide("m", None, TOL).status == INCONCLUSIVE
@@ -196,3 +200,37 @@ def test_the_seeds_nine_percent_bucket_cliff_is_flagged_and_a_flat_plateau_is_no
     # Flat control: a saturated server whose throughput wanders by up to +-2% per level.
     flat = [min(726.0, 13.0 * level) * (1 + rng.uniform(-0.02, 0.02)) for level in levels]
     assert find_cliffs(levels, flat) == []
+
+
+# ---- the gate's perf step (canary/gate.py gate_perf), with the synthetic measurement ---------------
+def test_the_gate_records_a_trials_baseline_then_fails_a_slower_build(tmp_path, monkeypatch):
+    import canary.perf.trials as trials_module
+    from canary.gate import GateOutcome, gate_perf
+
+    path = tmp_path / "baseline.json"
+    costs = {"a": 1.0}
+    monkeypatch.setattr(trials_module, "measure_trial", synthetic(costs, 0.01, 17))
+    recorded = GateOutcome()
+    gate_perf(A, {}, path, TOL, True, recorded, min_trials=4, workload=WORKLOAD)
+    assert recorded.passed and "performance baseline recorded" in recorded.notes[0] and path.is_file()
+    clean = GateOutcome()
+    gate_perf(A, {}, path, TOL, False, clean, min_trials=4, workload=WORKLOAD)
+    assert clean.passed and clean.summary["perf_gate"]["status"] == OK
+    costs["a"] = 1.1  # the same target, 10% slower
+    slower = GateOutcome()
+    gate_perf(A, {}, path, TOL, False, slower, min_trials=4, workload=WORKLOAD)
+    assert slower.failures and all(f.startswith("[perf-regression] ") for f in slower.failures)
+
+
+def test_the_gate_skips_loudly_without_a_trials_baseline(tmp_path):
+    from canary.gate import GateOutcome, gate_perf
+
+    old = tmp_path / "old.json"
+    old.write_text('{"fingerprint": {}, "metrics": {"output_tok_s": 100.0}}')
+    for path, said in ((tmp_path / "none.json", "NO PERFORMANCE BASELINE"), (old, "OLD-FORMAT PERFORMANCE BASELINE")):
+        outcome = GateOutcome()
+        gate_perf(A, {}, path, TOL, False, outcome, min_trials=4, workload=WORKLOAD)
+        assert outcome.passed and said in outcome.notes[0]
+    off = GateOutcome()
+    gate_perf(A, {}, old, TOL, False, off, min_trials=0, workload=WORKLOAD)
+    assert off.notes == ["perf gate off (--perf-trials 0)"]
