@@ -24,7 +24,7 @@ from runtime.config import DEFAULT_MODEL
 CANARY_WORKLOAD: dict[str, Any] = dict(sessions=16, turns=2, stream_ratio=0.5, max_tokens=160)
 AB_WORKLOAD: dict[str, Any] = dict(sessions=8, turns=1, stream_ratio=1.0, max_tokens=160)
 AB_PAIRS = 3  # perf trial pairs, interleaved (canary/perf/trials.py): a load spike on the shared CPU hits both
-PERF_TOLERANCE = 0.5  # slow-step's default 50 ms a step is far beyond it; the clean control stays quiet on a busy runner
+PERF_TOLERANCE = 0.5  # slow-step's 50 ms a step is far beyond it; the clean control stays quiet on a busy CPU
 
 
 def canary_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResult:
