@@ -5,7 +5,6 @@ test runs: the choice between A/B, gate and sweep, and the report writing, from 
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,12 +17,15 @@ from canary.options import CanaryOptions
 from canary.oracles import differential
 from canary.oracles.golden import Transcript, first_divergence, read_store, write_store
 from canary.perf import machine_speed
+from canary.perf import trials as perf_trials
 from canary.perf import verdict as perf
-from canary.perf.metrics import gated_figures, run_metrics
+from canary.perf.metrics import run_metrics
+from canary.perf.trial_load import TrialWorkload
 from canary.provenance import device_name, fingerprint, git_commit, versions
 from canary.targets import Target
 
 GOLDEN_DIR = Path("golden/transcripts")
+PERF_WORKLOAD = TrialWorkload()  # the perf verdict's trial workload (canary/perf/trial_load.py)
 BASELINE_DIR = Path("golden/baselines")
 
 
@@ -122,48 +124,42 @@ def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, ou
                                  "golden_commit": meta.get("commit")}
 
 
-def baseline_fingerprint(target: Target, info: dict, options: DriverOptions) -> dict:
-    fp = {"hardware": device_name(), "model": info.get("model", target.model),
-          "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
-          "workload": {"sessions": options.sessions, "turns": options.turns, "stream_ratio": options.stream_ratio,
-                       "abort_ratio": options.abort_ratio, "max_tokens": options.max_tokens}}
-    if options.processes != 1:  # the harness's own ceiling is part of what a baseline measured
-        fp["workload"]["driver_processes"] = options.processes
+def trials_fingerprint(target: Target, info: dict, workload: TrialWorkload) -> dict:
+    """What a perf baseline is valid for: hardware, model, config, kernels and the trial workload
+    (not the gate's sessions: the verdict measures its own fixed workload, canary/perf/trial_load.py)."""
+    fp = {"hardware": device_name(), "model": info.get("model", target.model), "model_hash": info.get("model_hash"),
+          "config_fingerprint": info.get("config_fingerprint"), "perf": "trials-v1", "workload": workload.describe()}
     kernels = kernel_choices(info.get("engine_config") or {})
-    if kernels:  # only when set, so the default kernels keep their recorded baselines' fingerprints
+    if kernels:
         fp["triton_kernels"] = kernels
     return fp
 
 
-def gate_against_baseline(figures: dict, fp: dict, baseline: Path | None, tolerance: float, update: bool,
-                          outcome: GateOutcome, machine_speed: float | None = None) -> None:
-    """`machine_speed`: this run's probe (canary/perf/machine_speed.py) where the server computes on this
-    machine's CPU, else None; with a probe stored beside the baseline, the baseline is scaled by the ratio."""
-    path = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
-    stored = perf.load_baseline(path)
-    if stored is None:
-        outcome.notes.append(f"NO PERFORMANCE BASELINE for this hardware/model/config at {path}: perf gate skipped"
-                             + ("; recording one now" if update else "; record one with --golden-update"))
-        if update:
-            perf.save_baseline(path, fp, figures, machine_speed)
+def gate_perf(target: Target, info: dict, baseline: Path | None, tolerance: float, record: bool,
+              outcome: GateOutcome, min_trials: int, workload: TrialWorkload = PERF_WORKLOAD) -> None:
+    """The perf verdict against the stored baseline's trials (canary/perf/trials.py `stored_trials`):
+    ok passes; slower and inconclusive both fail. `record`: run the trials and store them instead."""
+    if min_trials <= 0:
+        outcome.notes.append("perf gate off (--perf-trials 0)")
         return
-    expected, scaled = stored["metrics"], ""
-    recorded_speed = stored.get("machine_speed")
-    if machine_speed is not None and recorded_speed:
-        ratio = machine_speed / recorded_speed
-        expected = perf.scale_for_machine(expected, ratio)
-        scaled = f", scaled for a machine {ratio:.2f}x as fast as the recording one"
-        outcome.notes.append(f"machine speed probe {machine_speed:.0f} blocks/s vs {recorded_speed:.0f} when the "
-                             f"baseline was recorded: baseline figures scaled by {ratio:.2f}")
-    results = perf.compare_to_baseline(expected, figures, tolerance)
-    outcome.summary["perf_gate"] = {"baseline": str(path), "tolerance": tolerance, "machine_speed": machine_speed,
-                                    "recorded_machine_speed": recorded_speed, "results": perf.verdict_report(results)}
-    for r in results:
-        if not r.passed:
-            outcome.failures.append(f"[perf-regression] {r.metric}: {r.candidate:.4g} vs baseline {r.baseline:.4g}"
-                                    f"{scaled} ({(r.ratio - 1) * 100:.0f}% worse, tolerance {tolerance * 100:.0f}%)")
-    if update:
-        perf.save_baseline(path, fp, figures, machine_speed)
+    fp = trials_fingerprint(target, info, workload)
+    path = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
+    probe = machine_speed.probe if probes_this_machine(target) else None
+    if record:
+        recorded = perf_trials.record_trials(target, workload, max(min_trials, 8), perf_trials.measure_trial, probe)
+        perf.save_trials_baseline(path, fp, recorded)
+        outcome.notes.append(f"performance baseline recorded: {path} ({len(recorded['trials'])} trials)")
+        return
+    stored = perf.load_baseline(path)
+    if stored is None or "trials" not in stored:
+        what = "NO PERFORMANCE BASELINE" if stored is None else "OLD-FORMAT PERFORMANCE BASELINE (one burst, no trials)"
+        outcome.notes.append(f"{what} for this hardware/model/config at {path}: perf gate skipped; "
+                             "record one with --baseline-update")
+        return
+    result = perf_trials.stored_trials(target, stored, workload, tolerance, min_trials=min_trials,
+                                       max_trials=2 * min_trials, measure=perf_trials.measure_trial, probe=probe)
+    outcome.summary["perf_gate"] = {"baseline": str(path), **result.summary()}
+    outcome.failures += result.failures()
 
 
 def probes_this_machine(target: Target) -> bool:
@@ -173,18 +169,14 @@ def probes_this_machine(target: Target) -> bool:
 
 def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = False, baseline_update: bool = False,
              baseline: Path | None = None,
-             perf_tolerance: float = 0.25, near_tie: float = 0.05, progress: bool = True,
+             perf_tolerance: float = 0.1, near_tie: float = 0.05, progress: bool = True,
              on_request_done: Callable[[RequestRecord], None] | None = None,
-             differential_sample: int = differential.DEFAULT_SAMPLE, deterministic: bool | None = None) -> GateOutcome:
+             differential_sample: int = differential.DEFAULT_SAMPLE, deterministic: bool | None = None,
+             perf_trials_min: int = 6) -> GateOutcome:
     """`deterministic`: the load-vs-solo oracle in exact mode; None = exact for the embedded runtime
     (batch-invariant by construction, so a near-tie flipped by load is its bug), near-ties benign elsewhere."""
     outcome = GateOutcome()
     info = target.server_info()
-    fp = baseline_fingerprint(target, info, options)
-    baseline = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
-    # The probe is only worth its second when a baseline will be compared or recorded.
-    probing = probes_this_machine(target) and (baseline.is_file() or golden_update or baseline_update)
-    speed_before = machine_speed.probe() if probing else None
     result = run_driver(target, options, progress, on_request_done)
     outcome.failures += [f.describe() for _, f in result.failures]
     check_session_ends(result, outcome)
@@ -202,13 +194,11 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     # Any server that exports the gauge gets the leak check (a staging deployment of this runtime,
     # or a proxy in front of one); one without it gets a note saying the check did not run.
     _check_pages_idle(target, outcome)
-    # Before and after the run, with the server idle both times; the geometric mean spans the run.
-    speed = math.sqrt(speed_before * machine_speed.probe()) if speed_before is not None else None
     record = golden_update or baseline_update
     if record and outcome.failures:
         record = False  # a run that failed an oracle is no one's performance baseline
         outcome.notes.append("performance baseline NOT recorded: the run failed")
-    gate_against_baseline(gated_figures(metrics), fp, baseline, perf_tolerance, record, outcome, speed)
+    gate_perf(target, info, baseline, perf_tolerance, record, outcome, perf_trials_min)
     outcome.summary.update({"target": target.name, "metadata": metadata, "metrics": metrics,
                             "sessions_completed": result.sessions_completed,
                             "sessions_aborted": result.sessions_aborted,
@@ -250,36 +240,41 @@ def _check_pages_idle(target: Target, outcome: GateOutcome) -> None:
         outcome.failures.append(f"[kv-leak] {pages:.0f} KV pages still in use after every session ended")
 
 
-def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, tolerance: float, rounds: int = 2,
-           progress: bool = True) -> GateOutcome:
-    """Baseline and candidate interleaved in one invocation; gate on the candidate/baseline ratio."""
+def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, tolerance: float, pairs: int = 6,
+           progress: bool = True, workload: TrialWorkload = PERF_WORKLOAD) -> GateOutcome:
+    """The candidate's sessions once through every oracle, then the perf verdict on interleaved
+    trials of both servers (canary/perf/trials.py `ab_trials`): slower and inconclusive both fail."""
     outcome = GateOutcome()
-    runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
-    for _ in range(rounds):
-        for name, target in (("baseline", baseline_target), ("candidate", candidate)):
-            result = run_driver(target, options, progress)
-            outcome.failures += [f"{name}: {f.describe()}" for _, f in result.failures] if name == "candidate" else []
-            runs[name].append(gated_figures(run_metrics(result)))
-    merged = {name: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for name, rs in runs.items()}
-    results = perf.compare_to_baseline(merged["baseline"], merged["candidate"], tolerance)
-    for r in results:
-        if not r.passed:
-            outcome.failures.append(f"[perf-regression] A/B {r.metric}: candidate {r.candidate:.4g} vs baseline "
-                                    f"{r.baseline:.4g} ({(r.ratio - 1) * 100:.0f}% worse, tolerance "
-                                    f"{tolerance * 100:.0f}%)")
-    outcome.summary = {"ab": {"baseline": baseline_target.name, "candidate": candidate.name, "rounds": rounds,
-                              "figures": merged, "results": perf.verdict_report(results)},
+    result = run_driver(candidate, options, progress)
+    outcome.failures += [f"candidate: {f.describe()}" for _, f in result.failures]
+    if pairs <= 0:
+        outcome.notes.append("perf gate off (--perf-trials 0)")
+        outcome.summary = {"target": candidate.name, "gate_failures": outcome.failures}
+        return outcome
+    verdict = perf_trials.ab_trials(candidate, baseline_target, workload, tolerance, min_pairs=pairs,
+                                    max_pairs=2 * pairs)
+    outcome.failures += verdict.failures()
+    outcome.summary = {"ab": {"baseline": baseline_target.name, "candidate": candidate.name, **verdict.summary()},
                        "gate_failures": outcome.failures}
     return outcome
 
 
+def graph_buckets(info: dict) -> tuple[int, ...]:
+    """The CUDA-graph batch buckets of a GPU server of this runtime (where padding cliffs live);
+    none on CPU or for a server that does not say its engine config."""
+    engine = info.get("engine_config") or {}
+    if engine.get("device", "cpu") == "cpu":
+        return ()
+    from runtime.env import Env
+    from runtime.graph.runner import FINE_BUCKETS
+
+    return Env.load().graph_buckets or FINE_BUCKETS
+
+
 def sweep(target: Target, options: DriverOptions, progress: bool = True) -> dict:
-    """Concurrency levels 1, 2, 4, ... up to `options.sessions`; fit step = a + b*bs; flag cliffs."""
-    levels, c = [], 1
-    while c < options.sessions:
-        levels.append(c)
-        c *= 2
-    levels.append(options.sessions)
+    """Concurrency levels 1, 2, 4, ... up to `options.sessions` and each side of every graph bucket;
+    fit step = a + b*bs; flag cliffs."""
+    levels = perf.sweep_levels(options.sessions, graph_buckets(target.server_info()))
     rows = []
     for level in levels:
         result = run_driver(target, DriverOptions(**{**options.__dict__, "sessions": level, "concurrency": level,
@@ -308,12 +303,13 @@ def run_configured(options: CanaryOptions, target: Target) -> GateOutcome:
         from canary.targets import remote_target
 
         baseline = remote_target(options.baseline_url, options.model, options.api_key)
-        outcome = run_ab(target, baseline, driver, options.perf_tolerance)
+        outcome = run_ab(target, baseline, driver, options.perf_tolerance, pairs=options.perf_trials)
     else:
         outcome = run_gate(target, driver, golden_update=options.golden_update,
                            baseline_update=options.baseline_update,
                            baseline=options.baseline, perf_tolerance=options.perf_tolerance,
-                           differential_sample=options.differential_sample, deterministic=options.deterministic)
+                           differential_sample=options.differential_sample, deterministic=options.deterministic,
+                           perf_trials_min=options.perf_trials)
     if options.sweep:
         outcome.summary.update(sweep(target, driver))
     if options.report_dir:

@@ -34,6 +34,7 @@ class CanaryOptions:
     processes: int = 1  # driver processes (DriverOptions.processes)
     differential_sample: int = DEFAULT_SAMPLE
     deterministic: bool | None = None  # None: exact for the embedded runtime only (canary/gate.py run_gate)
+    perf_trials: int = 6  # perf verdict: trials (A/B: pairs) before the first look (canary/perf/trials.py)
 
 
 def serves_canary_model(model: str | None) -> bool:

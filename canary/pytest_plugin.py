@@ -40,8 +40,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="extra argument for the embedded `runtime.serve` (repeatable), e.g. --server-arg=--dtype=float32")
     add("--baseline", type=Path, default=None, help="performance baseline JSON (default: by fingerprint)")
     add("--baseline-url", default=None, help="A/B: a baseline server run interleaved with the candidate")
-    add("--perf-tolerance", type=float, default=0.5,
-        help="allowed slowdown before the perf gate fails (default 0.5: shared CPUs are noisy; use ~0.1 on GPUs)")
+    add("--perf-tolerance", type=float, default=0.1,
+        help="the slowdown the perf verdict must catch (default 0.1, CPU and GPU alike): 'slower' when the "
+             "trials' interval excludes no slowdown, 'ok' when it excludes this one, else 'inconclusive' (fails)")
+    add("--perf-trials", type=int, default=6, metavar="N",
+        help="perf verdict: trials (A/B: interleaved pairs) before the first look, up to 2N while inconclusive "
+             "(default 6; 0 switches the perf gate off)")
     add("--report-dir", type=Path, default=None, help="write summary.json and PNG plots here")
     add("--golden-update", action="store_true", help="record golden transcripts and the perf baseline")
     add("--baseline-update", action="store_true",
@@ -69,6 +73,10 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
     if opt("differential_sample") < 0:
         raise pytest.UsageError("--differential-sample must be >= 0")
+    if opt("perf_trials") < 0 or opt("perf_trials") == 1:
+        raise pytest.UsageError("--perf-trials must be 0 (off) or >= 2")
+    if not opt("perf_tolerance") > 0:
+        raise pytest.UsageError("--perf-tolerance must be > 0")
     if opt("sessions") < 1:
         raise pytest.UsageError("--sessions must be >= 1")
     if opt("driver_processes") < 1:
@@ -82,7 +90,8 @@ def pytest_configure(config: pytest.Config) -> None:
         baseline_url=opt("baseline_url"), perf_tolerance=opt("perf_tolerance"), report_dir=opt("report_dir"),
         golden_update=opt("golden_update"), baseline_update=opt("baseline_update"), sweep=opt("sweep"),
         max_tokens=opt("canary_max_tokens"), processes=opt("driver_processes"),
-        differential_sample=opt("differential_sample"), deterministic=opt("deterministic"))
+        differential_sample=opt("differential_sample"), deterministic=opt("deterministic"),
+        perf_trials=opt("perf_trials"))
     config.stash[NOTES] = []
 
 

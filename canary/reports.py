@@ -152,22 +152,19 @@ def _differential_line(differential: dict[str, Any]) -> str:
             f"{differential.get('failed', 0)} failed, {differential.get('wall_s', 0.0):.1f}s")
 
 
+def _verdicts(trials: dict[str, Any]) -> str:
+    """Each metric's slowdown with its interval (canary/perf/ratio_stats.py RatioVerdict)."""
+    return f"tolerance {trials['tolerance'] * 100:.0f}%; " + "; ".join(
+        f"{v['metric']} {(v['ratio'] - 1) * 100:+.1f}% [{(v['low'] - 1) * 100:+.1f}%, {(v['high'] - 1) * 100:+.1f}%] "
+        f"over {v['trials']} trials ({v['status']})" for v in trials["verdicts"])
+
+
 def _perf_line(summary: dict[str, Any]) -> str:
     gate = summary.get("perf_gate")
     if gate:
-        parts = []
-        for r in gate["results"]:
-            interval = r.get("interval")
-            extra = f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""
-            parts.append(f"{r['metric']} {r['candidate']:.4g} vs {r['baseline']:.4g} (ratio {r['ratio']:.3f}{extra}, "
-                         f"{'ok' if r['passed'] else 'FAIL'})")
-        speed = gate.get("machine_speed")
-        scaled = (f"; machine speed {speed:.0f} vs {gate['recorded_machine_speed']:.0f} blocks/s at recording"
-                  if speed and gate.get("recorded_machine_speed") else "")
-        return f"tolerance {gate['tolerance'] * 100:.0f}% vs {gate['baseline']}{scaled}: " + "; ".join(parts)
+        return f"{gate['status']} vs {gate['baseline']}: " + _verdicts(gate)
     ab = summary.get("ab")
     if ab:
-        return f"A/B vs {ab['baseline']} over {ab['rounds']} rounds: " + "; ".join(
-            f"{r['metric']} ratio {r['ratio']:.3f} ({'ok' if r['passed'] else 'FAIL'})" for r in ab["results"])
+        return f"A/B {ab['status']} vs {ab['baseline']}: " + _verdicts(ab)
     why = [n for n in summary.get("notes", []) if "BASELINE" in n or "perf" in n.lower()]
     return f"not gated ({why[0] if why else 'no baseline comparison ran'})"

@@ -32,6 +32,8 @@ class Env:
     faults: tuple[str, ...] = field(default_factory=tuple)
     # Extra latency added to every engine step by the `slow-step` fault, in milliseconds.
     slow_step_ms: float = 50.0
+    # The same delay as a percentage of each step's own time instead (0 = use slow_step_ms).
+    slow_step_pct: float = 0.0
     # Force the plain torch reference kernels instead of the fast path (debugging aid).
     reference_kernels: bool = False
     # Torch intra-op threads for the CPU engine; 0 keeps torch's default.
@@ -73,6 +75,8 @@ class Env:
             kwargs["faults"] = _names(value)
         if (value := get("SLOW_STEP_MS")) is not None:
             kwargs["slow_step_ms"] = float(value)
+        if (value := get("SLOW_STEP_PCT")) is not None:
+            kwargs["slow_step_pct"] = float(value)
         if (value := get("REFERENCE_KERNELS")) is not None:
             kwargs["reference_kernels"] = _bool(value)
         if (value := get("NUM_THREADS")) is not None:

@@ -93,6 +93,17 @@ want gate_profile && section gate_profile "${GATE_TIMEOUT:-300}" /tmp/site/bin/p
     --format raw -o "$OUT/gate_profile.txt" -- "${GATE[@]}"
 want gate_stream_race && negative_control gate_stream_race "${GATE_TIMEOUT:-300}" \
     env DSV4_STREAM_JITTER_CYCLES=2000000 "${GATE[@]}" --inject-fault stream-race
+# ---- issue 17: the perf verdict's error rates: N clean and N slow-step 10% A/B verdicts (the bar:
+# 0 alarms, >= 19 of 20 caught). Resumable: the results live outside $OUT, so a second call on the
+# still-warm machine goes on where the first stopped (--budget-s keeps each call inside its limit).
+if want perf_trials; then
+    PERF_TRIALS_OUT=${PERF_TRIALS_OUT:-/tmp/perf_trials/perf_trials.jsonl}
+    mkdir -p "$(dirname "$PERF_TRIALS_OUT")"
+    section perf_trials "${PERF_TRIALS_TIMEOUT:-580}" $PY -m bench.perf_verdict_trials \
+        --runs "${PERF_TRIALS_RUNS:-20}" --mode "${PERF_TRIALS_MODE:-ab}" --budget-s "${PERF_TRIALS_BUDGET:-420}" \
+        --ttft-rate 16 --server-arg=--dtype=float32 --out "$PERF_TRIALS_OUT"
+    cp "$PERF_TRIALS_OUT" "$OUT/" 2>/dev/null
+fi
 # The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt
  for dir in golden gate gate_baseline; do [ -d "$dir" ] && tar czf "$dir.tgz" "$dir" && rm -rf "$dir"; done) || true

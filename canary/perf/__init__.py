@@ -1,3 +1,4 @@
-"""Speed: `metrics` (TTFT/TPOT/ITL/tok/s of a run), `verdict` (against a stored baseline or an A/B
-baseline server, the step-time fit and bucket cliffs), `machine_speed` (the probe that scales a CPU
-baseline to the machine the run landed on)."""
+"""Speed: `metrics` (TTFT/TPOT/ITL/tok/s of a run), `trials` (the perf verdict: repeated interleaved
+trials of `trial_load`'s fixed workload, an interval on the ratio by `ratio_stats`, against an A/B
+baseline server or a stored baseline's trials), `verdict` (percentiles, the step-time fit, bucket
+cliffs, baseline files), `machine_speed` (the probe that normalizes CPU trials to the machine)."""

@@ -25,9 +25,3 @@ def run_metrics(result: RunResult) -> dict:
         "itl_s": summarize(itl),
         "e2e_s": summarize([r.finished - r.started for r in done]),
     }
-
-
-def gated_figures(metrics: dict) -> dict[str, float]:
-    """The figures the regression gate compares (flat name -> value)."""
-    return {"output_tok_s": metrics["output_tok_s"], "tpot_p50": metrics["tpot_s"]["p50"],
-            "ttft_p50": metrics["ttft_s"]["p50"]}

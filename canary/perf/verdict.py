@@ -1,7 +1,6 @@
-"""Performance figures and the regression gate.
-
-Latency percentiles (TTFT, TPOT, ITL), the step-time fit `step = a + b*bs`, bucket-cliff
-detection over a concurrency sweep, and the comparison against a stored baseline.
+"""Performance figures: latency percentiles (TTFT, TPOT, ITL), the step-time fit `step = a + b*bs`,
+bucket-cliff detection over a concurrency sweep, and the stored baselines' files. The regression
+verdict itself is canary/perf/trials.py (repeated trials, an interval on the ratio).
 """
 
 from __future__ import annotations
@@ -9,9 +8,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -54,6 +52,19 @@ def fit_step_time(batch_sizes: list[float], step_times: list[float]) -> LinearFi
     return LinearFit(a, b, 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0)
 
 
+def sweep_levels(max_level: int, buckets: Iterable[int] = ()) -> list[int]:
+    """Concurrency levels 1, 2, 4, ... up to `max_level`, plus each graph bucket b and b + 1: a
+    bucket cliff lives between two adjacent levels (the seeds': 726 -> 663 tok/s at 56 -> 57), which
+    powers of two alone never both land on."""
+    levels = {max_level}
+    c = 1
+    while c < max_level:
+        levels.add(c)
+        c *= 2
+    levels |= {level for b in buckets for level in (b, b + 1) if 1 <= level <= max_level}
+    return sorted(levels)
+
+
 def find_cliffs(levels: list[int], throughput: list[float], drop: float = 0.05) -> list[dict]:
     """Concurrency levels where throughput falls by more than `drop` (fraction) while the load grows:
     the sawtooth that padding to CUDA-graph buckets produces."""
@@ -65,53 +76,11 @@ def find_cliffs(levels: list[int], throughput: list[float], drop: float = 0.05) 
     return cliffs
 
 
-# Higher is better for these figures; lower is better for everything else that is gated.
-HIGHER_IS_BETTER = {"output_tok_s"}
-
-
-@dataclass(frozen=True)
-class MetricVerdict:
-    """One metric of a run against its baseline (or the A/B baseline server)."""
-
-    metric: str
-    baseline: float
-    candidate: float
-    ratio: float  # candidate / baseline, oriented so that > 1 + tolerance means worse
-    passed: bool
-
-
-def compare_to_baseline(baseline: dict[str, float], candidate: dict[str, float],
-                        tolerance: float) -> list[MetricVerdict]:
-    """Compare every metric present in both; a metric worse by more than `tolerance` fails."""
-    results = []
-    for metric in sorted(set(baseline) & set(candidate)):
-        base, cand = float(baseline[metric]), float(candidate[metric])
-        if not (math.isfinite(base) and math.isfinite(cand)) or base <= 0 or cand <= 0:
-            continue
-        worse_ratio = base / cand if metric in HIGHER_IS_BETTER else cand / base
-        results.append(MetricVerdict(metric, base, cand, worse_ratio, worse_ratio <= 1 + tolerance))
-    return results
-
-
 def load_baseline(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def save_baseline(path: Path, fingerprint: dict, metrics: dict[str, float], machine_speed: float | None = None) -> None:
+def save_trials_baseline(path: Path, fingerprint: dict, record: dict) -> None:
+    """A trials baseline (canary/perf/trials.py `record_trials`): the trials with their probes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    record: dict[str, Any] = {"fingerprint": fingerprint, "metrics": metrics}
-    if machine_speed is not None:
-        record["machine_speed"] = machine_speed
-    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-
-
-def scale_for_machine(metrics: dict[str, float], speed_ratio: float) -> dict[str, float]:
-    """The baseline's figures as expected on a machine `speed_ratio` times as fast as the recording one
-    (canary/perf/machine_speed.py): throughput scales with the speed, latencies with its inverse."""
-    if not (math.isfinite(speed_ratio) and speed_ratio > 0):
-        raise ValueError(f"machine speed ratio must be a positive number, got {speed_ratio}")
-    return {k: v * speed_ratio if k in HIGHER_IS_BETTER else v / speed_ratio for k, v in metrics.items()}
-
-
-def verdict_report(results: list[MetricVerdict]) -> list[dict]:
-    return [asdict(r) for r in results]
+    path.write_text(json.dumps({"fingerprint": fingerprint, **record}, indent=2, sort_keys=True) + "\n")

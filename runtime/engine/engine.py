@@ -35,6 +35,7 @@ from runtime.engine.request import Request, SamplingParams, Status
 from runtime.engine.runners import build_runner
 from runtime.engine.sampler import SampleOutput
 from runtime.engine.scheduler import Scheduler
+from runtime.engine.slow_step import SlowStep
 from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import PagePool
@@ -100,6 +101,7 @@ class Engine:
         self.model, self.kv, self.streams = self.runner.model, self.runner.kv, self.runner.streams
         self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer)
         self._ids = itertools.count()
+        self.slow_step = SlowStep(self.env.slow_step_ms, self.env.slow_step_pct, self.cfg.device)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> str:
@@ -183,7 +185,7 @@ class Engine:
 
     def finish_step(self, plan: StepPlan, outputs: dict[str, SampleOutput], started: float) -> StepResult:
         if self.faults.enabled("slow-step"):
-            time.sleep(self.env.slow_step_ms / 1000)
+            self.slow_step.delay(time.perf_counter() - started)
         finished, self.scheduler.finished = self.scheduler.finished, []
         for req in finished:
             if self.runner.future is not None:

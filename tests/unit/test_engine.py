@@ -188,3 +188,24 @@ def test_tied_lm_head_uses_the_embedding(tiny):
     engine = Engine(loaded, EngineConfig(), env=Env())
     assert engine.model.lm_head is engine.model.w["embed.weight"]
     assert len(engine.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].output_ids) == 3
+
+
+def test_slow_step_percentage_scales_with_the_step(tiny, monkeypatch):
+    """DSV4_SLOW_STEP_PCT: the delay is that share of each step's own time (the perf verdict's known
+    slowdown); without it the fixed DSV4_SLOW_STEP_MS applies. The delay itself is stubbed: no wall clock."""
+    from runtime.engine.slow_step import SlowStep
+
+    assert SlowStep(50.0, 10.0, "cpu").seconds(0.2) == pytest.approx(0.02)
+    assert SlowStep(50.0, 0.0, "cpu").seconds(0.2) == pytest.approx(0.05)
+    with pytest.raises(ValueError):
+        SlowStep(-1.0, 0.0, "cpu")
+    assert Env.load({"DSV4_SLOW_STEP_PCT": "12.5"}).slow_step_pct == 12.5
+    asked: list[float] = []
+    monkeypatch.setattr(SlowStep, "delay", lambda self, step_s: asked.append(self.seconds(step_s)))
+    slow = Engine(tiny, EngineConfig(), faults=FaultSet(["slow-step"]), env=Env(slow_step_pct=10.0))
+    slow.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert asked and all(0 < s < 1 for s in asked)
+    clean = Engine(tiny, EngineConfig(), env=Env(slow_step_pct=10.0))
+    asked.clear()
+    clean.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert asked == [], "the fault is off: no delay, whatever its size"

@@ -22,10 +22,9 @@ def gate_summary(**overrides) -> dict:
                "oracle_checks": {"nonce": 40, "required-calls": 12, "stream-protocol": 20},
                "golden": {"path": "golden/transcripts/stress-canary-dsv4.jsonl", "checked": 39,
                           "benign_near_ties": 1, "golden_commit": "abc"},
-               "perf_gate": {"baseline": "golden/baselines/x.json", "tolerance": 0.1, "machine_speed": None,
-                             "recorded_machine_speed": None,
-                             "results": [{"metric": "output_tok_s", "baseline": 100.0, "candidate": 98.7,
-                                          "ratio": 1.013, "passed": True}]},
+               "perf_gate": {"baseline": "golden/baselines/x.json", "tolerance": 0.1, "status": "ok",
+                             "verdicts": [{"metric": "decode_tok_s@8", "status": "ok", "ratio": 1.013, "low": 0.99,
+                                           "high": 1.037, "trials": 6, "tolerance": 0.1, "reason": "r"}]},
                "kv_pages_in_use": 0.0, "notes": []}
     summary.update(overrides)
     return summary
@@ -37,7 +36,8 @@ def test_a_passing_gate_says_what_ran_and_what_was_checked():
                  "requests: 40 (1 aborted), 1234 completion tokens in 12.5s = 99 tok/s",
                  "nonce 40", "required-calls 12", "stream-protocol 20",
                  "golden: 38/39 requests token-identical, 1 benign near-ties, 0 diverged",
-                 "tolerance 10%", "output_tok_s 98.7 vs 100 (ratio 1.013, ok)",
+                 "ok vs golden/baselines/x.json: tolerance 10%",
+                 "decode_tok_s@8 +1.3% [-1.0%, +3.7%] over 6 trials (ok)",
                  "KV pages in use after the run: 0.0", "report: reports/summary.json"):
         assert fact in text, f"{fact!r} missing from\n{text}"
     assert "failures:" not in text

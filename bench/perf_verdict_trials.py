@@ -1,0 +1,139 @@
+"""The perf verdict's error rates, measured: N clean runs and N runs of a server slowed by a known
+percentage (`slow-step`, DSV4_SLOW_STEP_PCT), each a whole verdict (canary/perf/trials.py), in the
+A/B form (a clean baseline server beside the candidate) and/or the stored form (a trials baseline
+recorded once from the clean server, compared with the machine-speed probe on CPU).
+
+Issue 17's bar: 20 clean runs with 0 alarms, the 10% slowdown caught in >= 19 of 20. A clean run
+"alarms" on any verdict but ok (inconclusive fails the gate too); a slowed run is "caught" when
+called slower (inconclusive is counted apart: it fails the gate, but it is not a detection).
+
+Resumable: every verdict is one JSON line in --out, and a rerun with the same --out skips what is
+there (the stored baseline is kept beside it). Clean and slowed runs alternate, so a machine that
+drifts hits both, and --budget-s stops starting new runs in time for a device call's limit.
+
+    python -m bench.perf_verdict_trials --runs 20 --out perf_trials.jsonl            # 2-core CPU
+    python -m bench.perf_verdict_trials --runs 20 --mode ab --budget-s 540 \\
+        --server-arg=--dtype=float32 --out $OUT/perf_trials.jsonl                    # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from canary.perf import machine_speed, ratio_stats
+from canary.perf.trial_load import TrialWorkload
+from canary.perf.trials import ab_trials, record_trials, stored_trials
+from canary.provenance import device_name, git_commit
+from canary.targets import Target, embedded_server
+from runtime.config import DEFAULT_MODEL
+
+
+def done_runs(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
+
+
+def counts(rows: list[dict], mode: str, kind: str) -> dict[str, int]:
+    statuses = [r["status"] for r in rows if r["mode"] == mode and r["kind"] == kind]
+    return {s: statuses.count(s) for s in (ratio_stats.OK, ratio_stats.SLOWER, ratio_stats.INCONCLUSIVE)} | {
+        "runs": len(statuses)}
+
+
+def report(rows: list[dict], modes: list[str], pct: float) -> bool:
+    """Print the alarm counts per mode; True when every mode meets the issue's bar for its runs."""
+    met = True
+    for mode in modes:
+        clean, slowed = counts(rows, mode, "clean"), counts(rows, mode, "slowed")
+        alarms = clean["runs"] - clean[ratio_stats.OK]
+        caught = slowed[ratio_stats.SLOWER]
+        ok = alarms == 0 and slowed["runs"] > 0 and caught >= 0.95 * slowed["runs"]
+        met &= ok
+        print(f"[{mode}] clean: {alarms} alarms in {clean['runs']} runs ({clean[ratio_stats.SLOWER]} slower, "
+              f"{clean[ratio_stats.INCONCLUSIVE]} inconclusive); slowed {pct:g}%: caught {caught} of {slowed['runs']} "
+              f"({slowed[ratio_stats.INCONCLUSIVE]} inconclusive, {slowed[ratio_stats.OK]} missed) -> "
+              f"{'meets' if ok else 'DOES NOT MEET'} the bar (0 alarms, >= 95% caught)", flush=True)
+    return met
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=20, help="clean runs and slowed runs, each (default 20)")
+    parser.add_argument("--mode", choices=("ab", "stored", "both"), default="both")
+    parser.add_argument("--slow-pct", type=float, default=10.0, help="slow-step size, %% of step time (default 10)")
+    parser.add_argument("--tolerance", type=float, default=0.1)
+    parser.add_argument("--trials", type=int, default=6, help="trials (A/B: pairs) before the first look")
+    parser.add_argument("--concurrency", default="1,8", help="decode tok/s levels (default 1,8)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--ttft-rate", type=float, default=4.0, help="TTFT arrival rate, req/s (0: no TTFT)")
+    parser.add_argument("--ttft-requests", type=int, default=8)
+    parser.add_argument("--server-arg", action="append", default=[], help="extra runtime.serve argument")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
+    parser.add_argument("--out", type=Path, default=Path("perf_trials.jsonl"))
+    args = parser.parse_args(argv)
+    # `timeout` (scripts/gpu_suite.sh) sends SIGTERM: exit through the `with` so the servers stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    workload = TrialWorkload(concurrency=tuple(int(c) for c in args.concurrency.split(",")), max_tokens=args.max_tokens,
+                             ttft_rate=args.ttft_rate, ttft_requests=args.ttft_requests)
+    modes = ["ab", "stored"] if args.mode == "both" else [args.mode]
+    rows = done_runs(args.out)
+    todo = [(mode, kind, run) for run in range(args.runs) for mode in modes for kind in ("clean", "slowed")
+            if not any(r["mode"] == mode and r["kind"] == kind and r["run"] == run for r in rows)]
+    print(f"perf verdict trials on {device_name()} at {git_commit()}: {len(rows)} runs done, {len(todo)} to go; "
+          f"workload {workload.describe()}, tolerance {args.tolerance}, slowed by {args.slow_pct:g}%", flush=True)
+    started = time.monotonic()
+    logs = args.out.parent / (args.out.stem + "-servers")
+    with ExitStack() as stack:
+        def serve(faults: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Target:
+            return stack.enter_context(embedded_server(args.model, args.server_arg, faults=faults, env=env,
+                                                       log_dir=logs))
+
+        servers: dict[str, Target] = {}
+        if todo:
+            servers = {"baseline": serve(), "clean": serve(),
+                       "slowed": serve(("slow-step",), {"DSV4_SLOW_STEP_PCT": str(args.slow_pct)})}
+        # The probe speaks for the server only where it computes on this machine's CPU.
+        probe = machine_speed.probe if device_name().startswith("cpu:") else None
+        stored_path = args.out.parent / (args.out.stem + "-baseline.json")
+        for mode, kind, run in todo:
+            if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+                print(f"budget of {args.budget_s:.0f}s spent: stopping; rerun with the same --out to go on", flush=True)
+                break
+            t0 = time.monotonic()
+
+            def progress(trial: dict, label: str = f"{mode} {kind} run {run}") -> None:
+                side = trial.get("side", "candidate")
+                print(f"  {label} trial {trial.get('pair', trial.get('trial'))} {side}: " + ", ".join(
+                    f"{k} {v:.4g}" for k, v in trial["figures"].items()), flush=True)
+
+            if mode == "ab":
+                outcome = ab_trials(servers[kind], servers["baseline"], workload, args.tolerance,
+                                    min_pairs=args.trials, max_pairs=2 * args.trials, on_trial=progress)
+            else:
+                if not stored_path.is_file():
+                    stored_path.write_text(json.dumps(record_trials(
+                        servers["baseline"], workload, max(8, args.trials), probe=probe,
+                        on_trial=lambda t: progress(t, "recording the stored baseline"))))
+                outcome = stored_trials(servers[kind], json.loads(stored_path.read_text()), workload, args.tolerance,
+                                        min_trials=args.trials, max_trials=2 * args.trials, probe=probe,
+                                        on_trial=progress)
+            row = {"mode": mode, "kind": kind, "run": run, "status": outcome.status, "wall_s": time.monotonic() - t0,
+                   "verdicts": ratio_stats.verdict_dicts(outcome.verdicts), "trials": outcome.trials,
+                   "device": device_name(), "commit": git_commit(), "slow_pct": args.slow_pct}
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            rows.append(row)
+            print(f"{mode} {kind} run {run}: {outcome.status} in {row['wall_s']:.0f}s; "
+                  + "; ".join(f"{v.metric} {(v.ratio - 1) * 100:+.1f}% [{(v.low - 1) * 100:+.1f}, "
+                              f"{(v.high - 1) * 100:+.1f}] n={v.trials}" for v in outcome.verdicts), flush=True)
+    return 0 if report(rows, modes, args.slow_pct) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""The perf verdict's statistics: a confidence interval on the slowdown ratio of repeated trials,
+and the three-way verdict drawn from it ("ok", "slower", "inconclusive").
+
+Why not one p50 of one burst: on the H200 the unchanged build failed a 10% gate 3 times out of 3
+that way, and an A/B at 20% failed a clean run 1 time in 3 (docs/results.md, issue 17). Here each
+trial gives one log-ratio (candidate against baseline, oriented so that > 0 is slower), and the
+verdict reads a Student-t interval on their mean:
+
+- "slower": the interval lies above the midpoint between no slowdown and the tolerance (a slowdown
+  of `tolerance` is the one the gate must catch), or it is narrower than the tolerance and centred
+  above that midpoint (then it excludes no slowdown).
+- "ok": the same below the midpoint (a narrow one then excludes a tolerance-sized slowdown).
+- "inconclusive": anything else - too few trials, a wide interval across the midpoint (it cannot
+  tell 0 from the tolerance), or a machine that is not comparable. It fails the gate: a verdict that
+  cannot see a slowdown must not pass one.
+
+Pure arithmetic on floats (no scipy on the device image): the t quantile comes from integrating the
+density, which is plenty exact for a verdict.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+OK, SLOWER, INCONCLUSIVE = "ok", "slower", "inconclusive"
+# The probe ratio (now / when the baseline was recorded) inside which a stored baseline is still a
+# fair comparison; outside it the machine is another machine (a loaded runner read 0.16 once).
+COMPARABLE_SPEED = (0.7, 1.4)
+MIN_TRIALS = 3
+
+
+def t_cdf(x: float, df: int) -> float:
+    """P(T <= x) for Student's t with `df` degrees of freedom (Simpson's rule on the density)."""
+    if df < 1:
+        raise ValueError(f"t distribution needs df >= 1, got {df}")
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def density(t: float) -> float:
+        return math.exp(log_norm - (df + 1) / 2 * math.log1p(t * t / df))
+
+    a = abs(x)
+    steps = 1000  # even; the density is smooth: error below 1e-6 for the quantiles a verdict uses
+    h = a / steps
+    area = density(0) + density(a) + sum((4 if i % 2 else 2) * density(i * h) for i in range(1, steps))
+    half = area * h / 3
+    return 0.5 + half if x >= 0 else 0.5 - half
+
+
+@functools.lru_cache(maxsize=256)  # a verdict asks for a handful of (p, df) pairs, many times
+def t_quantile(p: float, df: int) -> float:
+    """The x with t_cdf(x, df) = p, by bisection (p in (0.5, 1))."""
+    if not 0.5 < p < 1:
+        raise ValueError(f"quantile wanted for p in (0.5, 1), got {p}")
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A two-sided interval on the mean log slowdown (log(candidate cost / baseline cost))."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+
+    @property
+    def width(self) -> float:
+        return self.high - self.low
+
+
+def mean_interval(log_ratios: Sequence[float], confidence: float = 0.95) -> Interval:
+    """One-sample t interval (paired A/B trials: one log-ratio per pair)."""
+    n = len(log_ratios)
+    if n < 2:
+        raise ValueError(f"an interval needs at least two trials, got {n}")
+    mean = sum(log_ratios) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in log_ratios) / (n - 1))
+    half = t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n)
+
+
+def difference_interval(candidate: Sequence[float], baseline: Sequence[float],
+                        confidence: float = 0.95) -> Interval:
+    """Welch's interval on mean(candidate) - mean(baseline) (log costs of unpaired trials: a stored
+    baseline's recorded trials against this run's), so the baseline's own noise is counted too."""
+    nc, nb = len(candidate), len(baseline)
+    if nc < 2 or nb < 2:
+        raise ValueError(f"an interval needs at least two trials a side, got {nc} and {nb}")
+    mc, mb = sum(candidate) / nc, sum(baseline) / nb
+    vc = sum((x - mc) ** 2 for x in candidate) / (nc - 1) / nc
+    vb = sum((x - mb) ** 2 for x in baseline) / (nb - 1) / nb
+    se = math.sqrt(vc + vb)
+    if se == 0:
+        return Interval(mc - mb, mc - mb, mc - mb, nc)
+    df = (vc + vb) ** 2 / (vc ** 2 / (nc - 1) + vb ** 2 / (nb - 1))  # Welch-Satterthwaite
+    half = t_quantile(0.5 + confidence / 2, max(1, math.floor(df))) * se
+    return Interval(mc - mb, mc - mb - half, mc - mb + half, nc)
+
+
+@dataclass(frozen=True)
+class RatioVerdict:
+    """One metric's verdict. Ratios are candidate cost / baseline cost (1.1 = 10% slower)."""
+
+    metric: str
+    status: str  # OK | SLOWER | INCONCLUSIVE
+    ratio: float  # point estimate
+    low: float  # the interval's bounds, as ratios
+    high: float
+    trials: int
+    tolerance: float
+    reason: str
+
+    def describe(self) -> str:
+        return (f"{self.metric}: {(self.ratio - 1) * 100:+.1f}% slower "
+                f"[{(self.low - 1) * 100:+.1f}%, {(self.high - 1) * 100:+.1f}%], {self.trials} trials, "
+                f"tolerance {self.tolerance * 100:.0f}%: {self.status} ({self.reason})")
+
+
+def decide(metric: str, interval: Interval | None, tolerance: float, not_comparable: str | None = None) -> RatioVerdict:
+    """The three-way verdict on one metric's interval (module docstring); `not_comparable` says why
+    the machine is not the baseline's (then the verdict is inconclusive whatever the interval)."""
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be positive, got {tolerance}")
+    if interval is None:
+        return RatioVerdict(metric, INCONCLUSIVE, math.nan, math.nan, math.nan, 0, tolerance,
+                            not_comparable or "no trials")
+    ratio, low, high = math.exp(interval.mean), math.exp(interval.low), math.exp(interval.high)
+    limit = math.log1p(tolerance)
+    nearer_tolerance = interval.mean >= limit / 2  # the midpoint in log space
+
+    def verdict(status: str, reason: str) -> RatioVerdict:
+        return RatioVerdict(metric, status, ratio, low, high, interval.n, tolerance, reason)
+
+    if not_comparable:
+        return verdict(INCONCLUSIVE, not_comparable)
+    if interval.n < MIN_TRIALS:
+        return verdict(INCONCLUSIVE, f"{interval.n} trials, at least {MIN_TRIALS} needed")
+    middle = limit / 2
+    if interval.low >= middle or (interval.width <= limit and nearer_tolerance):
+        return verdict(SLOWER, "interval above the midpoint" if interval.low >= middle else
+                       "narrow interval centred above the midpoint: excludes no slowdown")
+    if interval.high < middle or (interval.width <= limit and not nearer_tolerance):
+        return verdict(OK, "interval below the midpoint" if interval.high < middle else
+                       "narrow interval centred below the midpoint: excludes a tolerance-sized slowdown")
+    return verdict(INCONCLUSIVE, f"interval ({(low - 1) * 100:+.1f}%, {(high - 1) * 100:+.1f}%) is wider than the "
+                                 "tolerance and spans the midpoint: too noisy to tell no slowdown from a "
+                                 "tolerance-sized one")
+
+
+def overall(verdicts: Sequence[RatioVerdict]) -> str:
+    """The run's verdict: slower if any metric is, else inconclusive if any is (or none ran), else ok."""
+    statuses = {v.status for v in verdicts}
+    if SLOWER in statuses:
+        return SLOWER
+    if INCONCLUSIVE in statuses or not verdicts:
+        return INCONCLUSIVE
+    return OK
+
+
+def speed_not_comparable(probe_ratios: Sequence[float], bounds: tuple[float, float] = COMPARABLE_SPEED) -> str | None:
+    """Why the machine is not the one a stored baseline was recorded on (a probe ratio outside
+    `bounds`), or None when every trial's probe is inside them."""
+    outside = [r for r in probe_ratios if not (math.isfinite(r) and bounds[0] <= r <= bounds[1])]
+    if not outside:
+        return None
+    worst = max(outside, key=lambda r: abs(math.log(r)) if math.isfinite(r) and r > 0 else math.inf)
+    return (f"machine not comparable: speed probe {worst:.2f}x the recording machine's, "
+            f"outside {bounds[0]}-{bounds[1]} ({len(outside)} of {len(probe_ratios)} trials)")
+
+
+def verdict_dicts(verdicts: Sequence[RatioVerdict]) -> list[dict]:
+    return [asdict(v) for v in verdicts]

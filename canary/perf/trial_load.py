@@ -1,0 +1,128 @@
+"""One perf trial: a short, fixed workload whose figures are stable from one trial to the next.
+
+- decode tok/s at fixed concurrency levels: C identical streamed requests sent at once, so the
+  server decodes a batch of exactly C rows until they all stop together (same prompt, greedy: same
+  length); the figure is C / mean TPOT, the batch's decode rate, free of prefill and of ramp-up.
+- TTFT at a fixed arrival rate: requests of distinct prompts sent on a fixed clock (not as a burst,
+  whose p50 depends on where each request lands in the queue), one output token each; the figure
+  is the median TTFT.
+
+A burst of whole multi-turn sessions (the gate's correctness workload) mixes all of this with the
+harness's own speed and the sessions' random lengths: its p50 moved 33-69% between runs of one build.
+Raw HTTP (httpx, SSE parsed here): the harness must cost the 2-core machine as little as it can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+from canary.targets import Target
+
+
+@dataclass(frozen=True)
+class TrialWorkload:
+    concurrency: tuple[int, ...] = (1, 8)  # decode tok/s measured at each level
+    max_tokens: int = 48
+    ttft_rate: float = 4.0  # requests per second for the TTFT figure (0 = no TTFT figure)
+    ttft_requests: int = 8
+    timeout_s: float = 120.0
+
+    def metrics(self) -> list[str]:
+        names = [f"decode_tok_s@{c}" for c in self.concurrency]
+        return names + ([f"ttft_s@{self.ttft_rate:g}rps"] if self.ttft_rate > 0 and self.ttft_requests else [])
+
+    def describe(self) -> dict:
+        return {"concurrency": list(self.concurrency), "max_tokens": self.max_tokens, "ttft_rate": self.ttft_rate,
+                "ttft_requests": self.ttft_requests}
+
+
+def higher_is_better(metric: str) -> bool:
+    return metric.startswith("decode_tok_s")
+
+
+@dataclass
+class _Timing:
+    started: float
+    first_token: float | None = None
+    finished: float = 0.0
+    tokens: int = 0
+
+
+def _messages(target: Target, index: int, salt: str = "") -> tuple[list[dict], dict]:
+    """A canary scenario's first request (the canary model gets its trained prompt, any other model
+    plain words); `salt` makes a prompt distinct where a server caches prefixes."""
+    from canary.options import serves_canary_model
+    from canary.scenarios import make_scenario
+
+    scenario = make_scenario(index, 1, generic=not (target.embedded or serves_canary_model(target.model)))
+    system = scenario.system + (f" ({salt})" if salt else "")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": scenario.user_turns[0]}]
+    return messages, {"tools": scenario.tools, "tool_choice": scenario.tool_choice}
+
+
+async def _stream(client, target: Target, messages: list[dict], extra: dict, max_tokens: int) -> _Timing:
+    body = {"model": target.model, "messages": messages, **extra, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "logprobs": True}
+    timing = _Timing(time.perf_counter())
+    async with client.stream("POST", target.url_for("v1", "chat", "completions"), json=body,
+                             headers=target.headers) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"perf trial request failed: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                timing.tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", ()):
+                delta = choice.get("delta") or {}
+                # A token's logprob entry marks its arrival, also while its text is held back (a tool call).
+                if delta.get("content") or delta.get("tool_calls") or (choice.get("logprobs") or {}).get("content"):
+                    timing.first_token = timing.first_token or time.perf_counter()
+    timing.finished = time.perf_counter()
+    if timing.first_token is None or not timing.tokens:
+        raise RuntimeError("perf trial request returned no tokens (or no usage chunk)")
+    return timing
+
+
+async def _decode_rate(client, target: Target, concurrency: int, max_tokens: int) -> float:
+    messages, extra = _messages(target, 0)
+    timings = await asyncio.gather(*(_stream(client, target, messages, extra, max_tokens) for _ in range(concurrency)))
+    tpots = [(t.finished - t.first_token) / (t.tokens - 1) for t in timings if t.first_token and t.tokens > 1]
+    if not tpots:
+        raise RuntimeError("perf trial: every request stopped after one token; raise max_tokens")
+    return concurrency / statistics.fmean(tpots)
+
+
+async def _ttft_at_rate(client, target: Target, rate: float, count: int, trial: int) -> float:
+    async def one(i: int) -> float:
+        await asyncio.sleep(i / rate)
+        messages, extra = _messages(target, 1 + i, salt=f"t{trial}r{i}")
+        timing = await _stream(client, target, messages, extra, 1)
+        assert timing.first_token is not None
+        return timing.first_token - timing.started
+
+    return statistics.median(await asyncio.gather(*(one(i) for i in range(count))))
+
+
+async def _trial(target: Target, workload: TrialWorkload, trial: int) -> dict[str, float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=max((*workload.concurrency, workload.ttft_requests)) + 4)
+    async with httpx.AsyncClient(timeout=workload.timeout_s, limits=limits) as client:
+        figures = {}
+        for c in workload.concurrency:
+            figures[f"decode_tok_s@{c}"] = await _decode_rate(client, target, c, workload.max_tokens)
+        if workload.ttft_rate > 0 and workload.ttft_requests:
+            figures[f"ttft_s@{workload.ttft_rate:g}rps"] = await _ttft_at_rate(
+                client, target, workload.ttft_rate, workload.ttft_requests, trial)
+        return figures
+
+
+def measure_trial(target: Target, workload: TrialWorkload, trial: int = 0) -> dict[str, float]:
+    """One trial's figures, metric name -> value (workload.metrics() names them)."""
+    return asyncio.run(_trial(target, workload, trial))

@@ -1,0 +1,161 @@
+"""Repeated perf trials and their verdict, in the two forms the gate has.
+
+- A/B (`ab_trials`): a baseline server and the candidate, trials interleaved A B B A A B ... so a
+  drift of the machine hits both sides alike; one log-ratio per pair, a t interval on their mean.
+- Stored (`stored_trials`): the candidate's trials against the trials recorded with the baseline
+  (`record_trials`), both normalized by the machine-speed probe taken around each trial; Welch's
+  interval on the difference of the normalized log costs. A trial whose probe is outside
+  ratio_stats.COMPARABLE_SPEED of the recording's makes the verdict inconclusive: scaling by an
+  unbounded probe ratio once let a slowed server pass on a loaded machine.
+
+Interval and verdict: canary/perf/ratio_stats.py. One trial's workload: canary/perf/trial_load.py.
+Costs, not speeds: a metric's log cost is -log(tok/s) or +log(TTFT), so > 0 is always "slower",
+and cost x machine speed is the same on a faster or slower machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from canary.perf import ratio_stats
+from canary.perf.ratio_stats import INCONCLUSIVE, OK, SLOWER, RatioVerdict
+from canary.perf.trial_load import TrialWorkload, higher_is_better, measure_trial
+from canary.targets import Target
+
+Measure = Callable[[Target, TrialWorkload, int], dict[str, float]]
+Probe = Callable[[], float]
+CHECK_EVERY = 3  # after the minimum, trials are added in steps of this many until the verdict decides
+
+
+def log_cost(metric: str, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{metric} = {value}: a trial figure must be a positive number")
+    return -math.log(value) if higher_is_better(metric) else math.log(value)
+
+
+@dataclass
+class TrialsOutcome:
+    mode: str  # "ab" | "stored"
+    status: str  # ratio_stats.OK | SLOWER | INCONCLUSIVE
+    verdicts: list[RatioVerdict]
+    trials: list[dict] = field(default_factory=list)  # each side's figures (and probe) in run order
+    tolerance: float = 0.1
+
+    def failures(self) -> list[str]:
+        """Gate failure lines: every metric that is slower or inconclusive, each with its interval."""
+        tag = {SLOWER: "[perf-regression]", INCONCLUSIVE: "[perf-inconclusive]"}
+        label = "A/B " if self.mode == "ab" else ""
+        return [f"{tag[v.status]} {label}{v.describe()}" for v in self.verdicts if v.status != OK]
+
+    def summary(self) -> dict:
+        return {"mode": self.mode, "status": self.status, "tolerance": self.tolerance,
+                "verdicts": ratio_stats.verdict_dicts(self.verdicts), "trials": self.trials}
+
+
+def _decided(verdicts: list[RatioVerdict]) -> bool:
+    return ratio_stats.overall(verdicts) != INCONCLUSIVE
+
+
+def _checkpoints(min_trials: int, max_trials: int) -> list[int]:
+    points = list(range(min_trials, max_trials, CHECK_EVERY)) + [max_trials]
+    return sorted(set(p for p in points if p >= 2))
+
+
+def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tolerance: float,
+              min_pairs: int = 6, max_pairs: int = 12, measure: Measure = measure_trial,
+              on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
+    """Interleaved A/B pairs; more pairs (up to `max_pairs`) only while the verdict is inconclusive."""
+    if not 2 <= min_pairs <= max_pairs:
+        raise ValueError(f"need 2 <= min_pairs <= max_pairs, got {min_pairs}, {max_pairs}")
+    sides = {"baseline": baseline, "candidate": candidate}
+    for target in sides.values():  # warm-up, not counted: first requests pay lazy initialisation
+        measure(target, workload, -1)
+    trials: list[dict] = []
+    ratios: dict[str, list[float]] = {m: [] for m in workload.metrics()}
+    verdicts: list[RatioVerdict] = []
+    pair = 0
+    for checkpoint in _checkpoints(min_pairs, max_pairs):
+        while pair < checkpoint:
+            order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
+            figures = {}
+            for name in order:
+                figures[name] = measure(sides[name], workload, 2 * pair + (name == "candidate"))
+                trials.append({"pair": pair, "side": name, "figures": figures[name]})
+                if on_trial:
+                    on_trial(trials[-1])
+            for metric in ratios:
+                ratios[metric].append(log_cost(metric, figures["candidate"][metric])
+                                      - log_cost(metric, figures["baseline"][metric]))
+            pair += 1
+        verdicts = [ratio_stats.decide(m, ratio_stats.mean_interval(r), tolerance) for m, r in ratios.items()]
+        if _decided(verdicts):
+            break
+    return TrialsOutcome("ab", ratio_stats.overall(verdicts), verdicts, trials, tolerance)
+
+
+def _probed_trial(target: Target, workload: TrialWorkload, index: int, measure: Measure,
+                  probe: Probe | None) -> dict:
+    """One trial with the machine-speed probe before and after it (geometric mean: the probe moved
+    1.9 -> 2.5 ms per block within seconds on one runner); speed None where no probe applies."""
+    before = probe() if probe else None
+    figures = measure(target, workload, index)
+    speed = math.sqrt(before * probe()) if probe and before else None
+    return {"trial": index, "figures": figures, "machine_speed": speed}
+
+
+def normalized_costs(trials: list[dict], metric: str, by_speed: bool) -> list[float]:
+    """Each trial's log cost, times the machine speed (log space: + log speed) when `by_speed`."""
+    return [log_cost(metric, t["figures"][metric]) + (math.log(t["machine_speed"]) if by_speed else 0.0)
+            for t in trials]
+
+
+def record_trials(target: Target, workload: TrialWorkload, trials: int = 8, measure: Measure = measure_trial,
+                  probe: Probe | None = None, on_trial: Callable[[dict], None] | None = None) -> dict:
+    """A stored baseline's perf part: the raw trials with their probes (normalized when compared)."""
+    measure(target, workload, -1)  # warm-up
+    runs = []
+    for i in range(trials):
+        runs.append(_probed_trial(target, workload, i, measure, probe))
+        if on_trial:
+            on_trial(runs[-1])
+    speeds = [t["machine_speed"] for t in runs if t["machine_speed"]]
+    return {"workload": workload.describe(), "trials": runs,
+            "machine_speed": math.exp(sum(map(math.log, speeds)) / len(speeds)) if speeds else None}
+
+
+def stored_trials(target: Target, stored: dict, workload: TrialWorkload, tolerance: float,
+                  min_trials: int = 6, max_trials: int = 12, measure: Measure = measure_trial,
+                  probe: Probe | None = None, speed_bounds: tuple[float, float] = ratio_stats.COMPARABLE_SPEED,
+                  on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
+    """The candidate's trials against a `record_trials` baseline. With a probe, both sides were
+    probed (a recording without one on a probed machine cannot be compared: inconclusive)."""
+    if stored.get("workload") != workload.describe():
+        raise ValueError(f"stored perf trials ran {stored.get('workload')}, this run {workload.describe()}")
+    recorded_speed = stored.get("machine_speed")
+    measure(target, workload, -1)  # warm-up
+    runs: list[dict] = []
+    verdicts: list[RatioVerdict] = []
+    for checkpoint in _checkpoints(min_trials, max_trials):
+        while len(runs) < checkpoint:
+            runs.append(_probed_trial(target, workload, len(runs), measure, probe))
+            if on_trial:
+                on_trial(runs[-1])
+        why = None
+        if probe is not None:
+            why = ("the baseline was recorded without a machine-speed probe" if not recorded_speed else
+                   ratio_stats.speed_not_comparable([t["machine_speed"] / recorded_speed for t in runs], speed_bounds))
+        by_speed = probe is not None and not why
+        verdicts = [ratio_stats.decide(m, ratio_stats.difference_interval(
+            normalized_costs(runs, m, by_speed), normalized_costs(stored["trials"], m, by_speed)), tolerance, why)
+            for m in workload.metrics()]
+        if why or _decided(verdicts):
+            break
+    return TrialsOutcome("stored", ratio_stats.overall(verdicts), verdicts, runs, tolerance)
+
+
+def workload_from(record: dict) -> TrialWorkload:
+    w = record["workload"]
+    return TrialWorkload(concurrency=tuple(w["concurrency"]), max_tokens=w["max_tokens"], ttft_rate=w["ttft_rate"],
+                         ttft_requests=w["ttft_requests"])
