@@ -362,13 +362,14 @@ class SessionDriver:
         finished = time.perf_counter()
         choice = resp.choices[0]
         calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in (choice.message.tool_calls or [])]
-        tokens, tops = _logprob_tokens(choice.logprobs.content if choice.logprobs else None)
+        content = choice.logprobs.content if choice.logprobs else None
+        tokens, tops = _logprob_tokens(content)
         usage = resp.usage.model_dump() if resp.usage else None
         turn = Turn(scenario.index, turn_index, False, choice.message.content or "", calls, choice.finish_reason,
                     _usage(usage), self.options.max_tokens, tokens)
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, False, False, started, None, finished, completion, [], turn,
-                             _transcript(scenario, hop, tokens, tops))
+                             _transcript(scenario, hop, tokens, tops, _own_logprobs(content)))
 
     async def _streamed(self, client, kwargs, scenario, hop, turn_index, started, abort_after) -> RequestRecord:
         stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
@@ -378,6 +379,7 @@ class SessionDriver:
         calls: dict[int, dict[str, str]] = {}
         tokens: list = []
         tops: list = []
+        own: list[float] = []
         chunk_times: list[float] = []
         first_token = None
         aborted = False
@@ -410,6 +412,7 @@ class SessionDriver:
                     t, p = _logprob_tokens(choice.logprobs.content)
                     tokens += t
                     tops += p
+                    own += _own_logprobs(choice.logprobs.content)
                 if choice.finish_reason:
                     finish = choice.finish_reason
             chunks += 1
@@ -423,7 +426,7 @@ class SessionDriver:
                     self.options.max_tokens, tokens, aborted=aborted)
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, True, aborted, started, first_token, finished, completion,
-                             chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops),
+                             chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops, own),
                              protocol=protocol)
 
 
@@ -441,7 +444,12 @@ def _logprob_tokens(content) -> tuple[list, list]:
     return tokens, tops
 
 
-def _transcript(scenario: Scenario, hop: int, tokens: list, tops: list) -> Transcript | None:
+def _own_logprobs(content) -> list[float]:
+    """Per token, the logprob of the token itself (the golden store compares these within a tolerance)."""
+    return [float(item.logprob) for item in content or ()]
+
+
+def _transcript(scenario: Scenario, hop: int, tokens: list, tops: list, logprobs: list[float]) -> Transcript | None:
     if not tokens:
         return None
-    return Transcript(f"session-{scenario.seed}-req-{hop}", tokens, tops)
+    return Transcript(f"session-{scenario.seed}-req-{hop}", tokens, tops, logprobs=logprobs)

@@ -16,7 +16,7 @@ from canary.driver import DriverOptions, RequestRecord, RunResult
 from canary.driver_pool import run_sessions
 from canary.options import CanaryOptions
 from canary.oracles import differential
-from canary.oracles.golden import Transcript, first_divergence, read_store, write_store
+from canary.oracles.golden import LOGPROB_ATOL, Transcript, first_divergence, logprob_drift, read_store, write_store
 from canary.perf import machine_speed
 from canary.perf import verdict as perf
 from canary.perf.metrics import gated_figures, run_metrics
@@ -85,14 +85,17 @@ def kernel_choices(engine: dict) -> list[str]:
 
 
 def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, outcome: GateOutcome,
-                 near_tie: float) -> None:
+                 near_tie: float, logprob_atol: float | None = None) -> None:
+    """Tokens, then (where the store recorded a `logprob_atol`) each matched token's logprob within
+    it. `logprob_atol`: what a store written now records (golden.LOGPROB_ATOL of the run's dtype)."""
     transcripts = result.transcripts
     if update:
         merged: dict[str, Transcript] = {}
         if path.is_file():
             merged.update(read_store(path)[1])
         merged.update({t.scenario: t for t in transcripts})
-        write_store(path, metadata, [merged[k] for k in sorted(merged)])
+        recorded = {**metadata, **({"logprob_atol": logprob_atol} if logprob_atol is not None else {})}
+        write_store(path, recorded, [merged[k] for k in sorted(merged)])
         outcome.notes.append(f"golden transcripts updated: {path} ({len(merged)} requests)")
         return
     if not path.is_file():
@@ -103,14 +106,23 @@ def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, ou
         outcome.failures.append(f"[golden] model hash {metadata['model_hash']} differs from the golden "
                                 f"transcripts' {meta['model_hash']} ({path})")
         return
+    atol = meta.get("logprob_atol")
+    if atol is None:
+        outcome.notes.append(f"golden store {path} records no logprobs (written before they were kept): golden "
+                             "oracle compares tokens only; re-record it with --golden-update")
     diverged_sessions: set[str] = set()
-    checked = benign = 0
+    checked = benign = logprobs_checked = 0
     for t in sorted(transcripts, key=lambda t: (t.scenario.rsplit("-req-", 1)[0], int(t.scenario.rsplit("-", 1)[1]))):
         session = t.scenario.rsplit("-req-", 1)[0]
         if session in diverged_sessions or t.scenario not in golden:
             continue
         checked += 1
         div = first_divergence(golden[t.scenario], t, near_tie)
+        if atol is not None:  # up to the first divergence: after it the contexts differ
+            drift = logprob_drift(golden[t.scenario], t, atol, upto=None if div is None else div.position)
+            logprobs_checked += bool(golden[t.scenario].logprobs and t.logprobs)
+            if drift is not None:
+                outcome.failures.append(f"[golden-logprob] {drift.describe()}")
         if div is None:
             continue
         diverged_sessions.add(session)  # later requests of this session are no longer comparable
@@ -119,7 +131,8 @@ def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, ou
         else:
             outcome.failures.append(f"[golden] {div.describe()}")
     outcome.summary["golden"] = {"path": str(path), "checked": checked, "benign_near_ties": benign,
-                                 "golden_commit": meta.get("commit")}
+                                 "golden_commit": meta.get("commit"), "logprob_atol": atol,
+                                 "logprobs_checked": logprobs_checked}
 
 
 def baseline_fingerprint(target: Target, info: dict, options: DriverOptions) -> dict:
@@ -195,7 +208,9 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
                 "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
                 "device": device_name(), **versions()}
     if target.embedded:
-        check_golden(result, golden_path(target, info), golden_update, metadata, outcome, near_tie)
+        dtype = (info.get("engine_config") or {}).get("dtype", "float32")
+        check_golden(result, golden_path(target, info), golden_update, metadata, outcome, near_tie,
+                     LOGPROB_ATOL.get(dtype))
     else:
         outcome.notes.append("golden-transcript oracle skipped: the target is not the embedded canary runtime "
                              "(only a deterministic canary model has golden transcripts)")

@@ -27,6 +27,8 @@ REGISTRY: dict[str, FaultSpec] = {
         FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own"),
         FaultSpec("overlap-stale-token", "overlap loop feeds the previous step's token as the next input"),
         FaultSpec("tool-json-corrupt", "tool-call arguments corrupted on their way out of the server"),
+        FaultSpec("indexer-window-off-by-one", "sliding window one token too wide (eager runner): logprobs "
+                  "move by ~1e-4, tokens stay"),
         FaultSpec("slow-step", "every engine step takes extra wall time (throughput regression)"),
     )
 }

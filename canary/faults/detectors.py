@@ -95,4 +95,6 @@ DETECTORS: dict[str, tuple[Detector, ...]] = {
     "tool-json-corrupt": (CANARY_GATE.expecting("[json-parse]", "[json-schema]", "[stream-equivalence]", "[golden]",
                                                 "[nonce-echo]"),),
     "slow-step": (AB_PERF_GATE,),
+    # Every token stays (measured: 0 of 57 transcripts diverge at 16 x 2); only the logprob check sees it.
+    "indexer-window-off-by-one": (CANARY_GATE.expecting("[golden-logprob]"),),
 }

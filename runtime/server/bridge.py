@@ -63,6 +63,7 @@ class EngineBridge:
         self._outbox: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Event]] = []
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None  # set if the engine thread died
+        self._preemptions = 0  # the scheduler's count the counter last caught up with
         metrics.kv_pages_total.set(engine.pool.num_pages)
 
     # ---- event-loop side ------------------------------------------------------------------------
@@ -151,6 +152,9 @@ class EngineBridge:
         self.metrics.running.set(len(self.engine.scheduler.running))
         self.metrics.waiting.set(len(self.engine.scheduler.waiting))
         self.metrics.kv_pages.set(self.engine.pages_in_use)
+        preemptions = self.engine.scheduler.num_preemptions
+        self.metrics.preemptions.inc(preemptions - self._preemptions)
+        self._preemptions = preemptions
 
     def _send(self, rid: str, event: Event) -> None:
         sink = self._sinks.get(rid)
