@@ -24,6 +24,7 @@ from canary.provenance import device_name, fingerprint, git_commit, versions
 from canary.targets import Target
 
 GOLDEN_DIR = Path("golden/transcripts")
+PREEMPTIONS = "dsv4_preemptions_total"  # the runtime's counter (runtime/server/metrics.py)
 BASELINE_DIR = Path("golden/baselines")
 
 
@@ -142,6 +143,9 @@ def baseline_fingerprint(target: Target, info: dict, options: DriverOptions) -> 
                        "abort_ratio": options.abort_ratio, "max_tokens": options.max_tokens}}
     if options.processes != 1:  # the harness's own ceiling is part of what a baseline measured
         fp["workload"]["driver_processes"] = options.processes
+    for name in ("sampled_ratio", "stop_ratio", "multibyte_ratio"):  # the probes (canary/workload.py), when on
+        if getattr(options, name):
+            fp["workload"][name] = getattr(options, name)
     kernels = kernel_choices(info.get("engine_config") or {})
     if kernels:  # only when set, so the default kernels keep their recorded baselines' fingerprints
         fp["triton_kernels"] = kernels
@@ -188,16 +192,19 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
              baseline: Path | None = None,
              perf_tolerance: float = 0.25, near_tie: float = 0.05, progress: bool = True,
              on_request_done: Callable[[RequestRecord], None] | None = None,
-             differential_sample: int = differential.DEFAULT_SAMPLE, deterministic: bool | None = None) -> GateOutcome:
+             differential_sample: int = differential.DEFAULT_SAMPLE, deterministic: bool | None = None,
+             perf_gate: bool = True) -> GateOutcome:
     """`deterministic`: the load-vs-solo oracle in exact mode; None = exact for the embedded runtime
-    (batch-invariant by construction, so a near-tie flipped by load is its bug), near-ties benign elsewhere."""
+    (batch-invariant by construction, so a near-tie flipped by load is its bug), near-ties benign elsewhere.
+    `perf_gate` False: no baseline compared or recorded (the small-pool run, canary/workload.py)."""
     outcome = GateOutcome()
     info = target.server_info()
     fp = baseline_fingerprint(target, info, options)
     baseline = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
     # The probe is only worth its second when a baseline will be compared or recorded.
-    probing = probes_this_machine(target) and (baseline.is_file() or golden_update or baseline_update)
+    probing = perf_gate and probes_this_machine(target) and (baseline.is_file() or golden_update or baseline_update)
     speed_before = machine_speed.probe() if probing else None
+    preemptions_before = target.metric(PREEMPTIONS)
     result = run_driver(target, options, progress, on_request_done)
     outcome.failures += [f.describe() for _, f in result.failures]
     check_session_ends(result, outcome)
@@ -217,6 +224,13 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     # Any server that exports the gauge gets the leak check (a staging deployment of this runtime,
     # or a proxy in front of one); one without it gets a note saying the check did not run.
     _check_pages_idle(target, outcome)
+    preemptions_after = target.metric(PREEMPTIONS)
+    outcome.summary["preemptions"] = (None if preemptions_before is None or preemptions_after is None
+                                      else preemptions_after - preemptions_before)
+    if not perf_gate:
+        outcome.notes.append(f"perf not gated for {target.name}: its workload is not the baseline's")
+        outcome.summary.update(_run_facts(target, options, result, metadata, metrics, outcome))
+        return outcome
     # Before and after the run, with the server idle both times; the geometric mean spans the run.
     speed = math.sqrt(speed_before * machine_speed.probe()) if speed_before is not None else None
     record = golden_update or baseline_update
@@ -224,15 +238,20 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
         record = False  # a run that failed an oracle is no one's performance baseline
         outcome.notes.append("performance baseline NOT recorded: the run failed")
     gate_against_baseline(gated_figures(metrics), fp, baseline, perf_tolerance, record, outcome, speed)
-    outcome.summary.update({"target": target.name, "metadata": metadata, "metrics": metrics,
-                            "sessions_completed": result.sessions_completed,
-                            "sessions_aborted": result.sessions_aborted,
-                            "sessions": options.sessions, "oracle_checks": dict(sorted(result.oracle_checks.items())),
-                            "session_ends": [{"session": i, "status": st, "reason": why}
-                                             for i, st, why in sorted(result.session_ends) if st != "completed"],
-                            "failures": [{"t": t, **f.__dict__} for t, f in result.failures],
-                            "gate_failures": outcome.failures, "notes": outcome.notes})
+    outcome.summary.update(_run_facts(target, options, result, metadata, metrics, outcome))
     return outcome
+
+
+def _run_facts(target: Target, options: DriverOptions, result: RunResult, metadata: dict, metrics: dict,
+               outcome: GateOutcome) -> dict:
+    return {"target": target.name, "metadata": metadata, "metrics": metrics,
+            "sessions_completed": result.sessions_completed,
+            "sessions_aborted": result.sessions_aborted,
+            "sessions": options.sessions, "oracle_checks": dict(sorted(result.oracle_checks.items())),
+            "session_ends": [{"session": i, "status": st, "reason": why}
+                             for i, st, why in sorted(result.session_ends) if st != "completed"],
+            "failures": [{"t": t, **f.__dict__} for t, f in result.failures],
+            "gate_failures": outcome.failures, "notes": outcome.notes}
 
 
 def check_session_ends(result: RunResult, outcome: GateOutcome) -> None:

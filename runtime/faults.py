@@ -29,6 +29,7 @@ REGISTRY: dict[str, FaultSpec] = {
         FaultSpec("tool-json-corrupt", "tool-call arguments corrupted on their way out of the server"),
         FaultSpec("indexer-window-off-by-one", "sliding window one token too wide (eager runner): logprobs "
                   "move by ~1e-4, tokens stay"),
+        FaultSpec("abort-leak", "a request aborted by its client keeps its KV pages (never returned to the pool)"),
         FaultSpec("slow-step", "every engine step takes extra wall time (throughput regression)"),
     )
 }
