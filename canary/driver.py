@@ -283,10 +283,11 @@ class SessionDriver:
                     # The same request goes again, whole and not streamed, and the session goes on (its
                     # later turns are the check that the abort harmed nothing); it ends counted as
                     # aborted, with where, never as completed.
+                    # It keeps the aborted request's number, so the session's requests are numbered (and
+                    # golden transcripts keyed) the same whatever --abort-ratio.
                     aborts.append(f"client abort mid-stream at request {hop - 1} (turn {turn_index})")
                     streamed = False
-                    record = await self._request(client, scenario, messages, hop, turn_index, False, None)
-                    hop += 1
+                    record = await self._request(client, scenario, messages, hop - 1, turn_index, False, None)
                 failures = self._check(scenario, record, messages)
                 if streamed and not failures:
                     # Same request, not streamed: the reconstruction must be identical, and the
@@ -301,10 +302,7 @@ class SessionDriver:
                         record.turn, made, list(scenario.required_calls[turn_index]),
                         exact=not self.options.generic_prompts))
                 if not failures and not record.turn.tool_calls:
-                    probe_failures, sent = await self._probes(client, scenario, messages, record, mix, turn_index,
-                                                              hop)
-                    failures += probe_failures
-                    hop += sent
+                    failures += await self._probes(client, scenario, messages, record, mix, turn_index)
                 if failures:
                     # A corrupted conversation cannot be continued meaningfully.
                     return FAILED, failures[0].describe()
@@ -332,32 +330,30 @@ class SessionDriver:
         return COMPLETED, ""
 
     async def _probes(self, client, scenario: Scenario, messages: list[dict], answer: RequestRecord, mix: SessionMix,
-                      turn_index: int, hop: int) -> tuple[list[Failure], int]:
+                      turn_index: int) -> list[Failure]:
         """The turn's final request again, as this session's mix asks (canary/workload.py): with a
-        stop string cut from its answer, and/or sampled with a seed. Returns the failures and how
-        many requests were sent; the replies never enter the conversation."""
+        stop string cut from its answer, sampled with a seed, with multi-byte text. The replies never
+        enter the conversation; each is numbered as its answer with its kind after it (`req-5.stop`),
+        so the main requests' numbers, and golden keys, do not depend on the mix's ratios."""
         failures: list[Failure] = []
-        sent = 0
+        hop = answer.hop
         if turn_index == mix.stop_turn:
             stop = choose_stop(answer.turn.content, mix, turn_index)
             if stop is not None:
-                probe = await self._request(client, scenario, messages, hop + sent, turn_index,
-                                            scenario.index % 2 == 0, None, extra={"stop": [stop]})
-                sent += 1
+                probe = await self._request(client, scenario, messages, hop, turn_index, scenario.index % 2 == 0,
+                                            None, extra={"stop": [stop]}, probe="stop")
                 failures += self._check(scenario, probe, messages, probe="stop")
                 failures += self._record("stop-string", check_stop_string(probe.turn, answer.turn.content, stop))
         if turn_index == mix.sampled_turn and not failures:
-            probe = await self._request(client, scenario, messages, hop + sent, turn_index, scenario.index % 2 == 1,
-                                        None, extra=sampled_request({}, mix, turn_index))
-            sent += 1
+            probe = await self._request(client, scenario, messages, hop, turn_index, scenario.index % 2 == 1,
+                                        None, extra=sampled_request({}, mix, turn_index), probe="sampled")
             failures += self._check(scenario, probe, messages, probe="protocol")
         if turn_index == mix.multibyte_turn and not failures:
             decorated = multibyte_messages(messages, mix, turn_index)
-            probe = await self._request(client, scenario, decorated, hop + sent, turn_index, scenario.index % 2 == 0,
-                                        None)
-            sent += 1
+            probe = await self._request(client, scenario, decorated, hop, turn_index, scenario.index % 2 == 0,
+                                        None, probe="multibyte")
             failures += self._check(scenario, probe, decorated, probe="protocol")
-        return failures, sent
+        return failures
 
     def _record(self, oracle: str, failures: list[Failure]) -> list[Failure]:
         """Count one run of `oracle` and put its failures on the run's record: no oracle's findings
@@ -403,8 +399,9 @@ class SessionDriver:
     # ---- one request ---------------------------------------------------------------------------
     async def _request(self, client, scenario: Scenario, messages: list[dict], hop: int, turn_index: int,
                        streamed: bool, abort_after: int | None, replay: bool = False,
-                       extra: dict[str, Any] | None = None) -> RequestRecord:
-        """`extra`: request fields over the greedy defaults (a probe's stop string or sampling)."""
+                       extra: dict[str, Any] | None = None, probe: str | None = None) -> RequestRecord:
+        """`extra`: request fields over the greedy defaults (a probe's stop string or sampling);
+        `probe`: the probe's kind, which its transcript key carries after the hop."""
         kwargs: dict[str, Any] = dict(model=self.target.model, messages=messages, tools=scenario.tools,
                                       tool_choice=scenario.tool_choice, temperature=0.0, seed=scenario.seed,
                                       max_tokens=self.options.max_tokens)
@@ -418,6 +415,8 @@ class SessionDriver:
         else:
             record = await self._unary(client, kwargs, scenario, hop, turn_index, started)
         record.request = body
+        if probe is not None and record.transcript is not None:
+            record.transcript.scenario += f".{probe}"
         if not replay:
             self._result.requests.append(record)
             if self.on_request_done:

@@ -113,7 +113,7 @@ def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, ou
                              "oracle compares tokens only; re-record it with --golden-update")
     diverged_sessions: set[str] = set()
     checked = benign = logprobs_checked = 0
-    for t in sorted(transcripts, key=lambda t: (t.scenario.rsplit("-req-", 1)[0], int(t.scenario.rsplit("-", 1)[1]))):
+    for t in sorted(transcripts, key=_request_order):
         session = t.scenario.rsplit("-req-", 1)[0]
         if session in diverged_sessions or t.scenario not in golden:
             continue
@@ -134,6 +134,13 @@ def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, ou
     outcome.summary["golden"] = {"path": str(path), "checked": checked, "benign_near_ties": benign,
                                  "golden_commit": meta.get("commit"), "logprob_atol": atol,
                                  "logprobs_checked": logprobs_checked}
+
+
+def _request_order(t: Transcript) -> tuple[str, int, str]:
+    """`session-S-req-N` in request order; a probe (`req-N.stop`, canary/workload.py) after its request."""
+    session, _, rest = t.scenario.rpartition("-req-")
+    hop, _, probe = rest.partition(".")
+    return session, int(hop), probe
 
 
 def baseline_fingerprint(target: Target, info: dict, options: DriverOptions) -> dict:

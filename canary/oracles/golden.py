@@ -34,7 +34,7 @@ class Transcript:
     extra: dict[str, Any] = field(default_factory=dict)
     # Per position: the logprob of the token the run produced (empty in stores recorded before
     # logprobs were kept: those are compared on tokens only).
-    logprobs: Sequence[float] = ()
+    logprobs: Sequence[float] = field(default_factory=list)
 
 
 # Recorded into a store's metadata (`logprob_atol`) when it is written, by the dtype it was recorded
