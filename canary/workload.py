@@ -33,10 +33,10 @@ MULTIBYTE_NOTES = ("東京の天気は晴れ", "雨のち晴れ 🌧️→☀️
 SAMPLED_TEMPERATURE = 0.8
 SAMPLED_TOP_P = 0.9
 # The gate's mix (canary/pytest_plugin.py defaults): fractions of sessions with each probe, and of
-# streamed requests the client aborts mid-stream. 80 sessions: ~8 probes of each kind, ~15 aborts.
-DEFAULT_SAMPLED_RATIO = 0.1
-DEFAULT_STOP_RATIO = 0.1
-DEFAULT_MULTIBYTE_RATIO = 0.1
+# streamed requests the client aborts mid-stream. 80 sessions: 10-20 probes of each kind, ~13 aborts.
+DEFAULT_SAMPLED_RATIO = 0.25
+DEFAULT_STOP_RATIO = 0.25
+DEFAULT_MULTIBYTE_RATIO = 0.25
 DEFAULT_ABORT_RATIO = 0.05
 # Probe turns are drawn from this many, whatever `--turns` cuts a session to, so a shorter run's
 # requests are numbered as the full run's are and its transcripts line up with the golden store.
