@@ -80,7 +80,7 @@ def small_pool(pages: int) -> CanaryOptions:
 
 
 def test_small_pool_preempts_and_a_big_one_fails_the_preemption_check(tmp_path):
-    outcome = small_pool_gate(small_pool(48), DEFAULT_MODEL, [], tmp_path)
+    outcome = small_pool_gate(small_pool(64), DEFAULT_MODEL, [], tmp_path)
     assert outcome.passed, outcome.failures
     assert outcome.summary["preemptions"] > 0 and outcome.summary["golden"]["checked"] > 0
     idle = small_pool_gate(small_pool(4096), DEFAULT_MODEL, [], tmp_path)
