@@ -432,7 +432,7 @@ class SessionDriver:
         tokens, tops = _logprob_tokens(content)
         usage = resp.usage.model_dump() if resp.usage else None
         turn = Turn(scenario.index, turn_index, False, choice.message.content or "", calls, choice.finish_reason,
-                    _usage(usage), self.options.max_tokens, tokens)
+                    _usage(usage), kwargs["max_tokens"], tokens)
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, False, False, started, None, finished, completion, [], turn,
                              _transcript(scenario, hop, tokens, tops, _own_logprobs(content)))
@@ -489,7 +489,7 @@ class SessionDriver:
         finished = time.perf_counter()
         tool_calls = [ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
         turn = Turn(scenario.index, turn_index, True, content, tool_calls, finish, _usage(usage),
-                    self.options.max_tokens, tokens, aborted=aborted)
+                    kwargs["max_tokens"], tokens, aborted=aborted)
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, True, aborted, started, first_token, finished, completion,
                              chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops, own),

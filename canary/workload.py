@@ -30,8 +30,14 @@ from typing import Any
 # variation selector, one a ZWJ sequence), a combining acute (e + U+0301, not U+00E9), Hangul, Greek.
 MULTIBYTE_NOTES = ("東京の天気は晴れ", "雨のち晴れ 🌧️→☀️", "cafe\u0301 ou café", "👩\u200d💻 Zoë Ångström",
                    "서울 날씨", "Ελληνικά ✓")
-SAMPLED_TEMPERATURE = 0.8
-SAMPLED_TOP_P = 0.9
+# The canary model is sure of nearly every token (in the CPU golden store 88 of 21,858 positions
+# have a top-2 gap under 4 nats): at temperature 0.8 / top-p 0.9 a draw never mattered, and a sampler
+# drawing from one generator for the whole batch passed the gate (measured). Temperature 4 with
+# top-p 0.95 keeps two or more tokens at the positions with a gap under ~12 nats, so the seed decides
+# the output; the reply is short (max_tokens 64), since it is off the model's distribution anyway.
+SAMPLED_TEMPERATURE = 4.0
+SAMPLED_TOP_P = 0.95
+SAMPLED_MAX_TOKENS = 64
 # The gate's mix (canary/pytest_plugin.py defaults): fractions of sessions with each probe, and of
 # streamed requests the client aborts mid-stream. 80 sessions: 10-20 probes of each kind, ~13 aborts.
 DEFAULT_SAMPLED_RATIO = 0.25
@@ -84,7 +90,8 @@ def multibyte_messages(messages: list[dict[str, Any]], mix: SessionMix, turn: in
 def sampled_request(kwargs: dict[str, Any], mix: SessionMix, turn: int) -> dict[str, Any]:
     """The request sent again with seeded temperature/top-p sampling: its seed alone fixes its output."""
     seed = random.Random(f"{mix.rng_seed}:sampled:{turn}").randrange(2**31)
-    return {**kwargs, "temperature": SAMPLED_TEMPERATURE, "top_p": SAMPLED_TOP_P, "seed": seed}
+    return {**kwargs, "temperature": SAMPLED_TEMPERATURE, "top_p": SAMPLED_TOP_P, "seed": seed,
+            "max_tokens": SAMPLED_MAX_TOKENS}
 
 
 def choose_stop(content: str, mix: SessionMix, turn: int) -> str | None:
