@@ -90,6 +90,9 @@ def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, ou
     """Tokens, then (where the store recorded a `logprob_atol`) each matched token's logprob within
     it. `logprob_atol`: what a store written now records (golden.LOGPROB_ATOL of the run's dtype)."""
     transcripts = result.transcripts
+    if update and outcome.failures:  # a failed run's tokens are no one's golden transcripts
+        outcome.notes.append(f"golden transcripts NOT updated at {path}: the run failed")
+        return
     if update:
         merged: dict[str, Transcript] = {}
         if path.is_file():
