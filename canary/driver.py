@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from canary.oracles.golden import Transcript
+from canary.oracles.stop_strings import check_stop_string
 from canary.oracles.turn import (
     Failure,
     StreamProtocol,
@@ -39,6 +40,7 @@ from canary.oracles.turn import (
 )
 from canary.scenarios import Scenario, execute_tool, make_scenario
 from canary.targets import Target
+from canary.workload import SessionMix, choose_stop, multibyte_messages, plan_session, sampled_request
 
 TOP_LOGPROBS = 5
 MAX_HOPS = 3  # tool round trips within one user turn before the driver gives up on the turn
@@ -61,6 +63,11 @@ class DriverOptions:
     # models are most of it: py-spy on the H200 gate), so a fast server needs more than one; on a
     # 2-core machine the server needs the other core, so the default stays 1.
     processes: int = 1
+    # The workload mix (canary/workload.py), fractions of sessions; the gate's defaults are in
+    # canary/pytest_plugin.py, these are off so that a DriverOptions() is plain greedy turns.
+    sampled_ratio: float = 0.0  # one seeded temperature/top-p probe
+    stop_ratio: float = 0.0  # one stop-string probe
+    multibyte_ratio: float = 0.0  # one multi-byte probe
 
     def __post_init__(self) -> None:
         if self.processes < 1:
@@ -259,8 +266,10 @@ class SessionDriver:
         """Returns how the session ended (COMPLETED, FAILED or ABORTED) and why; every failure it
         ends on is in `self._result.failures` before it returns."""
         rng = random.Random(f"{self.options.seed}:{scenario.seed}")
+        mix = plan_session(self.options, scenario)
         messages: list[dict[str, Any]] = [{"role": "system", "content": scenario.system}]
         hop = 0
+        aborts: list[str] = []
         for turn_index, user in enumerate(scenario.user_turns):
             messages.append({"role": "user", "content": user})
             made: list[ToolCall] = []  # the tool calls of this user turn, over all its requests
@@ -270,8 +279,15 @@ class SessionDriver:
                 record = await self._request(client, scenario, messages, hop, turn_index, streamed, abort_after)
                 hop += 1
                 if record.aborted:
-                    self._result.sessions_aborted += 1
-                    return ABORTED, f"client abort mid-stream at request {hop - 1} (turn {turn_index})"
+                    # The client hung up mid-stream: the server must free the request and go on serving.
+                    # The same request goes again, whole and not streamed, and the session goes on (its
+                    # later turns are the check that the abort harmed nothing); it ends counted as
+                    # aborted, with where, never as completed.
+                    # It keeps the aborted request's number, so the session's requests are numbered (and
+                    # golden transcripts keyed) the same whatever --abort-ratio.
+                    aborts.append(f"client abort mid-stream at request {hop - 1} (turn {turn_index})")
+                    streamed = False
+                    record = await self._request(client, scenario, messages, hop - 1, turn_index, False, None)
                 failures = self._check(scenario, record, messages)
                 if streamed and not failures:
                     # Same request, not streamed: the reconstruction must be identical, and the
@@ -285,6 +301,8 @@ class SessionDriver:
                     failures += self._record("required-calls", check_required_calls(
                         record.turn, made, list(scenario.required_calls[turn_index]),
                         exact=not self.options.generic_prompts))
+                if not failures and not record.turn.tool_calls:
+                    failures += await self._probes(client, scenario, messages, record, mix, turn_index)
                 if failures:
                     # A corrupted conversation cannot be continued meaningfully.
                     return FAILED, failures[0].describe()
@@ -305,8 +323,37 @@ class SessionDriver:
                                   f"no final answer after {MAX_HOPS} requests of tool calls", str(made)[:300])
                 self._record("session-incomplete", [failure])
                 return FAILED, failure.describe()
+        if aborts:
+            self._result.sessions_aborted += 1
+            return ABORTED, "; ".join(aborts) + "; the session went on to its end"
         self._result.sessions_completed += 1
         return COMPLETED, ""
+
+    async def _probes(self, client, scenario: Scenario, messages: list[dict], answer: RequestRecord, mix: SessionMix,
+                      turn_index: int) -> list[Failure]:
+        """The turn's final request again, as this session's mix asks (canary/workload.py): with a
+        stop string cut from its answer, sampled with a seed, with multi-byte text. The replies never
+        enter the conversation; each is numbered as its answer with its kind after it (`req-5.stop`),
+        so the main requests' numbers, and golden keys, do not depend on the mix's ratios."""
+        failures: list[Failure] = []
+        hop = answer.hop
+        if turn_index == mix.stop_turn:
+            stop = choose_stop(answer.turn.content, mix, turn_index)
+            if stop is not None:
+                probe = await self._request(client, scenario, messages, hop, turn_index, scenario.index % 2 == 0,
+                                            None, extra={"stop": [stop]}, probe="stop")
+                failures += self._check(scenario, probe, messages, probe="stop")
+                failures += self._record("stop-string", check_stop_string(probe.turn, answer.turn.content, stop))
+        if turn_index == mix.sampled_turn and not failures:
+            probe = await self._request(client, scenario, messages, hop, turn_index, scenario.index % 2 == 1,
+                                        None, extra=sampled_request({}, mix, turn_index), probe="sampled")
+            failures += self._check(scenario, probe, messages, probe="protocol")
+        if turn_index == mix.multibyte_turn and not failures:
+            decorated = multibyte_messages(messages, mix, turn_index)
+            probe = await self._request(client, scenario, decorated, hop, turn_index, scenario.index % 2 == 0,
+                                        None, probe="multibyte")
+            failures += self._check(scenario, probe, decorated, probe="protocol")
+        return failures
 
     def _record(self, oracle: str, failures: list[Failure]) -> list[Failure]:
         """Count one run of `oracle` and put its failures on the run's record: no oracle's findings
@@ -316,18 +363,31 @@ class SessionDriver:
         self._result.failures += [(now, f) for f in failures]
         return failures
 
-    def _check(self, scenario: Scenario, record: RequestRecord, messages: list[dict]) -> list[Failure]:
+    def _check(self, scenario: Scenario, record: RequestRecord, messages: list[dict],
+               probe: str | None = None) -> list[Failure]:
+        """`probe` (canary/workload.py): "stop" for a stop-string reply, which is not the whole greedy
+        answer, so the oracles that hold a reply to that answer (grounding, the nonce echo) do not
+        apply; "protocol" for a sampled or multi-byte reply, which is the model's own output off its
+        training distribution (measured: a sampled enum value 'SD', a DSML block the model left
+        half-open): only the protocol oracles hold it, the golden store and the replays its tokens."""
         turn = record.turn
         record_ = self._record
+        if probe == "protocol":
+            return (record_("nonce", check_nonce(turn, scenario.nonce, lambda: self._nonces, must_echo=False))
+                    + record_("finish-and-usage", check_finish_and_usage(turn))
+                    + record_("tool-call-id", check_call_ids(turn))
+                    + (record_("stream-protocol", check_stream_protocol(turn, record.protocol, include_usage=True))
+                       if record.protocol is not None else []))
         failures = record_("tool-calls", check_tool_calls(turn, scenario.schemas))
-        if not self.options.generic_prompts:
+        if not self.options.generic_prompts and not probe:
             # The canary model copies values verbatim; a real LLM may legitimately normalise them.
             conversation = "\n".join(str(m.get("content") or "") for m in messages if m["role"] != "assistant")
             failures += record_("grounded-arguments", check_grounded_arguments(turn, conversation))
             if not turn.tool_calls:
                 failures += record_("grounded-answer", check_grounded_answer(turn, conversation))
         failures += record_("nonce", check_nonce(turn, scenario.nonce, lambda: self._nonces,
-                                                 must_echo=not turn.tool_calls and turn.finish_reason == "stop"))
+                                                 must_echo=not probe and not turn.tool_calls
+                                                 and turn.finish_reason == "stop"))
         failures += record_("gibberish", check_gibberish(turn))
         failures += record_("finish-and-usage", check_finish_and_usage(turn))
         failures += record_("tool-call-id", check_call_ids(turn))
@@ -338,10 +398,14 @@ class SessionDriver:
 
     # ---- one request ---------------------------------------------------------------------------
     async def _request(self, client, scenario: Scenario, messages: list[dict], hop: int, turn_index: int,
-                       streamed: bool, abort_after: int | None, replay: bool = False) -> RequestRecord:
+                       streamed: bool, abort_after: int | None, replay: bool = False,
+                       extra: dict[str, Any] | None = None, probe: str | None = None) -> RequestRecord:
+        """`extra`: request fields over the greedy defaults (a probe's stop string or sampling);
+        `probe`: the probe's kind, which its transcript key carries after the hop."""
         kwargs: dict[str, Any] = dict(model=self.target.model, messages=messages, tools=scenario.tools,
                                       tool_choice=scenario.tool_choice, temperature=0.0, seed=scenario.seed,
                                       max_tokens=self.options.max_tokens)
+        kwargs.update(extra or {})
         if self.options.logprobs:
             kwargs.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
         body = {**kwargs, "messages": copy.deepcopy(messages)}
@@ -351,6 +415,8 @@ class SessionDriver:
         else:
             record = await self._unary(client, kwargs, scenario, hop, turn_index, started)
         record.request = body
+        if probe is not None and record.transcript is not None:
+            record.transcript.scenario += f".{probe}"
         if not replay:
             self._result.requests.append(record)
             if self.on_request_done:
@@ -362,13 +428,14 @@ class SessionDriver:
         finished = time.perf_counter()
         choice = resp.choices[0]
         calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in (choice.message.tool_calls or [])]
-        tokens, tops = _logprob_tokens(choice.logprobs.content if choice.logprobs else None)
+        content = choice.logprobs.content if choice.logprobs else None
+        tokens, tops = _logprob_tokens(content)
         usage = resp.usage.model_dump() if resp.usage else None
         turn = Turn(scenario.index, turn_index, False, choice.message.content or "", calls, choice.finish_reason,
-                    _usage(usage), self.options.max_tokens, tokens)
+                    _usage(usage), kwargs["max_tokens"], tokens)
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, False, False, started, None, finished, completion, [], turn,
-                             _transcript(scenario, hop, tokens, tops))
+                             _transcript(scenario, hop, tokens, tops, _own_logprobs(content)))
 
     async def _streamed(self, client, kwargs, scenario, hop, turn_index, started, abort_after) -> RequestRecord:
         stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
@@ -378,6 +445,7 @@ class SessionDriver:
         calls: dict[int, dict[str, str]] = {}
         tokens: list = []
         tops: list = []
+        own: list[float] = []
         chunk_times: list[float] = []
         first_token = None
         aborted = False
@@ -410,6 +478,7 @@ class SessionDriver:
                     t, p = _logprob_tokens(choice.logprobs.content)
                     tokens += t
                     tops += p
+                    own += _own_logprobs(choice.logprobs.content)
                 if choice.finish_reason:
                     finish = choice.finish_reason
             chunks += 1
@@ -420,10 +489,10 @@ class SessionDriver:
         finished = time.perf_counter()
         tool_calls = [ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
         turn = Turn(scenario.index, turn_index, True, content, tool_calls, finish, _usage(usage),
-                    self.options.max_tokens, tokens, aborted=aborted)
+                    kwargs["max_tokens"], tokens, aborted=aborted)
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, True, aborted, started, first_token, finished, completion,
-                             chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops),
+                             chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops, own),
                              protocol=protocol)
 
 
@@ -441,7 +510,12 @@ def _logprob_tokens(content) -> tuple[list, list]:
     return tokens, tops
 
 
-def _transcript(scenario: Scenario, hop: int, tokens: list, tops: list) -> Transcript | None:
+def _own_logprobs(content) -> list[float]:
+    """Per token, the logprob of the token itself (the golden store compares these within a tolerance)."""
+    return [float(item.logprob) for item in content or ()]
+
+
+def _transcript(scenario: Scenario, hop: int, tokens: list, tops: list, logprobs: list[float]) -> Transcript | None:
     if not tokens:
         return None
-    return Transcript(f"session-{scenario.seed}-req-{hop}", tokens, tops)
+    return Transcript(f"session-{scenario.seed}-req-{hop}", tokens, tops, logprobs=logprobs)

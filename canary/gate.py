@@ -15,7 +15,7 @@ from canary.driver import DriverOptions, RequestRecord, RunResult
 from canary.driver_pool import run_sessions
 from canary.options import CanaryOptions
 from canary.oracles import differential
-from canary.oracles.golden import Transcript, first_divergence, read_store, write_store
+from canary.oracles.golden import LOGPROB_ATOL, Transcript, first_divergence, logprob_drift, read_store, write_store
 from canary.perf import machine_speed
 from canary.perf import trials as perf_trials
 from canary.perf import verdict as perf
@@ -26,6 +26,7 @@ from canary.targets import Target
 
 GOLDEN_DIR = Path("golden/transcripts")
 PERF_WORKLOAD = TrialWorkload()  # the perf verdict's trial workload (canary/perf/trial_load.py)
+PREEMPTIONS = "dsv4_preemptions_total"  # the runtime's counter (runtime/server/metrics.py)
 BASELINE_DIR = Path("golden/baselines")
 
 
@@ -87,14 +88,20 @@ def kernel_choices(engine: dict) -> list[str]:
 
 
 def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, outcome: GateOutcome,
-                 near_tie: float) -> None:
+                 near_tie: float, logprob_atol: float | None = None) -> None:
+    """Tokens, then (where the store recorded a `logprob_atol`) each matched token's logprob within
+    it. `logprob_atol`: what a store written now records (golden.LOGPROB_ATOL of the run's dtype)."""
     transcripts = result.transcripts
+    if update and outcome.failures:  # a failed run's tokens are no one's golden transcripts
+        outcome.notes.append(f"golden transcripts NOT updated at {path}: the run failed")
+        return
     if update:
         merged: dict[str, Transcript] = {}
         if path.is_file():
             merged.update(read_store(path)[1])
         merged.update({t.scenario: t for t in transcripts})
-        write_store(path, metadata, [merged[k] for k in sorted(merged)])
+        recorded = {**metadata, **({"logprob_atol": logprob_atol} if logprob_atol is not None else {})}
+        write_store(path, recorded, [merged[k] for k in sorted(merged)])
         outcome.notes.append(f"golden transcripts updated: {path} ({len(merged)} requests)")
         return
     if not path.is_file():
@@ -105,14 +112,23 @@ def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, ou
         outcome.failures.append(f"[golden] model hash {metadata['model_hash']} differs from the golden "
                                 f"transcripts' {meta['model_hash']} ({path})")
         return
+    atol = meta.get("logprob_atol")
+    if atol is None:
+        outcome.notes.append(f"golden store {path} records no logprobs (written before they were kept): golden "
+                             "oracle compares tokens only; re-record it with --golden-update")
     diverged_sessions: set[str] = set()
-    checked = benign = 0
-    for t in sorted(transcripts, key=lambda t: (t.scenario.rsplit("-req-", 1)[0], int(t.scenario.rsplit("-", 1)[1]))):
+    checked = benign = logprobs_checked = 0
+    for t in sorted(transcripts, key=_request_order):
         session = t.scenario.rsplit("-req-", 1)[0]
         if session in diverged_sessions or t.scenario not in golden:
             continue
         checked += 1
         div = first_divergence(golden[t.scenario], t, near_tie)
+        if atol is not None:  # up to the first divergence: after it the contexts differ
+            drift = logprob_drift(golden[t.scenario], t, atol, upto=None if div is None else div.position)
+            logprobs_checked += bool(golden[t.scenario].logprobs and t.logprobs)
+            if drift is not None:
+                outcome.failures.append(f"[golden-logprob] {drift.describe()}")
         if div is None:
             continue
         diverged_sessions.add(session)  # later requests of this session are no longer comparable
@@ -121,7 +137,15 @@ def check_golden(result: RunResult, path: Path, update: bool, metadata: dict, ou
         else:
             outcome.failures.append(f"[golden] {div.describe()}")
     outcome.summary["golden"] = {"path": str(path), "checked": checked, "benign_near_ties": benign,
-                                 "golden_commit": meta.get("commit")}
+                                 "golden_commit": meta.get("commit"), "logprob_atol": atol,
+                                 "logprobs_checked": logprobs_checked}
+
+
+def _request_order(t: Transcript) -> tuple[str, int, str]:
+    """`session-S-req-N` in request order; a probe (`req-N.stop`, canary/workload.py) after its request."""
+    session, _, rest = t.scenario.rpartition("-req-")
+    hop, _, probe = rest.partition(".")
+    return session, int(hop), probe
 
 
 def trials_fingerprint(target: Target, info: dict, workload: TrialWorkload) -> dict:
@@ -172,11 +196,13 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
              perf_tolerance: float = 0.1, near_tie: float = 0.05, progress: bool = True,
              on_request_done: Callable[[RequestRecord], None] | None = None,
              differential_sample: int = differential.DEFAULT_SAMPLE, deterministic: bool | None = None,
-             perf_trials_min: int = 6) -> GateOutcome:
+             perf_trials_min: int = 6, perf_gate: bool = True) -> GateOutcome:
     """`deterministic`: the load-vs-solo oracle in exact mode; None = exact for the embedded runtime
-    (batch-invariant by construction, so a near-tie flipped by load is its bug), near-ties benign elsewhere."""
+    (batch-invariant by construction, so a near-tie flipped by load is its bug), near-ties benign elsewhere.
+    `perf_gate` False: no baseline compared or recorded (the small-pool run, canary/workload.py)."""
     outcome = GateOutcome()
     info = target.server_info()
+    preemptions_before = target.metric(PREEMPTIONS)
     result = run_driver(target, options, progress, on_request_done)
     outcome.failures += [f.describe() for _, f in result.failures]
     check_session_ends(result, outcome)
@@ -187,27 +213,41 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
                 "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
                 "device": device_name(), **versions()}
     if target.embedded:
-        check_golden(result, golden_path(target, info), golden_update, metadata, outcome, near_tie)
+        dtype = (info.get("engine_config") or {}).get("dtype", "float32")
+        check_golden(result, golden_path(target, info), golden_update, metadata, outcome, near_tie,
+                     LOGPROB_ATOL.get(dtype))
     else:
         outcome.notes.append("golden-transcript oracle skipped: the target is not the embedded canary runtime "
                              "(only a deterministic canary model has golden transcripts)")
     # Any server that exports the gauge gets the leak check (a staging deployment of this runtime,
     # or a proxy in front of one); one without it gets a note saying the check did not run.
     _check_pages_idle(target, outcome)
+    preemptions_after = target.metric(PREEMPTIONS)
+    outcome.summary["preemptions"] = (None if preemptions_before is None or preemptions_after is None
+                                      else preemptions_after - preemptions_before)
+    if not perf_gate:
+        outcome.notes.append(f"perf not gated for {target.name}: its workload is not the baseline's")
+        outcome.summary.update(_run_facts(target, options, result, metadata, metrics, outcome))
+        return outcome
     record = golden_update or baseline_update
     if record and outcome.failures:
         record = False  # a run that failed an oracle is no one's performance baseline
         outcome.notes.append("performance baseline NOT recorded: the run failed")
     gate_perf(target, info, baseline, perf_tolerance, record, outcome, perf_trials_min)
-    outcome.summary.update({"target": target.name, "metadata": metadata, "metrics": metrics,
-                            "sessions_completed": result.sessions_completed,
-                            "sessions_aborted": result.sessions_aborted,
-                            "sessions": options.sessions, "oracle_checks": dict(sorted(result.oracle_checks.items())),
-                            "session_ends": [{"session": i, "status": st, "reason": why}
-                                             for i, st, why in sorted(result.session_ends) if st != "completed"],
-                            "failures": [{"t": t, **f.__dict__} for t, f in result.failures],
-                            "gate_failures": outcome.failures, "notes": outcome.notes})
+    outcome.summary.update(_run_facts(target, options, result, metadata, metrics, outcome))
     return outcome
+
+
+def _run_facts(target: Target, options: DriverOptions, result: RunResult, metadata: dict, metrics: dict,
+               outcome: GateOutcome) -> dict:
+    return {"target": target.name, "metadata": metadata, "metrics": metrics,
+            "sessions_completed": result.sessions_completed,
+            "sessions_aborted": result.sessions_aborted,
+            "sessions": options.sessions, "oracle_checks": dict(sorted(result.oracle_checks.items())),
+            "session_ends": [{"session": i, "status": st, "reason": why}
+                             for i, st, why in sorted(result.session_ends) if st != "completed"],
+            "failures": [{"t": t, **f.__dict__} for t, f in result.failures],
+            "gate_failures": outcome.failures, "notes": outcome.notes}
 
 
 def check_session_ends(result: RunResult, outcome: GateOutcome) -> None:

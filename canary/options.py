@@ -35,6 +35,11 @@ class CanaryOptions:
     differential_sample: int = DEFAULT_SAMPLE
     deterministic: bool | None = None  # None: exact for the embedded runtime only (canary/gate.py run_gate)
     perf_trials: int = 6  # perf verdict: trials (A/B: pairs) before the first look (canary/perf/trials.py)
+    # The workload mix (canary/workload.py); 0 here, the gate's defaults come from the plugin.
+    sampled_ratio: float = 0.0
+    stop_ratio: float = 0.0
+    multibyte_ratio: float = 0.0
+    small_pool_pages: int = 0  # the small-pool run's KV pages; 0: no small-pool run
 
 
 def serves_canary_model(model: str | None) -> bool:
@@ -49,6 +54,7 @@ def driver_options(options: CanaryOptions, target=None, **overrides):
     generic = options.base_url is not None and not serves_canary_model(target.model if target else options.model)
     values: dict[str, Any] = dict(sessions=options.sessions, concurrency=options.concurrency, turns=options.turns,
                   stream_ratio=options.stream_ratio, abort_ratio=options.abort_ratio, max_tokens=options.max_tokens,
-                  generic_prompts=generic, processes=options.processes)
+                  generic_prompts=generic, processes=options.processes, sampled_ratio=options.sampled_ratio,
+                  stop_ratio=options.stop_ratio, multibyte_ratio=options.multibyte_ratio)
     values.update(overrides)
     return DriverOptions(**values)

@@ -15,6 +15,13 @@ import pytest
 
 from canary.options import CanaryOptions
 from canary.oracles.differential import DEFAULT_SAMPLE  # stdlib imports only: `pytest --help` stays fast
+from canary.workload import (
+    DEFAULT_ABORT_RATIO,
+    DEFAULT_MULTIBYTE_RATIO,
+    DEFAULT_SAMPLED_RATIO,
+    DEFAULT_SMALL_POOL_PAGES,
+    DEFAULT_STOP_RATIO,
+)
 
 # Session state on the config, typed (pytest's stash): the parsed options and the end-of-run notes.
 OPTIONS = pytest.StashKey[CanaryOptions]()
@@ -31,7 +38,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--model", default=None, help="model name at --base-url (or model dir for the embedded runtime)")
     add("--api-key", default=None, help="bearer token for --base-url / --baseline-url")
     add("--stream-ratio", type=float, default=0.5, help="fraction of requests that stream (default 0.5)")
-    add("--abort-ratio", type=float, default=0.0, help="fraction of streamed requests aborted mid-stream")
+    add("--abort-ratio", type=float, default=DEFAULT_ABORT_RATIO,
+        help=f"fraction of streamed requests aborted mid-stream (default {DEFAULT_ABORT_RATIO}; the session goes on)")
+    add("--sampled-ratio", type=float, default=DEFAULT_SAMPLED_RATIO,
+        help=f"fraction of sessions with a seeded temperature/top-p probe (default {DEFAULT_SAMPLED_RATIO})")
+    add("--stop-ratio", type=float, default=DEFAULT_STOP_RATIO,
+        help=f"fraction of sessions with a stop-string probe (default {DEFAULT_STOP_RATIO})")
+    add("--multibyte-ratio", type=float, default=DEFAULT_MULTIBYTE_RATIO,
+        help=f"fraction of sessions with a multi-byte text probe (default {DEFAULT_MULTIBYTE_RATIO})")
+    add("--small-pool-pages", type=int, default=DEFAULT_SMALL_POOL_PAGES, metavar="N",
+        help="embedded runtime: also run a shorter gate against a server with this many KV pages, fewer than "
+             f"its working set, so requests are preempted (default {DEFAULT_SMALL_POOL_PAGES}; 0 skips it)")
     add("--inject-fault", action="append", default=[], metavar="NAME",
         help="start the embedded runtime with this fault on (repeatable)")
     add("--pd", action="store_true",
@@ -68,7 +85,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     opt = config.getoption
-    for name in ("stream_ratio", "abort_ratio"):
+    for name in ("stream_ratio", "abort_ratio", "sampled_ratio", "stop_ratio", "multibyte_ratio"):
         if not 0.0 <= opt(name) <= 1.0:
             raise pytest.UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
     if opt("differential_sample") < 0:
@@ -91,7 +108,9 @@ def pytest_configure(config: pytest.Config) -> None:
         golden_update=opt("golden_update"), baseline_update=opt("baseline_update"), sweep=opt("sweep"),
         max_tokens=opt("canary_max_tokens"), processes=opt("driver_processes"),
         differential_sample=opt("differential_sample"), deterministic=opt("deterministic"),
-        perf_trials=opt("perf_trials"))
+        perf_trials=opt("perf_trials"),
+        sampled_ratio=opt("sampled_ratio"), stop_ratio=opt("stop_ratio"), multibyte_ratio=opt("multibyte_ratio"),
+        small_pool_pages=opt("small_pool_pages"))
     config.stash[NOTES] = []
 
 

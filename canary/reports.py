@@ -121,6 +121,11 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
         matched = golden["checked"] - diverged - golden.get("benign_near_ties", 0)
         lines.append(f"  golden: {matched}/{golden['checked']} requests token-identical, "
                      f"{golden.get('benign_near_ties', 0)} benign near-ties, {diverged} diverged ({golden['path']})")
+        atol = golden.get("logprob_atol")
+        drifted = sum(1 for f in failures if f.startswith("[golden-logprob]"))
+        compared = golden.get("logprobs_checked", 0)
+        lines.append(f"  golden logprobs: {compared - drifted}/{compared} requests within atol {atol:.0e}"
+                     if atol is not None else "  golden logprobs: not compared (the store records none: tokens only)")
     else:
         why = [n for n in summary.get("notes", []) if "golden" in n.lower()]
         lines.append(f"  golden: not checked ({why[0] if why else 'no golden check ran'})")
@@ -131,6 +136,10 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
     pages = summary.get("kv_pages_in_use", "not checked")
     lines.append("  KV pages in use after the run: " + ("skipped (no kv_pages_in_use gauge in /metrics)"
                                                          if pages is None else f"{pages}"))
+    if "preemptions" in summary:
+        preempted = summary["preemptions"]
+        lines.append("  preemptions: " + ("not counted (no dsv4_preemptions_total in /metrics)" if preempted is None
+                                          else f"{preempted:.0f} requests preempted and recomputed"))
     lines.append(f"  report: {report_path if report_path else 'none written (pass --report-dir)'}")
     if failures:
         lines.append("  failures:")

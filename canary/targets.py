@@ -70,12 +70,16 @@ class Target:
 
     def kv_pages_in_use(self) -> float | None:
         """The KV-pages gauge from the Prometheus text (keyed like every route); None without one."""
+        return self.metric("kv_pages_in_use")
+
+    def metric(self, name: str) -> float | None:
+        """The first unlabelled sample whose name contains `name` in /metrics; None without one."""
         try:
             text = httpx.get(self.url_for("metrics"), timeout=10.0, headers=self.headers).text
         except httpx.HTTPError:
             return None
         for line in text.splitlines():
-            if line.startswith("#") or "kv_pages_in_use" not in line:
+            if line.startswith("#") or name not in line.split(" ", 1)[0]:
                 continue
             try:
                 return float(line.rsplit(" ", 1)[1])

@@ -27,6 +27,13 @@ REGISTRY: dict[str, FaultSpec] = {
         FaultSpec("tp-local-abort", "a tensor-parallel rank applies an abort on its own"),
         FaultSpec("overlap-stale-token", "overlap loop feeds the previous step's token as the next input"),
         FaultSpec("tool-json-corrupt", "tool-call arguments corrupted on their way out of the server"),
+        FaultSpec("indexer-window-off-by-one", "sliding window one token too wide (eager runner): logprobs "
+                  "move by ~1e-4, tokens stay"),
+        FaultSpec("abort-leak", "a request aborted by its client keeps its KV pages (never returned to the pool)"),
+        FaultSpec("stop-string-kept", "the engine stops on a stop string but the reply keeps it (and the rest "
+                  "of its token)"),
+        FaultSpec("shared-sampling-generator", "one generator draws for the whole batch (eager runner): a seeded "
+                  "request is reproducible only alone"),
         FaultSpec("slow-step", "every engine step takes extra wall time (throughput regression)"),
     )
 }

@@ -1,6 +1,10 @@
 """Golden transcripts: exact tokens plus top-k logprobs per scenario, and the first-divergence check.
 
-A run matches its golden transcript when the tokens are identical. At the first differing
+A run matches its golden transcript when the tokens are identical and, where the store recorded
+them, every shared token's own logprob is within the store's `logprob_atol` (a bug that shifts the
+logits a little, such as an indexer window one token too wide, keeps every greedy token but moves
+logprobs by ~1e-4: only this check sees it). A store recorded before logprobs were kept falls back
+to tokens alone, with a note. At the first differing
 position the divergence is benign only if it is a recorded near-tie (canary/oracles/logprob_close.py): both
 tokens appear in the recorded top-k and their recorded logprobs differ by at most `near_tie` nats.
 After any divergence the rest of the scenario is not comparable and is not checked.
@@ -28,6 +32,45 @@ class Transcript:
     # Per position: the top-k alternatives [(token, logprob), ...] as the run reported them.
     top_logprobs: Sequence[Sequence[tuple[Hashable, float]]]
     extra: dict[str, Any] = field(default_factory=dict)
+    # Per position: the logprob of the token the run produced (empty in stores recorded before
+    # logprobs were kept: those are compared on tokens only).
+    logprobs: Sequence[float] = field(default_factory=list)
+
+
+# Recorded into a store's metadata (`logprob_atol`) when it is written, by the dtype it was recorded
+# in. The embedded runtime is batch-invariant, so a rerun on the same machine is bit-identical; the
+# bound leaves room for another CPU's BLAS summation order (float32: ~1e-6 on logprobs of a few nats)
+# and stays below the 3.5e-4 the indexer off-by-one moved them (measured: docs/results.md).
+LOGPROB_ATOL = {"float32": 5e-5, "float16": 5e-3, "bfloat16": 2e-2}
+
+
+@dataclass(frozen=True)
+class LogprobDrift:
+    scenario: str
+    position: int  # the first token whose logprob moved beyond the tolerance
+    token: Hashable
+    expected: float
+    got: float
+    max_diff: float  # over every shared position of the transcript
+    atol: float
+
+    def describe(self) -> str:
+        return (f"{self.scenario}: token {self.position} {self.token!r} has logprob {self.got:.6f}, golden "
+                f"{self.expected:.6f} (|diff| {abs(self.got - self.expected):.2e} > atol {self.atol:.0e}; "
+                f"largest over the transcript {self.max_diff:.2e}); every token up to here matched")
+
+
+def logprob_drift(golden: Transcript, run: Transcript, atol: float, upto: int | None = None) -> LogprobDrift | None:
+    """The first of the first `upto` positions (default: all shared ones) where the two runs' own-token
+    logprobs differ by more than `atol`; None when all agree or either side recorded none."""
+    n = min(len(golden.logprobs), len(run.logprobs), len(golden.tokens), len(run.tokens))
+    n = n if upto is None else min(n, upto)
+    diffs = [abs(float(run.logprobs[p]) - float(golden.logprobs[p])) for p in range(n)]
+    first = next((p for p, d in enumerate(diffs) if not d <= atol), None)  # `not <=`: nan fails too
+    if first is None:
+        return None
+    return LogprobDrift(golden.scenario, first, golden.tokens[first], float(golden.logprobs[first]),
+                        float(run.logprobs[first]), max(diffs), atol)
 
 
 @dataclass(frozen=True)
@@ -89,5 +132,6 @@ def read_store(path: Path) -> tuple[dict[str, Any], dict[str, Transcript]]:
         raw = json.loads(line)
         raw["top_logprobs"] = [[(_key(tok), lp) for tok, lp in pos] for pos in raw["top_logprobs"]]
         raw["tokens"] = [_key(t) for t in raw["tokens"]]
+        raw["logprobs"] = raw.get("logprobs") or []
         transcripts[raw["scenario"]] = Transcript(**raw)
     return metadata, transcripts

@@ -99,7 +99,7 @@ class Engine:
         self.runner = build_runner(loaded.config, weights, self.cfg, self.pool, self.faults, self.env,
                                    all_reduce=all_reduce, streams=streams, overlap=overlap)
         self.model, self.kv, self.streams = self.runner.model, self.runner.kv, self.runner.streams
-        self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer)
+        self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer, self.faults)
         self._ids = itertools.count()
         self.slow_step = SlowStep(self.env.slow_step_ms, self.env.slow_step_pct, self.cfg.device)
 

@@ -46,6 +46,7 @@ class ModelRunner:
         self.faults = faults
         # Set by build_runner(overlap=True): decode inputs then come from here, not from the host token lists.
         self.future: FutureTokens | None = None
+        self._shared_generator = torch.Generator().manual_seed(0)  # the shared-sampling-generator fault's
 
     def slots_for(self, pages: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
         positions = torch.arange(start, stop)
@@ -79,6 +80,9 @@ class ModelRunner:
             return {}
         batch = self.build_batch(plan, requests)
         logits = self.model.forward(batch, self.kv, self.streams)
+        if self.faults.enabled("shared-sampling-generator"):  # the bug: one generator draws for the whole batch
+            for ext in plan.extends:
+                requests[ext.rid].generator = self._shared_generator
         outputs = {ext.rid: sample_row(logits[i], requests[ext.rid]) for i, ext in enumerate(plan.extends)}
         if self.future is not None:
             rids = [ext.rid for ext in plan.extends]

@@ -13,6 +13,7 @@ from runtime.config import EngineConfig
 from runtime.engine.plan import Extend, StepPlan
 from runtime.engine.request import Request, Status
 from runtime.engine.sampler import SampleOutput
+from runtime.faults import NO_FAULTS, FaultSet
 from runtime.kvcache.page_pool import PagePool
 from runtime.tokenizer import Tokenizer
 
@@ -22,9 +23,10 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, pool: PagePool, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: EngineConfig, pool: PagePool, tokenizer: Tokenizer, faults: FaultSet = NO_FAULTS) -> None:
         self.cfg = cfg
         self.pool = pool
+        self.faults = faults
         self.tokenizer = tokenizer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the newest is preempted first
@@ -236,9 +238,10 @@ class Scheduler:
             self.prefilled.remove(req)
         elif req.status is Status.WAITING:  # queued, or preempted while its last token was in flight
             self.waiting.remove(req)
-        if req.pages:
+        # The `abort-leak` fault forgets an aborted request's pages: the pool never gets them back.
+        if req.pages and not (reason == "abort" and self.faults.enabled("abort-leak")):
             self.pool.free(req.rid, req.pages)
-            req.pages = []
+        req.pages = []
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.finished.append(req)

@@ -127,13 +127,15 @@ class DSV4Mini:
                         -1)
         head_weights = self._cast(k.linear(h, self.w[p + "weights_proj.weight"])) * (HI * DI) ** -0.5
         kv.index_keys[layer, batch.slots] = key
+        # The `indexer-window-off-by-one` fault widens the window by one (`>= pos - window` for `>`):
+        # a token too many in every long context, a logit shift too small to flip the greedy token.
+        window = model_cfg.sliding_window + self.faults.enabled("indexer-window-off-by-one")
         selection = []
         for seg in batch.segments:
             keys = kv.index_keys[layer, seg.context_slots]
             rows = slice(seg.start, seg.end)
             scores = k.indexer_scores(q[rows], head_weights[rows], keys)
-            selection.append(k.selection_mask(scores, batch.positions[rows], model_cfg.sliding_window,
-                                              model_cfg.index_topk))
+            selection.append(k.selection_mask(scores, batch.positions[rows], window, model_cfg.index_topk))
         ws.selection = selection
 
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:

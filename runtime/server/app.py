@@ -240,7 +240,9 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
                             stop=req.stop_strings, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
                             forced_ids=_required_opening(tok, req))
-    output = OutputOptions(stop=req.stop_strings, parse_tools=mode != "none" and bool(req.tools),
+    # The `stop-string-kept` fault: the engine stops on the string but the reply is not cut before it.
+    kept = state.engine.faults.enabled("stop-string-kept")
+    output = OutputOptions(stop=() if kept else req.stop_strings, parse_tools=mode != "none" and bool(req.tools),
                            tool_names=frozenset(t["function"]["name"] for t in tools), forced_prefix=forced,
                            logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
                            max_calls=None if req.parallel_tool_calls else 1)

@@ -68,6 +68,7 @@ class EngineBridge:
         # PD prefill (runtime/disagg/prefill.py): sees every step's result on the engine thread, before
         # the next step can reuse the pages of the requests that finished in it.
         self.on_step: Callable[[StepResult], None] | None = None
+        self._preemptions = 0  # the scheduler's count the counter last caught up with
         metrics.kv_pages_total.set(engine.pool.num_pages)
 
     # ---- event-loop side ------------------------------------------------------------------------
@@ -209,6 +210,9 @@ class EngineBridge:
         self.metrics.running.set(len(self.engine.scheduler.running))
         self.metrics.waiting.set(len(self.engine.scheduler.waiting))
         self.metrics.kv_pages.set(self.engine.pages_in_use)
+        preemptions = self.engine.scheduler.num_preemptions
+        self.metrics.preemptions.inc(preemptions - self._preemptions)
+        self._preemptions = preemptions
 
     def _send(self, rid: str, event: Event) -> None:
         sink = self._sinks.get(rid)

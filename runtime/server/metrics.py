@@ -23,6 +23,8 @@ class ServerMetrics:
         self.waiting = Gauge("dsv4_waiting_requests", "Requests queued for admission", registry=r)
         self.kv_pages = Gauge("dsv4_kv_pages_in_use", "KV-cache pages held by requests", registry=r)
         self.kv_pages_total = Gauge("dsv4_kv_pages_total", "KV-cache pages in the pool", registry=r)
+        # The canary gate reports how often its small-pool run really preempted (canary/workload.py).
+        self.preemptions = Counter("dsv4_preemptions", "Running requests preempted to free KV pages", registry=r)
         self.step_seconds = Histogram("dsv4_engine_step_seconds", "Wall time of one engine step",
                                       buckets=STEP_BUCKETS, registry=r)
 
