@@ -1,4 +1,4 @@
-"""The fault matrix: every fault of runtime/faults.py REGISTRY through the gate(s) meant to catch it,
+"""The fault matrix: every fault of runtime/faults.py KNOWN_FAULTS (REGISTRY and PD_REGISTRY) through the gate(s) meant to catch it,
 then the clean runtime through the same gates.
 
 A `Detector` wraps one gate (canary/faults/detectors.py holds the registry). With the fault on, a
