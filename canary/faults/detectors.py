@@ -2,9 +2,10 @@
 
 The server gates start the embedded runtime with the canary model (the only model with golden
 transcripts) on a small workload; the engine, GPU and PD gates live in canary/faults/engine_gates.py,
-canary/faults/gpu_gates.py and canary/faults/pd_gates.py. Each detector says which failure lines are its gate firing for its own
-reason: the canary gate's correctness oracles (anything but a perf regression), the A/B gate's
-`[perf-regression]`, and the tag each in-process comparison writes.
+canary/faults/gpu_gates.py and canary/faults/pd_gates.py. Each detector says which failure lines are
+its gate firing for its own reason: the canary gate's correctness oracles (anything but a perf
+regression), the A/B gate's `[perf-regression]`, the tag each in-process comparison writes, and the PD
+gate's named checks.
 """
 
 from __future__ import annotations

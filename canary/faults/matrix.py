@@ -1,5 +1,5 @@
-"""The fault matrix: every fault of runtime/faults.py KNOWN_FAULTS (REGISTRY and PD_REGISTRY) through the gate(s) meant to catch it,
-then the clean runtime through the same gates.
+"""The fault matrix: every fault of runtime/faults.py KNOWN_FAULTS (REGISTRY and PD_REGISTRY) through
+the gate(s) meant to catch it, then the clean runtime through the same gates.
 
 A `Detector` wraps one gate (canary/faults/detectors.py holds the registry). With the fault on, a
 row is "caught" only when the gate failed for the reason it exists for (its named oracle or check:

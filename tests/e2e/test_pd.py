@@ -272,3 +272,75 @@ def test_a_prefill_server_killed_mid_request_is_an_error_and_leaks_nothing(tmp_p
         with embedded_server(DEFAULT_MODEL, ["--disaggregation-mode", "prefill"], log_dir=tmp_path) as prefill, \
                 serve_in_thread(create_router_app([prefill.root_url], [decode.root_url])) as router:
             assert answer(router, body(PROMPTS[0]))["finish"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("client", ["waits", "leaves"])
+def test_a_request_queued_on_prefill_past_its_deadline_is_a_timeout_error_and_leaks_nothing(client):
+    """The prefill server's only running slot is held by a long request of its own (`--max-running 1`),
+    so a routed request stays queued there: at the PD deadline the prefill side drops it from its
+    queue and fails the room, the decode side frees the pages it reserved, and the client (still
+    waiting, or gone) gets a named 504 instead of a hang. Once the slot is free the pair serves."""
+    from runtime.engine.request import SamplingParams
+
+    with pd_pair(prefill_args=("--max-running", "1"), timeout_s=2.0) as pair:
+        engine = pair.prefill_state.engine
+        hog_ids = engine.tokenizer.encode(PROMPTS[3])
+        hog = SamplingParams(max_tokens=engine.cfg.max_model_len - len(hog_ids) - 1, temperature=0)
+        on_engine(pair.prefill_state, lambda e: e.add_request(hog_ids, hog, rid="hog"))
+        try:
+            if client == "waits":
+                reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
+                assert reply.status_code == 504 and reply.json()["error"]["code"] == "pd_timeout", reply.text
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]),
+                               timeout=httpx.Timeout(60, read=0.5))
+            assert wait_pages_free(pair.decode_state) == [0]
+            assert "hog" in engine.scheduler.requests  # the slot really was held all along
+        finally:
+            on_engine(pair.prefill_state, lambda e: e.abort("hog"))
+        assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+        assert pair.prefill_state.pd.registry.open_rooms == 0
+        assert answer(pair.router, body(PROMPTS[2]))["finish"] in ("stop", "length")
+
+
+def on_engine(state, fn):
+    """Run `fn(engine)` on a server's engine thread (its pool and queues are not thread-safe)."""
+    async def call():
+        return await state.bridge.call(fn)
+
+    return asyncio.run(call())
+
+
+def test_a_decode_server_killed_mid_run_fails_its_clients_by_name_and_the_prefill_side_keeps_no_page(tmp_path):
+    """Processes: streams decoding and requests still in prefill/transfer when the decode server is
+    SIGKILLed. Every client gets an OpenAI-shaped error within its bound (none hangs), the prefill
+    server ends with no page in use and none in flight (its /metrics), and a restarted decode server
+    (same name, same port) is served by the same prefill server."""
+    import concurrent.futures
+
+    from canary import pd_chaos
+    from canary.pd_target import RestartablePDPair
+    from runtime.config import DEFAULT_MODEL
+
+    with RestartablePDPair(DEFAULT_MODEL, log_dir=tmp_path, timeout_s=10.0) as pair, \
+            concurrent.futures.ThreadPoolExecutor(6) as pool:
+        def send(prompt: str) -> pd_chaos.Outcome:
+            return pd_chaos.chat(pair.router, MODEL, prompt, stream=True, max_tokens=2000, timeout_s=60)
+
+        decoding = [pool.submit(send, p) for p in PROMPTS[:3]]
+        deadline = time.monotonic() + 60
+        while pd_chaos.pages_left(pair.url("decode"), timeout_s=0)["kv_pages_in_use"] in (None, 0.0):
+            assert time.monotonic() < deadline, "the decode server never started decoding"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the first streams are decoding
+        late = [pool.submit(send, p) for p in PROMPTS]  # these meet the kill in prefill or transfer
+        time.sleep(0.3)
+        pair.kill_side("decode")
+        outcomes = [f.result(timeout=120) for f in decoding + late]
+        assert [o.kind for o in outcomes] == [pd_chaos.ERROR] * len(outcomes), outcomes
+        assert all(o.code and o.code.startswith("pd_") for o in outcomes), [o.code for o in outcomes]
+        assert pd_chaos.pages_left(pair.url("prefill")) == {"kv_pages_in_use": 0.0, "pd_pages_in_flight": 0.0}
+        pair.start_side("decode")
+        seconds, last = pd_chaos.seconds_until_serving(pair.router, MODEL, PROMPTS[0], within_s=30)
+        assert seconds is not None, last
