@@ -5,7 +5,8 @@ gate naming one of the oracles its detector expects (`Detector.oracles`: kv-slot
 tool-json-corrupt must fail the canary gate through a correctness oracle listed for them), and every
 gate once against the clean runtime; GPU-only gates skip without CUDA (the matrix reports them as
 "not run", tests/unit/test_fault_matrix_report.py). About 2.5 CPU-minutes in all, in the `make test`
-stage (the PD gate's four rows, ~3 minutes more, are slow: `--run-slow`); the speed fault and its A/B control are marked `timing`, so they run alone.
+stage (the PD gate's four rows, ~3 minutes more, are slow: `--run-slow`); the speed fault and its A/B
+control are marked `timing`, so they run alone.
 Long form (slow): the whole CLI with --clean-runs 10 (about 10 minutes on the 2-core CPU).
 """
 
