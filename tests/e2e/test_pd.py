@@ -285,7 +285,7 @@ def test_a_request_queued_on_prefill_past_its_deadline_is_a_timeout_error_and_le
     with pd_pair(prefill_args=("--max-running", "1"), timeout_s=2.0) as pair:
         engine = pair.prefill_state.engine
         hog_ids = engine.tokenizer.encode(PROMPTS[3])
-        hog = SamplingParams(max_tokens=engine.cfg.max_model_len - len(hog_ids) - 1, temperature=0)
+        hog = SamplingParams(max_tokens=engine.cfg.max_model_len - len(hog_ids) - 1, ignore_eos=True)
         on_engine(pair.prefill_state, lambda e: e.add_request(hog_ids, hog, rid="hog"))
         try:
             if client == "waits":
@@ -336,10 +336,13 @@ def test_a_decode_server_killed_mid_run_fails_its_clients_by_name_and_the_prefil
         time.sleep(1.0)  # the first streams are decoding
         late = [pool.submit(send, p) for p in PROMPTS]  # these meet the kill in prefill or transfer
         time.sleep(0.3)
+        killed_at = time.monotonic()
         pair.kill_side("decode")
         outcomes = [f.result(timeout=120) for f in decoding + late]
-        assert [o.kind for o in outcomes] == [pd_chaos.ERROR] * len(outcomes), outcomes
-        assert all(o.code and o.code.startswith("pd_") for o in outcomes), [o.code for o in outcomes]
+        # A short answer may have ended before the kill; every other request is a named PD error.
+        failed = [o for o in outcomes if not (o.kind == pd_chaos.OK and o.ended < killed_at)]
+        assert len(failed) >= len(outcomes) // 2, outcomes
+        assert all(o.kind == pd_chaos.ERROR and o.code and o.code.startswith("pd_") for o in failed), failed
         assert pd_chaos.pages_left(pair.url("prefill")) == {"kv_pages_in_use": 0.0, "pd_pages_in_flight": 0.0}
         pair.start_side("decode")
         seconds, last = pd_chaos.seconds_until_serving(pair.router, MODEL, PROMPTS[0], within_s=30)
