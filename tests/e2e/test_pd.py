@@ -274,34 +274,52 @@ def test_a_prefill_server_killed_mid_request_is_an_error_and_leaks_nothing(tmp_p
             assert answer(router, body(PROMPTS[0]))["finish"] in ("stop", "length")
 
 
-@pytest.mark.parametrize("client", ["waits", "leaves"])
-def test_a_request_queued_on_prefill_past_its_deadline_is_a_timeout_error_and_leaks_nothing(client):
-    """The prefill server's only running slot is held by a long request of its own (`--max-running 1`),
-    so a routed request stays queued there: at the PD deadline the prefill side drops it from its
-    queue and fails the room, the decode side frees the pages it reserved, and the client (still
-    waiting, or gone) gets a named 504 instead of a hang. Once the slot is free the pair serves."""
+def queued_on_prefill(client: str, decode_faults: tuple[str, ...] = ()) -> tuple[int | None, list[int]]:
+    """One routed request queued on a prefill server whose only running slot (`--max-running 1`) is
+    held by a long request of its own, past the PD deadline (2 s), the client waiting or gone: its
+    HTTP status (None for the client that left) and the decode side's pages once that has drained."""
     from runtime.engine.request import SamplingParams
 
-    with pd_pair(prefill_args=("--max-running", "1"), timeout_s=2.0) as pair:
+    with pd_pair(prefill_args=("--max-running", "1"), decode_args=decode_faults, timeout_s=2.0) as pair:
         engine = pair.prefill_state.engine
         hog_ids = engine.tokenizer.encode(PROMPTS[3])
         hog = SamplingParams(max_tokens=engine.cfg.max_model_len - len(hog_ids) - 1, ignore_eos=True)
         on_engine(pair.prefill_state, lambda e: e.add_request(hog_ids, hog, rid="hog"))
+        status = None
         try:
             if client == "waits":
                 reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
-                assert reply.status_code == 504 and reply.json()["error"]["code"] == "pd_timeout", reply.text
+                status = reply.status_code
+                assert reply.json()["error"]["code"] == "pd_timeout", reply.text
             else:
                 with pytest.raises(httpx.ReadTimeout):
                     httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]),
                                timeout=httpx.Timeout(60, read=0.5))
-            assert wait_pages_free(pair.decode_state) == [0]
+                time.sleep(3)  # past the deadline, with nobody listening
+            decode_pages = wait_pages_free(pair.decode_state, timeout_s=10)
             assert "hog" in engine.scheduler.requests  # the slot really was held all along
         finally:
             on_engine(pair.prefill_state, lambda e: e.abort("hog"))
-        assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+        assert wait_pages_free(pair.prefill_state) == [0]
         assert pair.prefill_state.pd.registry.open_rooms == 0
         assert answer(pair.router, body(PROMPTS[2]))["finish"] in ("stop", "length")
+        return status, decode_pages
+
+
+@pytest.mark.parametrize("client", ["waits", "leaves"])
+def test_a_request_queued_on_prefill_past_its_deadline_is_a_timeout_error_and_leaks_nothing(client):
+    """At the PD deadline the prefill side drops the queued request and fails its room, the decode side
+    frees the pages it reserved, and the client (still waiting, or gone) gets a named 504, not a hang.
+    Once the slot is free the pair serves."""
+    status, decode_pages = queued_on_prefill(client)
+    assert status == (504 if client == "waits" else None)
+    assert decode_pages == [0]
+
+
+def test_queued_on_prefill_check_catches_the_abort_leak_fault():
+    """Negative control: with pd-abort-leak the decode side keeps the pages of the timed-out request."""
+    status, decode_pages = queued_on_prefill("waits", ("--inject-fault", "pd-abort-leak"))
+    assert status == 504 and decode_pages[0] > 0
 
 
 def on_engine(state, fn):
