@@ -93,7 +93,7 @@ GPU_JITTER = by_tag("GPU jittered streams vs in-order", gpu_gates.jitter_vs_in_o
 # A generic "[pd-request]" failure is not the gate firing: only its named checks are.
 PD_CHECKS = ("[pd-kv-integrity]", "[pd-restart]", "[pd-consistency]", "[pd-kv-leak]")
 PD_RESTART_GATE = Detector("PD pair: restarts, prefill loss, leak checks", pd_gates.pd_restart_gate,
-                           lambda line: line.startswith(PD_CHECKS))
+                           lambda line: line.startswith(PD_CHECKS), unavailable=pd_gates.unavailable)
 GPU_GRAPH_VS_EAGER = by_tag("GPU graph replay vs eager", gpu_gates.graph_vs_eager, "[graph-vs-eager]",
                             needs_gpu=True)
 

@@ -26,6 +26,13 @@ PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "2+
 MODEL = "canary-moe-v1"
 
 
+def unavailable() -> str | None:
+    """Why no PD pair can start here (no Mooncake transfer engine: the GPU image has none), or None."""
+    from runtime.disagg.transfer import unavailable_reason
+
+    return unavailable_reason()
+
+
 def pd_restart_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResult:
     from canary import pd_chaos
     from canary.pd_target import RestartablePDPair
