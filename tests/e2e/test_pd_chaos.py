@@ -11,9 +11,11 @@ server, while the sessions keep sending. It must end with:
 - the same greedy answer for the same prompt before and after the restarts.
 
 About 2 minutes on the 2-core CPU, so opt-in: `pytest --run-slow tests/e2e/test_pd_chaos.py -s`
-(the summary line is the figure docs/results.md records). `PD_CHAOS_SESSIONS` sets the session count.
-The oracles' negative controls are the PD fault gate's rows of the fault matrix
-(canary/faults/pd_gates.py: pd-stale-bootstrap fails the recovery bound, pd-abort-leak the page check).
+(the summary line is the figure docs/results.md records). `PD_CHAOS_SESSIONS` sets the session count,
+`PD_CHAOS_FAULTS` (comma-separated) starts both sides with faults: with pd-abort-leak the run fails its
+page check (the negative control, run by hand: docs/results.md). The recovery bound's control is
+the PD fault gate's pd-stale-bootstrap row (canary/faults/pd_gates.py); the request classifier's
+are in tests/e2e/test_pd_chaos_client.py.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ pytestmark = [pytest.mark.slow,
 
 MODEL = "canary-moe-v1"
 SESSIONS = int(os.environ.get("PD_CHAOS_SESSIONS", "20"))
+FAULTS = tuple(f for f in os.environ.get("PD_CHAOS_FAULTS", "").split(",") if f)
 ABORT_RATIO = 0.1
 RECOVERY_S = 10.0
 PHASE_DEADLINE_S = 300.0  # a phase that cannot reach its successes fails the test instead of waiting on
@@ -83,7 +86,7 @@ def first_success_after(outcomes, since: float) -> float | None:
 
 def test_pd_pair_survives_aborts_and_a_restart_of_each_side(tmp_path):
     restarts = []
-    with RestartablePDPair(DEFAULT_MODEL, log_dir=tmp_path, timeout_s=10.0) as pair:
+    with RestartablePDPair(DEFAULT_MODEL, faults=FAULTS, log_dir=tmp_path, timeout_s=10.0) as pair:
         sessions = Sessions(pair.router, seed=0)
         started = time.monotonic()
         for thread in sessions.threads:
@@ -111,7 +114,8 @@ def test_pd_pair_survives_aborts_and_a_restart_of_each_side(tmp_path):
     codes = Counter(out.code for _, _, out in outcomes if out.kind == pd_chaos.ERROR)
     for r in restarts:
         r["workload_recovery_s"] = first_success_after(outcomes, r.pop("healthy_at"))
-    print(f"\n[pd-chaos] {SESSIONS} sessions, {len(outcomes)} requests in {wall_s:.0f} s: {dict(kinds)}; "
+    faults = f" faults {','.join(FAULTS)}" if FAULTS else ""
+    print(f"\n[pd-chaos] {SESSIONS} sessions{faults}, {len(outcomes)} requests in {wall_s:.0f} s: {dict(kinds)}; "
           f"aborts meant {sum(a for _, a, _ in outcomes)}; errors by code {dict(codes)}; restarts "
           + "; ".join(f"{r['role']}: kill->healthy {r['kill_to_healthy_s']:.1f} s, healthy->serving "
                       f"{r['recovery_s'] if r['recovery_s'] is None else round(r['recovery_s'], 2)} s (first "
