@@ -1,13 +1,18 @@
 """`embedded_pd_pair`: the embedded runtime as a PD pair - `runtime.serve --disaggregation-mode prefill`,
 `... decode` and `python -m runtime.router` in front - yielding the router as the gate's `Target`
 (`pytest -m stress --pd`). The router's /metrics sums both sides' KV pages, so the gate's leak check
-covers the pair."""
+covers the pair.
+
+`RestartablePDPair`: the same three processes on fixed ports, each PD side killable and restartable in
+place (the PD chaos test, the PD fault gate)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -37,3 +42,88 @@ def embedded_pd_pair(model: str, args: Sequence[str] = (), *, faults: Sequence[s
         wait_healthy(root, proc, startup_timeout_s, log_path)
         yield Target(f"pd:{decode.name.split(':', 1)[-1]}", root + "/v1", decode.model, True, api_key=decode.api_key,
                      log_path=decode.log_path, pid=decode.pid)
+
+
+class RestartablePDPair:
+    """Prefill, decode and router as processes on fixed loopback ports, each PD side restartable in
+    place (SIGKILL, then a new process on the same port; the decode server keeps its
+    `--disaggregation-name`), so the router and the surviving side reach the new process at the old
+    URL: the chaos test's and the PD fault gate's pair (a decode-only restart, a prefill restart).
+
+    `start()` / `stop()` bracket it (or use it as a context manager); `targets[role]` is the live
+    process of "prefill" / "decode", `router` the front the clients use."""
+
+    ROLES = ("prefill", "decode")
+
+    def __init__(self, model: str, args: Sequence[str] = (), *, faults: Sequence[str] = (), log_dir: Path,
+                 timeout_s: float = 10.0, router_timeout_s: float = 60.0, startup_timeout_s: float = 120.0) -> None:
+        self.model, self.faults, self.log_dir = model, tuple(faults), log_dir
+        self.startup_timeout_s, self.router_timeout_s = startup_timeout_s, router_timeout_s
+        # One deadline for every PD wait, short enough that a wedged room turns into an error quickly.
+        self.args = (*args, "--disaggregation-timeout", f"{timeout_s:g}")
+        self.ports = {role: free_port() for role in self.ROLES}
+        self.targets: dict[str, Target] = {}
+        self._sides: dict[str, ExitStack] = {}
+        self._router: subprocess.Popen | None = None
+        self.router = ""
+
+    def __enter__(self) -> RestartablePDPair:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def url(self, role: str) -> str:
+        return f"http://127.0.0.1:{self.ports[role]}"
+
+    def start(self) -> None:
+        try:
+            for role in self.ROLES:
+                self.start_side(role)
+            port = free_port()
+            log_path = self.log_dir / f"pd-router-{port}.log"
+            cmd = [sys.executable, "-m", "runtime.router", "--prefill", self.url("prefill"), "--decode",
+                   self.url("decode"), "--port", str(port), "--timeout", f"{self.router_timeout_s:g}",
+                   "--log-level", "warning"]
+            with log_path.open("w") as log:
+                self._router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.router = f"http://127.0.0.1:{port}"
+            wait_healthy(self.router, self._router, self.startup_timeout_s, log_path)
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_side(self, role: str) -> Target:
+        mode = ["--disaggregation-mode", role] + (["--disaggregation-name", "decode-0"] if role == "decode" else [])
+        stack = ExitStack()
+        self.targets[role] = stack.enter_context(embedded_server(
+            self.model, [*self.args, *mode], faults=self.faults, log_dir=self.log_dir, port=self.ports[role],
+            startup_timeout_s=self.startup_timeout_s))
+        self._sides[role] = stack
+        return self.targets[role]
+
+    def kill_side(self, role: str) -> None:
+        """SIGKILL the side's process group (no graceful shutdown: a crash), and reap it."""
+        target = self.targets.pop(role)
+        assert target.pid is not None
+        try:
+            os.killpg(target.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._sides.pop(role).close()
+
+    def restart_side(self, role: str) -> float:
+        """Kill the side and start it again on its port; the seconds from the kill to healthy."""
+        started = time.monotonic()
+        self.kill_side(role)
+        self.start_side(role)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        if self._router is not None:
+            _stop(self._router)
+            self._router = None
+        for role in list(self._sides):
+            self._sides.pop(role).close()
+        self.targets.clear()

@@ -123,15 +123,16 @@ def wait_healthy(root_url: str, proc: subprocess.Popen | None, timeout_s: float,
 def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[str] = (),
                     host: str | None = None, max_running: int | None = 128, num_pages: int | None = 8192,
                     env: dict[str, str] | None = None, log_dir: Path | None = None,
-                    startup_timeout_s: float = 120.0) -> Iterator[Target]:
+                    startup_timeout_s: float = 120.0, port: int | None = None) -> Iterator[Target]:
     """Start `python -m runtime.serve --model MODEL ARGS` on a free loopback port; stop it (and its
     children) on exit. Stdout and stderr both go to `Target.log_path`.
 
     `host`, `max_running` and `num_pages` set the matching flag; None leaves the server's default
-    (loopback for the host; the security tests start the CLI exactly as a user would). The default pool holds every
+    (loopback for the host; the security tests start the CLI exactly as a user would); `port` None picks a
+    free one (a PD side restarted in place passes its old one). The default pool holds every
     session's whole context at once (80 sessions x a few hundred tokens): a smaller pool would turn
     the gate into a preemption benchmark."""
-    port = free_port()
+    port = port or free_port()
     cmd = [sys.executable, "-m", "runtime.serve", "--model", model, "--port", str(port)]
     for flag, value in (("--host", host), ("--max-running", max_running), ("--num-pages", num_pages)):
         if value is not None:
@@ -140,6 +141,8 @@ def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[st
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"embedded-server-{port}.log"
+    if log_path.exists():  # a server restarted on its old port keeps its previous life's log
+        log_path = log_dir / f"embedded-server-{port}-{time.monotonic_ns()}.log"
     # One torch thread for the engine: the harness (HTTP client, oracles) needs the other core, and
     # two torch threads fighting a busy client thrash (docs/results.md, "one engine thread").
     full_env = {**os.environ, "DSV4_NUM_THREADS": os.environ.get("DSV4_NUM_THREADS", "1"), **(env or {})}

@@ -38,8 +38,8 @@ REGISTRY: dict[str, FaultSpec] = {
     )
 }
 
-# Faults of prefill/decode disaggregation (runtime/disagg/). Their gates need a PD pair, which the
-# fault matrix (canary/faults, over REGISTRY) cannot start yet: tests/e2e/test_pd.py catches each.
+# Faults of prefill/decode disaggregation (runtime/disagg/): the fault matrix runs them through the PD
+# gate (canary/faults/pd_gates.py, a restartable PD pair); tests/e2e/test_pd.py catches each too.
 PD_REGISTRY: dict[str, FaultSpec] = {
     spec.name: spec
     for spec in (

@@ -20,13 +20,13 @@ from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from runtime.faults import REGISTRY
+    from runtime.faults import KNOWN_FAULTS
 
     p = sub.add_parser("faults", help="run every injected fault through the gates that should catch it")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--gpu", action="store_true", help="also run the GPU gates (on a machine with CUDA)")
-    p.add_argument("--only", nargs="+", choices=sorted(REGISTRY), metavar="NAME",
-                   help=f"only these faults (default: all of {', '.join(REGISTRY)})")
+    p.add_argument("--only", nargs="+", choices=sorted(KNOWN_FAULTS), metavar="NAME",
+                   help=f"only these faults (default: all of {', '.join(KNOWN_FAULTS)})")
     p.add_argument("--clean-runs", type=int, default=1, metavar="N",
                    help="clean-runtime runs of each gate (default 1; the long form is 10)")
     p.set_defaults(func=command)
@@ -56,9 +56,9 @@ def command(args: argparse.Namespace) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from canary.faults.detectors import DETECTORS
     from canary.faults.matrix import NOT_RUN, render_table, run_matrix, to_json
-    from runtime.faults import REGISTRY
+    from runtime.faults import KNOWN_FAULTS
 
-    faults = args.only or list(REGISTRY)
+    faults = args.only or list(KNOWN_FAULTS)
     workdir = Path(tempfile.mkdtemp(prefix="canary-faults-"))
 
     def row_done(row) -> None:

@@ -1,10 +1,11 @@
 """Which gate catches which fault: `DETECTORS` maps every fault of runtime/faults.py to its gates.
 
 The server gates start the embedded runtime with the canary model (the only model with golden
-transcripts) on a small workload; the engine and GPU gates live in canary/faults/engine_gates.py and
-canary/faults/gpu_gates.py. Each detector says which failure lines are its gate firing for its own
-reason: the canary gate's correctness oracles (anything but a perf regression), the A/B gate's
-`[perf-regression]`, and the tag each in-process comparison writes.
+transcripts) on a small workload; the engine, GPU and PD gates live in canary/faults/engine_gates.py,
+canary/faults/gpu_gates.py and canary/faults/pd_gates.py. Each detector says which failure lines are
+its gate firing for its own reason: the canary gate's correctness oracles (anything but a perf
+regression), the A/B gate's `[perf-regression]`, the tag each in-process comparison writes, and the PD
+gate's named checks.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from canary.faults import engine_gates, gpu_gates
+from canary.faults import engine_gates, gpu_gates, pd_gates
 from canary.faults.matrix import Detector, GateResult
 from runtime.config import DEFAULT_MODEL
 
@@ -89,6 +90,10 @@ OVERLAP_VS_NORMAL = by_tag("overlap loop vs normal loop", engine_gates.overlap_v
 TP_PLAN_CHECK = by_tag("TP=2 plan check", engine_gates.tp_plan_check, "[tp-plan-check] DesyncError")
 GPU_JITTER = by_tag("GPU jittered streams vs in-order", gpu_gates.jitter_vs_in_order, "[jitter-vs-in-order]",
                     needs_gpu=True)
+# A generic "[pd-request]" failure is not the gate firing: only its named checks are.
+PD_CHECKS = ("[pd-kv-integrity]", "[pd-restart]", "[pd-consistency]", "[pd-kv-leak]")
+PD_RESTART_GATE = Detector("PD pair: restarts, prefill loss, leak checks", pd_gates.pd_restart_gate,
+                           lambda line: line.startswith(PD_CHECKS), unavailable=pd_gates.unavailable)
 GPU_GRAPH_VS_EAGER = by_tag("GPU graph replay vs eager", gpu_gates.graph_vs_eager, "[graph-vs-eager]",
                             needs_gpu=True)
 
@@ -108,4 +113,8 @@ DETECTORS: dict[str, tuple[Detector, ...]] = {
     "stop-string-kept": (CANARY_GATE.expecting("[stop-string]"),),
     "shared-sampling-generator": (CANARY_GATE.expecting("[load-vs-solo]", "[golden]"),),
     "indexer-window-off-by-one": (CANARY_GATE.expecting("[golden-logprob]"),),
+    # runtime/faults.py PD_REGISTRY: a prefill/decode pair, each side restarted in turn.
+    "pd-stale-bootstrap": (PD_RESTART_GATE.expecting("[pd-restart]"),),
+    "pd-abort-leak": (PD_RESTART_GATE.expecting("[pd-kv-leak]"),),
+    "pd-kv-corrupt": (PD_RESTART_GATE.expecting("[pd-kv-integrity]"),),
 }

@@ -1,5 +1,5 @@
-"""The fault matrix: every fault of runtime/faults.py REGISTRY through the gate(s) meant to catch it,
-then the clean runtime through the same gates.
+"""The fault matrix: every fault of runtime/faults.py KNOWN_FAULTS (REGISTRY and PD_REGISTRY) through
+the gate(s) meant to catch it, then the clean runtime through the same gates.
 
 A `Detector` wraps one gate (canary/faults/detectors.py holds the registry). With the fault on, a
 row is "caught" only when the gate failed for the reason it exists for (its named oracle or check:
@@ -44,6 +44,9 @@ class Detector:
     # tests/e2e/test_fault_matrix.py asserts that one of them fired. `fires_for` decides the row's
     # status; this is the finer claim ("caught, and by the oracle we expected").
     oracles: tuple[str, ...] = ()
+    # Why the gate cannot run on this machine (a missing package: the PD gate without Mooncake), or None;
+    # such a gate is "not run", like a GPU gate without --gpu, never an error.
+    unavailable: Callable[[], str | None] = lambda: None
 
     def expecting(self, *oracles: str) -> Detector:
         """The same gate, registered under a fault that it should catch through these oracles."""
@@ -123,6 +126,8 @@ def first_line(text: str) -> str:
 def run_detector(fault: str, detector: Detector, *, gpu: bool, workdir: Path, seed: int = 0) -> Row:
     if detector.needs_gpu and not gpu:
         return Row(fault, detector.gate, NOT_RUN, None, None, NEEDS_GPU)
+    if (reason := detector.unavailable()) is not None:
+        return Row(fault, detector.gate, NOT_RUN, None, None, first_line(f"not run: {reason}"))
     started = time.perf_counter()
     try:
         result = detector.run((fault,), seed, workdir)
@@ -164,6 +169,8 @@ def run_clean(detector: Detector, runs: int, *, gpu: bool, workdir: Path) -> Cle
     """The gate against the clean runtime with seeds 0..runs-1: every failure or crash is an alarm."""
     if detector.needs_gpu and not gpu:
         return CleanRow(detector.gate, 0, 0, [], [NEEDS_GPU], NOT_RUN)
+    if (reason := detector.unavailable()) is not None:
+        return CleanRow(detector.gate, 0, 0, [], [first_line(f"not run: {reason}")], NOT_RUN)
     seconds, messages = [], []
     for seed in range(runs):
         started = time.perf_counter()
@@ -207,7 +214,7 @@ def render_table(report: MatrixReport) -> str:
     s = report.score
     score = "n/a" if s["mutation_score"] is None else f"{100 * s['mutation_score']:.0f}%"
     lines += ["", f"mutation score: {s['caught']}/{s['run']} faults run caught ({score}); "
-                  f"{s['not_run']} of {s['total']} not run (needs a GPU)"]
+                  f"{s['not_run']} of {s['total']} not run (needs a GPU or a missing package)"]
     if report.clean:
         lines += ["", "| clean gate | runs | alarms | mean s | first alarm |", "|---|---|---|---|---|"]
         for c in report.clean:

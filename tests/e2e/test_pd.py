@@ -272,3 +272,96 @@ def test_a_prefill_server_killed_mid_request_is_an_error_and_leaks_nothing(tmp_p
         with embedded_server(DEFAULT_MODEL, ["--disaggregation-mode", "prefill"], log_dir=tmp_path) as prefill, \
                 serve_in_thread(create_router_app([prefill.root_url], [decode.root_url])) as router:
             assert answer(router, body(PROMPTS[0]))["finish"] in ("stop", "length")
+
+
+def queued_on_prefill(client: str, decode_faults: tuple[str, ...] = ()) -> tuple[int | None, list[int]]:
+    """One routed request queued on a prefill server whose only running slot (`--max-running 1`) is
+    held by a long request of its own, past the PD deadline (2 s), the client waiting or gone: its
+    HTTP status (None for the client that left) and the decode side's pages once that has drained."""
+    from runtime.engine.request import SamplingParams
+
+    with pd_pair(prefill_args=("--max-running", "1"), decode_args=decode_faults, timeout_s=2.0) as pair:
+        engine = pair.prefill_state.engine
+        hog_ids = engine.tokenizer.encode(PROMPTS[3])
+        hog = SamplingParams(max_tokens=engine.cfg.max_model_len - len(hog_ids) - 1, ignore_eos=True)
+        on_engine(pair.prefill_state, lambda e: e.add_request(hog_ids, hog, rid="hog"))
+        status = None
+        try:
+            if client == "waits":
+                reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
+                status = reply.status_code
+                assert reply.json()["error"]["code"] == "pd_timeout", reply.text
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]),
+                               timeout=httpx.Timeout(60, read=0.5))
+                time.sleep(3)  # past the deadline, with nobody listening
+            decode_pages = wait_pages_free(pair.decode_state, timeout_s=10)
+            assert "hog" in engine.scheduler.requests  # the slot really was held all along
+        finally:
+            on_engine(pair.prefill_state, lambda e: e.abort("hog"))
+        assert wait_pages_free(pair.prefill_state) == [0]
+        assert pair.prefill_state.pd.registry.open_rooms == 0
+        assert answer(pair.router, body(PROMPTS[2]))["finish"] in ("stop", "length")
+        return status, decode_pages
+
+
+@pytest.mark.parametrize("client", ["waits", "leaves"])
+def test_a_request_queued_on_prefill_past_its_deadline_is_a_timeout_error_and_leaks_nothing(client):
+    """At the PD deadline the prefill side drops the queued request and fails its room, the decode side
+    frees the pages it reserved, and the client (still waiting, or gone) gets a named 504, not a hang.
+    Once the slot is free the pair serves."""
+    status, decode_pages = queued_on_prefill(client)
+    assert status == (504 if client == "waits" else None)
+    assert decode_pages == [0]
+
+
+def test_queued_on_prefill_check_catches_the_abort_leak_fault():
+    """Negative control: with pd-abort-leak the decode side keeps the pages of the timed-out request."""
+    status, decode_pages = queued_on_prefill("waits", ("--inject-fault", "pd-abort-leak"))
+    assert status == 504 and decode_pages[0] > 0
+
+
+def on_engine(state, fn):
+    """Run `fn(engine)` on a server's engine thread (its pool and queues are not thread-safe)."""
+    async def call():
+        return await state.bridge.call(fn)
+
+    return asyncio.run(call())
+
+
+def test_a_decode_server_killed_mid_run_fails_its_clients_by_name_and_the_prefill_side_keeps_no_page(tmp_path):
+    """Processes: streams decoding and requests still in prefill/transfer when the decode server is
+    SIGKILLed. Every client gets an OpenAI-shaped error within its bound (none hangs), the prefill
+    server ends with no page in use and none in flight (its /metrics), and a restarted decode server
+    (same name, same port) is served by the same prefill server."""
+    import concurrent.futures
+
+    from canary import pd_chaos
+    from canary.pd_target import RestartablePDPair
+    from runtime.config import DEFAULT_MODEL
+
+    with RestartablePDPair(DEFAULT_MODEL, log_dir=tmp_path, timeout_s=10.0) as pair, \
+            concurrent.futures.ThreadPoolExecutor(6) as pool:
+        def send(prompt: str) -> pd_chaos.Outcome:
+            return pd_chaos.chat(pair.router, MODEL, prompt, stream=True, max_tokens=2000, timeout_s=60)
+
+        decoding = [pool.submit(send, p) for p in PROMPTS[:3]]
+        deadline = time.monotonic() + 60
+        while pd_chaos.pages_left(pair.url("decode"), timeout_s=0)["kv_pages_in_use"] in (None, 0.0):
+            assert time.monotonic() < deadline, "the decode server never started decoding"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the first streams are decoding
+        late = [pool.submit(send, p) for p in PROMPTS]  # these meet the kill in prefill or transfer
+        time.sleep(0.3)
+        killed_at = time.monotonic()
+        pair.kill_side("decode")
+        outcomes = [f.result(timeout=120) for f in decoding + late]
+        # A short answer may have ended before the kill; every other request is a named PD error.
+        failed = [o for o in outcomes if not (o.kind == pd_chaos.OK and o.ended < killed_at)]
+        assert len(failed) >= len(outcomes) // 2, outcomes
+        assert all(o.kind == pd_chaos.ERROR and o.code and o.code.startswith("pd_") for o in failed), failed
+        assert pd_chaos.pages_left(pair.url("prefill")) == {"kv_pages_in_use": 0.0, "pd_pages_in_flight": 0.0}
+        pair.start_side("decode")
+        seconds, last = pd_chaos.seconds_until_serving(pair.router, MODEL, PROMPTS[0], within_s=30)
+        assert seconds is not None, last

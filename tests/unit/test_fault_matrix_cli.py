@@ -10,14 +10,14 @@ import pytest
 from canary.__main__ import main
 from canary.faults import detectors as fault_detectors
 from canary.faults.matrix import Detector, GateResult
-from runtime.faults import REGISTRY
+from runtime.faults import KNOWN_FAULTS
 
 pytestmark = pytest.mark.unit
 
 
 def test_every_runtime_fault_has_a_gate_and_every_gate_a_runtime_fault():
-    assert set(fault_detectors.DETECTORS) == set(REGISTRY)
-    assert all(fault_detectors.DETECTORS[name] for name in REGISTRY)
+    assert set(fault_detectors.DETECTORS) == set(KNOWN_FAULTS)
+    assert all(fault_detectors.DETECTORS[name] for name in KNOWN_FAULTS)
 
 
 def test_every_gate_names_the_oracles_it_expects():

@@ -128,3 +128,18 @@ def test_a_clean_alarm_fails_the_matrix_even_with_every_fault_caught(tmp_path):
     assert report.clean_alarms == 1 and not report.ok
     payload = json.loads(json.dumps(to_json(report, {"commit": "abc"})))
     assert payload["ok"] is False and payload["commit"] == "abc" and payload["clean"][0]["alarms"] == 1
+
+
+def test_a_gate_whose_package_is_missing_is_not_run_never_an_error(tmp_path):
+    """The PD gate on a machine without Mooncake (the GPU image): "not run" with the reason, like a GPU
+    gate without --gpu; a gate that would crash for it must not count as an error or an alarm."""
+    from canary.faults.matrix import NOT_RUN, Detector, run_clean, run_detector
+
+    def crash(faults, seed, workdir):
+        raise AssertionError("must not run")
+
+    gate = Detector("needs a package", crash, lambda line: True, unavailable=lambda: "no such engine here")
+    row = run_detector("pd-kv-corrupt", gate, gpu=True, workdir=tmp_path)
+    assert row.status == NOT_RUN and "no such engine here" in row.message
+    clean = run_clean(gate, 3, gpu=True, workdir=tmp_path)
+    assert clean.status == NOT_RUN and clean.alarms == 0

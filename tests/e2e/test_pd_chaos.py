@@ -1,0 +1,137 @@
+"""Issue 16's PD chaos run: concurrent sessions through the router of a prefill/decode pair (three
+processes, canary/pd_target.py `RestartablePDPair`), 10% of the requests aborted by their client
+mid-stream, the decode server SIGKILLed and restarted (a decode-only restart) and then the prefill
+server, while the sessions keep sending. It must end with:
+
+- 0 hangs: every request answered within its bound (canary/pd_chaos.py `chat`);
+- every failed request named: an OpenAI-shaped error (status + body, or a `data:` error chunk);
+- the pair serving again within 10 s of each restart, timed by this test's clock from the new
+  process being healthy to the first successful probe request (a bound, not a benchmark);
+- 0 pages left on either side (/metrics: KV pages in use, pages reserved for transfers);
+- the same greedy answer for the same prompt before and after the restarts.
+
+About 2 minutes on the 2-core CPU, so opt-in: `pytest --run-slow tests/e2e/test_pd_chaos.py -s`
+(the summary line is the figure docs/results.md records). `PD_CHAOS_SESSIONS` sets the session count,
+`PD_CHAOS_FAULTS` (comma-separated) starts both sides with faults: with pd-abort-leak the run fails its
+page check (the negative control, run by hand: docs/results.md). The recovery bound's control is
+the PD fault gate's pd-stale-bootstrap row (canary/faults/pd_gates.py); the request classifier's
+are in tests/e2e/test_pd_chaos_client.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from canary import pd_chaos
+from canary.pd_target import RestartablePDPair
+from runtime.config import DEFAULT_MODEL
+from runtime.disagg.transfer import unavailable_reason
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
+
+MODEL = "canary-moe-v1"
+SESSIONS = int(os.environ.get("PD_CHAOS_SESSIONS", "20"))
+FAULTS = tuple(f for f in os.environ.get("PD_CHAOS_FAULTS", "").split(",") if f)
+ABORT_RATIO = 0.1
+RECOVERY_S = 10.0
+PHASE_DEADLINE_S = 300.0  # a phase that cannot reach its successes fails the test instead of waiting on
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "2+2=", "Name three colours.",
+           "Explain photosynthesis briefly.", "Tell me a story " * 12, "List the planets.", "Say hello."]
+
+
+class Sessions:
+    """SESSIONS client threads sending one request after another until told to stop."""
+
+    def __init__(self, router: str, seed: int) -> None:
+        self.router, self.seed = router, seed
+        self.lock = threading.Lock()
+        self.outcomes: list[tuple[str, bool, pd_chaos.Outcome]] = []  # (prompt, meant to abort, outcome)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.session, args=(i,), daemon=True) for i in range(SESSIONS)]
+
+    def session(self, index: int) -> None:
+        rng = random.Random(self.seed * 1000 + index)
+        while not self.stop.is_set():
+            prompt, abort = rng.choice(PROMPTS), rng.random() < ABORT_RATIO
+            out = pd_chaos.chat(self.router, MODEL, prompt, stream=abort or rng.random() < 0.5, max_tokens=16,
+                                abort_after=rng.randint(1, 3) if abort else None, timeout_s=90)
+            with self.lock:
+                self.outcomes.append((prompt, abort, out))
+            if out.kind != pd_chaos.OK:
+                time.sleep(0.2)  # a pair that is down answers at once: do not spin on it
+
+    def successes(self) -> int:
+        with self.lock:
+            return sum(out.kind == pd_chaos.OK for _, _, out in self.outcomes)
+
+    def wait_successes(self, count: int) -> None:
+        deadline = time.monotonic() + PHASE_DEADLINE_S
+        while self.successes() < count:
+            assert time.monotonic() < deadline, f"only {self.successes()} of {count} requests succeeded"
+            time.sleep(0.2)
+
+
+def first_success_after(outcomes, since: float) -> float | None:
+    """Seconds from `since` to the end of the first workload request sent after it that succeeded."""
+    ends = [out.ended for _, _, out in outcomes if out.kind == pd_chaos.OK and out.started >= since]
+    return min(ends) - since if ends else None
+
+
+def test_pd_pair_survives_aborts_and_a_restart_of_each_side(tmp_path):
+    restarts = []
+    with RestartablePDPair(DEFAULT_MODEL, faults=FAULTS, log_dir=tmp_path, timeout_s=10.0) as pair:
+        sessions = Sessions(pair.router, seed=0)
+        started = time.monotonic()
+        for thread in sessions.threads:
+            thread.start()
+        try:
+            for phase, role in enumerate(("decode", "prefill"), start=1):
+                sessions.wait_successes(phase * SESSIONS)
+                down_s = pair.restart_side(role)
+                healthy_at = time.monotonic()
+                recovery_s, last = pd_chaos.seconds_until_serving(pair.router, MODEL, PROMPTS[0], RECOVERY_S)
+                restarts.append({"role": role, "kill_to_healthy_s": down_s, "recovery_s": recovery_s,
+                                 "last_probe": f"{last.kind} {last.code or ''} {last.detail[:200]}",
+                                 "healthy_at": healthy_at})
+            sessions.wait_successes(3 * SESSIONS)
+        finally:
+            sessions.stop.set()
+            for thread in sessions.threads:
+                thread.join(timeout=120)
+        wall_s = time.monotonic() - started
+        alive = [t.name for t in sessions.threads if t.is_alive()]
+        pages = {role: pd_chaos.pages_left(pair.url(role)) for role in pair.ROLES}
+
+    outcomes = sessions.outcomes
+    kinds = Counter(out.kind for _, _, out in outcomes)
+    codes = Counter(out.code for _, _, out in outcomes if out.kind == pd_chaos.ERROR)
+    for r in restarts:
+        r["workload_recovery_s"] = first_success_after(outcomes, r.pop("healthy_at"))
+    faults = f" faults {','.join(FAULTS)}" if FAULTS else ""
+    print(f"\n[pd-chaos] {SESSIONS} sessions{faults}, {len(outcomes)} requests in {wall_s:.0f} s: {dict(kinds)}; "
+          f"aborts meant {sum(a for _, a, _ in outcomes)}; errors by code {dict(codes)}; restarts "
+          + "; ".join(f"{r['role']}: kill->healthy {r['kill_to_healthy_s']:.1f} s, healthy->serving "
+                      f"{r['recovery_s'] if r['recovery_s'] is None else round(r['recovery_s'], 2)} s (first "
+                      f"workload success {r['workload_recovery_s'] and round(r['workload_recovery_s'], 2)} s)"
+                      for r in restarts) + f"; pages after {pages}")
+
+    assert not alive, f"session threads still waiting: {alive}"
+    hangs = [out for _, _, out in outcomes if out.kind in (pd_chaos.HANG, pd_chaos.UNNAMED)]
+    assert not hangs, f"{len(hangs)} requests hung or failed without an OpenAI error: {hangs[:3]}"
+    assert kinds[pd_chaos.ABORTED] > 0, "no request was aborted mid-stream: the abort path went untested"
+    for r in restarts:
+        assert r["recovery_s"] is not None, f"{r['role']} restart: not serving within {RECOVERY_S:g} s: {r}"
+    assert all(v == 0 for side in pages.values() for v in side.values()), pages
+    answers: dict[str, set[str]] = {}
+    for prompt, _, out in outcomes:
+        if out.kind == pd_chaos.OK:
+            answers.setdefault(prompt, set()).add(out.text)
+    assert all(len(texts) == 1 for texts in answers.values()), \
+        {p[:20]: sorted(t[:40] for t in texts) for p, texts in answers.items() if len(texts) > 1}
