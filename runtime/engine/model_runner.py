@@ -35,6 +35,22 @@ def checked_input_ids(ext: Extend, req: Request, pool: PagePool, page_size: int,
     return ids
 
 
+def extend_pieces(start: int, end: int, prompt_len: int) -> list[tuple[int, int]]:
+    """Split positions [start, end) of one extend into the segments the forward runs: the prompt
+    part as one segment, every generated position as a segment of its own.
+
+    Why: attention and the indexer run per segment, and their CPU kernels (einsum -> BLAS) round a
+    row differently depending on how many query rows share the call. A request computes its prompt
+    as one prefill segment and each generated token as a one-row decode segment; a preemption
+    recompute covers prompt and output in one extend, and run as one segment it gave the generated
+    positions (and every later token) slightly different bits from the original run. Cut like this,
+    every row goes through calls of the same shapes as the first time, so the recompute is exact.
+    Normal prefills (the prompt) and decodes (one generated row) are one piece, unchanged."""
+    pieces = [(start, min(end, prompt_len))] if start < prompt_len else []
+    pieces += [(pos, pos + 1) for pos in range(max(start, prompt_len), end)]
+    return pieces
+
+
 class ModelRunner:
     def __init__(self, model: DSV4Mini, kv: KVCache, pool: PagePool, streams: StreamExecutor,
                  faults: FaultSet = NO_FAULTS) -> None:
@@ -68,7 +84,11 @@ class ModelRunner:
             positions.append(torch.arange(ext.start, end))
             context = self.slots_for(ext.pages, 0, end)
             slots.append(context[ext.start:end])
-            segments.append(Segment(row, row + ext.num_new, context))
+            # Every piece but the last only writes KV: the extend's logits are its last row's.
+            pieces = extend_pieces(ext.start, end, len(requests[ext.rid].prompt_ids))
+            for piece_start, piece_end in pieces:
+                segments.append(Segment(row + piece_start - ext.start, row + piece_end - ext.start,
+                                        context[:piece_end], emits_logits=piece_end == end))
             row += ext.num_new
         return ForwardBatch(torch.cat(token_ids), torch.cat(positions), torch.cat(slots), tuple(segments))
 
