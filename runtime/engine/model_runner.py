@@ -39,12 +39,15 @@ def extend_pieces(start: int, end: int, prompt_len: int) -> list[tuple[int, int]
     """Split positions [start, end) of one extend into the segments the forward runs: the prompt
     part as one segment, every generated position as a segment of its own.
 
-    Why: attention and the indexer run per segment, and their CPU kernels (einsum -> BLAS) round a
-    row differently depending on how many query rows share the call. A request computes its prompt
-    as one prefill segment and each generated token as a one-row decode segment; a preemption
-    recompute covers prompt and output in one extend, and run as one segment it gave the generated
-    positions (and every later token) slightly different bits from the original run. Cut like this,
-    every row goes through calls of the same shapes as the first time, so the recompute is exact.
+    Why: attention runs per segment over the segment's whole context (positions 0..end-1, later
+    positions masked), and its softmax sum and probs @ latent reduce over that length: the masked
+    zeros change where the SIMD tail and the BLAS blocking fall, so a row's last bits depend on the
+    segment's end, not only on the row. A request computes its prompt as one prefill segment and
+    each generated token as a one-row decode over its own context; a preemption recompute covers
+    prompt and output in one extend, and run as one segment it gave every generated position (and
+    so every later token) slightly different bits. Cut like this, every row reduces over the same
+    lengths as the first time, so the recompute is exact (checked: attention alone, per row over
+    its own causal length, removes the difference too; per row over the segment's length does not).
     Normal prefills (the prompt) and decodes (one generated row) are one piece, unchanged."""
     pieces = [(start, min(end, prompt_len))] if start < prompt_len else []
     pieces += [(pos, pos + 1) for pos in range(max(start, prompt_len), end)]
