@@ -167,6 +167,38 @@ def test_one_segment_recompute_is_caught(tiny, monkeypatch):
     assert any(bits_differ(r, s) for r, s in pairs)
 
 
+def forced_preemption_vs_solo(model, prompt, params, preempt_at=(20, 40)):
+    """The request alone, undisturbed, and alone again but preempted (engine level, between steps)
+    once it has produced each count of tokens in `preempt_at`."""
+    solo = Engine(model, EngineConfig(), env=Env()).generate([prompt], params)[0]
+    engine = Engine(model, EngineConfig(), env=Env())
+    req = engine.scheduler.requests[engine.add_request(prompt, params)]
+    while engine.has_work:
+        engine.step()
+        if len(req.output_ids) in preempt_at and req in engine.scheduler.running:
+            engine.scheduler._preempt(req)
+    assert req.num_preemptions == len(preempt_at)
+    return req, solo
+
+
+@pytest.mark.parametrize("one_segment", [False, True], ids=["exact", "one-segment-bug"])
+def test_canary_model_recompute_of_a_long_context_is_exact(canary_model, monkeypatch, one_segment):
+    """The gate's finding (docs/results.md): on the canary model a preempted request recomputed as one
+    segment moved its logprobs by ~1e-5 once its context passed ~256 tokens (attention reduces over
+    the segment's whole context). Exact with extend_pieces; the one-segment bug is the negative control."""
+    import runtime.engine.model_runner as model_runner
+    from runtime.models.loader import load_model
+
+    if one_segment:
+        monkeypatch.setattr(model_runner, "extend_pieces", lambda start, end, prompt_len: [(start, end)])
+    model = load_model(canary_model)
+    context = sum(draw_prompts(model.config, 12, seed=3), [])
+    assert len(context) >= 700
+    params = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=True, top_logprobs=5)
+    differ = [n for n in (420, 700) if bits_differ(*forced_preemption_vs_solo(model, context[:n], params))]
+    assert differ == ([420, 700] if one_segment else []), differ
+
+
 def test_extend_pieces_cut_at_the_prompt_and_every_generated_position():
     from runtime.engine.model_runner import extend_pieces
 
