@@ -127,13 +127,10 @@ def small_pool_gate(options, model: str, server_args: list[str], log_dir):
                                  turns=min(driver.turns or SMALL_POOL_TURNS, SMALL_POOL_TURNS))
     pages = options.small_pool_pages
     with embedded_server(model, server_args, num_pages=pages, faults=options.faults, log_dir=log_dir) as target:
-        # Near-tie mode, not exact: a preempted request recomputed as one prefill gets top-k logprobs
-        # up to ~4e-6 off its solo run's (its own token's logprob identical; measured, docs/results.md),
-        # which exact mode fails. Tokens must still match, and the golden store holds logprobs to 5e-5.
-        outcome = run_gate(target, driver, perf_gate=False, near_tie=0.05, progress=False, deterministic=False,
+        # Exact mode (the embedded runtime's default): a preempted request's recompute must give the
+        # bits of its solo run, top-k logprobs included (runtime/engine/model_runner.py extend_pieces).
+        outcome = run_gate(target, driver, perf_gate=False, near_tie=0.05, progress=False,
                            differential_sample=min(options.differential_sample, SMALL_POOL_REPLAYS))
-        outcome.notes.append("small-pool run: load-vs-solo in near-tie mode (preemption recompute moves top-k "
-                             "logprobs by ~1e-6; an open runtime question, docs/results.md)")
     preempted = outcome.summary.get("preemptions")
     outcome.summary["kv_pool_pages"] = pages
     if preempted is None:

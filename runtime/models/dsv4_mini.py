@@ -67,7 +67,8 @@ class DSV4Mini:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
-        """Writes the new tokens' KV and returns float32 logits of each segment's last token [S, V]."""
+        """Writes the new tokens' KV and returns float32 logits [S, V] of the last token of each segment that
+        emits logits (`Segment.emits_logits`)."""
         x = self.w["embed.weight"][batch.token_ids]
         for layer in range(self.model_cfg.num_layers):
             x = x + self._attention(layer, x, batch, kv, streams)

@@ -127,6 +127,87 @@ def test_preemption_under_a_tiny_pool_completes_and_frees(tiny):
     assert engine.pages_in_use == 0
 
 
+def preempted_and_solo(tiny, params: SamplingParams):
+    """Six requests on a 12-page pool (preempted, some twice) and each again alone on a roomy pool."""
+    engine = make_engine(tiny, num_pages=12, page_size=4, max_running_requests=8)
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(6 + 3 * i)] for i in range(6)]
+    loaded = engine.generate(prompts, params)
+    solo = [make_engine(tiny, num_pages=64, page_size=4).generate([p], params)[0] for p in prompts]
+    return [(r, s) for r, s in zip(loaded, solo) if r.num_preemptions], engine.scheduler.num_preemptions
+
+
+def bits_differ(a, b) -> bool:
+    return (a.output_ids != b.output_ids or a.output_logprobs != b.output_logprobs
+            or a.output_top_logprobs != b.output_top_logprobs)
+
+
+RECOMPUTE_PARAMS = [
+    dict(max_tokens=14, ignore_eos=True, logprobs=True, top_logprobs=5),
+    dict(max_tokens=14, ignore_eos=True, logprobs=True, top_logprobs=5, temperature=1.0, seed=3),
+]
+
+
+@pytest.mark.parametrize("params", RECOMPUTE_PARAMS, ids=["greedy", "sampled"])
+def test_preemption_recompute_is_exact(tiny, params):
+    """A preempted request recomputes prompt + output in one prefill; its tokens, logprobs and
+    top-k logprobs must equal its solo run's bit for bit (issue 14: recompute stays exact)."""
+    pairs, preemptions = preempted_and_solo(tiny, SamplingParams(**params))
+    assert preemptions > 0 and len(pairs) >= 2, "the pool must be small enough to force preemption"
+    differing = [r.rid for r, s in pairs if bits_differ(r, s)]
+    assert differing == [], f"preempted requests {differing} differ from their solo runs"
+
+
+def test_one_segment_recompute_is_caught(tiny, monkeypatch):
+    """Negative control: the recompute run as one segment (the bug before extend_pieces: generated
+    positions then attend over the whole recomputed context, rounded differently) must be caught."""
+    import runtime.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "extend_pieces", lambda start, end, prompt_len: [(start, end)])
+    pairs, _ = preempted_and_solo(tiny, SamplingParams(**RECOMPUTE_PARAMS[0]))
+    assert any(bits_differ(r, s) for r, s in pairs)
+
+
+def forced_preemption_vs_solo(model, prompt, params, preempt_at=(20, 40)):
+    """The request alone, undisturbed, and alone again but preempted (engine level, between steps)
+    once it has produced each count of tokens in `preempt_at`."""
+    solo = Engine(model, EngineConfig(), env=Env()).generate([prompt], params)[0]
+    engine = Engine(model, EngineConfig(), env=Env())
+    req = engine.scheduler.requests[engine.add_request(prompt, params)]
+    while engine.has_work:
+        engine.step()
+        if len(req.output_ids) in preempt_at and req in engine.scheduler.running:
+            engine.scheduler._preempt(req)
+    assert req.num_preemptions == len(preempt_at)
+    return req, solo
+
+
+@pytest.mark.parametrize("one_segment", [False, True], ids=["exact", "one-segment-bug"])
+def test_canary_model_recompute_of_a_long_context_is_exact(canary_model, monkeypatch, one_segment):
+    """The gate's finding (docs/results.md): on the canary model a preempted request recomputed as one
+    segment moved its logprobs by ~1e-5 once its context passed ~256 tokens (attention reduces over
+    the segment's whole context). Exact with extend_pieces; the one-segment bug is the negative control."""
+    import runtime.engine.model_runner as model_runner
+    from runtime.models.loader import load_model
+
+    if one_segment:
+        monkeypatch.setattr(model_runner, "extend_pieces", lambda start, end, prompt_len: [(start, end)])
+    model = load_model(canary_model)
+    context = sum(draw_prompts(model.config, 12, seed=3), [])
+    assert len(context) >= 700
+    params = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=True, top_logprobs=5)
+    differ = [n for n in (420, 700) if bits_differ(*forced_preemption_vs_solo(model, context[:n], params))]
+    assert differ == ([420, 700] if one_segment else []), differ
+
+
+def test_extend_pieces_cut_at_the_prompt_and_every_generated_position():
+    from runtime.engine.model_runner import extend_pieces
+
+    assert extend_pieces(0, 6, 6) == [(0, 6)]  # a prefill: one segment
+    assert extend_pieces(8, 9, 6) == [(8, 9)]  # a decode: one row
+    assert extend_pieces(0, 9, 6) == [(0, 6), (6, 7), (7, 8), (8, 9)]  # a recompute
+    assert extend_pieces(0, 7, 6) == [(0, 6), (6, 7)]  # preempted right after its prefill
+
+
 def test_requests_that_can_never_fit_are_rejected(tiny):
     engine = make_engine(tiny, num_pages=4, page_size=4, max_model_len=64, max_prefill_tokens=64)
     with pytest.raises(ValueError, match="max_model_len"):
