@@ -14,9 +14,8 @@ store and the load-vs-solo replays), and never enters the conversation: the cana
 on ASCII sessions, and multi-byte notes in its context make it misquote values (measured: 14 of 16
 sessions failed grounding with a note in every tool result), which would be a false alarm.
 
-The small-pool run (`small_pool_gate`) is the same workload against a server whose KV pool is
-smaller than its working set, so requests really are preempted and recomputed; it fails loudly
-when nothing was preempted (the run would not have tested what it claims).
+The small-pool run (canary/small_pool.py) is the same workload against a server whose KV pool is
+smaller than its working set, so requests really are preempted and recomputed.
 """
 
 from __future__ import annotations
@@ -106,37 +105,3 @@ def choose_stop(content: str, mix: SessionMix, turn: int) -> str | None:
         if stop.strip() and content.find(stop) > 0:
             return stop
     return None
-
-
-SMALL_POOL_SESSIONS, SMALL_POOL_TURNS, SMALL_POOL_REPLAYS = 24, 2, 8
-
-
-def small_pool_gate(options, model: str, server_args: list[str], log_dir):
-    """The gate's workload mix (`options`: CanaryOptions) on 24 sessions x 2 turns against an
-    embedded server with `options.small_pool_pages` KV pages: golden tokens and logprobs, every
-    oracle and the load-vs-solo replays must hold while requests are preempted and recomputed
-    (the runtime recomputes exactly). A `[preemption]` failure when nothing was preempted."""
-    import dataclasses
-
-    from canary.gate import run_gate
-    from canary.options import driver_options
-    from canary.targets import embedded_server
-
-    driver = driver_options(options)
-    driver = dataclasses.replace(driver, sessions=min(driver.sessions, SMALL_POOL_SESSIONS),
-                                 turns=min(driver.turns or SMALL_POOL_TURNS, SMALL_POOL_TURNS))
-    pages = options.small_pool_pages
-    with embedded_server(model, server_args, num_pages=pages, faults=options.faults, log_dir=log_dir) as target:
-        # Exact mode (the embedded runtime's default): a preempted request's recompute must give the
-        # bits of its solo run, top-k logprobs included (runtime/engine/model_runner.py extend_pieces).
-        outcome = run_gate(target, driver, perf_gate=False, near_tie=0.05, progress=False,
-                           differential_sample=min(options.differential_sample, SMALL_POOL_REPLAYS))
-    preempted = outcome.summary.get("preemptions")
-    outcome.summary["kv_pool_pages"] = pages
-    if preempted is None:
-        outcome.failures.append("[preemption] the small-pool server exports no dsv4_preemptions_total: cannot "
-                                "tell whether it preempted")
-    elif preempted == 0:
-        outcome.failures.append(f"[preemption] {driver.sessions} sessions x {driver.turns} turns on {pages} KV pages "
-                                "preempted nothing: the run did not test preemption (lower --small-pool-pages)")
-    return outcome

@@ -21,8 +21,9 @@ import pytest
 from canary.driver import DriverOptions
 from canary.gate import run_gate
 from canary.options import CanaryOptions
+from canary.small_pool import small_pool_gate
 from canary.targets import embedded_server
-from canary.workload import DEFAULT_ABORT_RATIO, small_pool_gate
+from canary.workload import DEFAULT_ABORT_RATIO
 from runtime.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e

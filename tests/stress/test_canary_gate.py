@@ -28,7 +28,7 @@ def test_canary_gate_under_preemption(canary_options, canary_notes, canary_summa
     (`--small-pool-pages`): requests are preempted and recomputed, and every oracle, the golden
     store and the replays must still hold; the summary says how often it preempted."""
     from canary.pytest_plugin import config_server_args
-    from canary.workload import small_pool_gate
+    from canary.small_pool import small_pool_gate
     from runtime.config import DEFAULT_MODEL
 
     if canary_options.base_url or canary_options.baseline_url:
