@@ -68,3 +68,20 @@ def test_cli_rejects_an_unknown_fault(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["faults", "--only", "no-such-fault"])
     assert exit_.value.code == 2
+
+
+@pytest.mark.parametrize("writes_log", [False, True])
+def test_a_failed_matrix_keeps_its_logs_and_only_its_logs(monkeypatch, tmp_path, capsys, writes_log):
+    """A failed run keeps the work directory a gate wrote its logs into (and names it); one whose gates
+    wrote nothing leaves no empty directory behind (these failing runs used to pile up in /tmp)."""
+    def run(faults, seed, workdir):
+        if writes_log:
+            (workdir / "server.log").write_text("stack frames")
+        return GateResult([], 0.1, 0.1)  # the fault goes unnoticed: the matrix fails
+
+    monkeypatch.setattr(fault_detectors, "DETECTORS", {"slow-step": (Detector("fake gate", run, lambda _: True),)})
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert main(["faults", "--only", "slow-step", "--clean-runs", "0"]) == 1
+    left = list(tmp_path.glob("canary-faults-*"))
+    assert len(left) == (1 if writes_log else 0), left
+    assert ("logs kept in" in capsys.readouterr().err) is writes_log
