@@ -154,6 +154,16 @@ def selected_slots(page_table: torch.Tensor, positions: torch.Tensor, valid: tor
     return torch.where(valid, slots, -1).to(torch.int32)
 
 
+def triton_compile_errors() -> tuple[type[Exception], ...]:
+    """What Triton raises when it cannot build a kernel for this device (front end, ptxas, too many
+    registers or too much shared memory). Anything else (a CUDA fault, a wrong argument) is a bug
+    and must surface, not fall back."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    return CompilationError, OutOfResources, PTXASError
+
+
 def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int,
                  topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions each query attends to: the window ending at itself, plus the top-k older ones.
@@ -165,7 +175,7 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int,
 
         try:
             return triton_select_slots(scores, positions, window, topk)
-        except Exception as err:  # a Triton build that cannot compile it: the same result by sorting
+        except triton_compile_errors() as err:  # a Triton build that cannot compile it: the same result by sorting
             _TRITON_SELECT_FAILED.append(f"{type(err).__name__}: {err}")
             warnings.warn(f"Triton top-k selection unavailable, using torch.sort: {_TRITON_SELECT_FAILED[0][:500]}",
                           RuntimeWarning, stacklevel=2)

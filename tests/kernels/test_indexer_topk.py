@@ -293,14 +293,29 @@ def test_selection_under_graph_replay_and_side_stream():
 @gpu
 def test_dispatch_falls_back_to_the_sort_with_a_warning(monkeypatch):
     """A Triton build that cannot compile the kernel must cost speed, not the decode step."""
+    from triton.runtime.errors import PTXASError
+
     def broken(*args, **kwargs):
-        raise RuntimeError("planted compile failure")
+        raise PTXASError("planted compile failure")
     monkeypatch.setattr(topk, "select_slots", broken)
     monkeypatch.setattr(cuda_torch, "_TRITON_SELECT_FAILED", [])
     scores, positions = draw_scores(2, 3, 512, "few_values").cuda(), draw_positions(2, 3, 512).cuda()
     with pytest.warns(RuntimeWarning, match="planted compile failure"):
         got = cuda_torch.select_slots(scores, positions, 8, 16)
     assert all(torch.equal(a, b) for a, b in zip(got, cuda_torch.select_slots_by_sort(scores, positions, 8, 16)))
+
+
+@gpu
+def test_dispatch_does_not_hide_a_failure_that_is_no_compile_error(monkeypatch):
+    """Negative control of the fallback: a fault of the kernel's call (not of its build) surfaces."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted launch failure")
+    monkeypatch.setattr(topk, "select_slots", broken)
+    monkeypatch.setattr(cuda_torch, "_TRITON_SELECT_FAILED", [])
+    scores, positions = draw_scores(2, 3, 512, "few_values").cuda(), draw_positions(2, 3, 512).cuda()
+    with pytest.raises(RuntimeError, match="planted launch failure"):
+        cuda_torch.select_slots(scores, positions, 8, 16)
+    assert not cuda_torch._TRITON_SELECT_FAILED, "the kernel must stay in use"
 
 
 # ---------------------------------------------------------------- the compiler, without a GPU
