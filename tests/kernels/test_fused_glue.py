@@ -107,14 +107,22 @@ def test_rope_in_place_gives_the_torch_ops_bits(seed, rows, heads, half, extra, 
     assert_prefix_invariant(out, run, rows)
 
 
+def _rope_rounded_once(x, positions, cos, sin):
+    """Rotate-half RoPE in float32, rounded once at the end: a valid RoPE with other roundings."""
+    half = x.shape[-1] // 2
+    c, s = cos[positions].float()[:, None, :], sin[positions].float()[:, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
 def test_bit_equality_oracle_fails_on_a_rope_without_the_torch_roundings():
-    """Negative control: elementwise.rope rounds once, from float32 math; in float16 its bits
-    differ from the torch ops' (which round every product), and the check above sees it."""
+    """Negative control: a RoPE that rounds once, from float32 math; in float16 its bits differ
+    from the torch ops' (which round every product), and the check above sees it."""
     gen = torch.Generator().manual_seed(0)
     x = randn(gen, 16, 4, 64, dtype=torch.float16)
     positions = torch.randint(0, 1000, (16,), generator=gen).to(DEVICE)
     cos, sin = k.rope_table(32, THETA, 1000, DEVICE, torch.float16)
-    assert not torch.equal(elementwise.rope(x, positions, cos, sin), k.rope(x, positions, cos, sin))
+    assert not torch.equal(_rope_rounded_once(x, positions, cos, sin), k.rope(x, positions, cos, sin))
 
 
 # ---------------------------------------------------------------- cache-row write

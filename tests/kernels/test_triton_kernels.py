@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from canary.oracles.tolerances import assert_close_to_reference
 from canary.oracles.topk_compare import wrong_topk_indices
-from runtime.kernels import reference
-from runtime.kernels.triton import INTERPRETED, attention, elementwise, indexer, matmul, moe
+from runtime.kernels import cuda_torch, reference
+from runtime.kernels.triton import INTERPRETED, attention, elementwise, glue, indexer, matmul, moe
 
 pytestmark = pytest.mark.kernels
 
@@ -426,9 +426,10 @@ def test_rope_matches_reference_and_is_batch_invariant(seed, rows, heads, half, 
     gen = torch.Generator().manual_seed(seed)
     x = randn(gen, rows, heads, 2 * half, dtype=dtype)
     positions = torch.randint(0, max_pos, (rows,), generator=gen).to(DEVICE)
-    cos, sin = elementwise.rope_table(half, 10000.0, max_pos, DEVICE)
-    run = lambda k: elementwise.rope(x[:k], positions[:k], cos, sin,  # noqa: E731
-                                     out=poisoned(k, heads, 2 * half, dtype=dtype))
+    cos, sin = cuda_torch.rope_table(half, 10000.0, max_pos, DEVICE, dtype)
+
+    def run(k):  # the step's RoPE, in place on a copy of the first k rows
+        return glue.rope_(x[:k].clone(), positions[:k], cos, sin)
     out = run(rows)
     assert_close_scaled(out, reference.rope(x.cpu(), positions.cpu(), 10000.0), dtype)
     assert_prefix_invariant(out, run, rows)

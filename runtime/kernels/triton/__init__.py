@@ -3,8 +3,9 @@
 One module per kernel family: `moe` (fused MoE, bf16 and fp8 block-scaled), `attention` (sparse
 latent-MQA decode over the paged latent cache), `indexer` (lightning-indexer logits over paged
 index keys + top-k), `topk` (the decode step's window U top-k selection), `elementwise` (RMSNorm,
-RoPE, fp8 quantize/dequantize). Every kernel is batch-invariant: launch parameters that change a
-row's reduction order never depend on the batch.
+fp8 quantize/dequantize), `glue` (the step's fused glue: add+RMSNorm, in-place RoPE, cache-row
+writes, routing). Every kernel is batch-invariant: launch parameters that change a row's reduction
+order never depend on the batch.
 
 Triton chooses the interpreter when the kernels are defined, so without CUDA the interpreter is
 switched on before the kernel modules are imported (the only way these kernels run on a CPU).

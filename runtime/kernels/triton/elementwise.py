@@ -1,4 +1,4 @@
-"""Row-wise decode kernels: RMSNorm, RoPE (rotate-half, from a cos/sin table), fp8 e4m3
+"""Row-wise decode kernels: RMSNorm, fp8 e4m3
 quantize/dequantize with one scale per token per 128 channels, and 128x128 block quantization of
 weights (load time, plain torch). One program per row: a row never meets another row's data, so all
 of these are batch-invariant by construction."""
@@ -31,46 +31,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.shape[1], eps, x.stride(0), out.stride(0),
                                         BLOCK=triton.next_power_of_2(x.shape[1]))
-    return out
-
-
-@triton.jit
-def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, heads, half, stride_xt, stride_xh,
-                 stride_tab, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < half
-    ok = (offs_h[:, None] < heads) & r_ok[None, :]
-    cos = tl.load(cos_ptr + pos * stride_tab + offs_r, mask=r_ok, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_tab + offs_r, mask=r_ok, other=0.0)[None, :]
-    base = token * stride_xt + offs_h[:, None] * stride_xh + offs_r[None, :]
-    x1 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + base + half, mask=ok, other=0.0).to(tl.float32)
-    out_base = token * heads * 2 * half + offs_h[:, None] * 2 * half + offs_r[None, :]
-    tl.store(out_ptr + out_base, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(out_ptr + out_base + half, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def rope_table(half: int, theta: float, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [length, half] float32, angles in float64 (large positions keep their phase)."""
-    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) * 2 / (2 * half))
-    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return angles.cos().float().to(device), angles.sin().float().to(device)
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, H, R] (any strides in T, H; last dim contiguous), positions: [T],
-    cos/sin: [max_pos, R/2] from rope_table. Returns a contiguous [T, H, R] in x.dtype."""
-    tokens, heads, width = x.shape
-    if out is None:
-        out = torch.empty(tokens, heads, width, dtype=x.dtype, device=x.device)
-    if tokens:
-        _rope_kernel[(tokens,)](x, positions, cos, sin, out, heads, width // 2, x.stride(0), x.stride(1),
-                                cos.stride(0), BLOCK_H=triton.next_power_of_2(heads),
-                                BLOCK_R=triton.next_power_of_2(width // 2))
     return out
 
 
