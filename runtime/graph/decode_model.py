@@ -49,6 +49,9 @@ class StaticDecodeModel:
                  max_batch: int, faults: FaultSet = NO_FAULTS,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  moe_kernel: str = "torch", attention_kernel: str = "torch", gemm: str = "invariant") -> None:
+        # The model takes ownership of `weights`: entries it repacks (stacked projections, kernel-layout
+        # experts) become views into the packed copies, so no second copy outlives construction
+        # when the caller keeps the dict (as benchmarks and tests do).
         self.cfg, self.w, self.faults = cfg, weights, faults
         # "cublas": torch.mm, not batch-invariant; only for measuring what the invariance rule costs.
         if gemm not in ("invariant", "cublas"):
@@ -68,10 +71,18 @@ class StaticDecodeModel:
             shared = cfg.n_shared_experts > 0
             for layer in range(cfg.num_layers):
                 p = f"layers.{layer}.moe."
-                self.packed_moe.append(triton_moe.pack_weights(
+                packed = triton_moe.pack_weights(
                     weights[p + "experts.w_gate"], weights[p + "experts.w_up"], weights[p + "experts.w_down"],
                     *((weights[p + "shared.w_gate"], weights[p + "shared.w_up"], weights[p + "shared.w_down"])
-                      if shared else ())))
+                      if shared else ()))
+                self.packed_moe.append(packed)
+                inter = weights[p + "experts.w_gate"].shape[1]
+                weights[p + "experts.w_gate"], weights[p + "experts.w_up"] = packed.w13.split(inter, dim=1)
+                weights[p + "experts.w_down"] = packed.w2
+                if packed.shared_w13 is not None and packed.shared_w2 is not None:
+                    shared_inter = weights[p + "shared.w_gate"].shape[0]
+                    weights[p + "shared.w_gate"], weights[p + "shared.w_up"] = packed.shared_w13[0].split(shared_inter)
+                    weights[p + "shared.w_down"] = packed.shared_w2[0]
         # "triton": the paged indexer-logits kernel and the split sparse MLA decode kernel. The split
         # count is fixed here, per deployment, never per batch: a row's bits must not depend on it.
         self.indexer_logits = self.sparse_mla = None
@@ -105,8 +116,7 @@ class StaticDecodeModel:
         """Projections that read the same input become one GEMM over their stacked weights, so a step
         launches one kernel (and reads the input once) instead of two or three: the query and the
         latent+rope key of attention, and the indexer's query, key and head weights. The stacked
-        copy is the only one the model keeps: self.w's entries become views into it."""
-        self.w = dict(weights)
+        copy is the only one left: the weights' entries become views into it."""
         self.attn_proj, self.indexer_proj = [], []
         for layer in range(self.cfg.num_layers):
             for names, packed in ((("attn.wq", "attn.wkv"), self.attn_proj),

@@ -145,3 +145,26 @@ def test_static_decode_program_passes_the_checker_and_the_race_does_not(tiny):
     raced = InOrderExecutor(record_program=True)
     run_static(tiny, case, inputs, raced, faults=("stream-race",))
     assert {h.buffer for h in find_hazards(raced.program) if h.kind == "read-after-write"} == {"selection"}
+
+
+def test_the_model_owns_its_weights_and_keeps_one_copy(tiny):
+    """Repacked weights (stacked projections, kernel-layout experts) replace the caller's entries
+    by views into the packed copies: a dict the caller keeps pins no second copy, and every value
+    is unchanged."""
+    weights = {name: t.clone() for name, t in tiny.weights.items()}
+    before = {name: t.clone() for name, t in weights.items()}
+    model = StaticDecodeModel(tiny.config, weights, page_size=PAGE, max_pages=PAGES_PER_REQUEST, max_batch=16,
+                              moe_kernel="triton")
+    packed = [*model.attn_proj, *model.indexer_proj]
+    for p in model.packed_moe:
+        packed += [p.w13, p.w2] + ([p.shared_w13, p.shared_w2] if p.shared_w13 is not None else [])
+    owners = {t.untyped_storage().data_ptr() for t in packed}
+    repacked = [name for name in weights if name.endswith(("attn.wq.weight", "attn.wkv.weight", "indexer.wq.weight",
+                                                           "indexer.wk.weight", "indexer.weights_proj.weight"))
+                or ".moe.experts." in name or ".moe.shared." in name]
+    assert len(repacked) == tiny.config.num_layers * (5 + 3 + 3 * (tiny.config.n_shared_experts > 0))
+    stray = [name for name in repacked if weights[name].untyped_storage().data_ptr() not in owners]
+    assert not stray, f"entries still holding their own copy: {stray}"
+    changed = [name for name in weights if not torch.equal(weights[name], before[name])]
+    assert not changed, f"values changed by the handover: {changed}"
+    assert model.w is weights
