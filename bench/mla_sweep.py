@@ -10,6 +10,12 @@ same bits (checked here on the GPU, `modes_equal`), and at a 4,096-row prefill p
 With --vs-sglang, SGLang's kernel on the same inputs gives the ratio column.
 
   python -m bench.mla_sweep --json $OUT/mla_sweep.json [--vs-sglang] [--heads 64,16] [--batches 1,8,32,128]
+  python -m bench.mla_sweep --json $OUT/mla_free.json --free [--candidates 64:16,64,320,4,2,1,1 ...]
+
+--free asks which launch knobs the deployment's bits do not depend on (they may then follow the
+batch like the mode does): each variant of `default_launch` (warps, stages, BLOCK_H, merge) is
+compared bit for bit with the deployment at two batches and the 4,096-row pass, and timed at every
+batch. --candidates (H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow) adds whole new deployments.
 
 The summary ends the log: per candidate and batch the best mode's us (and sglang_us / ours), the
 worst ratio over batches, and the prefill us.
@@ -94,6 +100,60 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
     return row
 
 
+# Knobs of the deployment launch that might not touch a row's reduction order: warps and stages
+# (the dots' k-steps run in order either way; the row sums' trees may not), BLOCK_H (mma m16 vs
+# wgmma m64 tiles), and the gathered mode's fold (registers or memory). Each is checked, not assumed.
+FREE_VARIANTS = {
+    "memory": dict(merge="memory"), "stages1": dict(num_stages=1), "stages3": dict(num_stages=3),
+    "memory+stages1": dict(merge="memory", num_stages=1), "warps8": dict(num_warps=8),
+    "warps8+stages1": dict(num_warps=8, num_stages=1), "warps2": dict(num_warps=2),
+    "bh32/w8": dict(block_h=32, num_warps=8), "bh32/w8+memory": dict(block_h=32, num_warps=8, merge="memory"),
+    "bh64/w4+memory": dict(block_h=64, num_warps=4, merge="memory"),
+    "bh64/w8+memory": dict(block_h=64, num_warps=8, merge="memory"),
+    "bh64/w8": dict(block_h=64, num_warps=8),
+}
+
+
+def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepared: dict) -> list:
+    """Each FREE_VARIANTS entry against the deployment (gathered, in registers): same bits at the
+    smallest and largest batch and on 2 x 256 prefill rows, and its time at every batch."""
+    inputs, scale = prepared["inputs"], (MLA_LATENT + MLA_ROPE) ** -0.5
+    base = dict(spread=False, merge="registers")  # the rest of default_launch's shape: the deployment's
+    checks = [inputs[b][0] for b in (batches[0], batches[-1])] + [
+        (q[:256], s[:256]) for q, s in inputs[PREFILL_ROWS][:2]]
+
+    def run(q, s, **kw):
+        return attention.sparse_mla_decode(q, cache, s, MLA_LATENT, scale, **{**base, **kw})
+    want = [run(q, s) for q, s in checks]
+    rows = []
+    for name, knobs in [("deployment", {}), *FREE_VARIANTS.items()]:
+        row = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={})
+        try:
+            row["same_bits"] = all(torch.equal(run(q, s, **knobs), w) for (q, s), w in zip(checks, want))
+            for b in batches:
+                row["us"][str(b)] = graph_us([lambda q=q, s=s: run(q, s, **knobs) for q, s in inputs[b]], reps=10)
+            row["us"][str(PREFILL_ROWS)] = graph_us([lambda q=q, s=s: run(q, s, **knobs)
+                                                     for q, s in inputs[PREFILL_ROWS][:2]], reps=3)
+        except Exception as err:  # noqa: BLE001 - a shape the chip cannot hold (shared memory, registers)
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def free_summary(rows: list, batches: list) -> str:
+    out = ["== sparse MLA knobs vs the deployment launch (gathered): same bits?, us per batch, prefill us"]
+    for r in rows:
+        head = f"H={r['H']} {r['variant']:<16}"
+        if "error" in r:
+            out.append(f"{head} {r['error'][:140]}")
+            continue
+        cells = " | ".join(f"bs{b} {r['us'].get(str(b), float('nan')):.1f}" for b in batches)
+        out.append(f"{head} bits {'SAME' if r['same_bits'] else 'differ'} | {cells} | "
+                   f"prefill {r['us'].get(str(PREFILL_ROWS), float('nan')):.0f}")
+    return "\n".join(out)
+
+
 def summary_line(r: dict, batches: list) -> str:
     head = f"H={r['H']} top-{r['topk']} {tuple(r['candidate'])}"
     if "error" in r:
@@ -144,6 +204,9 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=512)
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--vs-sglang", action="store_true")
+    parser.add_argument("--free", action="store_true", help="which deployment knobs keep its bits (see above)")
+    parser.add_argument("--candidates", nargs="*", default=None,
+                        help="H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow instead of CANDIDATES")
     args = parser.parse_args()
     vs = None
     if args.vs_sglang:
@@ -151,20 +214,28 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     cache = torch.randn(max(batches) * MLA_CONTEXT, MLA_LATENT + MLA_ROPE, device="cuda", dtype=torch.bfloat16)
     rows: list = []
+    free: list = []
     # `timeout` ends a long run with SIGTERM: still print the summary and write the JSON.
     signal.signal(signal.SIGTERM, _stop)
     try:
         heads = [int(h) for h in args.heads.split(",")]
         prepared = {h: prepare(h, args.topk, batches, cache, vs) for h in heads}
-        # Head counts interleaved, each list most-likely first: a run cut short keeps the best of both.
-        order = [(h, CANDIDATES[h][i]) for i in range(max(len(CANDIDATES[h]) for h in heads)) for h in heads
-                 if i < len(CANDIDATES[h])]
+        if args.free:
+            for h in heads:
+                free += free_knobs(h, args.topk, batches, cache, prepared[h])
+        if args.candidates is not None:
+            order = [(int(c.split(":")[0]), tuple(int(x) for x in c.split(":")[1].split(","))) for c in args.candidates]
+        else:  # head counts interleaved, each list most-likely first: a run cut short keeps the best of both
+            order = [(h, CANDIDATES[h][i]) for i in range(max(len(CANDIDATES[h]) for h in heads)) for h in heads
+                     if i < len(CANDIDATES[h])]
         for h, candidate in order:
             rows.append(time_candidate(h, args.topk, candidate, batches, cache, prepared[h]))
     finally:
+        if free:
+            print(free_summary(free, batches), flush=True)
         print(summary(rows, batches), flush=True)
         args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), calls_per_graph=CALLS_PER_GRAPH,
-                                             rows=rows), indent=1))
+                                             rows=rows, free=free), indent=1))
 
 
 if __name__ == "__main__":

@@ -44,9 +44,11 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 # runner, multi-stream, eager-vs-graph equivalence
 # The kernel tests are bound by Triton compiles on the host: several workers share the GPU. The
 # graph-runner tests run alone (their jitter controls depend on the GPU not being shared).
-want graph_tests && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
-    -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_triton_kernels.py tests/kernels/test_moe_align.py \
-    tests/kernels/test_graph_static.py tests/kernels/test_fused_glue.py tests/kernels/test_indexer_topk.py
+# `kernel_tests` is the first half alone; KERNEL_TEST_FILES / KERNEL_TEST_K narrow it to what a change touched.
+KERNEL_TEST_FILES=${KERNEL_TEST_FILES:-tests/kernels/test_triton_kernels.py tests/kernels/test_moe_align.py \
+    tests/kernels/test_graph_static.py tests/kernels/test_fused_glue.py tests/kernels/test_indexer_topk.py}
+(want graph_tests || want kernel_tests) && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q \
+    -p no:cacheprovider --run-gpu -n "${KERNEL_TEST_WORKERS:-4}" $KERNEL_TEST_FILES ${KERNEL_TEST_K:+-k "$KERNEL_TEST_K"}
 want graph_tests && section graph_runner_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
     tests/gpu/test_graph_gpu.py
 want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model canary \
@@ -57,6 +59,10 @@ want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.st
 # and the decode GEMM tile sweep (which configs keep the default's bits, and their times)
 want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_vs.json" \
     --only mla,indexer --batches 1,8,32,64,128 --vs-sglang
+# Which sparse MLA launch knobs keep the deployment's bits (may follow the batch), their times, and
+# whole new deployments (MLA_CANDIDATES, H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow).
+want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free.json" --free \
+    --heads "${MLA_HEADS:-64}" --batches 1,16,32,64,128 --candidates ${MLA_CANDIDATES:-}
 want gemm_sweep && section gemm_sweep "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --budget-s 100 --out "$OUT/gemm_sweep.json"
 want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model dsv4-slice \
     --batch-sizes 1,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
