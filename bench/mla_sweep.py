@@ -107,6 +107,8 @@ FREE_VARIANTS = {
     "memory": dict(merge="memory"), "stages1": dict(num_stages=1), "stages3": dict(num_stages=3),
     "memory+stages1": dict(merge="memory", num_stages=1), "warps8": dict(num_warps=8),
     "warps8+stages1": dict(num_warps=8, num_stages=1), "warps2": dict(num_warps=2),
+    "warps8+memory": dict(num_warps=8, merge="memory"),
+    "warps8+memory+stages1": dict(num_warps=8, merge="memory", num_stages=1),
     "bh32/w8": dict(block_h=32, num_warps=8), "bh32/w8+memory": dict(block_h=32, num_warps=8, merge="memory"),
     "bh64/w4+memory": dict(block_h=64, num_warps=4, merge="memory"),
     "bh64/w8+memory": dict(block_h=64, num_warps=8, merge="memory"),
