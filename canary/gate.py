@@ -281,9 +281,10 @@ def _check_pages_idle(target: Target, outcome: GateOutcome) -> None:
 
 
 def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, tolerance: float, pairs: int = 6,
-           progress: bool = True, workload: TrialWorkload = PERF_WORKLOAD) -> GateOutcome:
+           progress: bool = True, workload: TrialWorkload = PERF_WORKLOAD, max_pairs: int | None = None) -> GateOutcome:
     """The candidate's sessions once through every oracle, then the perf verdict on interleaved
-    trials of both servers (canary/perf/trials.py `ab_trials`): slower and inconclusive both fail."""
+    trials of both servers (canary/perf/trials.py `ab_trials`): slower and inconclusive both fail.
+    `pairs` before the first look, up to `max_pairs` (default twice that) while it is inconclusive."""
     outcome = GateOutcome()
     result = run_driver(candidate, options, progress)
     outcome.failures += [f"candidate: {f.describe()}" for _, f in result.failures]
@@ -292,7 +293,7 @@ def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, t
         outcome.summary = {"target": candidate.name, "gate_failures": outcome.failures}
         return outcome
     verdict = perf_trials.ab_trials(candidate, baseline_target, workload, tolerance, min_pairs=pairs,
-                                    max_pairs=2 * pairs)
+                                    max_pairs=max_pairs or 2 * pairs)
     outcome.failures += verdict.failures()
     outcome.summary = {"ab": {"baseline": baseline_target.name, "candidate": candidate.name, **verdict.summary()},
                        "gate_failures": outcome.failures}

@@ -27,10 +27,14 @@ from runtime.config import DEFAULT_MODEL
 CANARY_WORKLOAD: dict[str, Any] = dict(sessions=16, turns=2, stream_ratio=0.5, max_tokens=160, abort_ratio=0.2,
                                        sampled_ratio=1.0, stop_ratio=1.0, multibyte_ratio=1.0)
 AB_WORKLOAD: dict[str, Any] = dict(sessions=8, turns=1, stream_ratio=1.0, max_tokens=160)
-AB_PAIRS = 3  # perf trial pairs, interleaved (canary/perf/trials.py): a load spike on the shared CPU hits both
+AB_PAIRS = 4  # perf trial pairs, interleaved (canary/perf/trials.py): a load spike on the shared CPU hits both
+# More pairs only while the verdict is inconclusive. A CI runner's clean control read [-15.5%, +27.0%]
+# after 6 pairs (one pair's log-ratio sd ~0.2 there): inconclusive at 50%, i.e. an alarm. At 12 pairs
+# that spread gives an interval ~0.25 wide, under the 0.41 (log 1.5) that decides either way.
+AB_MAX_PAIRS = 12
 # Decode rates only: slow-step slows every step, and TTFT was the noisiest figure on a busy CPU
 # (a clean A/B read [-23%, +44%] on it). Plain values, like the workloads above.
-AB_TRIAL_WORKLOAD: dict[str, Any] = dict(concurrency=(1, 8), max_tokens=48, ttft_rate=0.0)
+AB_TRIAL_WORKLOAD: dict[str, Any] = dict(concurrency=(1, 8), max_tokens=48, ttft_rate=0.0, rounds=3)
 PERF_TOLERANCE = 0.5  # slow-step's 50 ms a step is far beyond it; the clean control stays quiet on a busy CPU
 
 
@@ -61,7 +65,7 @@ def ab_perf_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateResul
         setup = time.perf_counter() - started
         started = time.perf_counter()
         outcome = run_ab(candidate, baseline, DriverOptions(**AB_WORKLOAD, seed=seed), PERF_TOLERANCE,
-                         pairs=AB_PAIRS, progress=False,
+                         pairs=AB_PAIRS, max_pairs=AB_MAX_PAIRS, progress=False,
                          workload=TrialWorkload(**AB_TRIAL_WORKLOAD))
     return GateResult(outcome.failures, time.perf_counter() - started, setup)
 

@@ -158,4 +158,4 @@ def stored_trials(target: Target, stored: dict, workload: TrialWorkload, toleran
 def workload_from(record: dict) -> TrialWorkload:
     w = record["workload"]
     return TrialWorkload(concurrency=tuple(w["concurrency"]), max_tokens=w["max_tokens"], ttft_rate=w["ttft_rate"],
-                         ttft_requests=w["ttft_requests"])
+                         ttft_requests=w["ttft_requests"], rounds=w.get("rounds", 1))

@@ -234,3 +234,29 @@ def test_the_gate_skips_loudly_without_a_trials_baseline(tmp_path):
     off = GateOutcome()
     gate_perf(A, {}, old, TOL, False, off, min_trials=0, workload=WORKLOAD)
     assert off.notes == ["perf gate off (--perf-trials 0)"]
+
+
+def test_decode_rounds_change_the_workload_only_when_asked():
+    """Baselines recorded before `rounds` existed describe one burst; they must stay comparable."""
+    assert "rounds" not in TrialWorkload().describe()
+    three = TrialWorkload(rounds=3)
+    assert three.describe()["rounds"] == 3 and three.describe() != TrialWorkload().describe()
+    from canary.perf.trials import workload_from
+    assert workload_from({"workload": three.describe()}) == three
+    assert workload_from({"workload": TrialWorkload().describe()}) == TrialWorkload()
+    with pytest.raises(ValueError, match="rounds"):
+        TrialWorkload(rounds=0)
+
+
+def test_a_decode_figure_is_the_median_burst(monkeypatch):
+    """One burst hit by a load spike (the 1000 here) must not move the trial's figure."""
+    from canary.perf import trial_load
+
+    bursts = iter([100.0, 1000.0, 110.0])
+
+    async def fake_rate(client, target, concurrency, max_tokens):
+        return next(bursts)
+
+    monkeypatch.setattr(trial_load, "_decode_rate", fake_rate)
+    figures = trial_load.measure_trial(A, TrialWorkload(concurrency=(8,), ttft_rate=0.0, rounds=3))
+    assert figures == {"decode_tok_s@8": 110.0}
