@@ -267,6 +267,65 @@ def test_sparse_mla_launch_modes_give_the_same_bits(seed, queries, heads, topk, 
     assert torch.equal(run(q[perm], slots[perm], MLA_MODES[0]), outs[MLA_MODES[0]][perm]), "row order changed bits"
 
 
+def _trailing_padding_case(seed: int, valid_counts: list[int], heads: int, selected: int, dtype):
+    """Rows whose selection is `count` slots then -1 to the end, as a prompt row near the start of
+    its sequence has (window first, then fewer top-k candidates than k)."""
+    gen = torch.Generator().manual_seed(seed)
+    latent, rope_dim = 64, 16
+    cache = randn(gen, 4 * selected, latent + rope_dim, dtype=dtype)
+    slots = torch.full((len(valid_counts), selected), -1, dtype=torch.int32)
+    for i, count in enumerate(valid_counts):
+        slots[i, :count] = torch.randperm(cache.shape[0], generator=gen)[:count].to(torch.int32)
+    q = randn(gen, len(valid_counts), heads, latent + rope_dim, dtype=dtype)
+    return q, cache, slots.to(DEVICE), latent, (latent + rope_dim) ** -0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_skipping_empty_trailing_chunks_keeps_the_bits(dtype):
+    """skip_tail (prefill passes) against the full loop, in every launch mode: rows whose last slot
+    is the first or last of a chunk, or in the first chunk; chunks of 32 positions (2 blocks of 16)."""
+    counts = [1, 31, 32, 33, 64, 65, 97, 100]
+    q, cache, slots, latent, scale = _trailing_padding_case(5, counts, 20, 100, dtype)
+    for spread, merge in MLA_MODES:
+        outs = {}
+        for skip in (False, True):
+            outs[skip] = poisoned(len(counts), 20, latent, dtype=dtype)
+            attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=4, block_h=16, block_s=16,
+                                        spread=spread, merge=merge, skip_tail=skip, out=outs[skip])
+        assert torch.equal(outs[True], outs[False]), f"skip_tail changed bits ({spread}, {merge})"
+        assert not torch.isnan(outs[True]).any()
+
+
+def test_skip_tail_oracle_fails_when_a_used_chunk_is_dropped():
+    """Negative control: the same rows with their last selected slot dropped (what skipping one
+    chunk too many does to a row whose last chunk holds one slot) give other bits."""
+    q, cache, slots, latent, scale = _trailing_padding_case(5, [33, 65], 20, 100, DTYPES[0])
+    dropped = slots.clone()
+    dropped[0, 32] = dropped[1, 64] = -1
+    run = lambda s: attention.sparse_mla_decode(q, cache, s, latent, scale, num_splits=4, block_h=16,  # noqa: E731
+                                                block_s=16, skip_tail=True)
+    assert not torch.equal(run(slots)[0], run(dropped)[0]) and not torch.equal(run(slots)[1], run(dropped)[1])
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above compile it for real")
+@pytest.mark.parametrize("spread, ticket, stream", [(False, False, False), (False, False, True), (True, True, False)])
+def test_sparse_mla_with_skip_tail_compiles_for_the_gpu_without_one(spread, ticket, stream):
+    """The deployment shape (H=64 blocks of 16, C=512, R=64, 5 chunks, bf16 chunk sums) with the
+    tail scan, through sm_90's compiler: the interpreter accepts code the compiler refuses."""
+    from tests.kernels.test_indexer_topk import compile_for_sm90
+
+    pointers = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", part_ptr="*bf16",
+                    stats_ptr="*fp32", ticket_ptr="*i32")
+    scalars = dict.fromkeys(["heads", "selected", "blocks_per_chunk", "stride_qt", "stride_qh", "stride_kv",
+                             "stride_idx", "stride_ot", "stride_oh"], "i32")
+    constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
+                     BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=stream, TAIL=True,
+                     BLOCK_ALL=1024)
+    done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
+                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 def test_launch_mode_oracle_fails_when_a_mode_folds_other_chunks():
     """Negative control: a gathered mode that ran the query as one chunk (no fold) instead of the
     deployment's 3 would round differently, and the same-bits check sees it."""

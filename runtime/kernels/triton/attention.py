@@ -34,6 +34,8 @@ LOG2E = 1.4426950408889634
 # Programs that fill the device without spreading chunks; the interpreter's small value lets the
 # CPU tests cross the mode switch with a few queries.
 INTERPRETER_FILL = 8
+# Passes of more rows than this (prefill chunks) skip each query's empty trailing chunks (skip_tail).
+TAIL_MIN_TOKENS = 256
 
 
 def default_launch(num_selected: int, num_heads: int) -> dict:
@@ -86,19 +88,21 @@ def _normalize(A, L, h_ok):
 
 
 @triton.jit
-def _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok,
+def _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok, used,
                    SPLITS: tl.constexpr, LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
     """The spread mode's chunk states [T, N, H, C] (+ [T, N, H, 2] max and sum), folded in chunk order
     from the empty state: the same operations as the gathered mode's fold in registers. `.cg`: read
-    at L2, not a possibly stale L1 line (other programs of this launch wrote them)."""
+    at L2, not a possibly stale L1 line (other programs of this launch wrote them). Chunks from
+    `used` on were skipped (never written): they fold as the empty state, the identity."""
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
     A = tl.zeros((BLOCK_H, BLOCK_C), dtype=tl.float32)
     for s in tl.static_range(SPLITS):  # unrolled: the N loads need not wait for each other's folds
         base = (query * SPLITS + s) * heads + offs_h
-        m = tl.load(stats_ptr + base * 2, mask=h_ok, other=-1e30, cache_modifier=".cg")
-        l_s = tl.load(stats_ptr + base * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(part_ptr + base[:, None] * LATENT + offs_c[None, :], mask=ok, other=0.0,
+        live = h_ok & (offs_h * 0 + s < used)
+        m = tl.load(stats_ptr + base * 2, mask=live, other=-1e30, cache_modifier=".cg")
+        l_s = tl.load(stats_ptr + base * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_ptr + base[:, None] * LATENT + offs_c[None, :], mask=ok & live[:, None], other=0.0,
                       cache_modifier=".cg").to(tl.float32)
         M, L, A = _fold(M, L, A, m, l_s, acc)
     return _normalize(A, L, h_ok)
@@ -111,7 +115,8 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                        LATENT: tl.constexpr, ROPE: tl.constexpr, SPREAD: tl.constexpr, TICKET: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
-                       NARROW: tl.constexpr, SPLITS: tl.constexpr, STREAM: tl.constexpr):
+                       NARROW: tl.constexpr, SPLITS: tl.constexpr, STREAM: tl.constexpr, TAIL: tl.constexpr,
+                       BLOCK_ALL: tl.constexpr):
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
     # head blocks and latent-column blocks) run side by side and share them through L2. With
     # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
@@ -146,6 +151,16 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     else:  # every chunk of the query
         first_block = 0
         end_block = tl.cdiv(selected, BLOCK_S)
+    if TAIL:
+        # Whole chunks after the query's last selected slot (-1 to the end: a prompt row near the
+        # start of its sequence has fewer candidates than top-k) are skipped. Their state is the
+        # empty one, whose fold is the identity exactly (keep = 1 by the where, take = exp2(-1e30 - M)
+        # = 0), so the bits are the full loop's.
+        offs_all = tl.arange(0, BLOCK_ALL)
+        all_slots = tl.load(idx_ptr + query * stride_idx + offs_all, mask=offs_all < selected, other=-1)
+        last = tl.max(tl.where(all_slots >= 0, offs_all, -1), axis=0)
+        chunk_len = blocks_per_chunk * BLOCK_S
+        end_block = tl.minimum(end_block, (last + chunk_len) // chunk_len * blocks_per_chunk)
     # Folded state and the running chunk's state. -1e30, finite: an empty chunk must not give inf - inf.
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -205,14 +220,14 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == SPLITS - 1:
                 tl.debug_barrier()
-                out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok,
+                out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok, SPLITS,
                                      SPLITS, LATENT, BLOCK_H, BLOCK_V)
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     elif STREAM:  # this program's own chunk states, folded from memory like the spread mode's
         tl.debug_barrier()
-        out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok, SPLITS, LATENT, BLOCK_H,
-                             BLOCK_V)
+        out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok,
+                             tl.cdiv(end_block, blocks_per_chunk), SPLITS, LATENT, BLOCK_H, BLOCK_V)
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         out = _normalize(A, L, h_ok)
@@ -228,7 +243,8 @@ def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, stride_ot, stride_oh,
     h_ok = offs_h < heads
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = h_ok[:, None] & (offs_c < LATENT)[None, :]
-    out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok, SPLITS, LATENT, BLOCK_H, BLOCK_C)
+    out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok, SPLITS, SPLITS, LATENT,
+                         BLOCK_H, BLOCK_C)
     tl.store(out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :],
              out.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -251,7 +267,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                       num_splits: int | None = None, block_h: int | None = None, block_s: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, spread: bool | None = None,
                       merge: str | None = None, v_split: int | None = None, narrow_partials: bool | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      skip_tail: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
     num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
@@ -263,7 +279,10 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     merge: spread: "ticket" = the last program of each query folds the chunks, else a second launch
     does; not spread: "memory" = the program writes each chunk's state and folds them back from
     memory (no second accumulator in registers), else it folds in registers. The same bits in
-    every case."""
+    every case. skip_tail: skip each query's whole chunks after its last selected slot (the same
+    bits; the rows of a prompt's first window + top-k positions select fewer); None: for passes of
+    more than TAIL_MIN_TOKENS rows (prefill), where such rows are common; a decode step saves the
+    per-program scan of its slots."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
@@ -293,6 +312,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         stats = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
     if ticket:
         tickets = _tickets(q.device, tokens * head_blocks * v_split)
+    skip_tail = (tokens > TAIL_MIN_TOKENS if skip_tail is None else skip_tail) and splits > 1
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_c = triton.next_power_of_2(latent_dim)
     # No mul+add contraction: the fold must round alike in registers and from memory.
@@ -301,8 +321,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
-        NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, num_warps=warps, num_stages=stages,
-        enable_fp_fusion=False)
+        NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, TAIL=skip_tail,
+        BLOCK_ALL=triton.next_power_of_2(selected), num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     if spread and not ticket:
         merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, block_c)
         _merge_kernel[(tokens, triton.cdiv(heads, merge_h), triton.cdiv(latent_dim, merge_c))](
