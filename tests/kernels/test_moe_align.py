@@ -1,8 +1,9 @@
-"""align_tokens has two implementations (the one-program Triton kernel for few routed rows, a stable
-sort + scans above ALIGN_KERNEL_MAX_ROWS); they must build exactly one layout, element for element,
-or a batch whose routed-row count crosses the threshold would group its rows differently.
+"""align_tokens has three implementations (the one-program counting kernel for few routed rows, the
+one-program register sort up to ALIGN_SORT_KERNEL_MAX_ROWS, a library sort + scans above); they
+must build exactly one layout, element for element, or a batch whose routed-row count crosses a
+threshold would group its rows differently.
 
-Runs the Triton kernel under the interpreter on CPU (integer work: exact there) and on the GPU.
+Runs the Triton kernels under the interpreter on CPU (integer work: exact there) and on the GPU.
 """
 
 from __future__ import annotations
@@ -19,23 +20,27 @@ pytestmark = pytest.mark.kernels
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def kernel_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel's layout, whatever the row count (the threshold raised past it)."""
-    saved = moe.ALIGN_KERNEL_MAX_ROWS
-    moe.ALIGN_KERNEL_MAX_ROWS = ids.numel()
+def _layout_with(ids: torch.Tensor, experts: int, counting_max: int, sort_kernel_max: int):
+    saved = moe.ALIGN_KERNEL_MAX_ROWS, moe.ALIGN_SORT_KERNEL_MAX_ROWS
+    moe.ALIGN_KERNEL_MAX_ROWS, moe.ALIGN_SORT_KERNEL_MAX_ROWS = counting_max, sort_kernel_max
     try:
         return moe.align_tokens(ids, experts)
     finally:
-        moe.ALIGN_KERNEL_MAX_ROWS = saved
+        moe.ALIGN_KERNEL_MAX_ROWS, moe.ALIGN_SORT_KERNEL_MAX_ROWS = saved
+
+
+def kernel_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The counting kernel's layout, whatever the row count (its threshold raised past it)."""
+    return _layout_with(ids, experts, ids.numel(), ids.numel())
+
+
+def register_sort_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-program register sort's layout (the counting kernel's threshold at 0)."""
+    return _layout_with(ids, experts, 0, max(ids.numel(), moe.ALIGN_SORT_KERNEL_MAX_ROWS))
 
 
 def sort_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    saved = moe.ALIGN_KERNEL_MAX_ROWS
-    moe.ALIGN_KERNEL_MAX_ROWS = 0
-    try:
-        return moe.align_tokens(ids, experts)
-    finally:
-        moe.ALIGN_KERNEL_MAX_ROWS = saved
+    return _layout_with(ids, experts, 0, 0)
 
 
 @settings(max_examples=10)
@@ -51,7 +56,27 @@ def test_sort_path_builds_the_kernels_layout_exactly(seed, tokens, experts, top_
         ids = torch.where(hot, torch.zeros_like(ids), ids)
     ids = ids.to(torch.int32).to(DEVICE)
     want_rows, want_tiles = kernel_layout(ids, experts)
-    got_rows, got_tiles = sort_layout(ids, experts)
+    for name, layout in (("library sort", sort_layout), ("register sort", register_sort_layout)):
+        got_rows, got_tiles = layout(ids, experts)
+        assert torch.equal(got_tiles.cpu(), want_tiles.cpu()), f"tile owners differ ({name})"
+        assert torch.equal(got_rows.cpu(), want_rows.cpu()), f"row placement differs ({name})"
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.sampled_from([43, 64, 128, 200, 341]),
+       experts=st.sampled_from([5, 256]), skew=st.sampled_from([0.0, 0.9]))
+@example(seed=0, tokens=128, experts=256, skew=0.0)  # the decode step at bs 128: 768 routed rows
+@example(seed=1, tokens=341, experts=256, skew=0.9)  # 2,046 rows, one expert holding most
+def test_register_sort_builds_the_library_sorts_layout_above_the_counting_kernels_range(seed, tokens, experts, skew):
+    """The rows the register sort serves by default (above ALIGN_KERNEL_MAX_ROWS, top-6)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, experts, (tokens, 6), generator=gen)
+    if skew:
+        ids = torch.where(torch.rand(tokens, 6, generator=gen) < skew, torch.zeros_like(ids), ids)
+    ids = ids.to(torch.int32).to(DEVICE)
+    assert moe.ALIGN_KERNEL_MAX_ROWS < ids.numel() <= moe.ALIGN_SORT_KERNEL_MAX_ROWS
+    want_rows, want_tiles = sort_layout(ids, experts)
+    got_rows, got_tiles = moe.align_tokens(ids, experts)  # the default dispatch: the register sort
     assert torch.equal(got_tiles.cpu(), want_tiles.cpu()), "tile owners differ"
     assert torch.equal(got_rows.cpu(), want_rows.cpu()), "row placement differs"
 
@@ -66,3 +91,16 @@ def test_layout_comparison_catches_a_reordered_expert():
     planted[real[-2:]] = planted[real[-2:]].flip(0)  # swap expert 3's last two rows
     assert torch.equal(got_rows.cpu(), want_rows.cpu())
     assert not torch.equal(planted.cpu(), want_rows.cpu())
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the tests above compile it for real")
+@pytest.mark.parametrize("block", [512, 2048])
+def test_register_sort_compiles_for_the_gpu_without_one(block):
+    """sort, histogram and gather through sm_90's compiler (the interpreter accepts more)."""
+    from tests.kernels.test_indexer_topk import compile_for_sm90
+
+    signature = dict(ids_ptr="*i32", sorted_rows_ptr="*i32", tile_expert_ptr="*i32", num_rows="i32",
+                     num_experts="i32", num_tiles="i32")
+    done = compile_for_sm90("runtime.kernels.triton.moe", "_align_sort_kernel", signature,
+                            dict(BLOCK_M=moe.BLOCK_M, BLOCK=block, BINS=512, FILL=512))
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -114,10 +114,39 @@ def _align_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_exper
         tl.store(tile_expert_ptr + tiles, tl.where(owner < num_experts, owner, -1), mask=tiles < num_tiles)
 
 
-# Above this many routed rows the one-program Triton sort (a [E, 32] compare per 32 rows, serial over
-# the rows) is the slowest kernel of a prefill pass (3 ms per layer at 4,096 tokens on the H200);
-# library sort + scans build the same layout in tens of microseconds. Below it the single launch wins.
+@triton.jit(do_not_specialize=["num_rows", "num_tiles"])
+def _align_sort_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_experts, num_tiles,
+                       BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
+    # One program, every routed row at once (BLOCK >= rows): the rows sorted by (expert, row) in
+    # registers, so row order within an expert, i.e. _align_kernel's stable layout. A row's place is
+    # its expert's padded start + its rank among the expert's rows; an expert's tiles are where its
+    # ranks 0, BLOCK_M, 2 BLOCK_M, ... land.
+    offs = tl.arange(0, BLOCK)
+    real = offs < num_rows
+    ids = tl.where(real, tl.load(ids_ptr + offs, mask=real, other=0).to(tl.int32), num_experts)  # padding last
+    keys = tl.sort(ids * BLOCK + offs)
+    expert = keys // BLOCK
+    counts = tl.histogram(ids, BINS)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    rank = offs - tl.gather(tl.cumsum(counts, axis=0) - counts, expert, axis=0)
+    dest = tl.gather(tl.cumsum(padded, axis=0) - padded, expert, axis=0) + rank
+    for p0 in range(0, num_tiles * BLOCK_M, FILL):
+        fill = p0 + tl.arange(0, FILL)
+        tl.store(sorted_rows_ptr + fill, tl.full((FILL,), 0, tl.int32) + num_rows, mask=fill < num_tiles * BLOCK_M)
+        tl.store(tile_expert_ptr + fill, tl.full((FILL,), -1, tl.int32), mask=fill < num_tiles)
+    tl.debug_barrier()
+    placed = expert < num_experts
+    tl.store(sorted_rows_ptr + dest, keys % BLOCK, mask=placed)
+    tl.store(tile_expert_ptr + dest // BLOCK_M, expert, mask=placed & (rank % BLOCK_M == 0))
+
+
+# Routed rows up to ALIGN_KERNEL_MAX_ROWS: _align_kernel (a [E, 32] compare per 32 rows, serial over
+# the rows: 3 ms per layer at 4,096 tokens on the H200, so only for few rows). Up to
+# ALIGN_SORT_KERNEL_MAX_ROWS: _align_sort_kernel, one launch where the library path takes a dozen
+# (27 us per layer at bs 128 on the H200). Above: library sort + scans, which scale. All three build
+# one layout (tests/kernels/test_moe_align.py), so which one runs never changes a bit.
 ALIGN_KERNEL_MAX_ROWS = 256
+ALIGN_SORT_KERNEL_MAX_ROWS = 2048
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,11 +159,15 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     flat = topk_ids.reshape(-1)
     rows = flat.numel()
     num_tiles = triton.cdiv(rows + min(num_experts, rows) * (BLOCK_M - 1), BLOCK_M)
-    if rows > ALIGN_KERNEL_MAX_ROWS:
+    if rows > ALIGN_SORT_KERNEL_MAX_ROWS:
         return _align_with_sort(flat, num_experts, num_tiles)
     sorted_rows = torch.empty(num_tiles * BLOCK_M, dtype=torch.int32, device=flat.device)
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=flat.device)
-    if rows:
+    if rows > ALIGN_KERNEL_MAX_ROWS:
+        _align_sort_kernel[(1,)](flat, sorted_rows, tile_expert, rows, num_experts, num_tiles, BLOCK_M=BLOCK_M,
+                                 BLOCK=triton.next_power_of_2(rows), BINS=triton.next_power_of_2(num_experts + 1),
+                                 FILL=512, num_warps=8)
+    elif rows:
         _align_kernel[(1,)](flat, sorted_rows, tile_expert, rows, num_experts, num_tiles, BLOCK_M=BLOCK_M,
                             BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=32, FILL=512, num_warps=8)
     return sorted_rows, tile_expert
