@@ -53,6 +53,24 @@ def random_weights(cfg: ModelConfig, small: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+def decode_positions(n: int, context: int) -> torch.Tensor:
+    """One decode row for each of n requests, at random positions in the second half of `context`."""
+    rng = random.Random(n)
+    return torch.tensor([rng.randint(context // 2, context - 1) for _ in range(n)])
+
+
+def roofline_only(cfg: ModelConfig, sizes: list[int], context: int, read_tb_s: float) -> dict:
+    """The step's HBM roofline per batch size and the straight line through it, from the shapes alone
+    (no GPU): its intercept is the fixed term a graph step at 100% of roofline would still show, so
+    `graph a / eager a` cannot go below roofline a / eager a."""
+    weights = {n: torch.empty(shape, dtype=torch.bfloat16, device="meta") for n, shape in weight_shapes(cfg).items()}
+    points = []
+    for n in sizes:
+        pos = decode_positions(n, context)
+        points.append((n, step_bytes(cfg, weights, DecodeInputs(pos, pos, pos, pos)) / (read_tb_s * 1e9)))
+    return {"read_tb_s": read_tb_s, "roofline_ms": points, **fit(points)}
+
+
 class Bench:
     def __init__(self, cfg: ModelConfig, weights, pages_per_request: int, max_batch: int, buckets, streams,
                  kernels: dict):
@@ -69,10 +87,7 @@ class Bench:
         self.runner = GraphRunner(self.model, self.kv, streams, buckets=buckets, scratch_page=self.scratch)
 
     def inputs(self, n: int, context: int) -> DecodeInputs:
-        """One decode row for each of n requests, at random positions in the second half of `context`."""
-        rng = random.Random(n)
-        pos = torch.tensor([rng.randint(context // 2, context - 1) for _ in range(n)], device="cuda")
-        return self._rows(torch.arange(n, device="cuda"), pos)
+        return self._rows(torch.arange(n, device="cuda"), decode_positions(n, context).cuda())
 
     def prefill(self, rows: int, context: int) -> DecodeInputs:
         """A prefill chunk: `rows` prompt rows, requests of `context` tokens each, positions 0.."""
@@ -159,12 +174,17 @@ def main() -> None:
     ap.add_argument("--sawtooth", default="", help="batch sizes for the fine vs coarse bucket sweep")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="")
+    ap.add_argument("--roofline-only", type=float, default=0.0, metavar="TB_S",
+                    help="no GPU: print the roofline per batch size at this read bandwidth and its linear fit")
     args = ap.parse_args()
     small = args.model == "canary"
     cfg = ModelConfig() if small else SLICE
-    weights = random_weights(cfg, small)
     pages, context = (24, 320) if small else (128, 2048)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
+    if args.roofline_only:
+        print(json.dumps({"model": args.model, **roofline_only(cfg, sizes, context, args.roofline_only)}))
+        return
+    weights = random_weights(cfg, small)
     kernels = {"moe_kernel": args.moe_kernel, "attention_kernel": args.attention_kernel}
     rates = machine_rates()
     results: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "commit": git_commit(),
@@ -219,12 +239,16 @@ def main() -> None:
     cublas = dict(results["modes"]["graph+multistream+cublas"]["points"])
     eager_a, graph_a = results["modes"]["eager"]["a_ms"], results["modes"]["graph"]["a_ms"]
     results["graph_a_over_eager_a"] = graph_a / eager_a
+    # The same ratio for a step at 100% of roofline: the floor of graph_a_over_eager_a.
+    results["roofline"] = roofline_only(cfg, sizes, context, rates["read_tb_s"])
+    results["roofline_a_over_eager_a"] = results["roofline"]["a_ms"] / eager_a
     results["invariance_cost"] = {n: served[n] / cublas[n] - 1 for n in sizes}
     if 16 in served and 128 in served:
         results["step128_over_step16"] = served[128] / served[16]
     print(json.dumps({"summary": {m: {k: v for k, v in r.items() if k != "points"}
                                   for m, r in results["modes"].items()},
                       "graph_a_over_eager_a": results["graph_a_over_eager_a"],
+                      "roofline_a_over_eager_a": results["roofline_a_over_eager_a"],
                       "invariance_cost": results["invariance_cost"],
                       "step128_over_step16": results.get("step128_over_step16"),
                       "prefill": results.get("prefill")}), flush=True)
