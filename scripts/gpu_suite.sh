@@ -62,6 +62,8 @@ want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY 
 # Do mma.sync (tiles under 64 rows) and wgmma add alike, and do row sums depend on the warps? (the
 # MLA kernel's BLOCK_H and the MoE's BLOCK_M could then follow the batch)
 want mma_bits && section mma_bits "${BENCH_TIMEOUT:-90}" $PY -m bench.mma_bits --out "$OUT/mma_bits.json"
+# Taller MoE tiles (prefill: an expert's weights read once per 64 rows, not per 16): same bits? time?
+want moe_tiles && section moe_tiles "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_tiles --out "$OUT/moe_tiles.json"
 # Which sparse MLA launch knobs keep the deployment's bits (may follow the batch), their times, and
 # whole new deployments (MLA_CANDIDATES, H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow).
 want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free.json" --free \

@@ -20,11 +20,12 @@ pytestmark = pytest.mark.kernels
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _layout_with(ids: torch.Tensor, experts: int, counting_max: int, sort_kernel_max: int):
+def _layout_with(ids: torch.Tensor, experts: int, counting_max: int, sort_kernel_max: int, block_m: int = moe.BLOCK_M):
+    """align_tokens with its two thresholds set: which implementation builds the layout."""
     saved = moe.ALIGN_KERNEL_MAX_ROWS, moe.ALIGN_SORT_KERNEL_MAX_ROWS
     moe.ALIGN_KERNEL_MAX_ROWS, moe.ALIGN_SORT_KERNEL_MAX_ROWS = counting_max, sort_kernel_max
     try:
-        return moe.align_tokens(ids, experts)
+        return moe.align_tokens(ids, experts, block_m)
     finally:
         moe.ALIGN_KERNEL_MAX_ROWS, moe.ALIGN_SORT_KERNEL_MAX_ROWS = saved
 
@@ -104,3 +105,17 @@ def test_register_sort_compiles_for_the_gpu_without_one(block):
     done = compile_for_sm90("runtime.kernels.triton.moe", "_align_sort_kernel", signature,
                             dict(BLOCK_M=moe.BLOCK_M, BLOCK=block, BINS=512, FILL=512))
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_taller_tiles_build_one_layout_on_every_path(block_m):
+    """bench/moe_tiles.py's taller tiles go through the same three paths."""
+    gen = torch.Generator().manual_seed(block_m)
+    ids = torch.randint(0, 256, (60, 6), generator=gen).to(torch.int32).to(DEVICE)  # 360 rows
+    layouts = []
+    for counting_max, sort_kernel_max in ((ids.numel(), ids.numel()), (0, ids.numel()), (0, 0)):
+        layouts.append(_layout_with(ids, 256, counting_max, sort_kernel_max, block_m))
+    for rows, tiles in layouts[1:]:
+        assert torch.equal(tiles.cpu(), layouts[0][1].cpu()) and torch.equal(rows.cpu(), layouts[0][0].cpu())
+    assert layouts[0][0].numel() % block_m == 0
+

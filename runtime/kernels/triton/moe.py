@@ -149,8 +149,9 @@ ALIGN_KERNEL_MAX_ROWS = 256
 ALIGN_SORT_KERNEL_MAX_ROWS = 2048
 
 
-def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group routed rows by expert into BLOCK_M-row tiles, with no host sync (capturable).
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group routed rows by expert into BLOCK_M-row tiles (block_m: bench/moe_tiles.py only), with no
+    host sync (capturable).
 
     Returns sorted_rows [NB*BLOCK_M] (routed row ids in row order within each expert; TK marks
     padding) and tile_expert [NB] (-1: unused tile). NB is a static bound: sum_e ceil(count_e /
@@ -158,36 +159,37 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     one layout exactly (tests/kernels/test_moe_align.py), so which one runs never changes a bit."""
     flat = topk_ids.reshape(-1)
     rows = flat.numel()
-    num_tiles = triton.cdiv(rows + min(num_experts, rows) * (BLOCK_M - 1), BLOCK_M)
+    num_tiles = triton.cdiv(rows + min(num_experts, rows) * (block_m - 1), block_m)
     if rows > ALIGN_SORT_KERNEL_MAX_ROWS:
-        return _align_with_sort(flat, num_experts, num_tiles)
-    sorted_rows = torch.empty(num_tiles * BLOCK_M, dtype=torch.int32, device=flat.device)
+        return _align_with_sort(flat, num_experts, num_tiles, block_m)
+    sorted_rows = torch.empty(num_tiles * block_m, dtype=torch.int32, device=flat.device)
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=flat.device)
     if rows > ALIGN_KERNEL_MAX_ROWS:
-        _align_sort_kernel[(1,)](flat, sorted_rows, tile_expert, rows, num_experts, num_tiles, BLOCK_M=BLOCK_M,
+        _align_sort_kernel[(1,)](flat, sorted_rows, tile_expert, rows, num_experts, num_tiles, BLOCK_M=block_m,
                                  BLOCK=triton.next_power_of_2(rows), BINS=triton.next_power_of_2(num_experts + 1),
                                  FILL=512, num_warps=8)
     elif rows:
-        _align_kernel[(1,)](flat, sorted_rows, tile_expert, rows, num_experts, num_tiles, BLOCK_M=BLOCK_M,
+        _align_kernel[(1,)](flat, sorted_rows, tile_expert, rows, num_experts, num_tiles, BLOCK_M=block_m,
                             BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=32, FILL=512, num_warps=8)
     return sorted_rows, tile_expert
 
 
-def _align_with_sort(flat: torch.Tensor, num_experts: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _align_with_sort(flat: torch.Tensor, num_experts: int, num_tiles: int,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """align_tokens' layout from a stable sort: expert e's rows go, in row order, to its padded span
     [padded_start[e], padded_start[e] + count[e]); the rest of the span stays TK (padding)."""
     rows, dev = flat.numel(), flat.device
     ids = flat.long()
     order = torch.sort(ids, stable=True).indices  # [TK] row ids, grouped by expert, row order within
     counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded.cumsum(0)
     expert_of = ids[order]
     rank = torch.arange(rows, device=dev) - (counts.cumsum(0) - counts)[expert_of]  # index within its expert
-    sorted_rows = torch.full((num_tiles * BLOCK_M,), rows, dtype=torch.int32, device=dev)
+    sorted_rows = torch.full((num_tiles * block_m,), rows, dtype=torch.int32, device=dev)
     sorted_rows[(padded_ends - padded)[expert_of] + rank] = order.to(torch.int32)
     # tile t belongs to the first expert whose padded span ends after t * BLOCK_M; none: unused (-1)
-    owner = torch.searchsorted(padded_ends, torch.arange(num_tiles, device=dev) * BLOCK_M, right=True)
+    owner = torch.searchsorted(padded_ends, torch.arange(num_tiles, device=dev) * block_m, right=True)
     tile_expert = torch.where(owner < num_experts, owner, -1).to(torch.int32)
     return sorted_rows, tile_expert
 
@@ -336,8 +338,10 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
     the shared expert) or PER_ROW (tile_expert = the flat expert ids, one row per tile)."""
     hidden, inter = x.shape[1], w2.shape[2]
     fp8 = w13_scale is not None
+    # BLOCK_M in config: bench/moe_tiles.py only (whether a taller tile keeps a row's bits).
+    block_m = config.get("BLOCK_M", BLOCK_M) if routing != PER_ROW else BLOCK_M
     num_tiles = {ALIGNED: tile_expert.numel() if routing == ALIGNED else 0,
-                 DENSE: triton.cdiv(num_rows, BLOCK_M), PER_ROW: num_rows}[routing]
+                 DENSE: triton.cdiv(num_rows, block_m), PER_ROW: num_rows}[routing]
     sorted_rows = out if sorted_rows is None else sorted_rows  # never read outside ALIGNED
     tile_expert = out if tile_expert is None else tile_expert  # never read in DENSE
     block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
@@ -355,7 +359,7 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
         num_rows, top_k, hidden, inter,
         x.stride(0), x_scale.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1),
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0), part, k_chunk,
-        FP8=fp8, ROUTING=routing, SPLIT_K=split_k, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        FP8=fp8, ROUTING=routing, SPLIT_K=split_k, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
     if split_k > 1:
         _split_act_kernel[(num_rows, triton.cdiv(inter, 512))](part, act, num_rows, inter, act.stride(0),
@@ -370,7 +374,7 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
         act.stride(0), act_scale.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1),
         w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0, out.stride(0),
         FP8=fp8, ROUTING=routing, WEIGHTED=route_w is not None, PRECISION=precision,
-        BLOCK_M=BLOCK_M, BLOCK_N=down_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
 
 
 def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -392,7 +396,8 @@ def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, t
     if num_tokens * top_k <= PER_ROW_MAX_ROWS:
         routing, sorted_rows, tile_expert = PER_ROW, None, topk_ids.reshape(-1)
     else:
-        routing, (sorted_rows, tile_expert) = ALIGNED, align_tokens(topk_ids, num_experts)
+        routing, (sorted_rows, tile_expert) = ALIGNED, align_tokens(topk_ids, num_experts,
+                                                                    config.get("BLOCK_M", BLOCK_M))
     routed = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _expert_pass(x_in, x_scale, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale, routing, sorted_rows,
                  tile_expert, topk_weights.reshape(-1).to(torch.float32).contiguous(), top_k,

@@ -1,0 +1,68 @@
+"""Taller MoE tiles: same bits, less weight traffic? (issue 14's prefill target)
+
+The fused MoE reads an expert's weights once per BLOCK_M-row tile of its rows. BLOCK_M is 16
+(decode has ~3 rows per expert at bs 128), so a 4,096-token prefill chunk (~96 rows per expert at
+E=256, top-6) reads every expert 6-7 times. A taller tile would read it once or twice, but it also
+switches the tensor-core instruction (mma.sync below 64 rows, wgmma from 64): it may follow the
+batch only if a row's bits stay the same. This measures both, on the dsv4-slice's MoE shape
+(E=256, top-6, H=4096, I=256, shared expert), bf16, CUDA-graph replay:
+
+    python -m bench.moe_tiles --out $OUT/moe_tiles.json
+
+Prints per token count and BLOCK_M: SAME/differ against BLOCK_M=16, and us per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from bench.kernels import CALLS_PER_GRAPH, _routing, graph_us
+from runtime.kernels.triton import moe
+
+EXPERTS, TOP_K, HIDDEN, INTER = 256, 6, 4096, 256
+TOKENS = (16, 64, 128, 1024, 4096)
+BLOCK_MS = (16, 32, 64, 128)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
+    shared13 = torch.randn(1, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
+    shared2 = torch.randn(1, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
+    packed = moe.PackedMoE(w13, w2, shared13, shared2)
+    rows = []
+    for tokens in TOKENS:
+        inputs = [(torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16).cuda(),
+                   *_routing(gen, tokens, EXPERTS, TOP_K)) for _ in range(CALLS_PER_GRAPH)]
+        base = moe.moe_config(EXPERTS, INTER, False, tokens)
+        x0, ids0, w0 = inputs[0]
+        want = moe.fused_moe(x0, packed, w0, ids0, config=base)
+        for block_m in BLOCK_MS:
+            config = {**base, "BLOCK_M": block_m}
+            row = dict(tokens=tokens, block_m=block_m, config=config)
+            try:
+                row["same_bits"] = bool(torch.equal(moe.fused_moe(x0, packed, w0, ids0, config=config), want))
+                row["us"] = graph_us([lambda x=x, i=i, w=w: moe.fused_moe(x, packed, w, i, config=config)
+                                      for x, i, w in inputs], reps=8)
+            except Exception as err:  # noqa: BLE001 - a tile the chip cannot hold
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print("== fused MoE (E=256 top-6 H=4096 I=256 + shared), bf16: BLOCK_M vs 16, us per call")
+    for r in rows:
+        verdict = r.get("error") or f"{'SAME' if r['same_bits'] else 'differ'} {r['us']:8.1f} us"
+        print(f"tokens {r['tokens']:>5} BLOCK_M {r['block_m']:>3}: {verdict}")
+    if args.out:
+        args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
