@@ -43,7 +43,7 @@ from runtime.server.limits import ConcurrencyLimit, HeaderSizeLimit, RequestSlot
 from runtime.server.metrics import ServerMetrics
 from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
 from runtime.server.prompt import render_prompt
-from runtime.server.protocol import ChatCompletionRequest, NamedToolChoice
+from runtime.server.protocol import ChatCompletionRequest, Message, NamedToolChoice
 from runtime.server.request_body import check_content_type, decode_json, read_limited
 from runtime.server.sse import ChunkEncoder
 
@@ -253,16 +253,28 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
 
 
 def _required_opening(tok, req: ChatCompletionRequest) -> tuple[int, ...]:
-    """tool_choice="required": the reply to a user message opens a tool-call block, by constrained
-    decoding of the block's opening (as SGLang and vLLM constrain it with a grammar). The tokens are
-    generated, so they are reported, counted and logprobbed like any other; a model that would have
-    opened the block anyway (the canary model) produces exactly the tokens it would have produced.
-    After tool results (the last message is a tool result) the turn already called a tool and the
-    model may answer: that is how the canary model was trained ("required: every turn calls"), and
-    forcing a call there would loop a client that keeps tool_choice for the whole conversation."""
-    if req.tool_choice_mode != "required" or req.messages[-1].role != "user":
+    """tool_choice="required": the reply opens a tool-call block, by constrained decoding of the
+    block's opening (as SGLang and vLLM constrain it with a grammar). The tokens are generated, so
+    they are reported, counted and logprobbed like any other; a model that would have opened the
+    block anyway (the canary model) produces exactly the tokens it would have produced.
+    "Required" holds per turn, not per response: once the current turn (everything after the last
+    user message) holds an assistant tool call, the model may answer the results. That is how the
+    canary model was trained ("required: every turn calls"), and forcing another call there would
+    loop a client that keeps tool_choice for the whole conversation. Every other request is forced,
+    whatever its last message (a system prompt alone, an assistant prefix, a tool result of an
+    earlier turn)."""
+    if req.tool_choice_mode != "required" or _turn_has_called(req.messages):
         return ()
     return tuple(tok.encode(dsml.BLOCK_OPEN))
+
+
+def _turn_has_called(messages: list[Message]) -> bool:
+    for message in reversed(messages):
+        if message.role == "user":
+            return False
+        if message.role == "assistant" and message.tool_calls:
+            return True
+    return False
 
 
 # ---- responses ----------------------------------------------------------------------------------

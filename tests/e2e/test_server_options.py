@@ -125,13 +125,32 @@ def test_required_forces_the_block_opening(state):
     assert forced["choices"][0]["finish_reason"] == "length" and "tool_calls" not in forced["choices"][0]["message"]
 
 
+CALL_A = {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}
+
+
 def test_required_after_tool_results_lets_the_model_answer(state):
-    call = {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}
-    messages = [*USER, {"role": "assistant", "tool_calls": [call]},
+    messages = [*USER, {"role": "assistant", "tool_calls": [CALL_A]},
                 {"role": "tool", "tool_call_id": "call_a", "content": "1"}]
     body = {"messages": messages, "max_tokens": opening_tokens(state), "temperature": 0, "tools": TOOLS}
     # Not forced: tiny-random's free reply is text (a forced one is an open block, no content).
     assert post(state, {**body, "tool_choice": "required"}).json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "Answer briefly."}],
+    [*USER, {"role": "assistant", "content": "Let me see"}],
+    [*USER, {"role": "assistant", "tool_calls": [CALL_A]}, {"role": "tool", "tool_call_id": "call_a", "content": "1"},
+     {"role": "user", "content": "and tomorrow?"}, {"role": "tool", "tool_call_id": "call_a", "content": "1"}],
+], ids=["system-only", "assistant-prefix", "result-of-an-earlier-turn"])
+def test_required_is_forced_whenever_the_turn_has_no_call_yet(state, messages):
+    """Not only after a user message: a turn without a tool call opens a block, whatever the last
+    message is (it was accepted and ignored for a system-only or assistant-last conversation)."""
+    n = opening_tokens(state)
+    reply = post(state, {"messages": messages, "max_tokens": n, "temperature": 0, "tools": TOOLS,
+                         "tool_choice": "required"}).json()["choices"][0]
+    assert not reply["message"]["content"] and reply["finish_reason"] == "length"
+    free = post(state, {"messages": messages, "max_tokens": n, "temperature": 0, "tools": TOOLS}).json()
+    assert free["choices"][0]["message"]["content"]  # tiny-random's own reply is text
 
 
 # ---- usage, EOS, ids ----------------------------------------------------------------------------
