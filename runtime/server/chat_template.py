@@ -51,6 +51,9 @@ class ChatTemplate:
     def __init__(self, source: str, origin: str) -> None:
         self.source = source
         self.origin = origin  # where it came from, for /server_info
+        # OpenAI's developer messages are system instructions. A template that never names the
+        # role (the canary model's) would drop them without a trace, so it sees them as system.
+        self.developer_as_system = "developer" not in source
         _compile(source)  # a broken template fails at startup, not on the first request
 
     @classmethod
@@ -66,14 +69,15 @@ class ChatTemplate:
         import jinja2
 
         try:
-            return _compile(self.source).render(messages=[normalise(m) for m in messages], tools=tools or None,
-                                                tool_choice=tool_choice)
+            return _compile(self.source).render(messages=[normalise(m, self.developer_as_system) for m in messages],
+                                                tools=tools or None, tool_choice=tool_choice)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from exc
 
 
-def normalise(message: dict[str, Any]) -> dict[str, Any]:
-    out = {"role": message["role"], "content": text_of(message.get("content"))}
+def normalise(message: dict[str, Any], developer_as_system: bool = False) -> dict[str, Any]:
+    role = "system" if developer_as_system and message["role"] == "developer" else message["role"]
+    out = {"role": role, "content": text_of(message.get("content"))}
     for key in ("name", "tool_call_id"):
         if message.get(key) is not None:
             out[key] = message[key]

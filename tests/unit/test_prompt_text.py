@@ -200,3 +200,16 @@ def test_negative_control_greedy_split_and_in_place_marking_are_caught():
     before = dict(message)
     message["content"] = markers.wrap(message["content"])  # the planted bug: marking in place
     assert message != before
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, ChatTemplate.for_model(None)], ids=["canary", "default"])
+def test_every_roles_content_reaches_the_prompt(template):
+    """A template that does not know a role must not drop its text without a trace: the canary
+    template renders only `system`, so a developer message vanished from the prompt."""
+    messages = [{"role": "developer", "content": "word-developer"}, *conversation("")]
+    for i, message in enumerate(messages):
+        if isinstance(message["content"], str):
+            message["content"] += f" word-{message['role']}-{i}"
+    words = [f"word-{m['role']}-{i}" for i, m in enumerate(messages) if isinstance(m["content"], str)]
+    text = render_prompt(template, TOK, messages, [TOOL], "auto").text
+    assert [word for word in words if word not in text] == []
