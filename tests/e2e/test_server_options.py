@@ -84,15 +84,32 @@ def stream(server: InProcess, body: dict) -> list[dict]:
     {"functions": [{"name": "f"}]},
     {"top_k": 3},
     {"store": True},
-])
+    {"service_tier": "flex"},
+    {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    {"stream": True, "stream_options": {"include_obfuscation": True}},
+    {"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]},
+    {"messages": [{**USER[0], "prefix": True}]},
+    {"messages": [*USER, {"role": "assistant", "content": "x", "reasoning_content": "because"}, *USER]},
+    {"messages": [*USER, {"role": "assistant", "content": "x", "refusal": "I cannot"}, *USER]},
+    {"messages": [*USER, {"role": "assistant", "content": "x", "audio": {"id": "audio_1"}}, *USER]},
+], ids=str)
 def test_unimplemented_option_is_a_400(state, option):
     resp = post(state, {"messages": USER, "max_tokens": 1, **option})
     assert resp.status_code == 400, resp.text
     assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
-@pytest.mark.parametrize("option", [{"response_format": {"type": "text"}}, {"logit_bias": {}},
-                                    {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"user": "u1"}])
+# What the openai client sends back when a conversation appends the assistant message it received.
+ECHOED = {"role": "assistant", "content": "x", "refusal": None, "annotations": [], "audio": None,
+          "function_call": None, "tool_calls": None}
+
+
+@pytest.mark.parametrize("option", [
+    {"response_format": {"type": "text"}}, {"logit_bias": {}}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
+    {"user": "u1"}, {"service_tier": "auto"}, {"stream": True, "stream_options": {"include_obfuscation": False}},
+    {"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": False}}]},
+    {"messages": [*USER, ECHOED, *USER]},
+], ids=str)
 def test_option_at_its_honoured_value_is_accepted(state, option):
     assert post(state, {"messages": USER, "max_tokens": 1, **option}).status_code == 200
 
