@@ -48,7 +48,7 @@ from runtime.server.request_body import check_content_type, decode_json, read_li
 from runtime.server.sse import ChunkEncoder
 
 log = logging.getLogger(__name__)
-DISCONNECT_POLL_S = 0.5
+CLIENT_GONE = object()  # put into a unary request's sink when its client disconnects
 CHAT_PATH = "/v1/chat/completions"
 GENERATION_PATHS = frozenset({CHAT_PATH})  # the routes that hold engine work, hence a concurrency slot
 
@@ -341,15 +341,15 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
     deltas: list[Delta] = []
     completion = 0
     finish = None
+    # A watcher, not a timeout on each wait: tokens arrive faster than any poll interval, so a wait
+    # that timed out only when idle never saw a client that left mid-generation.
+    watcher = asyncio.ensure_future(_signal_disconnect(request, sink))
     try:
         while finish is None:
-            try:
-                event = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    state.bridge.abort(rid)
-                    return JSONResponse({}, status_code=499)
-                continue
+            event = await sink.get()
+            if event is CLIENT_GONE:
+                state.bridge.abort(rid)
+                return JSONResponse({}, status_code=499)
             if isinstance(event, Rejected):
                 raise ApiError(500, event.message, type="server_error")
             reason = "abort" if isinstance(event, Aborted) else None
@@ -363,6 +363,8 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
     except asyncio.CancelledError:
         state.bridge.abort(rid)
         raise
+    finally:
+        watcher.cancel()
     folded = fold(deltas)
     state.metrics.requests.labels(request.url.path, "200").inc()
     return JSONResponse({
@@ -372,6 +374,14 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
                      "logprobs": {"content": folded["logprobs"]} if builder.options.logprobs else None,
                      "finish_reason": finish}],
         "usage": _usage(prompt_tokens, completion)})
+
+
+async def _signal_disconnect(request: Request, sink: asyncio.Queue) -> None:
+    """The body has been read, so the next ASGI message is the client's disconnect (as Starlette's
+    StreamingResponse listens for it); the handler learns of it through its own queue."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    sink.put_nowait(CLIENT_GONE)
 
 
 __all__ = ["ServerState", "create_app"]
