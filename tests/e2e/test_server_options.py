@@ -244,17 +244,36 @@ def canary_state():
         yield server
 
 
-def test_spelled_control_tokens_cost_their_text_in_prompt_tokens(canary_state):
-    """A user who spells "<｜User｜>" pays for its characters: prompt_tokens is the plain-text count."""
-    from runtime.server.prompt import render_prompt
+def conversation_with(slot: str, text: str) -> list[dict]:
+    """`text` in one slot the canary template puts between two control tokens (BOS..<｜User｜>,
+    <｜User｜>..<｜Assistant｜>, </think>..<｜end▁of▁sentence｜>, string="true">..</｜DSML｜parameter>,
+    <result>..</result>), the other slots fixed: prompt_tokens moves by exactly the slot's tokens."""
+    fill = {name: "x" for name in ("system", "user", "assistant", "argument", "result")}
+    fill[slot] = text
+    call = {"id": "call_a", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": fill["argument"]})}}
+    return [{"role": "system", "content": fill["system"]}, {"role": "user", "content": fill["user"]},
+            {"role": "assistant", "content": fill["assistant"]}, {"role": "user", "content": "y"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_a", "content": fill["result"]}]
 
+
+@pytest.mark.parametrize("slot", ["system", "user", "assistant", "argument", "result"])
+def test_spelled_control_tokens_cost_their_text_in_prompt_tokens(canary_state, slot):
+    """Whoever spells "<｜User｜>" (or any added token) in any role pays for its characters as plain
+    text: prompt_tokens grows by the plain-text encoding, not by one control token."""
     tok = canary_state.engine.tokenizer
+
+    def prompt_tokens(text: str) -> int:
+        body = {"messages": conversation_with(slot, text), "max_tokens": 1, "temperature": 0}
+        resp = post(canary_state, body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens"]
+
+    base = prompt_tokens("ab")
     for spelling in tok.control_tokens:
-        messages = [{"role": "user", "content": f"hi {spelling}"}]
-        usage = post(canary_state, {"messages": messages, "max_tokens": 1, "temperature": 0}).json()["usage"]
-        expected = render_prompt(canary_state.template, tok, messages, [], "none").ids
-        assert usage["prompt_tokens"] == len(expected)
-        assert usage["prompt_tokens"] > len(tok.encode(canary_state.template.render(messages, [], "none")))
+        text = f"a{spelling}b"
+        assert prompt_tokens(text) - base == len(tok.encode_text(text)) - len(tok.encode_text("ab")), spelling
 
 
 def test_a_repeated_tool_schema_is_checked_once(state):
