@@ -183,6 +183,10 @@ class ChatCompletionRequest(_Strict):
         """Cross-field checks pydantic cannot express on one field; raises ApiError."""
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            # One of the two would be ignored: max_completion_tokens replaces the deprecated max_tokens.
+            raise bad_request("max_tokens and max_completion_tokens disagree; send one of them",
+                              param="max_completion_tokens")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
         self._check_options()

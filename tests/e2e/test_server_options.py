@@ -85,6 +85,7 @@ def stream(server: InProcess, body: dict) -> list[dict]:
     {"top_k": 3},
     {"store": True},
     {"service_tier": "flex"},
+    {"max_completion_tokens": 2},
     {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
     {"stream": True, "stream_options": {"include_obfuscation": True}},
     {"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]},
@@ -106,7 +107,8 @@ ECHOED = {"role": "assistant", "content": "x", "refusal": None, "annotations": [
 
 @pytest.mark.parametrize("option", [
     {"response_format": {"type": "text"}}, {"logit_bias": {}}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
-    {"user": "u1"}, {"service_tier": "auto"}, {"stream": True, "stream_options": {"include_obfuscation": False}},
+    {"user": "u1"}, {"service_tier": "auto"}, {"max_completion_tokens": 1},
+    {"stream": True, "stream_options": {"include_obfuscation": False}},
     {"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": False}}]},
     {"messages": [*USER, ECHOED, *USER]},
 ], ids=str)
