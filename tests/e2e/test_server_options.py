@@ -14,6 +14,7 @@ import pytest
 
 from runtime.server import dsml
 from runtime.server.app import create_app
+from tests.unit.test_prompt_text import SLOTS, slot_conversation
 
 pytestmark = pytest.mark.e2e
 
@@ -246,28 +247,15 @@ def canary_state():
         yield server
 
 
-def conversation_with(slot: str, text: str) -> list[dict]:
-    """`text` in one slot the canary template puts between two control tokens (BOS..<｜User｜>,
-    <｜User｜>..<｜Assistant｜>, </think>..<｜end▁of▁sentence｜>, string="true">..</｜DSML｜parameter>,
-    <result>..</result>), the other slots fixed: prompt_tokens moves by exactly the slot's tokens."""
-    fill = {name: "x" for name in ("system", "user", "assistant", "argument", "result")}
-    fill[slot] = text
-    call = {"id": "call_a", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": fill["argument"]})}}
-    return [{"role": "system", "content": fill["system"]}, {"role": "user", "content": fill["user"]},
-            {"role": "assistant", "content": fill["assistant"]}, {"role": "user", "content": "y"},
-            {"role": "assistant", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_a", "content": fill["result"]}]
-
-
-@pytest.mark.parametrize("slot", ["system", "user", "assistant", "argument", "result"])
+@pytest.mark.parametrize("slot", SLOTS)
 def test_spelled_control_tokens_cost_their_text_in_prompt_tokens(canary_state, slot):
     """Whoever spells "<｜User｜>" (or any added token) in any role pays for its characters as plain
-    text: prompt_tokens grows by the plain-text encoding, not by one control token."""
+    text: prompt_tokens grows by the plain-text encoding, not by one control token. Each slot sits
+    between two control tokens of the canary template, so the difference is exactly the slot's."""
     tok = canary_state.engine.tokenizer
 
     def prompt_tokens(text: str) -> int:
-        body = {"messages": conversation_with(slot, text), "max_tokens": 1, "temperature": 0}
+        body = {"messages": slot_conversation(slot, text), "max_tokens": 1, "temperature": 0}
         resp = post(canary_state, body)
         assert resp.status_code == 200, resp.text
         return resp.json()["usage"]["prompt_tokens"]
