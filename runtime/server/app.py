@@ -35,7 +35,7 @@ from runtime.models.loader import LoadedModel
 from runtime.server import dsml
 from runtime.server.auth import BearerAuth
 from runtime.server.bridge import Aborted, Accepted, EngineBridge, Rejected, TokenOut
-from runtime.server.chat_template import ChatTemplate, TemplateError
+from runtime.server.chat_template import ChatTemplate, TemplateError, call_opening
 from runtime.server.corrupt import ToolJsonCorruptor, request_key
 from runtime.server.errors import ApiError, bad_request, from_validation_errors
 from runtime.server.internal_errors import InternalErrors
@@ -239,7 +239,7 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     seed = req.seed if req.seed is not None else (random.getrandbits(31) if req.temperature > 0 else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
                             stop=req.stop_strings, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-                            forced_ids=_required_opening(tok, req))
+                            forced_ids=_required_opening(tok, state.template, req))
     # The `stop-string-kept` fault: the engine stops on the string but the reply is not cut before it.
     kept = state.engine.faults.enabled("stop-string-kept")
     output = OutputOptions(stop=() if kept else req.stop_strings, parse_tools=mode != "none" and bool(req.tools),
@@ -252,11 +252,12 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     return Prepared(prompt.text, ids, params, output, corruptor)
 
 
-def _required_opening(tok, req: ChatCompletionRequest) -> tuple[int, ...]:
+def _required_opening(tok, template: ChatTemplate, req: ChatCompletionRequest) -> tuple[int, ...]:
     """tool_choice="required": the reply opens a tool-call block, by constrained decoding of the
-    block's opening (as SGLang and vLLM constrain it with a grammar). The tokens are generated, so
-    they are reported, counted and logprobbed like any other; a model that would have opened the
-    block anyway (the canary model) produces exactly the tokens it would have produced.
+    block's opening as the template writes it ("\n\n" and the tag for DeepSeek's V4 format, the tag
+    alone for the canary model's), as SGLang and vLLM constrain it with a grammar. The tokens are
+    generated, so they are reported, counted and logprobbed like any other; a model that would have
+    opened the block anyway (the canary model) produces exactly the tokens it would have produced.
     "Required" holds per turn, not per response: once the current turn (everything after the last
     user message) holds an assistant tool call, the model may answer the results. That is how the
     canary model was trained ("required: every turn calls"), and forcing another call there would
@@ -265,7 +266,7 @@ def _required_opening(tok, req: ChatCompletionRequest) -> tuple[int, ...]:
     earlier turn)."""
     if req.tool_choice_mode != "required" or _turn_has_called(req.messages):
         return ()
-    return tuple(tok.encode(dsml.BLOCK_OPEN))
+    return tuple(tok.encode(call_opening(template, dsml.BLOCK_OPEN)))
 
 
 def _turn_has_called(messages: list[Message]) -> bool:

@@ -75,6 +75,28 @@ class ChatTemplate:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from exc
 
 
+@lru_cache(maxsize=8)
+def call_opening(template: ChatTemplate, block_open: str) -> str:
+    """The text `template` writes at the start of an assistant reply that calls a tool, up to and
+    including the tool-call block's opening tag `block_open`: what tool_choice="required" has the
+    model write. DeepSeek's V4 encoder puts "\n\n" before the tag (and writes the same opening into
+    the prompt for "required"); the canary template writes the tag alone. A template that renders
+    calls some other way gets the bare tag. Found once per template, from a one-call conversation."""
+    user = [{"role": "user", "content": "u"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    try:
+        before = template.render(user, tools, "required")
+        after = template.render([*user, call], tools, "required")
+    except TemplateError:
+        return block_open
+    end = after.find(block_open, len(before))
+    if not after.startswith(before) or end < 0:
+        return block_open
+    return after[len(before):end + len(block_open)]
+
+
 def normalise(message: dict[str, Any], developer_as_system: bool = False) -> dict[str, Any]:
     role = "system" if developer_as_system and message["role"] == "developer" else message["role"]
     out = {"role": role, "content": text_of(message.get("content"))}

@@ -14,6 +14,7 @@ import pytest
 
 from runtime.server import dsml
 from runtime.server.app import create_app
+from runtime.server.chat_template import call_opening
 from tests.unit.test_prompt_text import SLOTS, slot_conversation
 
 pytestmark = pytest.mark.e2e
@@ -128,16 +129,25 @@ def test_tool_result_for_an_unknown_call_is_a_400(state):
 
 
 # ---- tool_choice="required" ---------------------------------------------------------------------
+def opening(state) -> str:
+    return call_opening(state.template, dsml.BLOCK_OPEN)
+
+
 def opening_tokens(state) -> int:
-    return len(state.engine.tokenizer.encode(dsml.BLOCK_OPEN))
+    return len(state.engine.tokenizer.encode(opening(state)))
 
 
 def test_required_forces_the_block_opening(state):
-    """tiny-random never writes DSML on its own: with required, its reply opens a tool-call block."""
+    """tiny-random never writes DSML on its own: with required, its reply opens a tool-call block,
+    written as its (default, DeepSeek V4) template writes one: a blank line, then the tag."""
+    assert opening(state) == "\n\n" + dsml.BLOCK_OPEN
     n = opening_tokens(state)
     free = post(state, {"messages": USER, "max_tokens": n, "temperature": 0, "tools": TOOLS}).json()
     forced = post(state, {"messages": USER, "max_tokens": n, "temperature": 0, "tools": TOOLS,
                           "tool_choice": "required", "logprobs": True}).json()
+    tok = state.engine.tokenizer
+    assert [item["token"] for item in forced["choices"][0]["logprobs"]["content"]] == \
+        [tok.decode([i]) for i in tok.encode(opening(state))]
     # The block opening went to the tool-call parser (an open block is not content), the free reply is text.
     assert len(forced["choices"][0]["logprobs"]["content"]) == n == forced["usage"]["completion_tokens"]
     assert not forced["choices"][0]["message"]["content"] and free["choices"][0]["message"]["content"]
