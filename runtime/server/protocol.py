@@ -230,8 +230,8 @@ class ChatCompletionRequest(_Strict):
             raise bad_request("store=true is not supported: this server keeps no completions", param="store",
                               code="unsupported_parameter")
         if self.service_tier not in SERVICE_TIERS:
-            raise bad_request(f"service_tier {self.service_tier!r} is not supported (this server has one tier: "
-                              f"\"auto\" or \"default\")", param="service_tier", code="unsupported_parameter")
+            raise bad_request("service_tier: this server has one tier, \"auto\" or \"default\"", param="service_tier",
+                              code="unsupported_parameter")
         if self.stream_options is not None and self.stream_options.include_obfuscation:
             raise bad_request("stream_options.include_obfuscation=true is not supported: chunks carry no "
                               "obfuscation field", param="stream_options.include_obfuscation",
