@@ -1,7 +1,11 @@
 """Token sampling: greedy, or temperature / top-k / top-p with each request's own generator.
 
 Rows are sampled one at a time from their own generator, so a request's tokens depend only on its
-logits and its seed, never on its neighbours in the batch. Logprobs are of the raw model
+logits and its seed, never on its neighbours in the batch. The order is vLLM's and SGLang's:
+temperature, then top-k, then top-p, then one draw. Top-k and top-p are one joint filter on the
+tempered distribution, as SGLang applies them (the top-p mass is counted before top-k's
+renormalisation; vLLM renormalises first). The server never sets top_k, so the two agree there;
+tests/unit/test_sampling_order.py holds the reference. Logprobs are of the raw model
 distribution (before temperature), as SGLang reports them.
 """
 

@@ -35,7 +35,7 @@ from runtime.models.loader import LoadedModel
 from runtime.server import dsml
 from runtime.server.auth import BearerAuth
 from runtime.server.bridge import Aborted, Accepted, EngineBridge, Rejected, TokenOut
-from runtime.server.chat_template import ChatTemplate, TemplateError
+from runtime.server.chat_template import ChatTemplate, TemplateError, call_opening
 from runtime.server.corrupt import ToolJsonCorruptor, request_key
 from runtime.server.errors import ApiError, bad_request, from_validation_errors
 from runtime.server.internal_errors import InternalErrors
@@ -43,12 +43,12 @@ from runtime.server.limits import ConcurrencyLimit, HeaderSizeLimit, RequestSlot
 from runtime.server.metrics import ServerMetrics
 from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
 from runtime.server.prompt import render_prompt
-from runtime.server.protocol import ChatCompletionRequest, NamedToolChoice
+from runtime.server.protocol import ChatCompletionRequest, Message, NamedToolChoice
 from runtime.server.request_body import check_content_type, decode_json, read_limited
 from runtime.server.sse import ChunkEncoder
 
 log = logging.getLogger(__name__)
-DISCONNECT_POLL_S = 0.5
+CLIENT_GONE = object()  # put into a unary request's sink when its client disconnects
 CHAT_PATH = "/v1/chat/completions"
 GENERATION_PATHS = frozenset({CHAT_PATH})  # the routes that hold engine work, hence a concurrency slot
 
@@ -239,7 +239,7 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     seed = req.seed if req.seed is not None else (random.getrandbits(31) if req.temperature > 0 else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
                             stop=req.stop_strings, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-                            forced_ids=_required_opening(tok, req))
+                            forced_ids=_required_opening(tok, state.template, req))
     # The `stop-string-kept` fault: the engine stops on the string but the reply is not cut before it.
     kept = state.engine.faults.enabled("stop-string-kept")
     output = OutputOptions(stop=() if kept else req.stop_strings, parse_tools=mode != "none" and bool(req.tools),
@@ -252,17 +252,30 @@ def _prepare(state: ServerState, req: ChatCompletionRequest) -> Prepared:
     return Prepared(prompt.text, ids, params, output, corruptor)
 
 
-def _required_opening(tok, req: ChatCompletionRequest) -> tuple[int, ...]:
-    """tool_choice="required": the reply to a user message opens a tool-call block, by constrained
-    decoding of the block's opening (as SGLang and vLLM constrain it with a grammar). The tokens are
+def _required_opening(tok, template: ChatTemplate, req: ChatCompletionRequest) -> tuple[int, ...]:
+    """tool_choice="required": the reply opens a tool-call block, by constrained decoding of the
+    block's opening as the template writes it ("\n\n" and the tag for DeepSeek's V4 format, the tag
+    alone for the canary model's), as SGLang and vLLM constrain it with a grammar. The tokens are
     generated, so they are reported, counted and logprobbed like any other; a model that would have
     opened the block anyway (the canary model) produces exactly the tokens it would have produced.
-    After tool results (the last message is a tool result) the turn already called a tool and the
-    model may answer: that is how the canary model was trained ("required: every turn calls"), and
-    forcing a call there would loop a client that keeps tool_choice for the whole conversation."""
-    if req.tool_choice_mode != "required" or req.messages[-1].role != "user":
+    "Required" holds per turn, not per response: once the current turn (everything after the last
+    user message) holds an assistant tool call, the model may answer the results. That is how the
+    canary model was trained ("required: every turn calls"), and forcing another call there would
+    loop a client that keeps tool_choice for the whole conversation. Every other request is forced,
+    whatever its last message (a system prompt alone, an assistant prefix, a tool result of an
+    earlier turn)."""
+    if req.tool_choice_mode != "required" or _turn_has_called(req.messages):
         return ()
-    return tuple(tok.encode(dsml.BLOCK_OPEN))
+    return tuple(tok.encode(call_opening(template, dsml.BLOCK_OPEN)))
+
+
+def _turn_has_called(messages: list[Message]) -> bool:
+    for message in reversed(messages):
+        if message.role == "user":
+            return False
+        if message.role == "assistant" and message.tool_calls:
+            return True
+    return False
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -329,15 +342,15 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
     deltas: list[Delta] = []
     completion = 0
     finish = None
+    # A watcher, not a timeout on each wait: tokens arrive faster than any poll interval, so a wait
+    # that timed out only when idle never saw a client that left mid-generation.
+    watcher = asyncio.ensure_future(_signal_disconnect(request, sink))
     try:
         while finish is None:
-            try:
-                event = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    state.bridge.abort(rid)
-                    return JSONResponse({}, status_code=499)
-                continue
+            event = await sink.get()
+            if event is CLIENT_GONE:
+                state.bridge.abort(rid)
+                return JSONResponse({}, status_code=499)
             if isinstance(event, Rejected):
                 raise ApiError(500, event.message, type="server_error")
             reason = "abort" if isinstance(event, Aborted) else None
@@ -351,6 +364,8 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
     except asyncio.CancelledError:
         state.bridge.abort(rid)
         raise
+    finally:
+        watcher.cancel()
     folded = fold(deltas)
     state.metrics.requests.labels(request.url.path, "200").inc()
     return JSONResponse({
@@ -360,6 +375,14 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
                      "logprobs": {"content": folded["logprobs"]} if builder.options.logprobs else None,
                      "finish_reason": finish}],
         "usage": _usage(prompt_tokens, completion)})
+
+
+async def _signal_disconnect(request: Request, sink: asyncio.Queue) -> None:
+    """The body has been read, so the next ASGI message is the client's disconnect (as Starlette's
+    StreamingResponse listens for it); the handler learns of it through its own queue."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    sink.put_nowait(CLIENT_GONE)
 
 
 __all__ = ["ServerState", "create_app"]

@@ -51,6 +51,9 @@ class ChatTemplate:
     def __init__(self, source: str, origin: str) -> None:
         self.source = source
         self.origin = origin  # where it came from, for /server_info
+        # OpenAI's developer messages are system instructions. A template that never names the
+        # role (the canary model's) would drop them without a trace, so it sees them as system.
+        self.developer_as_system = "developer" not in source
         _compile(source)  # a broken template fails at startup, not on the first request
 
     @classmethod
@@ -66,14 +69,37 @@ class ChatTemplate:
         import jinja2
 
         try:
-            return _compile(self.source).render(messages=[normalise(m) for m in messages], tools=tools or None,
-                                                tool_choice=tool_choice)
+            return _compile(self.source).render(messages=[normalise(m, self.developer_as_system) for m in messages],
+                                                tools=tools or None, tool_choice=tool_choice)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from exc
 
 
-def normalise(message: dict[str, Any]) -> dict[str, Any]:
-    out = {"role": message["role"], "content": text_of(message.get("content"))}
+@lru_cache(maxsize=8)
+def call_opening(template: ChatTemplate, block_open: str) -> str:
+    """The text `template` writes at the start of an assistant reply that calls a tool, up to and
+    including the tool-call block's opening tag `block_open`: what tool_choice="required" has the
+    model write. DeepSeek's V4 encoder puts "\n\n" before the tag (and writes the same opening into
+    the prompt for "required"); the canary template writes the tag alone. A template that renders
+    calls some other way gets the bare tag. Found once per template, from a one-call conversation."""
+    user = [{"role": "user", "content": "u"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    try:
+        before = template.render(user, tools, "required")
+        after = template.render([*user, call], tools, "required")
+    except TemplateError:
+        return block_open
+    end = after.find(block_open, len(before))
+    if not after.startswith(before) or end < 0:
+        return block_open
+    return after[len(before):end + len(block_open)]
+
+
+def normalise(message: dict[str, Any], developer_as_system: bool = False) -> dict[str, Any]:
+    role = "system" if developer_as_system and message["role"] == "developer" else message["role"]
+    out = {"role": role, "content": text_of(message.get("content"))}
     for key in ("name", "tool_call_id"):
         if message.get(key) is not None:
             out[key] = message[key]

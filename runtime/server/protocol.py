@@ -48,12 +48,25 @@ class TextPart(_Strict):
     text: str
 
 
+# Fields of OpenAI's response message that clients send back as they received them: accepted
+# while empty (as this server's replies have them), a 400 otherwise (none is rendered).
+ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
+
+
 class Message(_Strict):
+    # Any other field is a 400: DeepSeek's `prefix` (continue this assistant message) or a
+    # `reasoning_content` would change what the model sees, and ignoring them answers another question.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _content_rules(self) -> Message:
@@ -67,6 +80,9 @@ class Message(_Strict):
             raise ValueError("a tool message needs tool_call_id")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages may carry tool_calls")
+        for name in ECHOED_MESSAGE_FIELDS:
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported in messages (only null or empty)")
         return self
 
 
@@ -80,7 +96,10 @@ class NamedToolChoice(_Strict):
 
 
 class StreamOptions(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")  # an unknown stream option would be ignored
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no obfuscation field is ever added: only false is honoured
 
 
 # Options of the OpenAI API this server does not implement: any value but "not set" is a 400, so a
@@ -88,8 +107,10 @@ class StreamOptions(_Strict):
 UNSUPPORTED_OPTIONS = ("functions", "function_call", "audio", "prediction", "web_search_options",
                        "reasoning_effort", "verbosity")
 # Informational options: they label the request and change nothing in the output, so accepting
-# them is honouring them (prompt caching is automatic here).
+# them is honouring them (prompt caching is automatic here). `service_tier` only as "auto" or
+# "default": the one tier there is.
 INFORMATIONAL_OPTIONS = ("user", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
+SERVICE_TIERS = (None, "auto", "default")
 
 
 class ChatCompletionRequest(_Strict):
@@ -162,6 +183,10 @@ class ChatCompletionRequest(_Strict):
         """Cross-field checks pydantic cannot express on one field; raises ApiError."""
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            # One of the two would be ignored: max_completion_tokens replaces the deprecated max_tokens.
+            raise bad_request("max_tokens and max_completion_tokens disagree; send one of them",
+                              param="max_completion_tokens")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
         self._check_options()
@@ -204,6 +229,19 @@ class ChatCompletionRequest(_Strict):
         if self.store:
             raise bad_request("store=true is not supported: this server keeps no completions", param="store",
                               code="unsupported_parameter")
+        if self.service_tier not in SERVICE_TIERS:
+            raise bad_request("service_tier: this server has one tier, \"auto\" or \"default\"", param="service_tier",
+                              code="unsupported_parameter")
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise bad_request("stream_options.include_obfuscation=true is not supported: chunks carry no "
+                              "obfuscation field", param="stream_options.include_obfuscation",
+                              code="unsupported_parameter")
+        for i, tool in enumerate(self.tools or []):
+            if tool.function.strict:
+                # Strict function calling guarantees arguments that match the schema, which needs
+                # schema-constrained decoding; the parser only guarantees valid JSON.
+                raise bad_request(f"tools[{i}].function.strict=true is not supported (no schema-constrained "
+                                  f"decoding)", param=f"tools.{i}.function.strict", code="unsupported_parameter")
 
     def _check_tool_call_ids(self) -> None:
         """A tool result must answer a call of an earlier assistant message: one that answers no

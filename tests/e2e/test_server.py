@@ -126,6 +126,22 @@ def test_disconnect_mid_stream_aborts_the_request_and_frees_pages(server):
     assert changed == {"abort": 1.0}, f"finishes counted since the request started: {changed}"
 
 
+def test_disconnect_while_waiting_for_a_unary_reply_aborts_the_request(server):
+    """The non-streaming path: the handler notices the closed connection while tokens keep coming
+    and aborts. The request needs seconds to finish on its own (it waited for an idle half second
+    before looking, which a generating request never has), so a missing abort shows as another
+    finish reason, not `abort`."""
+    before = finish_counts(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/chat/completions", headers=server.headers, timeout=httpx.Timeout(10, read=1.0),
+                   json={"model": "tiny-random", "messages": USER, "max_tokens": 3000, "temperature": 0})
+    assert server.wait_kv_pages_idle() == 0
+    after = finish_counts(server)
+    changed = {reason: after[reason] - before.get(reason, 0.0) for reason in after
+               if after[reason] != before.get(reason, 0.0)}
+    assert changed == {"abort": 1.0}, f"finishes counted since the request started: {changed}"
+
+
 def test_64_concurrent_streaming_clients_complete_and_server_stays_healthy(server):
     async def one(c: openai.AsyncOpenAI, i: int) -> str:
         stream = await c.chat.completions.create(model=server.model, max_tokens=8, temperature=0, stream=True,

@@ -14,6 +14,8 @@ import pytest
 
 from runtime.server import dsml
 from runtime.server.app import create_app
+from runtime.server.chat_template import call_opening
+from tests.unit.test_prompt_text import SLOTS, slot_conversation
 
 pytestmark = pytest.mark.e2e
 
@@ -84,15 +86,34 @@ def stream(server: InProcess, body: dict) -> list[dict]:
     {"functions": [{"name": "f"}]},
     {"top_k": 3},
     {"store": True},
-])
+    {"service_tier": "flex"},
+    {"max_completion_tokens": 2},
+    {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    {"stream": True, "stream_options": {"include_obfuscation": True}},
+    {"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]},
+    {"messages": [{**USER[0], "prefix": True}]},
+    {"messages": [*USER, {"role": "assistant", "content": "x", "reasoning_content": "because"}, *USER]},
+    {"messages": [*USER, {"role": "assistant", "content": "x", "refusal": "I cannot"}, *USER]},
+    {"messages": [*USER, {"role": "assistant", "content": "x", "audio": {"id": "audio_1"}}, *USER]},
+], ids=str)
 def test_unimplemented_option_is_a_400(state, option):
     resp = post(state, {"messages": USER, "max_tokens": 1, **option})
     assert resp.status_code == 400, resp.text
     assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
-@pytest.mark.parametrize("option", [{"response_format": {"type": "text"}}, {"logit_bias": {}},
-                                    {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"user": "u1"}])
+# What the openai client sends back when a conversation appends the assistant message it received.
+ECHOED = {"role": "assistant", "content": "x", "refusal": None, "annotations": [], "audio": None,
+          "function_call": None, "tool_calls": None}
+
+
+@pytest.mark.parametrize("option", [
+    {"response_format": {"type": "text"}}, {"logit_bias": {}}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
+    {"user": "u1"}, {"service_tier": "auto"}, {"max_completion_tokens": 1},
+    {"stream": True, "stream_options": {"include_obfuscation": False}},
+    {"tools": [{"type": "function", "function": {**TOOLS[0]["function"], "strict": False}}]},
+    {"messages": [*USER, ECHOED, *USER]},
+], ids=str)
 def test_option_at_its_honoured_value_is_accepted(state, option):
     assert post(state, {"messages": USER, "max_tokens": 1, **option}).status_code == 200
 
@@ -108,16 +129,25 @@ def test_tool_result_for_an_unknown_call_is_a_400(state):
 
 
 # ---- tool_choice="required" ---------------------------------------------------------------------
+def opening(state) -> str:
+    return call_opening(state.template, dsml.BLOCK_OPEN)
+
+
 def opening_tokens(state) -> int:
-    return len(state.engine.tokenizer.encode(dsml.BLOCK_OPEN))
+    return len(state.engine.tokenizer.encode(opening(state)))
 
 
 def test_required_forces_the_block_opening(state):
-    """tiny-random never writes DSML on its own: with required, its reply opens a tool-call block."""
+    """tiny-random never writes DSML on its own: with required, its reply opens a tool-call block,
+    written as its (default, DeepSeek V4) template writes one: a blank line, then the tag."""
+    assert opening(state) == "\n\n" + dsml.BLOCK_OPEN
     n = opening_tokens(state)
     free = post(state, {"messages": USER, "max_tokens": n, "temperature": 0, "tools": TOOLS}).json()
     forced = post(state, {"messages": USER, "max_tokens": n, "temperature": 0, "tools": TOOLS,
                           "tool_choice": "required", "logprobs": True}).json()
+    tok = state.engine.tokenizer
+    assert [item["token"] for item in forced["choices"][0]["logprobs"]["content"]] == \
+        [tok.decode([i]) for i in tok.encode(opening(state))]
     # The block opening went to the tool-call parser (an open block is not content), the free reply is text.
     assert len(forced["choices"][0]["logprobs"]["content"]) == n == forced["usage"]["completion_tokens"]
     assert not forced["choices"][0]["message"]["content"] and free["choices"][0]["message"]["content"]
@@ -125,13 +155,32 @@ def test_required_forces_the_block_opening(state):
     assert forced["choices"][0]["finish_reason"] == "length" and "tool_calls" not in forced["choices"][0]["message"]
 
 
+CALL_A = {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}
+
+
 def test_required_after_tool_results_lets_the_model_answer(state):
-    call = {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}
-    messages = [*USER, {"role": "assistant", "tool_calls": [call]},
+    messages = [*USER, {"role": "assistant", "tool_calls": [CALL_A]},
                 {"role": "tool", "tool_call_id": "call_a", "content": "1"}]
     body = {"messages": messages, "max_tokens": opening_tokens(state), "temperature": 0, "tools": TOOLS}
     # Not forced: tiny-random's free reply is text (a forced one is an open block, no content).
     assert post(state, {**body, "tool_choice": "required"}).json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "Answer briefly."}],
+    [*USER, {"role": "assistant", "content": "Let me see"}],
+    [*USER, {"role": "assistant", "tool_calls": [CALL_A]}, {"role": "tool", "tool_call_id": "call_a", "content": "1"},
+     {"role": "user", "content": "and tomorrow?"}, {"role": "tool", "tool_call_id": "call_a", "content": "1"}],
+], ids=["system-only", "assistant-prefix", "result-of-an-earlier-turn"])
+def test_required_is_forced_whenever_the_turn_has_no_call_yet(state, messages):
+    """Not only after a user message: a turn without a tool call opens a block, whatever the last
+    message is (it was accepted and ignored for a system-only or assistant-last conversation)."""
+    n = opening_tokens(state)
+    reply = post(state, {"messages": messages, "max_tokens": n, "temperature": 0, "tools": TOOLS,
+                         "tool_choice": "required"}).json()["choices"][0]
+    assert not reply["message"]["content"] and reply["finish_reason"] == "length"
+    free = post(state, {"messages": messages, "max_tokens": n, "temperature": 0, "tools": TOOLS}).json()
+    assert free["choices"][0]["message"]["content"]  # tiny-random's own reply is text
 
 
 # ---- usage, EOS, ids ----------------------------------------------------------------------------
@@ -208,17 +257,23 @@ def canary_state():
         yield server
 
 
-def test_spelled_control_tokens_cost_their_text_in_prompt_tokens(canary_state):
-    """A user who spells "<｜User｜>" pays for its characters: prompt_tokens is the plain-text count."""
-    from runtime.server.prompt import render_prompt
-
+@pytest.mark.parametrize("slot", SLOTS)
+def test_spelled_control_tokens_cost_their_text_in_prompt_tokens(canary_state, slot):
+    """Whoever spells "<｜User｜>" (or any added token) in any role pays for its characters as plain
+    text: prompt_tokens grows by the plain-text encoding, not by one control token. Each slot sits
+    between two control tokens of the canary template, so the difference is exactly the slot's."""
     tok = canary_state.engine.tokenizer
+
+    def prompt_tokens(text: str) -> int:
+        body = {"messages": slot_conversation(slot, text), "max_tokens": 1, "temperature": 0}
+        resp = post(canary_state, body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens"]
+
+    base = prompt_tokens("ab")
     for spelling in tok.control_tokens:
-        messages = [{"role": "user", "content": f"hi {spelling}"}]
-        usage = post(canary_state, {"messages": messages, "max_tokens": 1, "temperature": 0}).json()["usage"]
-        expected = render_prompt(canary_state.template, tok, messages, [], "none").ids
-        assert usage["prompt_tokens"] == len(expected)
-        assert usage["prompt_tokens"] > len(tok.encode(canary_state.template.render(messages, [], "none")))
+        text = f"a{spelling}b"
+        assert prompt_tokens(text) - base == len(tok.encode_text(text)) - len(tok.encode_text("ab")), spelling
 
 
 def test_a_repeated_tool_schema_is_checked_once(state):

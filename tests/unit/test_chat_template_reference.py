@@ -124,11 +124,12 @@ def ours(messages, tools, choice, template: ChatTemplate = DEFAULT) -> str:
     return BOS + prompt.text
 
 
-def reference(messages, tools, choice) -> str:
+def reference(messages, tools, choice, prefill: bool = False) -> str:
+    """The encoder's prompt; for "required" without the opening it prefills unless `prefill`."""
     request = {**body(messages, tools, choice), "model": "DeepSeek-V4-Pro", "thinking": {"type": "disabled"}}
     conversation = deepseek_recipe.ChatCompletionRequest(request).convert(deepseek_recipe.ConversionOptions()).conversation
     text = deepseek_recipe.DeepseekV4Encoding().render_conversation(conversation).prompt
-    return text.removesuffix(REQUIRED_PREFILL) if choice == "required" else text
+    return text.removesuffix(REQUIRED_PREFILL) if choice == "required" and not prefill else text
 
 
 def corpus():
@@ -154,6 +155,30 @@ def disagreements(template: ChatTemplate = DEFAULT) -> list[str]:
 def test_default_template_renders_the_corpus_like_deepseeks_v4_encoder():
     found = disagreements()
     assert not found, "\n".join(found[:5])
+
+
+def forced_opening(messages, tools, template: ChatTemplate = DEFAULT) -> str:
+    """The text the server forces as the reply's first tokens for tool_choice="required"."""
+    from runtime.server.app import _required_opening
+
+    tok = ByteTokenizer(512, 256, 257, 258)
+    req = ChatCompletionRequest.model_validate(body(messages, tools, "required"))
+    return tok.decode(list(_required_opening(tok, template, req)))
+
+
+@needs_recipe
+def test_required_forces_the_opening_the_encoder_prefills():
+    """The encoder writes "\n\n<｜DSML｜tool_calls>\n" into the prompt for "required"; the server
+    generates it instead, by constrained decoding up to the tag (the model writes the newline):
+    our prompt and the forced opening are the encoder's prompt up to the tag. The canary template
+    writes the tag alone, so the canary model's forced tokens are unchanged."""
+    from runtime.server import dsml
+
+    for messages in ([USER], [{"role": "system", "content": "S"}, USER, calls_turn(call("ping", {}, "c1")),
+                              result("c1", "pong"), {"role": "assistant", "content": "Done."}, USER]):
+        opened = ours(messages, [WEATHER, BARE], "required") + forced_opening(messages, [WEATHER, BARE])
+        assert opened + "\n" == reference(messages, [WEATHER, BARE], "required", prefill=True)
+    assert forced_opening([USER], [WEATHER], ChatTemplate.for_model(CANARY)) == dsml.BLOCK_OPEN
 
 
 # Integers within 64 bits: the encoder (Rust) reads a larger one as a float and writes

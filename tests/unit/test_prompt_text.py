@@ -200,3 +200,44 @@ def test_negative_control_greedy_split_and_in_place_marking_are_caught():
     before = dict(message)
     message["content"] = markers.wrap(message["content"])  # the planted bug: marking in place
     assert message != before
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, ChatTemplate.for_model(None)], ids=["canary", "default"])
+def test_every_roles_content_reaches_the_prompt(template):
+    """A template that does not know a role must not drop its text without a trace: the canary
+    template renders only `system`, so a developer message vanished from the prompt."""
+    messages = [{"role": "developer", "content": "word-developer"}, *conversation("")]
+    for i, message in enumerate(messages):
+        if isinstance(message["content"], str):
+            message["content"] += f" word-{message['role']}-{i}"
+    words = [f"word-{m['role']}-{i}" for i, m in enumerate(messages) if isinstance(m["content"], str)]
+    text = render_prompt(template, TOK, messages, [TOOL], "auto").text
+    assert [word for word in words if word not in text] == []
+
+
+SLOTS = ("system", "user", "assistant", "argument", "result")
+
+
+def slot_conversation(slot: str, text: str) -> list[dict]:
+    """`text` in one slot that the canary template puts between two control tokens; the rest fixed."""
+    fill = dict.fromkeys(SLOTS, "x") | {slot: text}
+    call = {"id": "call_a", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": fill["argument"]})}}
+    return [{"role": "system", "content": fill["system"]}, {"role": "user", "content": fill["user"]},
+            {"role": "assistant", "content": fill["assistant"]}, {"role": "user", "content": "y"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_a", "content": fill["result"]}]
+
+
+@pytest.mark.parametrize("slot", SLOTS)
+def test_every_role_encodes_a_spelling_as_the_ids_of_plain_text(slot):
+    """The prompt with a spelled control token in one role's text is the plain prompt with that
+    text's plain-text ids in place: nothing else moves, no control token appears."""
+    marker = "qqslotqq"
+    base = render_prompt(TEMPLATE, TOK, slot_conversation(slot, marker), [], "auto").ids
+    run = TOK.encode_text(marker)
+    at = next(i for i in range(len(base)) if base[i:i + len(run)] == run)
+    for spelling in SPELLINGS:
+        text = f"a{spelling}b"
+        ids = render_prompt(TEMPLATE, TOK, slot_conversation(slot, text), [], "auto").ids
+        assert ids == base[:at] + TOK.encode_text(text) + base[at + len(run):], spelling

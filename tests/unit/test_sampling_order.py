@@ -88,3 +88,20 @@ def test_forced_opening_then_free_sampling():
     logits[9] = 5.0
     req = Request("r", [0], params)
     assert [sample_row(logits, req).token for _ in range(5)] == [5, 6, 7, 9, 9]
+
+
+def test_device_sampler_draws_each_row_from_its_own_generator():
+    """The batched path the engine runs (sample_on_device, here on CPU): greedy rows take the first
+    maximum, sampled rows equal the reference with each request's own seed, whatever their
+    neighbours; a batch-wide generator or the swapped order would differ."""
+    from runtime.engine.device_sampler import sample_on_device
+
+    params = [SamplingParams(temperature=0.0), CASES[0], SamplingParams(temperature=0.0), CASES[3], CASES[1]]
+    logits = torch.randn(len(params), V, generator=torch.Generator().manual_seed(7)) * 3
+    requests = [Request(f"r{i}", [0], p) for i, p in enumerate(params)]
+    generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+    for _ in range(100):
+        tokens, outputs = sample_on_device(logits.clone(), requests)
+        for i, (p, gen) in enumerate(zip(params, generators)):
+            expected = int(torch.argmax(logits[i])) if gen is None else reference_sample(logits[i], p, gen)
+            assert int(tokens[i]) == outputs[f"r{i}"].token == expected, f"row {i}"
