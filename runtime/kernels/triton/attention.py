@@ -34,8 +34,12 @@ LOG2E = 1.4426950408889634
 # Programs that fill the device without spreading chunks; the interpreter's small value lets the
 # CPU tests cross the mode switch with a few queries.
 INTERPRETER_FILL = 8
-# Passes of more rows than this (prefill chunks) skip each query's empty trailing chunks (skip_tail).
-TAIL_MIN_TOKENS = 256
+# Passes of more rows than this (prefill chunks) skip each query's empty trailing chunks (skip_tail);
+# None: never. Off until timed on the H200 (bench.decode_step times the prefill pass both ways): on
+# this machine's Triton 3.9 + ptxas the tail bound made the 4-warp, 2-stage launch fall to 32
+# registers and 11 KB of spills per thread (bench/kernel_resources.py), which could cost more than
+# the skipped chunks save.
+SKIP_TAIL_ROWS: int | None = None
 
 
 def default_launch(num_selected: int, num_heads: int) -> dict:
@@ -281,8 +285,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     memory (no second accumulator in registers), else it folds in registers. The same bits in
     every case. skip_tail: skip each query's whole chunks after its last selected slot (the same
     bits; the rows of a prompt's first window + top-k positions select fewer); None: for passes of
-    more than TAIL_MIN_TOKENS rows (prefill), where such rows are common; a decode step saves the
-    per-program scan of its slots."""
+    more than SKIP_TAIL_ROWS rows (prefill), where such rows are common."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
@@ -312,7 +315,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         stats = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
     if ticket:
         tickets = _tickets(q.device, tokens * head_blocks * v_split)
-    skip_tail = (tokens > TAIL_MIN_TOKENS if skip_tail is None else skip_tail) and splits > 1
+    if skip_tail is None:
+        skip_tail = SKIP_TAIL_ROWS is not None and tokens > SKIP_TAIL_ROWS
+    skip_tail = skip_tail and splits > 1
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_c = triton.next_power_of_2(latent_dim)
     # No mul+add contraction: the fold must round alike in registers and from memory.

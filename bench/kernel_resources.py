@@ -1,0 +1,112 @@
+"""The sparse MLA kernel's compiled resources per launch variant, without a GPU: registers, spills,
+shared memory and the MMA instruction, from Triton's compiler for sm_90 and its bundled ptxas -v.
+
+Occupancy follows from them (an H200 SM: 65,536 registers, 228 KB shared memory): a 4-warp
+program at 255 registers takes 32,640 registers, so 2 fit by registers; shared memory may allow
+fewer. Spills are local-memory traffic per thread. The compiler here (this checkout's Triton) may
+not be the device image's: treat the numbers as leads, and time on the GPU (bench.mla_sweep --free).
+
+    python -m bench.kernel_resources [--out resources.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile for real (no device is needed to compile)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from runtime.kernels.triton import attention  # noqa: E402
+
+SIGNATURE = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", part_ptr="*bf16", stats_ptr="*fp32",
+                 ticket_ptr="*i32", heads="i32", selected="i32", blocks_per_chunk="i32", sm_scale_log2="fp32",
+                 stride_qt="i32", stride_qh="i32", stride_kv="i32", stride_idx="i32", stride_ot="i32", stride_oh="i32")
+# The dsv4-slice deployment (H=64: 16-head blocks, 64-position blocks, 5 chunks, bf16 chunk sums)
+# and the knobs bench.mla_sweep --free times.
+VARIANTS = {
+    "deployment (gathered, registers) w4 s2": dict(),
+    "gathered, memory fold w4 s2": dict(STREAM=True),
+    "gathered w4 s1": dict(stages=1),
+    "gathered, memory fold w4 s1": dict(STREAM=True, stages=1),
+    "gathered w8 s2": dict(warps=8),
+    "gathered, memory fold w8 s1": dict(STREAM=True, warps=8, stages=1),
+    "spread + ticket w4 s2": dict(SPREAD=True, TICKET=True),
+    "BLOCK_H 32 w8 s2": dict(BLOCK_H=32, warps=8),
+    "BLOCK_H 64, memory fold w8 s2": dict(BLOCK_H=64, STREAM=True, warps=8),
+    "BLOCK_H 64, one chunk w8 s2": dict(BLOCK_H=64, SPLITS=1, warps=8),
+    "skip_tail w4 s2": dict(TAIL=True),
+    "skip_tail w4 s1": dict(TAIL=True, stages=1),
+    "skip_tail w8 s2": dict(TAIL=True, warps=8),
+}
+
+
+def ptxas_candidates() -> list[str]:
+    """Triton's bundled assemblers: the plain one first; the newer one where the plain one cannot
+    read the PTX version this Triton emits."""
+    folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return [str(folder / name) for name in ("ptxas", "ptxas-blackwell") if (folder / name).exists()]
+
+
+def resources(knobs: dict) -> dict:
+    knobs = dict(knobs)
+    warps, stages = knobs.pop("warps", 4), knobs.pop("stages", 2)
+    constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
+                     BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
+                     BLOCK_ALL=1024)
+    constants.update(knobs)
+    signature = {**SIGNATURE, **{key: "constexpr" for key in constants}}
+    kernel = triton.compile(ASTSource(fn=attention._sparse_mla_kernel, signature=signature, constexprs=constants),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))
+    ptx = kernel.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    for ptxas in ptxas_candidates():
+        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                                capture_output=True, text=True)
+        if report.returncode == 0:
+            break
+    os.unlink(f.name)
+    text = report.stdout + report.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    shared = kernel.metadata.shared
+    mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "?"
+    row = dict(ptxas=Path(ptxas).name, warps=warps, stages=stages, mma=mma,
+               registers=int(regs.group(1)) if regs else None,
+               spill_store_bytes=int(spills.group(1)) if spills else None,
+               spill_load_bytes=int(spills.group(2)) if spills else None, shared_bytes=shared)
+    if regs:
+        by_regs = 65536 // (int(regs.group(1)) * 32 * warps)
+        row["programs_per_sm"] = min(by_regs, (228 * 1024) // max(shared, 1))
+    if not regs:
+        row["ptxas_output"] = text[-300:]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rows = {}
+    print(f"triton {triton.__version__}; per thread: registers, spill bytes stored/loaded; per program: shared "
+          "bytes; programs per SM (registers, shared memory)")
+    for name, knobs in VARIANTS.items():
+        rows[name] = r = resources(knobs)
+        print(f"{name:<40} {r['mma']:<8} regs {r['registers']} spills {r['spill_store_bytes']}/{r['spill_load_bytes']} "
+              f"shared {r['shared_bytes']} -> {r.get('programs_per_sm')} per SM ({r['ptxas']})", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(dict(triton=triton.__version__, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
