@@ -19,7 +19,9 @@ JSON, a direct-JSON body is an object). A call is emitted whole, never in pieces
 shows a call that later turns out cut or malformed. Markup that fails the rule (an invoke cut by
 max_tokens or a stop string, a malformed parameter, an unknown tool, stray text inside a block) is
 returned as content and logged with its reason: model output is never silently dropped and never
-silently turned into a complete call. Whitespace around tags is markup; the blank line the template
+silently turned into a complete call. A bad invoke is its own fault only: a malformed tag is content
+up to its first "<" or ">", an unclosed parameter ends at its invoke's close tag, and the invokes
+after them are read as usual. Whitespace around tags is markup; the blank line the template
 puts before a block belongs to the markup, not the prose.
 
 Arguments keep what the model wrote: string values keep their whitespace, non-string values keep
@@ -54,9 +56,12 @@ PARAM_CLOSE = f"</{DSML}parameter>"
 # The chat template puts a blank line before a block; it belongs to the markup, not the prose.
 BLOCK_LEAD = "\n\n"
 
-_INVOKE_HEAD = re.compile(rf'<{DSML}invoke\s+name="(?P<name>[^"]+)"\s*(?P<end>/>|>)')
-_PARAM_HEAD = re.compile(rf'<{DSML}parameter(?P<attrs>(?:\s+[A-Za-z_]+="[^"]*")*)\s*>')
-_ATTR = re.compile(r'([A-Za-z_]+)="([^"]*)"')
+# A tag ends at its first ">"; no "<" or ">" inside it, not even quoted. So a tag is decided as soon
+# as the first "<" or ">" after its start arrives, whatever text follows: a name like "a>b" that a
+# later chunk could have completed would make the streamed parse differ from the one-shot one.
+_INVOKE_HEAD = re.compile(rf'<{DSML}invoke\s+name="(?P<name>[^"<>]+)"\s*(?P<end>/>|>)')
+_PARAM_HEAD = re.compile(rf'<{DSML}parameter(?P<attrs>(?:\s+[A-Za-z_]+="[^"<>]*")*)\s*>')
+_ATTR = re.compile(r'([A-Za-z_]+)="([^"<>]*)"')
 _STARTS = (*BLOCK_OPENS, INVOKE_OPEN)  # what ends prose
 
 
@@ -130,10 +135,10 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
     """
     head = _INVOKE_HEAD.match(text)
     if head is None:
-        close = text.find(">")
-        if close < 0:
+        end = _tag_end(text, 0)
+        if end < 0:
             _need_more(text, final)
-        raise Invalid("malformed invoke tag", close + 1)
+        raise Invalid("malformed invoke tag", end)  # only the tag: a following invoke is read on its own
     name = head.group("name").strip()
     if head.group("end") == "/>":
         return head.end(), name, "{}"
@@ -166,12 +171,16 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
             _bad_body(text, at, final, "text between parameters")
         param = _PARAM_HEAD.match(text, at)
         if param is None:
-            if ">" not in tail:
+            if _tag_end(text, at) < 0:
                 _need_more(text, final)
             _bad_body(text, at, final, "malformed parameter tag")
         end = text.find(PARAM_CLOSE, param.end())
         if end < 0:
-            _need_more(text, final)
+            if not final:
+                raise NeedMore
+            # Never closed: the invoke is not a call, and its markup ends at its own close tag when it
+            # has one, so the invokes after it are still read (the output was cut, or the model erred).
+            _bad_body(text, param.end(), final, "unclosed parameter")
         attrs = dict(_ATTR.findall(param.group("attrs")))
         value = text[param.end():end]
         at = end + len(PARAM_CLOSE)
@@ -187,6 +196,15 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
             if declared is not None:  # string="false" (or anything else) promised JSON
                 _bad_body(text, at, final, "a string=\"false\" value is not valid JSON")
             params[attrs["name"]] = json.dumps(value, ensure_ascii=False)  # undeclared: text is text
+
+
+def _tag_end(text: str, start: int) -> int:
+    """End of the tag at `start`: past its first ">", or at the next "<" (a tag cut short); -1: not yet."""
+    close = text.find(">", start + 1)
+    cut = text.find("<", start + 1)
+    if cut >= 0 and (close < 0 or cut < close):
+        return cut
+    return close + 1 if close >= 0 else -1
 
 
 def _need_more(text: str, final: bool) -> NoReturn:

@@ -148,6 +148,47 @@ def test_text_after_a_block_is_content():
     assert parse(block(WEATHER_OSLO) + "\nDone.").content == "Done."
 
 
+# A malformed tag or an unclosed parameter is one invoke's fault: the invokes after it are still read
+# (SGLang reads them too), and the bad markup is content. (The neighbour has no parameter tag: a later
+# parameter close would end the unclosed value, which may hold close tags, as the reference reads it.)
+WEATHER_JSON = invoke("get_weather", '{"city": "Oslo"}\n')
+NEIGHBOUR_CASES = {
+    "malformed invoke tag": (f"<{DSML}invoke ", ),
+    "malformed invoke tag, no space": (f"<{DSML}invoke", ),
+    "unclosed parameter": (invoke("f", f'<{DSML}parameter name="a" string="true">cut\n'), ),
+    "unclosed parameter, JSON": (invoke("f", f'<{DSML}parameter name="a" string="false">[1,\n'), ),
+}
+
+
+@pytest.mark.parametrize("case", NEIGHBOUR_CASES)
+@pytest.mark.parametrize("wrap", [block, lambda *invokes: "".join(invokes)], ids=["block", "bare"])
+def test_a_bad_invoke_never_hides_the_next_call(case, wrap):
+    (bad,) = NEIGHBOUR_CASES[case]
+    text = wrap(bad, WEATHER_JSON)
+    result = parse(text)
+    assert [(c.name, c.arguments) for c in result.calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert bad.strip() in result.content  # the model's text, returned
+    for cut in range(len(text) + 1):  # every two-chunk split streams to the same parse
+        assert collect(DsmlParser(), [text[:cut], text[cut:]]) == result
+
+
+TAGS_WITH_BRACKETS = {
+    "invoke name with >": block(f'<{DSML}invoke name="a>b">\n</{DSML}invoke>\n'),
+    "invoke name with <": block(f'<{DSML}invoke name="a<b">\n</{DSML}invoke>\n'),
+    "parameter name with >": block(invoke("f", f'<{DSML}parameter name="x>y" string="true">v</{DSML}parameter>\n')),
+}
+
+
+@pytest.mark.parametrize("text", TAGS_WITH_BRACKETS.values(), ids=TAGS_WITH_BRACKETS)
+def test_a_tag_is_decided_at_its_first_angle_bracket_under_every_split(text):
+    """A quoted ">" used to end a tag in a stream whose chunk stopped there, but not in the one-shot
+    parse (the tag regex read on past it): `name="a>b"` was a call one-shot and content streamed."""
+    one_shot = parse(text)
+    assert one_shot.calls == [] and one_shot.content  # not a tool name: the markup is content
+    for cut in range(len(text) + 1):
+        assert collect(DsmlParser(), [text[:cut], text[cut:]]) == one_shot
+
+
 # ---- properties over generated and malformed replies -------------------------------------------
 _text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="<>\"\uff5c"), max_size=10)
 _value = st.one_of(_text.map(lambda s: (s, "true")),
