@@ -20,14 +20,16 @@ shows a call that later turns out cut or malformed. Markup that fails the rule (
 max_tokens or a stop string, a malformed parameter, an unknown tool, stray text inside a block) is
 returned as content and logged with its reason: model output is never silently dropped and never
 silently turned into a complete call. A bad invoke is its own fault only: a malformed tag is content
-up to its first "<" or ">", an unclosed parameter ends at its invoke's close tag, and the invokes
-after them are read as usual. Whitespace around tags is markup; the blank line the template
-puts before a block belongs to the markup, not the prose.
+up to its first "<" or ">", a bad body up to its close tag or the next invoke's tag (an invoke never
+holds another: inside one, `<｜DSML｜invoke` starts the next), and the invokes after are read as
+usual. Whitespace around tags is markup; the blank line the template puts before a block belongs to
+the markup, not the prose.
 
 Arguments keep what the model wrote: string values keep their whitespace, non-string values keep
 their JSON text as written (`1.50` stays `1.50`, `1e400` is not turned into Infinity), a repeated
 parameter keeps its last value (as SGLang and DeepSeek's reference parser do), a value may contain
-other DSML close tags (only its own close tag ends it).
+other DSML close tags (only its own close tag ends it). How SGLang and DeepSeek's V4 reference read
+the same text, and why ours differs where it does: tests/unit/test_dsml_differential.py.
 
 One-shot parsing is `feed(text)` + `finish()`; every decision depends only on the buffered text,
 and the parser waits while the buffer could still grow into a tag, so the streamed parse equals the
@@ -146,8 +148,11 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
     rest = text[body_start:].lstrip()
     if rest.startswith("{"):  # direct JSON: the body up to the first close tag
         end = text.find(INVOKE_CLOSE, body_start)
-        if end < 0:
-            _need_more(text, final)
+        opened = text.find(INVOKE_OPEN, body_start)
+        if end < 0 or 0 <= opened < end:
+            if end < 0 and opened < 0:
+                _need_more(text, final)
+            _bad_body(text, body_start, final, "invoke cut by the next invoke")
         stop = end + len(INVOKE_CLOSE)
         try:
             arguments = json_text(text[body_start:end])
@@ -175,11 +180,12 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
                 _need_more(text, final)
             _bad_body(text, at, final, "malformed parameter tag")
         end = text.find(PARAM_CLOSE, param.end())
-        if end < 0:
-            if not final:
+        opened = text.find(INVOKE_OPEN, param.end())
+        if end < 0 or 0 <= opened < end:
+            if end < 0 and opened < 0 and not final:
                 raise NeedMore
-            # Never closed: the invoke is not a call, and its markup ends at its own close tag when it
-            # has one, so the invokes after it are still read (the output was cut, or the model erred).
+            # Never closed (the output was cut, or the model erred): the invoke is not a call, and
+            # the invokes after it are still read.
             _bad_body(text, param.end(), final, "unclosed parameter")
         attrs = dict(_ATTR.findall(param.group("attrs")))
         value = text[param.end():end]
@@ -214,8 +220,12 @@ def _need_more(text: str, final: bool) -> NoReturn:
 
 
 def _bad_body(text: str, at: int, final: bool, reason: str) -> NoReturn:
-    """The invoke is not a call: its markup runs to its close tag (or, cut, to the end)."""
+    """The invoke is not a call: its markup runs to its close tag, or up to the next invoke's tag
+    (an invoke never holds another), or, cut, to the end."""
     end = text.find(INVOKE_CLOSE, at)
+    opened = text.find(INVOKE_OPEN, at)
+    if 0 <= opened and (end < 0 or opened < end):
+        raise Invalid(reason, opened)
     if end < 0:
         _need_more(text, final)
     raise Invalid(reason, end + len(INVOKE_CLOSE))
@@ -311,10 +321,11 @@ class DsmlParser:
     def _invoke(self, events: list[Event], final: bool) -> bool:
         if self.skip_undecided and not final and INVOKE_CLOSE not in self._buf:
             head = _INVOKE_HEAD.match(self._buf)
-            if head is not None and head.group("end") == ">":
+            if head is not None and head.group("end") == ">" and self._buf.find(INVOKE_OPEN, head.end()) < 0:
                 # scan_invoke's answer here is always NeedMore: past a well-formed head, only the
-                # close tag (or the end of the output) decides a body. Rescanning the whole invoke
-                # on every token made a long call quadratic (most of the server's output path).
+                # close tag, the next invoke's tag or the end of the output decides a body. Rescanning
+                # the whole invoke on every token made a long call quadratic (most of the server's
+                # output path).
                 return False
         try:
             end, name, arguments = scan_invoke(self._buf, final)

@@ -149,22 +149,26 @@ def test_text_after_a_block_is_content():
 
 
 # A malformed tag or an unclosed parameter is one invoke's fault: the invokes after it are still read
-# (SGLang reads them too), and the bad markup is content. (The neighbour has no parameter tag: a later
-# parameter close would end the unclosed value, which may hold close tags, as the reference reads it.)
-WEATHER_JSON = invoke("get_weather", '{"city": "Oslo"}\n')
+# (SGLang reads them too), and the bad markup is content. Inside an invoke, `<｜DSML｜invoke` starts the
+# next one, so a parameter or body the model never closed cannot swallow the next call.
 NEIGHBOUR_CASES = {
-    "malformed invoke tag": (f"<{DSML}invoke ", ),
-    "malformed invoke tag, no space": (f"<{DSML}invoke", ),
-    "unclosed parameter": (invoke("f", f'<{DSML}parameter name="a" string="true">cut\n'), ),
-    "unclosed parameter, JSON": (invoke("f", f'<{DSML}parameter name="a" string="false">[1,\n'), ),
+    "malformed invoke tag": f"<{DSML}invoke ",
+    "malformed invoke tag, no space": f"<{DSML}invoke",
+    "unclosed parameter": invoke("f", f'<{DSML}parameter name="a" string="true">cut\n'),
+    "unclosed parameter, JSON": invoke("f", f'<{DSML}parameter name="a" string="false">[1,\n'),
+    "unclosed parameter and invoke": f'<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">cut\n',
+    "unclosed direct JSON and invoke": f'<{DSML}invoke name="f">\n{{"a": 1,\n',
+    "stray text, invoke unclosed": f'<{DSML}invoke name="f">\nstray\n',
 }
+WEATHER_JSON = invoke("get_weather", '{"city": "Oslo"}\n')
 
 
+@pytest.mark.parametrize("neighbour", [WEATHER_JSON, WEATHER_OSLO], ids=["direct JSON", "parameters"])
 @pytest.mark.parametrize("case", NEIGHBOUR_CASES)
 @pytest.mark.parametrize("wrap", [block, lambda *invokes: "".join(invokes)], ids=["block", "bare"])
-def test_a_bad_invoke_never_hides_the_next_call(case, wrap):
-    (bad,) = NEIGHBOUR_CASES[case]
-    text = wrap(bad, WEATHER_JSON)
+def test_a_bad_invoke_never_hides_the_next_call(case, wrap, neighbour):
+    bad = NEIGHBOUR_CASES[case]
+    text = wrap(bad, neighbour)
     result = parse(text)
     assert [(c.name, c.arguments) for c in result.calls] == [("get_weather", '{"city": "Oslo"}')]
     assert bad.strip() in result.content  # the model's text, returned
