@@ -318,10 +318,13 @@ def parsed(calls: list[tuple[str, str]]) -> list[tuple[str, dict]]:
 # ---- generated and malformed replies of known kinds ---------------------------------------------
 @given(reply=replies(), data=st.data())
 def test_each_kind_reads_as_listed(reply, data):
-    """Ours exactly as the kinds say, streamed or not (the oracle for the differentials below)."""
+    """Ours exactly as the kinds say, one-shot and under every chunking (one character per chunk,
+    every split in two, random ones): the oracle for the differentials below."""
     ours = parse(reply.text, set(NAMES))
     assert reads_as_listed(ours, reply)
     assert collect(DsmlParser(set(NAMES)), data.draw(chunkings(reply.text))) == ours
+    for chunks in every_chunking(reply.text):
+        assert collect(DsmlParser(set(NAMES)), chunks) == ours
 
 
 def reads_as_listed(result: ParseResult, reply: Reply) -> bool:
