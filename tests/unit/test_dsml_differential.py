@@ -316,13 +316,22 @@ def parsed(calls: list[tuple[str, str]]) -> list[tuple[str, dict]]:
 
 
 # ---- generated and malformed replies of known kinds ---------------------------------------------
+# An invoke the model never closed, then a well-formed one: the first is content, the second a call.
+UNCLOSED_THEN_CALL = Reply("hi", (
+    Invoke(invoke_markup("f", f'<{DSML}parameter name="a" string="true">cut\n'), None, None, "unclosed parameter"),
+    Invoke(invoke_markup("get_weather", param("city", "Oslo")), ("get_weather", '{"city": "Oslo"}'),
+           ("get_weather", {"city": "Oslo"}), "")), "tool_calls", "")
+
+
 @given(reply=replies(), data=st.data())
+@example(reply=UNCLOSED_THEN_CALL, data=None)
 def test_each_kind_reads_as_listed(reply, data):
     """Ours exactly as the kinds say, one-shot and under every chunking (one character per chunk,
     every split in two, random ones): the oracle for the differentials below."""
     ours = parse(reply.text, set(NAMES))
     assert reads_as_listed(ours, reply)
-    assert collect(DsmlParser(set(NAMES)), data.draw(chunkings(reply.text))) == ours
+    if data is not None:
+        assert collect(DsmlParser(set(NAMES)), data.draw(chunkings(reply.text))) == ours
     for chunks in every_chunking(reply.text):
         assert collect(DsmlParser(set(NAMES)), chunks) == ours
 
@@ -336,6 +345,7 @@ def reads_as_listed(result: ParseResult, reply: Reply) -> bool:
 @given(reply=replies(), data=st.data())
 @example(reply=Reply("hi", (Invoke(invoke_markup("f", param("a", " x ")), ("f", '{"a": " x "}'), ("f", {"a": "x"}),
                                    "string whitespace"),), "tool_calls", ""), data=None)
+@example(reply=UNCLOSED_THEN_CALL, data=None)
 def test_sglang_detector_differs_only_as_listed(reply, data):
     """SGLang, one-shot and streamed with random chunks, reports each kind's listed call; its
     content is the prose (it drops the text after the block: listed)."""
