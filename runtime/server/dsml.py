@@ -19,13 +19,17 @@ JSON, a direct-JSON body is an object). A call is emitted whole, never in pieces
 shows a call that later turns out cut or malformed. Markup that fails the rule (an invoke cut by
 max_tokens or a stop string, a malformed parameter, an unknown tool, stray text inside a block) is
 returned as content and logged with its reason: model output is never silently dropped and never
-silently turned into a complete call. Whitespace around tags is markup; the blank line the template
-puts before a block belongs to the markup, not the prose.
+silently turned into a complete call. A bad invoke is its own fault only: a malformed tag is content
+up to its first "<" or ">", a bad body up to its close tag or the next invoke's tag (an invoke never
+holds another: inside one, `<｜DSML｜invoke` starts the next), and the invokes after are read as
+usual. Whitespace around tags is markup; the blank line the template puts before a block belongs to
+the markup, not the prose.
 
 Arguments keep what the model wrote: string values keep their whitespace, non-string values keep
 their JSON text as written (`1.50` stays `1.50`, `1e400` is not turned into Infinity), a repeated
 parameter keeps its last value (as SGLang and DeepSeek's reference parser do), a value may contain
-other DSML close tags (only its own close tag ends it).
+other DSML close tags (only its own close tag ends it). How SGLang and DeepSeek's V4 reference read
+the same text, and why ours differs where it does: tests/unit/test_dsml_differential.py.
 
 One-shot parsing is `feed(text)` + `finish()`; every decision depends only on the buffered text,
 and the parser waits while the buffer could still grow into a tag, so the streamed parse equals the
@@ -54,9 +58,12 @@ PARAM_CLOSE = f"</{DSML}parameter>"
 # The chat template puts a blank line before a block; it belongs to the markup, not the prose.
 BLOCK_LEAD = "\n\n"
 
-_INVOKE_HEAD = re.compile(rf'<{DSML}invoke\s+name="(?P<name>[^"]+)"\s*(?P<end>/>|>)')
-_PARAM_HEAD = re.compile(rf'<{DSML}parameter(?P<attrs>(?:\s+[A-Za-z_]+="[^"]*")*)\s*>')
-_ATTR = re.compile(r'([A-Za-z_]+)="([^"]*)"')
+# A tag ends at its first ">"; no "<" or ">" inside it, not even quoted. So a tag is decided as soon
+# as the first "<" or ">" after its start arrives, whatever text follows: a name like "a>b" that a
+# later chunk could have completed would make the streamed parse differ from the one-shot one.
+_INVOKE_HEAD = re.compile(rf'<{DSML}invoke\s+name="(?P<name>[^"<>]+)"\s*(?P<end>/>|>)')
+_PARAM_HEAD = re.compile(rf'<{DSML}parameter(?P<attrs>(?:\s+[A-Za-z_]+="[^"<>]*")*)\s*>')
+_ATTR = re.compile(r'([A-Za-z_]+)="([^"<>]*)"')
 _STARTS = (*BLOCK_OPENS, INVOKE_OPEN)  # what ends prose
 
 
@@ -130,10 +137,10 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
     """
     head = _INVOKE_HEAD.match(text)
     if head is None:
-        close = text.find(">")
-        if close < 0:
+        end = _tag_end(text, 0)
+        if end < 0:
             _need_more(text, final)
-        raise Invalid("malformed invoke tag", close + 1)
+        raise Invalid("malformed invoke tag", end)  # only the tag: a following invoke is read on its own
     name = head.group("name").strip()
     if head.group("end") == "/>":
         return head.end(), name, "{}"
@@ -141,8 +148,11 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
     rest = text[body_start:].lstrip()
     if rest.startswith("{"):  # direct JSON: the body up to the first close tag
         end = text.find(INVOKE_CLOSE, body_start)
-        if end < 0:
-            _need_more(text, final)
+        opened = text.find(INVOKE_OPEN, body_start)
+        if end < 0 or 0 <= opened < end:
+            if end < 0 and opened < 0:
+                _need_more(text, final)
+            _bad_body(text, body_start, final, "invoke cut by the next invoke")
         stop = end + len(INVOKE_CLOSE)
         try:
             arguments = json_text(text[body_start:end])
@@ -166,12 +176,17 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
             _bad_body(text, at, final, "text between parameters")
         param = _PARAM_HEAD.match(text, at)
         if param is None:
-            if ">" not in tail:
+            if _tag_end(text, at) < 0:
                 _need_more(text, final)
             _bad_body(text, at, final, "malformed parameter tag")
         end = text.find(PARAM_CLOSE, param.end())
-        if end < 0:
-            _need_more(text, final)
+        opened = text.find(INVOKE_OPEN, param.end())
+        if end < 0 or 0 <= opened < end:
+            if end < 0 and opened < 0 and not final:
+                raise NeedMore
+            # Never closed (the output was cut, or the model erred): the invoke is not a call, and
+            # the invokes after it are still read.
+            _bad_body(text, param.end(), final, "unclosed parameter")
         attrs = dict(_ATTR.findall(param.group("attrs")))
         value = text[param.end():end]
         at = end + len(PARAM_CLOSE)
@@ -189,6 +204,15 @@ def scan_invoke(text: str, final: bool) -> tuple[int, str, str]:
             params[attrs["name"]] = json.dumps(value, ensure_ascii=False)  # undeclared: text is text
 
 
+def _tag_end(text: str, start: int) -> int:
+    """End of the tag at `start`: past its first ">", or at the next "<" (a tag cut short); -1: not yet."""
+    close = text.find(">", start + 1)
+    cut = text.find("<", start + 1)
+    if cut >= 0 and (close < 0 or cut < close):
+        return cut
+    return close + 1 if close >= 0 else -1
+
+
 def _need_more(text: str, final: bool) -> NoReturn:
     if final:
         raise Invalid("unclosed invoke", len(text))
@@ -196,8 +220,12 @@ def _need_more(text: str, final: bool) -> NoReturn:
 
 
 def _bad_body(text: str, at: int, final: bool, reason: str) -> NoReturn:
-    """The invoke is not a call: its markup runs to its close tag (or, cut, to the end)."""
+    """The invoke is not a call: its markup runs to its close tag, or up to the next invoke's tag
+    (an invoke never holds another), or, cut, to the end."""
     end = text.find(INVOKE_CLOSE, at)
+    opened = text.find(INVOKE_OPEN, at)
+    if 0 <= opened and (end < 0 or opened < end):
+        raise Invalid(reason, opened)
     if end < 0:
         _need_more(text, final)
     raise Invalid(reason, end + len(INVOKE_CLOSE))
@@ -293,10 +321,11 @@ class DsmlParser:
     def _invoke(self, events: list[Event], final: bool) -> bool:
         if self.skip_undecided and not final and INVOKE_CLOSE not in self._buf:
             head = _INVOKE_HEAD.match(self._buf)
-            if head is not None and head.group("end") == ">":
+            if head is not None and head.group("end") == ">" and self._buf.find(INVOKE_OPEN, head.end()) < 0:
                 # scan_invoke's answer here is always NeedMore: past a well-formed head, only the
-                # close tag (or the end of the output) decides a body. Rescanning the whole invoke
-                # on every token made a long call quadratic (most of the server's output path).
+                # close tag, the next invoke's tag or the end of the output decides a body. Rescanning
+                # the whole invoke on every token made a long call quadratic (most of the server's
+                # output path).
                 return False
         try:
             end, name, arguments = scan_invoke(self._buf, final)

@@ -4,7 +4,7 @@ One rule: a call is reported only once its invoke closed with a valid JSON objec
 what the markup declared; cut or malformed markup goes back to the content; finish_reason says
 "tool_calls" only for a natural stop with every block closed. Checked on the issue's examples, on
 every cut of generated replies (hypothesis), on malformed text under every chunking, and against
-DeepSeek's reference parser and SGLang's detector from the sglang wheel when it is installed. Each
+DeepSeek's reference parser (the wider differential: tests/unit/test_dsml_differential.py). Each
 property has a negative control that plants the bug it is meant to catch.
 """
 
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from runtime.server.dsml import DSML, INVOKE_CLOSE, DsmlParser, ParsedCall, collect, parse
 from runtime.server.output import ChoiceBuilder, OutputOptions, fold
 from runtime.tokenizer import ByteTokenizer
-from tests.reference_impls import DeepSeekV4Detector, Function, Tool, needs_sglang
 from tests.reference_impls import encoding_dsv32 as reference
+from tests.reference_impls import needs_sglang
 
 pytestmark = pytest.mark.unit
 
@@ -148,6 +148,51 @@ def test_text_after_a_block_is_content():
     assert parse(block(WEATHER_OSLO) + "\nDone.").content == "Done."
 
 
+# A malformed tag or an unclosed parameter is one invoke's fault: the invokes after it are still read
+# (SGLang reads them too), and the bad markup is content. Inside an invoke, `<｜DSML｜invoke` starts the
+# next one, so a parameter or body the model never closed cannot swallow the next call.
+NEIGHBOUR_CASES = {
+    "malformed invoke tag": f"<{DSML}invoke ",
+    "malformed invoke tag, no space": f"<{DSML}invoke",
+    "unclosed parameter": invoke("f", f'<{DSML}parameter name="a" string="true">cut\n'),
+    "unclosed parameter, JSON": invoke("f", f'<{DSML}parameter name="a" string="false">[1,\n'),
+    "unclosed parameter and invoke": f'<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">cut\n',
+    "unclosed direct JSON and invoke": f'<{DSML}invoke name="f">\n{{"a": 1,\n',
+    "stray text, invoke unclosed": f'<{DSML}invoke name="f">\nstray\n',
+}
+WEATHER_JSON = invoke("get_weather", '{"city": "Oslo"}\n')
+
+
+@pytest.mark.parametrize("neighbour", [WEATHER_JSON, WEATHER_OSLO], ids=["direct JSON", "parameters"])
+@pytest.mark.parametrize("case", NEIGHBOUR_CASES)
+@pytest.mark.parametrize("wrap", [block, lambda *invokes: "".join(invokes)], ids=["block", "bare"])
+def test_a_bad_invoke_never_hides_the_next_call(case, wrap, neighbour):
+    bad = NEIGHBOUR_CASES[case]
+    text = wrap(bad, neighbour)
+    result = parse(text)
+    assert [(c.name, c.arguments) for c in result.calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert bad.strip() in result.content  # the model's text, returned
+    for cut in range(len(text) + 1):  # every two-chunk split streams to the same parse
+        assert collect(DsmlParser(), [text[:cut], text[cut:]]) == result
+
+
+TAGS_WITH_BRACKETS = {
+    "invoke name with >": block(f'<{DSML}invoke name="a>b">\n</{DSML}invoke>\n'),
+    "invoke name with <": block(f'<{DSML}invoke name="a<b">\n</{DSML}invoke>\n'),
+    "parameter name with >": block(invoke("f", f'<{DSML}parameter name="x>y" string="true">v</{DSML}parameter>\n')),
+}
+
+
+@pytest.mark.parametrize("text", TAGS_WITH_BRACKETS.values(), ids=TAGS_WITH_BRACKETS)
+def test_a_tag_is_decided_at_its_first_angle_bracket_under_every_split(text):
+    """A quoted ">" used to end a tag in a stream whose chunk stopped there, but not in the one-shot
+    parse (the tag regex read on past it): `name="a>b"` was a call one-shot and content streamed."""
+    one_shot = parse(text)
+    assert one_shot.calls == [] and one_shot.content  # not a tool name: the markup is content
+    for cut in range(len(text) + 1):
+        assert collect(DsmlParser(), [text[:cut], text[cut:]]) == one_shot
+
+
 # ---- properties over generated and malformed replies -------------------------------------------
 _text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="<>\"\uff5c"), max_size=10)
 _value = st.one_of(_text.map(lambda s: (s, "true")),
@@ -259,18 +304,6 @@ def test_agrees_with_deepseek_reference_parser_byte_for_byte(reply, data):
     assert ours.content == theirs["content"]
     assert [(c.name, c.arguments) for c in ours.calls] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in theirs["tool_calls"]]
-
-
-@needs_sglang
-@given(text=_noise)
-def test_never_more_lenient_than_sglang_detector(text):
-    """On malformed text every call we report, SGLang reports too (by name and parsed arguments); we
-    may report fewer (a string="false" value that is not JSON: SGLang passes the raw text)."""
-    tools = [Tool(type="function", function=Function(name="f", parameters={"type": "object"}))]
-    theirs = [(c.name, json.loads(c.parameters)) for c in DeepSeekV4Detector().detect_and_parse(text, tools).calls]
-    ours = [(c.name, json.loads(c.arguments)) for c in parse(text, {"f"}).calls]
-    for call in ours:
-        assert call in theirs
 
 
 def _feed_events(text: str, pieces: list[int], skip: bool) -> list[list]:

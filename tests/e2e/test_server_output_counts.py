@@ -1,0 +1,126 @@
+"""Issue 18 item 5, the output side, through the app in-process (tests/e2e/test_server_options.py's
+harness): every tool call of a response has its own id, usage counts tokens (not chunks) streamed
+and not, and EOS never reaches the text. The canary model writes real DSML and ends its replies with
+EOS; tiny-random gives long replies whose text a stop string holds back. Each oracle has a negative
+control that plants the bug it is meant to catch in the running server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.train.corpus import make_session
+from runtime.train.tools import TOOLS
+from tests.e2e.test_server_options import in_process, post, stream
+
+pytestmark = pytest.mark.e2e
+
+CANARY = Path(__file__).resolve().parents[2] / "golden" / "models" / "canary-moe-v1"
+EOS_TEXT = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+
+
+@pytest.fixture(scope="module")
+def canary():
+    with in_process(str(CANARY)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with in_process("tiny-random") as server:
+        yield server
+
+
+def first_turn(predicate) -> tuple[list[dict], object]:
+    """The system and user messages of the first canary session turn that `predicate` accepts."""
+    for seed in range(500):
+        session = make_session(seed)
+        turn = session.turns[0]
+        if predicate(session, turn):
+            return [{"role": "system", "content": session.system}, {"role": "user", "content": turn.user}], session
+    raise AssertionError("no such session")
+
+
+def streamed_message(chunks: list[dict]) -> tuple[str, list[dict], str, list[dict]]:
+    """(content, tool calls, finish_reason, logprob entries) that a stream adds up to."""
+    content, calls, finish, logprobs = "", {}, "", []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                entry = calls.setdefault(call["index"], {"id": "", "name": "", "arguments": ""})
+                entry["id"] += call.get("id", "")
+                entry["name"] += call["function"].get("name", "")
+                entry["arguments"] += call["function"].get("arguments", "")
+            finish = choice["finish_reason"] or finish
+            logprobs += (choice.get("logprobs") or {}).get("content") or []
+    return content, [calls[i] for i in sorted(calls)], finish, logprobs
+
+
+# ---- ids ----------------------------------------------------------------------------------------
+def own_ids(ids: list[str]) -> bool:
+    return all(ids) and len(set(ids)) == len(ids)
+
+
+def test_parallel_calls_each_have_their_own_id_streamed_and_not(canary):
+    messages, _ = first_turn(lambda s, t: s.tool_choice == "auto" and len(t.calls) == 2)
+    body = {"messages": messages, "tools": TOOLS, "temperature": 0, "max_tokens": 200}
+    unary = post(canary, body).json()["choices"][0]
+    assert unary["finish_reason"] == "tool_calls" and len(unary["message"]["tool_calls"]) == 2
+    _, calls, finish, _ = streamed_message(stream(canary, body))
+    assert finish == "tool_calls" and len(calls) == 2
+    unary_ids = [c["id"] for c in unary["message"]["tool_calls"]]
+    assert own_ids(unary_ids) and own_ids([c["id"] for c in calls])
+    assert not set(unary_ids) & {c["id"] for c in calls}  # ids are unique across responses too
+    assert not own_ids([unary_ids[0], unary_ids[0]]) and not own_ids(["", "x"])  # the oracle can fail
+
+
+# ---- EOS ----------------------------------------------------------------------------------------
+def test_eos_is_counted_and_logprobbed_but_never_in_the_text(canary, monkeypatch):
+    """A plain answer ends with the model's EOS: finish_reason "stop", the EOS is the last logprob
+    entry and counts in usage, and its spelling is not in the content, streamed or not. Negative
+    control: a bridge that stops flagging EOS as a stop token puts it into the text."""
+    from runtime.server import bridge
+
+    messages, session = first_turn(lambda s, t: s.tool_choice == "none")
+    body = {"messages": messages, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "max_tokens": 200,
+            "logprobs": True}
+
+    def replies() -> list[tuple[str, str, list[dict], int]]:
+        unary = post(canary, body).json()
+        chunks = stream(canary, {**body, "stream_options": {"include_usage": True}})
+        content, _, finish, logprobs = streamed_message(chunks)
+        choice = unary["choices"][0]
+        return [(choice["message"]["content"], choice["finish_reason"], choice["logprobs"]["content"],
+                 unary["usage"]["completion_tokens"]),
+                (content, finish, logprobs, chunks[-1]["usage"]["completion_tokens"])]
+
+    for content, finish, logprobs, completion_tokens in replies():
+        assert finish == "stop" and logprobs[-1]["token"] == EOS_TEXT
+        assert completion_tokens == len(logprobs)
+        assert EOS_TEXT not in content and content == session.turns[0].answer
+
+    real = bridge.TokenOut
+    monkeypatch.setattr(bridge, "TokenOut", lambda *a: real(*a[:-1], False))  # planted: EOS unflagged
+    assert all(content.endswith(EOS_TEXT) for content, *_ in replies())
+
+
+# ---- usage --------------------------------------------------------------------------------------
+def test_usage_counts_tokens_while_a_stop_string_holds_the_text_back(tiny):
+    """A stop string holds back the text that could start it, so tokens and chunks differ; usage
+    counts the tokens, streamed and not (a server counting chunks or deltas reports fewer)."""
+    max_tokens = 24
+    body = {"messages": [{"role": "user", "content": "hello"}], "temperature": 0, "max_tokens": max_tokens,
+            "stop": ["\x00never\x00" * 3]}
+    unary = post(tiny, body).json()
+    chunks = stream(tiny, {**body, "stream_options": {"include_usage": True}})
+    content, _, finish, _ = streamed_message(chunks)
+    assert unary["choices"][0]["finish_reason"] == finish == "length"
+    assert content == unary["choices"][0]["message"]["content"]
+    assert unary["usage"]["completion_tokens"] == chunks[-1]["usage"]["completion_tokens"] == max_tokens
+    # The oracle can fail: chunks that carried text (or any delta) are fewer than the tokens.
+    with_text = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(with_text) < max_tokens and len(chunks) - 1 != max_tokens
+
