@@ -28,6 +28,24 @@ from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 from runtime.server.errors import ApiError
 
 FORWARDED_HEADERS = ("authorization", "content-type")
+# Upstream samples the router's /metrics sums over the pair (the gate's page-leak and preemption
+# checks read them off the one URL they know), each with the per-upstream series it is listed under.
+PAIR_SUMS = {"dsv4_kv_pages_in_use": "dsv4_pd_upstream_kv_pages_in_use",
+             "dsv4_preemptions_total": "dsv4_pd_upstream_preemptions_total"}
+
+
+def _samples(text: str, names) -> dict[str, float]:
+    """The unlabelled samples of `names` in a Prometheus text exposition (absent ones left out)."""
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            found[name] = float(value.split()[0])
+    return found
+
+
+def _kind(name: str) -> str:
+    return "counter" if name.endswith("_total") else "gauge"
 
 
 def _unreachable(role: str, url: str, exc: Exception) -> Response:
@@ -76,20 +94,22 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        """The pair's KV pages in use (prefill + decode: 0 when nothing leaked on either side) first,
-        then each upstream's figure by role; each server's own /metrics has its transfer metrics."""
-        lines, total = [], 0.0
+        """The pair's figures that a gate reads off one server (PAIR_SUMS: KV pages in use, 0 when
+        nothing leaked on either side; preemptions), summed over the upstreams, then each upstream's
+        figure by role; each server's own /metrics has its transfer metrics."""
+        sums = dict.fromkeys(PAIR_SUMS, 0.0)
+        lines: list[str] = []
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for url in urls:
                 try:
                     text = (await clients["http"].get(f"{url}/metrics", headers=_forwarded(request))).text
                 except httpx.HTTPError:
                     continue
-                pages = next((float(line.split()[-1]) for line in text.splitlines()
-                              if line.startswith("dsv4_kv_pages_in_use ")), 0.0)
-                total += pages
-                lines.append(f'dsv4_pd_upstream_kv_pages_in_use{{role="{role}",url="{url}"}} {pages}')
-        head = ["# TYPE dsv4_kv_pages_in_use gauge", f"dsv4_kv_pages_in_use {total}"]
+                for name, value in _samples(text, PAIR_SUMS).items():
+                    sums[name] += value
+                    lines.append(f'{PAIR_SUMS[name]}{{role="{role}",url="{url}"}} {value}')
+        head = [line for name, value in sums.items()
+                for line in (f"# TYPE {name.removesuffix('_total')} {_kind(name)}", f"{name} {value}")]
         return Response("\n".join([*head, *lines]) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/server_info")

@@ -107,6 +107,42 @@ def test_metrics_export_transfer_bytes_latency_and_pages_in_flight(servers):
         assert "dsv4_pd_transfer_seconds_bucket" in text and "dsv4_pd_pages_in_flight 0.0" in text
 
 
+def test_decode_side_reuses_one_http_client(servers, monkeypatch):
+    """A client per request cost the decode server a TLS context each (69% of its event loop under a
+    40-session PD gate): requests after the first must make none."""
+    import runtime.disagg.decode as decode_side
+
+    made = []
+
+    class Counting(httpx.AsyncClient):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    pair, _ = servers
+    answer(pair.router, body(PROMPTS[2]))  # the client exists from here on
+    monkeypatch.setattr(decode_side.httpx, "AsyncClient", Counting)
+    for prompt in PROMPTS[:3]:
+        answer(pair.router, body(prompt))
+    assert made == [], f"the decode side made {len(made)} HTTP clients for 3 requests"
+
+
+def test_router_metrics_sum_the_pairs_pages_and_preemptions(servers):
+    """The gate reads KV pages and preemptions off the one URL it knows: through the router they
+    must be the pair's sums (an 80-session PD gate once printed "preemptions: not counted")."""
+    pair, _ = servers
+    answer(pair.router, body(PROMPTS[1]))
+    wait_pages_free(pair.prefill_state, pair.decode_state)
+
+    def sample(url: str, name: str) -> float:
+        lines = [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(name + " ")]
+        assert len(lines) == 1, f"{url}/metrics has {len(lines)} samples of {name}"
+        return float(lines[0].split()[1])
+
+    for name in ("dsv4_kv_pages_in_use", "dsv4_preemptions_total"):
+        assert sample(pair.router, name) == sample(pair.prefill, name) + sample(pair.decode, name)
+
+
 def test_servers_refuse_requests_that_bypass_the_router(servers):
     pair, _ = servers
     for url in (pair.prefill, pair.decode):
