@@ -1,8 +1,12 @@
 """Time to first token of the PD pair (router -> prefill + decode, Mooncake over loopback) against the
 colocated server on the same requests, one at a time (issue 16's target: PD <= 1.2x colocated).
-All four servers run on threads of this process with the canary model (tests/e2e/pd_pair.py).
 
-    python -m bench.pd_ttft --repeats 10 --words 8,400
+By default every server is its own process, as deployed (canary/pd_target.py, canary/targets.py).
+`--threads` runs all four on threads of this process instead (tests/e2e/pd_pair.py): there the PD
+side's three event loops and two engine threads share one GIL, which the colocated server does not
+pay, so that form overstates PD's cost.
+
+    python -m bench.pd_ttft --repeats 10 --words 8,400 [--threads]
 """
 
 from __future__ import annotations
@@ -10,19 +14,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from contextlib import ExitStack
+from pathlib import Path
 
 import httpx
 
+from canary.pd_target import embedded_pd_pair
 from canary.provenance import git_commit
+from canary.targets import embedded_server
+from runtime.config import DEFAULT_MODEL
 from tests.e2e.pd_pair import pd_pair, serve_state, server_state
 
 
-def ttft(url: str, words: int, i: int) -> float:
+def ttft(url: str, words: int, i: int, headers: dict[str, str] | None = None) -> float:
     body = {"model": "canary-moe-v1", "stream": True, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": " ".join(f"w{i}x{k}" for k in range(words))}]}
     started = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as reply:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120, headers=headers) as reply:
         for line in reply.iter_lines():
             if '"content"' in line and '"content": ""' not in line:
                 return time.perf_counter() - started
@@ -33,20 +43,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--words", default="8,400", help="prompt lengths in words, comma-separated")
+    parser.add_argument("--threads", action="store_true", help="all servers on threads of this process")
     args = parser.parse_args(argv)
     rows = {}
-    with pd_pair() as pair, serve_state(server_state()) as colocated:
+    with ExitStack() as stack:
+        pd_headers: dict[str, str] | None = None
+        co_headers: dict[str, str] | None = None
+        if args.threads:
+            pd_url = stack.enter_context(pd_pair()).router
+            co_url = stack.enter_context(serve_state(server_state()))
+        else:  # each server started with its own API key
+            log_dir = Path(tempfile.mkdtemp(prefix="pd-ttft-"))
+            pd_target = stack.enter_context(embedded_pd_pair(DEFAULT_MODEL, log_dir=log_dir))
+            co_target = stack.enter_context(embedded_server(DEFAULT_MODEL, log_dir=log_dir))
+            pd_url, co_url, pd_headers, co_headers = (pd_target.root_url, co_target.root_url, pd_target.headers,
+                                                      co_target.headers)
         for words in map(int, args.words.split(",")):
-            ttft(pair.router, words, -1), ttft(colocated, words, -1)  # warm both paths
+            ttft(pd_url, words, -1, pd_headers), ttft(co_url, words, -1, co_headers)  # warm both paths
             pd, co = [], []
             for i in range(args.repeats):  # interleaved: a load spike on the shared CPU hits both
-                pd.append(ttft(pair.router, words, i))
-                co.append(ttft(colocated, words, i))
+                pd.append(ttft(pd_url, words, i, pd_headers))
+                co.append(ttft(co_url, words, i, co_headers))
             rows[words] = {"pd_ms": round(statistics.median(pd) * 1e3, 1),
                            "colocated_ms": round(statistics.median(co) * 1e3, 1),
                            "ratio": round(statistics.median(pd) / statistics.median(co), 2)}
             print(words, rows[words], flush=True)
-    print(json.dumps({"commit": git_commit(), "rows": rows}))
+    print(json.dumps({"commit": git_commit(), "servers": "threads" if args.threads else "processes", "rows": rows}))
     return 0
 
 
