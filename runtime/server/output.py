@@ -148,11 +148,12 @@ class ChoiceBuilder:
 
 @functools.lru_cache(maxsize=1 << 16)
 def token_text(tokenizer: Any, token: int) -> tuple[str, bytes]:  # Any: the cache hashes it
-    """One token's text and UTF-8 bytes, as a logprob entry shows it. Cached: the server decoded
-    every top-k alternative of every streamed token anew (a twentieth of its event loop in the
-    H200 gate), and a token's text never changes. Tokenizers hash by identity."""
-    text = tokenizer.decode([token])
-    return text, text.encode("utf-8")
+    """One token's text and bytes, as a logprob entry shows them. The bytes are the token's own
+    (`Tokenizer.token_bytes`), not its text's: a token inside a multi-byte character decodes alone
+    to U+FFFD, whose UTF-8 would not rebuild the reply. Cached: the server decoded every top-k
+    alternative of every streamed token anew (a twentieth of its event loop in the H200 gate), and
+    a token's text never changes. Tokenizers hash by identity."""
+    return tokenizer.decode([token]), tokenizer.token_bytes(token)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -124,3 +124,22 @@ def test_usage_counts_tokens_while_a_stop_string_holds_the_text_back(tiny):
     with_text = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert len(with_text) < max_tokens and len(chunks) - 1 != max_tokens
 
+
+
+# ---- logprob bytes ------------------------------------------------------------------------------
+def test_logprob_bytes_rebuild_the_reply_streamed_and_not(tiny):
+    """tiny-random's tokens are single bytes, so a seeded reply holds multi-byte characters split
+    across tokens (and stray bytes). Joined, the entries' bytes decode to the reply exactly as the
+    tokenizer decodes it, and every top_logprobs alternative is one byte or none; the old `bytes`
+    (each token's decoded text, U+FFFD for a split character) rebuild U+FFFDs instead."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "seed": 2, "max_tokens": 100,
+            "logprobs": True, "top_logprobs": 3}
+    choice = post(tiny, body).json()["choices"][0]
+    replies = [(choice["message"]["content"], choice["logprobs"]["content"]), streamed_message(stream(tiny, body))[::3]]
+    for content, entries in replies:
+        assert any(len(ch.encode()) > 1 and ch != "\ufffd" for ch in content)  # the premise: split characters
+        rebuilt = b"".join(bytes(e["bytes"]) for e in entries)
+        assert rebuilt.decode("utf-8", errors="replace") == content
+        assert all(len(top["bytes"]) <= 1 for e in entries for top in e["top_logprobs"])
+        old = b"".join(e["token"].encode() for e in entries)  # negative control: the text's bytes
+        assert old.decode("utf-8", errors="replace") != content
