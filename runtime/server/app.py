@@ -288,6 +288,14 @@ def _delta_body(delta: Delta) -> dict[str, Any]:
     return body
 
 
+def _finish(state: ServerState, builder: ChoiceBuilder, reason: str) -> tuple[Delta, str]:
+    """The builder's last delta and finish_reason; what its parser returned as content is counted."""
+    last, finish = builder.finish(reason)
+    for rejected in builder.rejected:
+        state.metrics.dsml_rejected.labels(rejected).inc()
+    return last, finish
+
+
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -320,7 +328,7 @@ async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: Ch
                         out.append(encoder.delta_chunk(delta, _delta_body(delta)))
                     reason = event.finish_reason
                 if reason is not None:
-                    last, finish = builder.finish(reason)
+                    last, finish = _finish(state, builder, reason)
                     done = True
                     out.append(encoder.delta_chunk(last, _delta_body(last), finish))
                     break
@@ -359,7 +367,7 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
                 deltas.append(builder.push(event.token, event.logprob, event.top, event.is_stop_token))
                 reason = event.finish_reason
             if reason is not None:
-                last, finish = builder.finish(reason)
+                last, finish = _finish(state, builder, reason)
                 deltas.append(last)
     except asyncio.CancelledError:
         state.bridge.abort(rid)

@@ -121,6 +121,11 @@ class ChoiceBuilder:
             self._apply(delta, events)
         return delta, reason
 
+    @property
+    def rejected(self) -> list[str]:
+        """Why DSML went back to the content, one reason per case (runtime/server/dsml.py)."""
+        return self.parser.rejected if self.parser is not None else []
+
     # ---- internals ------------------------------------------------------------------------------
     def _events(self, text: str) -> list:
         if self.parser is None:

@@ -143,3 +143,28 @@ def test_logprob_bytes_rebuild_the_reply_streamed_and_not(tiny):
         assert all(len(top["bytes"]) <= 1 for e in entries for top in e["top_logprobs"])
         old = b"".join(e["token"].encode() for e in entries)  # negative control: the text's bytes
         assert old.decode("utf-8", errors="replace") != content
+
+
+# ---- DSML returned as content is counted --------------------------------------------------------
+def rejected_counts(server) -> dict[str, float]:
+    """`dsv4_dsml_rejected_total` by reason, from the Prometheus text."""
+    text = server.loop.run_until_complete(server.client.get("/metrics")).text
+    prefix = 'dsv4_dsml_rejected_total{reason="'
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_dsml_returned_as_content_is_counted_by_reason(canary):
+    """A call cut by max_tokens inside its invoke is content, finish "length", and counted once per
+    reply (streamed and not) as an unclosed invoke; the same call left to finish counts nothing."""
+    messages, _ = first_turn(lambda s, t: s.tool_choice == "auto" and len(t.calls) == 1)
+    body = {"messages": messages, "tools": TOOLS, "temperature": 0}
+    before = rejected_counts(canary)
+    assert post(canary, {**body, "max_tokens": 200}).json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert streamed_message(stream(canary, {**body, "max_tokens": 200}))[2] == "tool_calls"
+    assert rejected_counts(canary) == before  # a clean call is not counted
+    cut = post(canary, {**body, "max_tokens": 12}).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and "invoke" in cut["message"]["content"]
+    assert streamed_message(stream(canary, {**body, "max_tokens": 12}))[2] == "length"
+    after = rejected_counts(canary)
+    assert {r: n - before.get(r, 0.0) for r, n in after.items() if n != before.get(r, 0.0)} == {"unclosed invoke": 2.0}
