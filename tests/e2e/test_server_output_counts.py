@@ -6,6 +6,7 @@ control that plants the bug it is meant to catch in the running server."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,39 @@ def test_dsml_returned_as_content_is_counted_by_reason(canary):
     assert streamed_message(stream(canary, {**body, "max_tokens": 12}))[2] == "length"
     after = rejected_counts(canary)
     assert {r: n - before.get(r, 0.0) for r, n in after.items() if n != before.get(r, 0.0)} == {"unclosed invoke": 2.0}
+
+
+# ---- parallel_tool_calls=false ------------------------------------------------------------------
+def kv_pages_in_use(server) -> float:
+    text = server.loop.run_until_complete(server.client.get("/metrics")).text
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("dsv4_kv_pages_in_use "))
+
+
+def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(canary):
+    """A turn the model answers with two calls, asked with parallel_tool_calls=false: the reply is
+    the model's own reply up to the close of its first invoke, token for token (logprobs, usage),
+    with that call and finish "tool_calls", streamed and not; the request stops there and its pages
+    return. The old server generated both calls and dropped the second from a reply whose tokens
+    still held it."""
+    messages, _ = first_turn(lambda s, t: s.tool_choice == "auto" and len(t.calls) == 2)
+    body = {"messages": messages, "tools": TOOLS, "temperature": 0, "max_tokens": 200, "logprobs": True}
+    both = post(canary, body).json()["choices"][0]
+    tokens = [e["token"] for e in both["logprobs"]["content"]]
+    assert len(both["message"]["tool_calls"]) == 2
+    first = tokens[: tokens.index("</\uff5cDSML\uff5cinvoke>") + 1]
+    single = {**body, "parallel_tool_calls": False}
+    unary = post(canary, single).json()
+    chunks = stream(canary, {**single, "stream_options": {"include_usage": True}})
+    _, calls, finish, logprobs = streamed_message(chunks)
+    replies = [(unary["choices"][0]["message"]["tool_calls"], unary["choices"][0]["finish_reason"],
+                unary["choices"][0]["logprobs"]["content"], unary["usage"]["completion_tokens"]),
+               ([{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls], finish, logprobs,
+                chunks[-1]["usage"]["completion_tokens"])]
+    for got_calls, got_finish, entries, completion_tokens in replies:
+        assert got_finish == "tool_calls"
+        assert [c["function"] for c in got_calls] == [both["message"]["tool_calls"][0]["function"]]
+        assert [e["token"] for e in entries] == first and completion_tokens == len(first)
+    deadline = time.monotonic() + 10
+    while kv_pages_in_use(canary) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_pages_in_use(canary) == 0
