@@ -156,10 +156,14 @@ def rejected_counts(server) -> dict[str, float]:
 
 
 def test_dsml_returned_as_content_is_counted_by_reason(canary):
-    """A call cut by max_tokens inside its invoke is content, finish "length", and counted once per
-    reply (streamed and not) as an unclosed invoke; the same call left to finish counts nothing."""
-    messages, _ = first_turn(lambda s, t: s.tool_choice == "auto" and len(t.calls) == 1)
+    """Once per reply, streamed and not: a call cut by max_tokens inside its invoke is content, finish
+    "length", counted as an unclosed invoke; an invoke of a tool the request did not offer (the
+    canary calls it anyway) is content, counted as an unknown tool name. The same call left to
+    finish among the offered tools counts nothing."""
+    messages, session = first_turn(lambda s, t: s.tool_choice == "auto" and len(t.calls) == 1)
     body = {"messages": messages, "tools": TOOLS, "temperature": 0}
+    name = session.turns[0].calls[0].name
+    others = {**body, "max_tokens": 200, "tools": [t for t in TOOLS if t["function"]["name"] != name]}
     before = rejected_counts(canary)
     assert post(canary, {**body, "max_tokens": 200}).json()["choices"][0]["finish_reason"] == "tool_calls"
     assert streamed_message(stream(canary, {**body, "max_tokens": 200}))[2] == "tool_calls"
@@ -167,8 +171,12 @@ def test_dsml_returned_as_content_is_counted_by_reason(canary):
     cut = post(canary, {**body, "max_tokens": 12}).json()["choices"][0]
     assert cut["finish_reason"] == "length" and "invoke" in cut["message"]["content"]
     assert streamed_message(stream(canary, {**body, "max_tokens": 12}))[2] == "length"
+    unknown = post(canary, others).json()["choices"][0]["message"]
+    assert f'invoke name="{name}"' in unknown["content"] and "tool_calls" not in unknown
+    assert f'invoke name="{name}"' in streamed_message(stream(canary, others))[0]
     after = rejected_counts(canary)
-    assert {r: n - before.get(r, 0.0) for r, n in after.items() if n != before.get(r, 0.0)} == {"unclosed invoke": 2.0}
+    assert {r: n - before.get(r, 0.0) for r, n in after.items() if n != before.get(r, 0.0)} == {
+        "unclosed invoke": 2.0, "unknown tool name": 2.0}
 
 
 # ---- parallel_tool_calls=false ------------------------------------------------------------------
