@@ -131,24 +131,22 @@ class ChoiceBuilder:
         last allowed call (`ended`, parallel_tool_calls=false) is complete: "tool_calls".
         """
         delta = Delta()
-        events = self._events(self.detok.flush())
+        self._apply(delta, self._events(self.detok.flush()))  # may end the reply (a held-back call)
+        if self.parser is None:
+            return delta, reason
         if self.ended:  # what the parser holds undecided is past the end too (the next invoke's opening)
-            assert self.parser is not None  # only a call ends a reply early
-            self._apply(delta, events + [ContentDelta(self.parser.undecided)])
+            self._apply(delta, [ContentDelta(self.parser.undecided)])
             return delta, "tool_calls"
-        if self.parser is not None:
-            closed = self.parser.closed
-            events += self.parser.finish()
-            self._apply(delta, events)
-            if self.num_calls and reason == "stop" and closed and not self.detok.stopped:
-                reason = "tool_calls"
-        else:
-            self._apply(delta, events)
+        closed = self.parser.closed
+        self._apply(delta, self.parser.finish())
+        if self.num_calls and reason == "stop" and closed and not self.detok.stopped:
+            reason = "tool_calls"
         return delta, reason
 
     @property
     def rejected(self) -> list[str]:
-        """Why DSML went back to the content, one reason per case (runtime/server/dsml.py)."""
+        """Why model output is not a call, one reason per case: DSML returned as content (the parser's
+        reasons, runtime/server/dsml.py), or PAST_LAST_CALL."""
         rejected = self.parser.rejected if self.parser is not None else []
         return [*rejected, PAST_LAST_CALL] if self._past_end else rejected
 

@@ -155,3 +155,15 @@ def test_corruption_rate_is_low_and_seeded():
         corruptor.start_call(0)
         hits += corruptor.arguments(0, '{"a": 1}') != '{"a": 1}'
     assert 20 <= hits <= 60
+
+
+def test_parallel_tool_calls_false_a_call_released_only_at_the_end_ends_the_reply():
+    """The output ended (max_tokens) while a stop string held both calls back: the flush releases
+    them together, the reply ends at the first, complete ("tool_calls"), and the second is counted."""
+    builder = ChoiceBuilder(TOK, OutputOptions(stop=("#" * 400,), parse_tools=True, max_calls=1))
+    deltas = [builder.push(t, -0.5, [], False) for t in TOK.encode(CALL_TEXT)]
+    assert not builder.ended
+    last, finish = builder.finish("length")
+    message = fold([*deltas, last])["message"]
+    assert finish == "tool_calls" and len(message["tool_calls"]) == 1 and message["content"] == "Sure."
+    assert builder.rejected == [PAST_LAST_CALL]
