@@ -1,5 +1,5 @@
 """Tokenizers behind one small interface: a byte-level one for `tiny-random` (no files) and an HF
-`tokenizers` one loaded from tokenizer.json."""
+`tokenizers` byte-level BPE one loaded from tokenizer.json (the canary's, DeepSeek's)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token adds to the UTF-8 of any text it is part of (a logprob's `bytes`): a
+        token inside a multi-byte character has part of its bytes, not the U+FFFD it decodes to
+        alone, so a client can join them into the text. b"" for an id with no text."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; specials follow. Decoding drops specials and repairs partial
@@ -46,6 +52,20 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if 0 <= token < 256 else b""
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, as HF `tokenizers`' ByteLevel writes bytes: a character for each
+    byte value. Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, NBSP,
+    soft hyphen) are U+0100 onward, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in chars.values())
+    chars.update((chr(0x100 + n), b) for n, b in enumerate(shifted))
+    return chars
+
 
 class HFTokenizer:
     def __init__(self, path: Path, bos_token_id: int, eos_token_id: int) -> None:
@@ -59,6 +79,14 @@ class HFTokenizer:
         # is how content stays text (the one-segment-at-a-time split is the same as the full one's).
         self._text_only = _HF.from_str(json.dumps({**spec, "added_tokens": []}))
         self.control_tokens = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+        self._added = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
+        decoder = spec.get("decoder") or {}
+        decoders = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        if not any(d.get("type") == "ByteLevel" for d in decoders):
+            # Token bytes read through the byte-level alphabet; any other decoder needs its own reading.
+            raise ValueError(f"{path}: only byte-level BPE tokenizers are supported (decoder {decoder.get('type')})")
+        self._byte_of = byte_level_alphabet()
+        self._token_bytes: dict[int, bytes] = {}  # filled per id on first use (the logprob hot path)
         self.vocab_size = self._tok.get_vocab_size()
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -79,3 +107,15 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token: int) -> bytes:
+        cached = self._token_bytes.get(token)
+        if cached is None:
+            cached = self._token_bytes[token] = self._read_token_bytes(token)
+        return cached
+
+    def _read_token_bytes(self, token: int) -> bytes:
+        if token in self._added:  # added tokens are stored as their text, not in the byte alphabet
+            return self._added[token].encode("utf-8")
+        piece = self._tok.id_to_token(token) if token >= 0 else None
+        return b"" if piece is None else bytes(self._byte_of[c] for c in piece)

@@ -288,6 +288,24 @@ def _delta_body(delta: Delta) -> dict[str, Any]:
     return body
 
 
+def _reason(state: ServerState, rid: str, builder: ChoiceBuilder, event: TokenOut) -> str | None:
+    """The token's finish reason, or "stop" where the reply ended at its last allowed call
+    (parallel_tool_calls=false, ChoiceBuilder): the engine stops generating it (an abort, as its
+    finish counter counts it)."""
+    if event.finish_reason is None and builder.ended:
+        state.bridge.abort(rid)
+        return "stop"
+    return event.finish_reason
+
+
+def _finish(state: ServerState, builder: ChoiceBuilder, reason: str) -> tuple[Delta, str]:
+    """The builder's last delta and finish_reason; what its parser returned as content is counted."""
+    last, finish = builder.finish(reason)
+    for rejected in builder.rejected:
+        state.metrics.dsml_rejected.labels(rejected).inc()
+    return last, finish
+
+
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -318,9 +336,9 @@ async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: Ch
                     delta = builder.push(event.token, event.logprob, event.top, event.is_stop_token)
                     if delta:
                         out.append(encoder.delta_chunk(delta, _delta_body(delta)))
-                    reason = event.finish_reason
+                    reason = _reason(state, rid, builder, event)
                 if reason is not None:
-                    last, finish = builder.finish(reason)
+                    last, finish = _finish(state, builder, reason)
                     done = True
                     out.append(encoder.delta_chunk(last, _delta_body(last), finish))
                     break
@@ -357,9 +375,9 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
             if isinstance(event, TokenOut):
                 completion += 1
                 deltas.append(builder.push(event.token, event.logprob, event.top, event.is_stop_token))
-                reason = event.finish_reason
+                reason = _reason(state, rid, builder, event)
             if reason is not None:
-                last, finish = builder.finish(reason)
+                last, finish = _finish(state, builder, reason)
                 deltas.append(last)
     except asyncio.CancelledError:
         state.bridge.abort(rid)

@@ -266,6 +266,11 @@ class DsmlParser:
         return events
 
     @property
+    def undecided(self) -> str:
+        """Text fed but not decided yet: it could still grow into a tag, or its segment has not ended."""
+        return self._buf
+
+    @property
     def closed(self) -> bool:
         """Every block and invoke the model opened was closed (the output was not cut in markup)."""
         return self._state == "content"

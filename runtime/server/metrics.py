@@ -25,6 +25,10 @@ class ServerMetrics:
         self.kv_pages_total = Gauge("dsv4_kv_pages_total", "KV-cache pages in the pool", registry=r)
         # The canary gate reports how often its small-pool run really preempted (canary/workload.py).
         self.preemptions = Counter("dsv4_preemptions", "Running requests preempted to free KV pages", registry=r)
+        # Model output the DSML parser did not take for a call, returned as content (runtime/server/dsml.py),
+        # or output past a reply's last allowed call (output.py): by reason, a fixed phrase, never model text.
+        self.dsml_rejected = Counter("dsv4_dsml_rejected", "Model output not returned as a tool call, by reason",
+                                     ["reason"], registry=r)
         self.step_seconds = Histogram("dsv4_engine_step_seconds", "Wall time of one engine step",
                                       buckets=STEP_BUCKETS, registry=r)
 

@@ -77,10 +77,28 @@ class OutputOptions:
     forced_prefix: str = ""  # DSML already placed in the prompt (named tool_choice): parsed, never sent
     logprobs: bool = False
     top_logprobs: int = 0
-    max_calls: int | None = None  # parallel_tool_calls=false: only the first call is returned
+    max_calls: int | None = None  # parallel_tool_calls=false: 1, the reply ends at its first call (ChoiceBuilder)
+
+
+# Counted with the parser's reasons (dsv4_dsml_rejected_total): model output after the reply's end.
+PAST_LAST_CALL = "output after the last call allowed (parallel_tool_calls=false)"
 
 
 class ChoiceBuilder:
+    """One choice's output, token by token (`push`), then `finish`.
+
+    `parallel_tool_calls=false` (`max_calls=1`): the reply ends at its first call. `ended` turns
+    true on the token that completes the call; the server then stops the request and finishes with
+    "tool_calls", so the model makes at most one call, as OpenAI's does, and a client that runs the
+    call and answers gets the model's next call on the next turn. Never a second call generated and
+    silently dropped: vLLM returns the first call and drops the rest from the reply (it does not stop
+    generation); SGLang enforces one call only where a grammar constrains the output
+    (tool_choice "required" or named), which for DeepSeek's format ends the block after one invoke,
+    what stopping at the invoke's close does without a grammar. Text the same release carried past
+    the call (only a stop string's hold-back releases several tokens at once) is not returned; when
+    it is more than markup, it is logged and counted as PAST_LAST_CALL.
+    """
+
     def __init__(self, tokenizer: Tokenizer, options: OutputOptions,
                  corruptor: ToolJsonCorruptor | None = None) -> None:
         self.tokenizer = tokenizer
@@ -90,6 +108,8 @@ class ChoiceBuilder:
             if options.parse_tools else None
         self.corruptor = corruptor
         self.num_calls = 0
+        self.ended = False  # the reply ended at its last allowed call
+        self._past_end = False  # output after that call was not returned
         self._pending = self.parser.feed(options.forced_prefix) if self.parser and options.forced_prefix else []
 
     def push(self, token: int, logprob: float, top: list[tuple[int, float]], is_stop_token: bool) -> Delta:
@@ -107,19 +127,28 @@ class ChoiceBuilder:
         "tool_calls" only when the model ended its turn itself (EOS or a stop token: reason "stop"
         with no stop string cut) with every block and invoke closed. Output cut by max_tokens or a
         stop string keeps "length"/"stop" even when some calls before the cut were complete, so a
-        client never takes a truncated list of calls for the whole answer.
+        client never takes a truncated list of calls for the whole answer. A reply that ended at its
+        last allowed call (`ended`, parallel_tool_calls=false) is complete: "tool_calls".
         """
         delta = Delta()
-        events = self._events(self.detok.flush())
-        if self.parser is not None:
-            closed = self.parser.closed
-            events += self.parser.finish()
-            self._apply(delta, events)
-            if self.num_calls and reason == "stop" and closed and not self.detok.stopped:
-                reason = "tool_calls"
-        else:
-            self._apply(delta, events)
+        self._apply(delta, self._events(self.detok.flush()))  # may end the reply (a held-back call)
+        if self.parser is None:
+            return delta, reason
+        if self.ended:  # what the parser holds undecided is past the end too (the next invoke's opening)
+            self._apply(delta, [ContentDelta(self.parser.undecided)])
+            return delta, "tool_calls"
+        closed = self.parser.closed
+        self._apply(delta, self.parser.finish())
+        if self.num_calls and reason == "stop" and closed and not self.detok.stopped:
+            reason = "tool_calls"
         return delta, reason
+
+    @property
+    def rejected(self) -> list[str]:
+        """Why model output is not a call, one reason per case: DSML returned as content (the parser's
+        reasons, runtime/server/dsml.py), or PAST_LAST_CALL."""
+        rejected = self.parser.rejected if self.parser is not None else []
+        return [*rejected, PAST_LAST_CALL] if self._past_end else rejected
 
     # ---- internals ------------------------------------------------------------------------------
     def _events(self, text: str) -> list:
@@ -130,13 +159,16 @@ class ChoiceBuilder:
 
     def _apply(self, delta: Delta, events) -> None:
         for event in events:
-            if isinstance(event, ContentDelta):
+            if self.ended:
+                if isinstance(event, ToolCall) or event.text.strip():
+                    if not self._past_end:
+                        log.warning("output after the reply's last allowed call is not returned")
+                    self._past_end = True
+            elif isinstance(event, ContentDelta):
                 delta.content += event.text
             elif isinstance(event, ToolCall):
-                if self.options.max_calls is not None and event.index >= self.options.max_calls:
-                    log.info("parallel_tool_calls=false: call %d of the reply not returned", event.index)
-                    continue
                 self.num_calls += 1
+                self.ended = self.num_calls == self.options.max_calls
                 arguments = event.arguments
                 if self.corruptor is not None:
                     self.corruptor.start_call(event.index)
@@ -148,11 +180,12 @@ class ChoiceBuilder:
 
 @functools.lru_cache(maxsize=1 << 16)
 def token_text(tokenizer: Any, token: int) -> tuple[str, bytes]:  # Any: the cache hashes it
-    """One token's text and UTF-8 bytes, as a logprob entry shows it. Cached: the server decoded
-    every top-k alternative of every streamed token anew (a twentieth of its event loop in the
-    H200 gate), and a token's text never changes. Tokenizers hash by identity."""
-    text = tokenizer.decode([token])
-    return text, text.encode("utf-8")
+    """One token's text and bytes, as a logprob entry shows them. The bytes are the token's own
+    (`Tokenizer.token_bytes`), not its text's: a token inside a multi-byte character decodes alone
+    to U+FFFD, whose UTF-8 would not rebuild the reply. Cached: the server decoded every top-k
+    alternative of every streamed token anew (a twentieth of its event loop in the H200 gate), and
+    a token's text never changes. Tokenizers hash by identity."""
+    return tokenizer.decode([token]), tokenizer.token_bytes(token)
 
 
 @functools.lru_cache(maxsize=1 << 16)

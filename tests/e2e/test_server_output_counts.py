@@ -1,11 +1,13 @@
 """Issue 18 item 5, the output side, through the app in-process (tests/e2e/test_server_options.py's
 harness): every tool call of a response has its own id, usage counts tokens (not chunks) streamed
-and not, and EOS never reaches the text. The canary model writes real DSML and ends its replies with
+and not, and EOS never reaches the text; logprob bytes rebuild the reply, DSML returned as content
+is counted, and parallel_tool_calls=false ends the reply at its first call. The canary model writes real DSML and ends its replies with
 EOS; tiny-random gives long replies whose text a stop string holds back. Each oracle has a negative
 control that plants the bug it is meant to catch in the running server."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,91 @@ def test_usage_counts_tokens_while_a_stop_string_holds_the_text_back(tiny):
     with_text = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert len(with_text) < max_tokens and len(chunks) - 1 != max_tokens
 
+
+
+# ---- logprob bytes ------------------------------------------------------------------------------
+def test_logprob_bytes_rebuild_the_reply_streamed_and_not(tiny):
+    """tiny-random's tokens are single bytes, so a seeded reply holds multi-byte characters split
+    across tokens (and stray bytes). Joined, the entries' bytes decode to the reply exactly as the
+    tokenizer decodes it, and every top_logprobs alternative is one byte or none; the old `bytes`
+    (each token's decoded text, U+FFFD for a split character) rebuild U+FFFDs instead."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "seed": 2, "max_tokens": 100,
+            "logprobs": True, "top_logprobs": 3}
+    choice = post(tiny, body).json()["choices"][0]
+    replies = [(choice["message"]["content"], choice["logprobs"]["content"]), streamed_message(stream(tiny, body))[::3]]
+    for content, entries in replies:
+        assert any(len(ch.encode()) > 1 and ch != "\ufffd" for ch in content)  # the premise: split characters
+        rebuilt = b"".join(bytes(e["bytes"]) for e in entries)
+        assert rebuilt.decode("utf-8", errors="replace") == content
+        assert all(len(top["bytes"]) <= 1 for e in entries for top in e["top_logprobs"])
+        old = b"".join(e["token"].encode() for e in entries)  # negative control: the text's bytes
+        assert old.decode("utf-8", errors="replace") != content
+
+
+# ---- DSML returned as content is counted --------------------------------------------------------
+def rejected_counts(server) -> dict[str, float]:
+    """`dsv4_dsml_rejected_total` by reason, from the Prometheus text."""
+    text = server.loop.run_until_complete(server.client.get("/metrics")).text
+    prefix = 'dsv4_dsml_rejected_total{reason="'
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_dsml_returned_as_content_is_counted_by_reason(canary):
+    """Once per reply, streamed and not: a call cut by max_tokens inside its invoke is content, finish
+    "length", counted as an unclosed invoke; an invoke of a tool the request did not offer (the
+    canary calls it anyway) is content, counted as an unknown tool name. The same call left to
+    finish among the offered tools counts nothing."""
+    messages, session = first_turn(lambda s, t: s.tool_choice == "auto" and len(t.calls) == 1)
+    body = {"messages": messages, "tools": TOOLS, "temperature": 0}
+    name = session.turns[0].calls[0].name
+    others = {**body, "max_tokens": 200, "tools": [t for t in TOOLS if t["function"]["name"] != name]}
+    before = rejected_counts(canary)
+    assert post(canary, {**body, "max_tokens": 200}).json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert streamed_message(stream(canary, {**body, "max_tokens": 200}))[2] == "tool_calls"
+    assert rejected_counts(canary) == before  # a clean call is not counted
+    cut = post(canary, {**body, "max_tokens": 12}).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and "invoke" in cut["message"]["content"]
+    assert streamed_message(stream(canary, {**body, "max_tokens": 12}))[2] == "length"
+    unknown = post(canary, others).json()["choices"][0]["message"]
+    assert f'invoke name="{name}"' in unknown["content"] and "tool_calls" not in unknown
+    assert f'invoke name="{name}"' in streamed_message(stream(canary, others))[0]
+    after = rejected_counts(canary)
+    assert {r: n - before.get(r, 0.0) for r, n in after.items() if n != before.get(r, 0.0)} == {
+        "unclosed invoke": 2.0, "unknown tool name": 2.0}
+
+
+# ---- parallel_tool_calls=false ------------------------------------------------------------------
+def kv_pages_in_use(server) -> float:
+    text = server.loop.run_until_complete(server.client.get("/metrics")).text
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("dsv4_kv_pages_in_use "))
+
+
+def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(canary):
+    """A turn the model answers with two calls, asked with parallel_tool_calls=false: the reply is
+    the model's own reply up to the close of its first invoke, token for token (logprobs, usage),
+    with that call and finish "tool_calls", streamed and not; the request stops there and its pages
+    return. The old server generated both calls and dropped the second from a reply whose tokens
+    still held it."""
+    messages, _ = first_turn(lambda s, t: s.tool_choice == "auto" and len(t.calls) == 2)
+    body = {"messages": messages, "tools": TOOLS, "temperature": 0, "max_tokens": 200, "logprobs": True}
+    both = post(canary, body).json()["choices"][0]
+    tokens = [e["token"] for e in both["logprobs"]["content"]]
+    assert len(both["message"]["tool_calls"]) == 2
+    first = tokens[: tokens.index("</\uff5cDSML\uff5cinvoke>") + 1]
+    single = {**body, "parallel_tool_calls": False}
+    unary = post(canary, single).json()
+    chunks = stream(canary, {**single, "stream_options": {"include_usage": True}})
+    _, calls, finish, logprobs = streamed_message(chunks)
+    replies = [(unary["choices"][0]["message"]["tool_calls"], unary["choices"][0]["finish_reason"],
+                unary["choices"][0]["logprobs"]["content"], unary["usage"]["completion_tokens"]),
+               ([{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls], finish, logprobs,
+                chunks[-1]["usage"]["completion_tokens"])]
+    for got_calls, got_finish, entries, completion_tokens in replies:
+        assert got_finish == "tool_calls"
+        assert [c["function"] for c in got_calls] == [both["message"]["tool_calls"][0]["function"]]
+        assert [e["token"] for e in entries] == first and completion_tokens == len(first)
+    deadline = time.monotonic() + 10
+    while kv_pages_in_use(canary) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_pages_in_use(canary) == 0

@@ -10,7 +10,7 @@ import pytest
 from runtime.server.corrupt import ToolJsonCorruptor
 from runtime.server.detokenizer import Detokenizer
 from runtime.server.dsml import DSML
-from runtime.server.output import ChoiceBuilder, OutputOptions, fold
+from runtime.server.output import PAST_LAST_CALL, ChoiceBuilder, OutputOptions, fold
 from runtime.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.unit
@@ -50,9 +50,42 @@ def test_tool_calls_non_streaming_and_streaming_agree():
         assert "".join(e["function"]["arguments"] for e in mine) == call["function"]["arguments"]
 
 
-def test_parallel_tool_calls_false_keeps_the_first_call():
-    deltas, _ = run(CALL_TEXT, OutputOptions(parse_tools=True, max_calls=1))
-    assert len(fold(deltas)["message"]["tool_calls"]) == 1
+def push_until_ended(builder: ChoiceBuilder, text: str) -> tuple[list, int]:
+    """Push `text`'s tokens as the server does under parallel_tool_calls=false: until the builder
+    says the reply ended. Returns the deltas and the number of tokens pushed."""
+    deltas = []
+    for count, token in enumerate(TOK.encode(text), 1):
+        deltas.append(builder.push(token, -0.5, [], False))
+        if builder.ended:
+            return deltas, count
+    return deltas, count
+
+
+def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call():
+    """max_calls=1: the reply ends on the very token that closes the first invoke (the server stops
+    generating there), with that one call, finish "tool_calls", and nothing past it to count. The
+    old builder read on and dropped the second call."""
+    builder = ChoiceBuilder(TOK, OutputOptions(parse_tools=True, max_calls=1))
+    deltas, pushed = push_until_ended(builder, CALL_TEXT)
+    first_close = CALL_TEXT.index(f"</{DSML}invoke>") + len(f"</{DSML}invoke>")
+    assert pushed == len(CALL_TEXT[:first_close].encode())
+    last, finish = builder.finish("stop")
+    message = fold([*deltas, last])["message"]
+    assert finish == "tool_calls" and message["content"] == "Sure."
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Zürich", "days": 3}]
+    assert builder.rejected == []
+
+
+def test_parallel_tool_calls_false_counts_output_a_stop_string_held_past_the_call():
+    """A stop string's hold-back releases the first call late, when the second invoke is already
+    generated: it is past the reply's end, not returned, and counted (never dropped in silence)."""
+    builder = ChoiceBuilder(TOK, OutputOptions(stop=("#" * 120,), parse_tools=True, max_calls=1))
+    deltas, pushed = push_until_ended(builder, CALL_TEXT)
+    assert pushed < len(CALL_TEXT.encode())
+    last, finish = builder.finish("stop")
+    message = fold([*deltas, last])["message"]
+    assert finish == "tool_calls" and len(message["tool_calls"]) == 1 and message["content"] == "Sure."
+    assert builder.rejected == [PAST_LAST_CALL]
 
 
 def test_tool_choice_none_returns_dsml_as_text_and_length_stays_length():
@@ -122,3 +155,15 @@ def test_corruption_rate_is_low_and_seeded():
         corruptor.start_call(0)
         hits += corruptor.arguments(0, '{"a": 1}') != '{"a": 1}'
     assert 20 <= hits <= 60
+
+
+def test_parallel_tool_calls_false_a_call_released_only_at_the_end_ends_the_reply():
+    """The output ended (max_tokens) while a stop string held both calls back: the flush releases
+    them together, the reply ends at the first, complete ("tool_calls"), and the second is counted."""
+    builder = ChoiceBuilder(TOK, OutputOptions(stop=("#" * 400,), parse_tools=True, max_calls=1))
+    deltas = [builder.push(t, -0.5, [], False) for t in TOK.encode(CALL_TEXT)]
+    assert not builder.ended
+    last, finish = builder.finish("length")
+    message = fold([*deltas, last])["message"]
+    assert finish == "tool_calls" and len(message["tool_calls"]) == 1 and message["content"] == "Sure."
+    assert builder.rejected == [PAST_LAST_CALL]
