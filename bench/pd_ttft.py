@@ -28,11 +28,14 @@ from runtime.config import DEFAULT_MODEL
 from tests.e2e.pd_pair import pd_pair, serve_state, server_state
 
 
-def ttft(url: str, words: int, i: int, headers: dict[str, str] | None = None) -> float:
+def ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, str] | None = None) -> float:
+    """One request's time to its first content token. `client` is kept across requests: a new httpx
+    client costs its TLS context, 30-45 ms on the loaded 2-core CPU, which would be counted on both
+    sides and hide the servers' own difference (the first version of this bench did that)."""
     body = {"model": "canary-moe-v1", "stream": True, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": " ".join(f"w{i}x{k}" for k in range(words))}]}
     started = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120, headers=headers) as reply:
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120, headers=headers) as reply:
         for line in reply.iter_lines():
             if '"content"' in line and '"content": ""' not in line:
                 return time.perf_counter() - started
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = {}
     with ExitStack() as stack:
+        client = stack.enter_context(httpx.Client())
         pd_headers: dict[str, str] | None = None
         co_headers: dict[str, str] | None = None
         if args.threads:
@@ -59,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
             pd_url, co_url, pd_headers, co_headers = (pd_target.root_url, co_target.root_url, pd_target.headers,
                                                       co_target.headers)
         for words in map(int, args.words.split(",")):
-            ttft(pd_url, words, -1, pd_headers), ttft(co_url, words, -1, co_headers)  # warm both paths
+            ttft(client, pd_url, words, -1, pd_headers), ttft(client, co_url, words, -1, co_headers)  # warm both
             pd, co = [], []
             for i in range(args.repeats):  # interleaved: a load spike on the shared CPU hits both
-                pd.append(ttft(pd_url, words, i, pd_headers))
-                co.append(ttft(co_url, words, i, co_headers))
+                pd.append(ttft(client, pd_url, words, i, pd_headers))
+                co.append(ttft(client, co_url, words, i, co_headers))
             rows[words] = {"pd_ms": round(statistics.median(pd) * 1e3, 1),
                            "colocated_ms": round(statistics.median(co) * 1e3, 1),
                            "ratio": round(statistics.median(pd) / statistics.median(co), 2)}

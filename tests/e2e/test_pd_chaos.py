@@ -10,8 +10,11 @@ server, while the sessions keep sending. It must end with:
 - 0 pages left on either side (/metrics: KV pages in use, pages reserved for transfers);
 - the same greedy answer for the same prompt before and after the restarts.
 
-About 2 minutes on the 2-core CPU, so opt-in: `pytest --run-slow tests/e2e/test_pd_chaos.py -s`
-(the summary line is the figure docs/results.md records). `PD_CHAOS_SESSIONS` sets the session count,
+80 sessions, as the issue asks (about 1 minute on the 2-core CPU, loaded), opt-in: `pytest --run-slow
+tests/e2e/test_pd_chaos.py -s` (the summary line is the figure docs/results.md records). Before the
+decode side shared one HTTP client, the 80-session run missed the 10 s recovery bound (each of the
+80 requests arriving at the restarted decode server built a TLS context on its event loop), so the
+default was 20. `PD_CHAOS_SESSIONS` sets the session count,
 `PD_CHAOS_FAULTS` (comma-separated) starts both sides with faults: with pd-abort-leak the run fails its
 page check (the negative control, run by hand: docs/results.md). The recovery bound's control is
 the PD fault gate's pd-stale-bootstrap row (canary/faults/pd_gates.py); the request classifier's
@@ -37,7 +40,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
 MODEL = "canary-moe-v1"
-SESSIONS = int(os.environ.get("PD_CHAOS_SESSIONS", "20"))
+SESSIONS = int(os.environ.get("PD_CHAOS_SESSIONS", "80"))
 FAULTS = tuple(f for f in os.environ.get("PD_CHAOS_FAULTS", "").split(",") if f)
 ABORT_RATIO = 0.1
 RECOVERY_S = 10.0
