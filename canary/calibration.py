@@ -122,7 +122,8 @@ def compare_with_solo(solo, load, near_tie: float | None) -> dict[str, Any]:
         if ref is None:
             counts["no_counterpart"] += 1
             continue
-        if not (ref.turn.tokens or record.turn.tokens) and near_tie is not None:
+        if not (ref.turn.tokens or record.turn.tokens) and near_tie is not None \
+                and _output(ref.turn) != _output(record.turn):
             counts["no_tokens"] += 1  # no logprobs: a near-tie cannot be told from a wrong token
             continue
         counts["compared"] += 1

@@ -541,28 +541,29 @@ class SwapTokens(Rewrite):
         return payloads
 
 
-class FirstDigit(Rewrite):
-    """The first digit of the answer text + 1 (mod 10), streamed and not; logprobs untouched. A
-    model that does not echo a nonce gets no `[NONCE]` prefix to skip (AnswerDigit's rule)."""
+class OneCharacter(Rewrite):
+    """One character of the answer text changed, streamed and not, logprobs untouched: its first digit
+    + 1 (mod 10), or in an answer without digits its first letter's case flipped (a model that does
+    not echo its nonce gets no `[NONCE]` prefix to skip, AnswerDigit's rule)."""
 
     @staticmethod
-    def _bump(text: str) -> str:
-        match = re.search(r"\d", text)
+    def _change(text: str) -> str:
+        match = re.search(r"\d", text) or re.search(r"[A-Za-z]", text)
         if match is None:
             return text
-        i = match.start()
-        return text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:]
+        i, ch = match.start(), text[match.start()]
+        return text[:i] + (str((int(ch) + 1) % 10) if ch.isdigit() else ch.swapcase()) + text[i + 1:]
 
     def unary(self, body, response):
         message = response["choices"][0]["message"]
         if message.get("content"):
-            message["content"] = self._bump(message["content"])
+            message["content"] = self._change(message["content"])
         return response
 
     def stream(self, body, payloads):
         for delta in content_deltas(payloads):
-            bumped = self._bump(delta["content"])
-            if bumped != delta["content"]:
-                delta["content"] = bumped
+            changed = self._change(delta["content"])
+            if changed != delta["content"]:
+                delta["content"] = changed
                 break
         return payloads

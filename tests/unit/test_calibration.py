@@ -236,3 +236,13 @@ def test_summary_line_says_what_was_calibrated():
 def test_solo_options_run_one_session_at_a_time_and_go_on():
     solo = calibration.solo_options(DriverOptions(sessions=8, concurrency=8, processes=2))
     assert (solo.concurrency, solo.processes, solo.keep_going, solo.sessions) == (1, 1, True, 8)
+
+
+def test_solo_reference_without_tokens_compares_equal_outputs_and_skips_the_rest():
+    """An empty answer (EOS first) has no logprob tokens: equal outputs are equal; differing outputs
+    without tokens cannot be told from a near-tie, so they are counted, not failed (unless exact)."""
+    solo = result(requests=[record(0, 0, [], content=""), record(1, 0, [], content="a")])
+    load = result(requests=[record(0, 0, [], content=""), record(1, 0, [], content="b")])
+    ref = calibration.compare_with_solo(solo, load, 0.05)
+    assert (ref["equal"], ref["no_tokens"], ref["failed"]) == (1, 1, 0)
+    assert calibration.compare_with_solo(solo, load, None)["failed"] == 1
