@@ -80,9 +80,15 @@ def test_healthy_server_passes_with_model_quality_reported_and_no_false_alarm(ll
 
 def test_corruption_under_load_between_harness_and_server_is_caught(llama, canary_summary, tmp_path):
     nonces = [make_scenario(i, OPTIONS["turns"], True).nonce for i in range(OPTIONS["sessions"])]
+    # Gemma 3 270M (base, llama-2 fallback template) answers its first turn with text and later turns
+    # mostly with EOS at once (measured: 33 tokens in 12 requests), so the two text rewrites act from
+    # the first turn on; bleed and the missing [DONE] need no text and are planted from the second.
+    in_text = [cp.OneCharacter(), cp.SwapTokens()]
+    for rewrite in in_text:
+        rewrite.late = 1
     expected = {"OneCharacter": "[solo-reference]", "SwapTokens": "[solo-reference]",
                 "ForeignNonce": "[cross-session-bleed]", "DropDone": "[stream-done]"}
-    by_session = cp.BySession([cp.OneCharacter(), cp.SwapTokens(), cp.ForeignNonce(nonces), cp.DropDone()], nonces)
+    by_session = cp.BySession([*in_text, cp.ForeignNonce(nonces), cp.DropDone()], nonces)
     with cp.CorruptingProxy(llama.root_url) as proxy:
         proxy.rewrite = cp.UnderLoad(by_session, proxy)
         outcome = gate(proxy.target(llama.model), tmp_path)
@@ -94,9 +100,10 @@ def test_corruption_under_load_between_harness_and_server_is_caught(llama, canar
         caught = {s for s in changed if any(line.startswith(oracle) and f"session {s} " in line
                                             for line in outcome.failures)}
         assert caught, f"{kind} (sessions {sorted(changed)}) went unnoticed by {oracle}"
-    # Nothing is corrupted alone or in the first user turn: every finding is in a later turn.
+    # Nothing is corrupted alone: the calibration run passed every oracle it holds the server to.
     assert not any(line.startswith("alone (calibration run)") for line in outcome.failures)
-    assert not any(" turn 0" in line for line in outcome.failures), outcome.failures
+    late = {s for kind in ("ForeignNonce", "DropDone") for s in by_session.changed.get(kind, ())}
+    assert not any(f"session {s} turn 0" in line for s in late for line in outcome.failures), outcome.failures
 
 
 def test_llama_cpp_default_interrupt_requests_fails_under_load_not_alone(llama_python, gguf, tmp_path):
