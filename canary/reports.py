@@ -106,7 +106,10 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
     sessions = summary.get("sessions")
     if sessions is not None:
         lines.append(f"  sessions: {sessions} ({summary.get('sessions_completed', 0)} completed, "
-                     f"{summary.get('sessions_failed', 0)} failed, {summary.get('sessions_aborted', 0)} aborted)")
+                     f"{summary.get('sessions_failed', 0)} failed, {summary.get('sessions_aborted', 0)} aborted)"
+                     # calibrated: a session that failed only what it also failed alone went on to its end
+                     + (" - failed alone too, see calibration" if summary.get("calibration") and not failures
+                        and summary.get("sessions_failed") else ""))
     if m:
         lines.append(f"  requests: {m['requests']} ({m['aborted_requests']} aborted), {m['completion_tokens']} "
                      f"completion tokens in {m['wall_s']:.1f}s = {m['output_tok_s']:.0f} tok/s; TTFT p50 "

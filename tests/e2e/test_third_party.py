@@ -106,13 +106,15 @@ def test_corruption_under_load_between_harness_and_server_is_caught(llama, canar
     assert not any(f"session {s} turn 0" in line for s in late for line in outcome.failures), outcome.failures
 
 
-def test_llama_cpp_default_interrupt_requests_fails_under_load_not_alone(llama_python, gguf, tmp_path):
+def test_llama_cpp_default_interrupt_requests_fails_under_load_not_alone(llama_python, gguf, canary_summary,
+                                                                        tmp_path):
     """With its default `interrupt_requests`, llama-cpp-python ends a streamed answer as soon as another
     request waits: `[DONE]` without a finish_reason. Alone nothing waits, so the calibration run passes
     the protocol oracles and the load run's truncated streams are corruption."""
     with thirdparty.llama_cpp_server(llama_python, gguf, interrupt_requests=True, log_dir=tmp_path) as target:
         outcome = run_gate(target, DriverOptions(**{**OPTIONS, "sessions": 3, "turns": 1, "stream_ratio": 1.0}),
                            progress=False, calibrate=True, differential_sample=0, perf_trials_min=0)
+    canary_summary(summary_lines({**outcome.summary, "notes": outcome.notes}, outcome.failures))
     fired = {line.split("]")[0] + "]" for line in outcome.failures}
     assert not outcome.passed and "[finish-reason]" in fired, outcome.failures
     assert not any(line.startswith("alone (calibration run)") for line in outcome.failures)
