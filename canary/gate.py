@@ -5,12 +5,14 @@ test runs: the choice between A/B, gate and sweep, and the report writing, from 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from canary import calibration
 from canary.driver import DriverOptions, RequestRecord, RunResult
 from canary.driver_pool import run_sessions
 from canary.options import CanaryOptions
@@ -196,18 +198,28 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
              perf_tolerance: float = 0.1, near_tie: float = 0.05, progress: bool = True,
              on_request_done: Callable[[RequestRecord], None] | None = None,
              differential_sample: int = differential.DEFAULT_SAMPLE, deterministic: bool | None = None,
-             perf_trials_min: int = 6, perf_gate: bool = True) -> GateOutcome:
+             perf_trials_min: int = 6, perf_gate: bool = True, calibrate: bool = False) -> GateOutcome:
     """`deterministic`: the load-vs-solo oracle in exact mode; None = exact for the embedded runtime
     (batch-invariant by construction, so a near-tie flipped by load is its bug), near-ties benign elsewhere.
-    `perf_gate` False: no baseline compared or recorded (the small-pool run, canary/workload.py)."""
+    `perf_gate` False: no baseline compared or recorded (the small-pool run, canary/workload.py).
+    `calibrate`: every session runs alone first; under load only what passed alone counts as
+    corruption, and each load request is compared with its solo counterpart (canary/calibration.py)."""
     outcome = GateOutcome()
     info = target.server_info()
+    exact = target.embedded if deterministic is None else deterministic
+    solo = None
+    if calibrate:
+        options = dataclasses.replace(options, keep_going=True)
+        solo = run_driver(target, calibration.solo_options(options), progress)
     preemptions_before = target.metric(PREEMPTIONS)
     result = run_driver(target, options, progress, on_request_done)
-    outcome.failures += [f.describe() for _, f in result.failures]
+    if solo is None:
+        outcome.failures += [f.describe() for _, f in result.failures]
+    else:
+        calibration.apply(solo, result, outcome, near_tie=None if exact else near_tie)
     check_session_ends(result, outcome)
     differential.check_load_vs_solo(target, result, outcome, sample=differential_sample, near_tie=near_tie,
-                                    exact=target.embedded if deterministic is None else deterministic)
+                                    exact=exact)
     metrics = run_metrics(result)
     metadata = {"commit": git_commit(), "target": target.name, "model": info.get("model", target.model),
                 "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),
@@ -350,7 +362,9 @@ def run_configured(options: CanaryOptions, target: Target) -> GateOutcome:
                            baseline_update=options.baseline_update,
                            baseline=options.baseline, perf_tolerance=options.perf_tolerance,
                            differential_sample=options.differential_sample, deterministic=options.deterministic,
-                           perf_trials_min=options.perf_trials)
+                           perf_trials_min=options.perf_trials,
+                           # default: a model this project did not train (plain-words prompts) is calibrated
+                           calibrate=driver.generic_prompts if options.calibrate is None else options.calibrate)
     if options.sweep:
         outcome.summary.update(sweep(target, driver))
     if options.report_dir:

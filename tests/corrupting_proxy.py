@@ -65,6 +65,7 @@ class CorruptingProxy:
         self.upstream_root = upstream_root.rstrip("/")
         self.rewrite = rewrite or Rewrite()
         self.rewritten = 0  # responses the rewrite changed (a control that changed nothing proves nothing)
+        self.in_flight = 0  # chat requests being handled now, this one included (`UnderLoad`)
         self.port = free_port()
         self._server = None
         self._thread: threading.Thread | None = None
@@ -82,6 +83,13 @@ class CorruptingProxy:
         client = httpx.AsyncClient(base_url=self.upstream_root, timeout=300.0)
 
         async def chat(request: Request):
+            self.in_flight += 1
+            try:
+                return await rewritten_chat(request)
+            finally:
+                self.in_flight -= 1
+
+        async def rewritten_chat(request: Request):
             raw = await request.body()
             body = json.loads(raw)
             headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
@@ -142,6 +150,24 @@ class CorruptingProxy:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+class UnderLoad(Rewrite):
+    """`inner` only while another chat request is in flight at the proxy: a corruption that shows
+    under load and never alone, as the seeds' batching bugs did (a calibration run, one session at a
+    time, and the load-vs-solo replays see a clean server)."""
+
+    def __init__(self, inner: Rewrite, proxy: CorruptingProxy) -> None:
+        self.inner, self.proxy = inner, proxy
+
+    def applies(self, body):
+        return self.proxy.in_flight >= 2 and self.inner.applies(body)
+
+    def unary(self, body, response):
+        return self.inner.unary(body, response)
+
+    def stream(self, body, payloads):
+        return self.inner.stream(body, payloads)
 
 
 # ---- the rewrites the controls plant ----------------------------------------------------------
@@ -421,3 +447,123 @@ class AlteredNonce(Rewrite):
         if nonce and message.get("content") and f"[{nonce}]" in message["content"]:
             message["content"] = message["content"].replace(nonce, nonce[:-1] + ("A" if nonce[-1] != "A" else "B"))
         return response
+
+
+# ---- controls for a server and model this project did not write (tests/e2e/test_third_party.py) ----
+
+class BySession(Rewrite):
+    """Several controls in one run: session i's responses get `kinds[i % len(kinds)]` (the session
+    found by the nonce in its system prompt); `changed[kind name]` holds the sessions each changed."""
+
+    def __init__(self, kinds: list[Rewrite], nonces: list[str]) -> None:
+        self.kinds, self.sessions = kinds, {nonce: i for i, nonce in enumerate(nonces)}
+        self.changed: dict[str, set[int]] = {}
+
+    def _session(self, body: dict) -> int | None:
+        return self.sessions.get(ReferenceNonceSwap._nonce(body) or "")
+
+    def _kind(self, body: dict) -> Rewrite:
+        session = self._session(body)
+        return Rewrite() if session is None else self.kinds[session % len(self.kinds)]
+
+    def applies(self, body):
+        return self._kind(body).applies(body)
+
+    def _note(self, body: dict, before: Any, after: Any) -> None:
+        if before != after:
+            self.changed.setdefault(type(self._kind(body)).__name__, set()).add(self._session(body))
+
+    def unary(self, body, response):
+        before = copy.deepcopy(response)
+        after = self._kind(body).unary(body, response)
+        self._note(body, before, after)
+        return after
+
+    def stream(self, body, payloads):
+        before = copy.deepcopy(payloads)
+        after = self._kind(body).stream(body, payloads)
+        self._note(body, before, after)
+        return after
+
+
+class ForeignNonce(Rewrite):
+    """Another live session's nonce appended to the answer text, streamed and not: bleed that needs
+    no model able to echo its own nonce."""
+
+    def __init__(self, nonces: list[str]) -> None:
+        self.nonces = nonces
+
+    def _other(self, body: dict) -> str:
+        own = ReferenceNonceSwap._nonce(body)
+        return next(n for n in self.nonces if n != own)
+
+    def unary(self, body, response):
+        message = response["choices"][0]["message"]
+        message["content"] = (message.get("content") or "") + f" [{self._other(body)}]"
+        return response
+
+    def stream(self, body, payloads):
+        deltas = content_deltas(payloads)
+        if deltas:
+            deltas[-1]["content"] += f" [{self._other(body)}]"
+        return payloads
+
+
+class SwapTokens(Rewrite):
+    """Two adjacent tokens of the answer change places, text and logprobs alike (the reply stays
+    self-consistent, as an engine that mixed up two positions would send it)."""
+
+    @staticmethod
+    def _pair(tokens: list[str]) -> int | None:
+        middle = len(tokens) // 2
+        return next((i for i in range(middle, len(tokens) - 1) if tokens[i] != tokens[i + 1]), None)
+
+    def unary(self, body, response):
+        choice = response["choices"][0]
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        tokens = [e["token"] for e in entries]
+        i = self._pair(tokens)
+        content = choice["message"].get("content") or ""
+        if i is None or "".join(tokens) != content:
+            return response
+        entries[i], entries[i + 1] = entries[i + 1], entries[i]
+        choice["message"]["content"] = "".join(e["token"] for e in entries)
+        return response
+
+    def stream(self, body, payloads):
+        chunks = [ch for p in payloads if isinstance(p, dict) for ch in p.get("choices", [])
+                  if (ch.get("delta") or {}).get("content") and (ch.get("logprobs") or {}).get("content")]
+        i = self._pair([ch["delta"]["content"] for ch in chunks])
+        if i is not None:
+            a, b = chunks[i], chunks[i + 1]
+            a["delta"]["content"], b["delta"]["content"] = b["delta"]["content"], a["delta"]["content"]
+            a["logprobs"], b["logprobs"] = b["logprobs"], a["logprobs"]
+        return payloads
+
+
+class OneCharacter(Rewrite):
+    """One character of the answer text changed, streamed and not, logprobs untouched: its first digit
+    + 1 (mod 10), or in an answer without digits its first letter's case flipped (a model that does
+    not echo its nonce gets no `[NONCE]` prefix to skip, AnswerDigit's rule)."""
+
+    @staticmethod
+    def _change(text: str) -> str:
+        match = re.search(r"\d", text) or re.search(r"[A-Za-z]", text)
+        if match is None:
+            return text
+        i, ch = match.start(), text[match.start()]
+        return text[:i] + (str((int(ch) + 1) % 10) if ch.isdigit() else ch.swapcase()) + text[i + 1:]
+
+    def unary(self, body, response):
+        message = response["choices"][0]["message"]
+        if message.get("content"):
+            message["content"] = self._change(message["content"])
+        return response
+
+    def stream(self, body, payloads):
+        for delta in content_deltas(payloads):
+            changed = self._change(delta["content"])
+            if changed != delta["content"]:
+                delta["content"] = changed
+                break
+        return payloads
