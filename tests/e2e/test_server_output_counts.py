@@ -1,9 +1,10 @@
 """Issue 18 item 5, the output side, through the app in-process (tests/e2e/test_server_options.py's
 harness): every tool call of a response has its own id, usage counts tokens (not chunks) streamed
 and not, and EOS never reaches the text; logprob bytes rebuild the reply, DSML returned as content
-is counted, and parallel_tool_calls=false ends the reply at its first call. The canary model writes real DSML and ends its replies with
-EOS; tiny-random gives long replies whose text a stop string holds back. Each oracle has a negative
-control that plants the bug it is meant to catch in the running server."""
+is counted, and parallel_tool_calls=false ends the reply at its first call. The canary model writes
+real DSML and ends its replies with EOS; tiny-random gives long replies whose text a stop string
+holds back. Each oracle has a negative control that plants the bug it is meant to catch in the
+running server."""
 
 from __future__ import annotations
 
