@@ -77,6 +77,7 @@ class Scheduler:
         self._arrivals += 1
         req.status = Status.RUNNING
         req.num_computed = len(req.prompt_ids)
+        req.pages_planned = 0  # its first decode extend sends the whole table to this engine's runner
         self.requests[req.rid] = req
         self.prefilled.append(req)
         reason = self._stop_reason(req)
@@ -149,7 +150,9 @@ class Scheduler:
                 if req.status is not Status.RUNNING:
                     continue
                 req.pages += self.pool.allocate(req.rid, needed)
-            decode.append(Extend(req.rid, length - 1, 1, tuple(req.pages)))
+            planned = req.pages_planned  # only the pages the runner has not seen travel in the plan
+            decode.append(Extend(req.rid, length - 1, 1, planned, tuple(req.pages[planned:])))
+            req.pages_planned = len(req.pages)
         return decode
 
     def _plan_prefill(self) -> list[Extend]:
@@ -169,14 +172,15 @@ class Scheduler:
             req.num_computed = 0
             self.running.append(req)
             budget -= num_new
-            prefill.append(Extend(req.rid, 0, num_new, tuple(req.pages)))
+            prefill.append(Extend(req.rid, 0, num_new, 0, tuple(req.pages)))
+            req.pages_planned = len(req.pages)
         return prefill
 
     def _preempt(self, req: Request) -> None:
         """Retract a running request: free its pages and queue it first for recomputation."""
         self.running.remove(req)
         self.pool.free(req.rid, req.pages)
-        req.pages = []
+        req.pages, req.pages_planned = [], 0
         req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -241,7 +245,7 @@ class Scheduler:
         # The `abort-leak` fault forgets an aborted request's pages: the pool never gets them back.
         if req.pages and not (reason == "abort" and self.faults.enabled("abort-leak")):
             self.pool.free(req.rid, req.pages)
-        req.pages = []
+        req.pages, req.pages_planned = [], 0
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.finished.append(req)

@@ -16,7 +16,6 @@ cache has one page more than the pool hands out: the scratch page that padded ro
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Mapping
 
 import numpy as np
@@ -35,6 +34,7 @@ from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.graph.runner import STEP_BUCKETS, GraphRunner
 from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
+from runtime.kvcache.page_table import PageTables
 from runtime.streams.cuda import CudaStreamExecutor
 from runtime.streams.tasks import InOrderExecutor
 
@@ -90,6 +90,9 @@ class StaticModelRunner:
                                   scratch_page=self.scratch_page, faults=faults, env=env)
         if cfg.cuda_graphs and on_gpu:
             self.graphs.capture()
+        # Each request's page table, kept across steps (plans carry only new pages), padded with the
+        # scratch page as the graphs' page tables are.
+        self.tables = PageTables(self.max_pages, pad_page=self.scratch_page, rows=cfg.max_running_requests)
         self.future: FutureTokens | None = None  # set by build_runner for the overlap loop
         self.timeline: StepTimeline | None = None  # set by benchmarks
 
@@ -108,12 +111,12 @@ class StaticModelRunner:
         tokens: list[int] = []
         future_rows: list[int] = []
         future_read: list[int] = []
+        table_rows: list[int] = []  # each extend's row of self.tables
         row = 0
         for i, ext in enumerate(extends):
-            if len(ext.pages) > self.max_pages:
-                raise RuntimeError(f"{len(ext.pages)} pages exceed max_model_len ({self.max_pages} pages)")
             ids = checked_input_ids(ext, requests[ext.rid], self.pool, self.page_size,
                                     from_future and i >= num_prefill, self.faults)
+            table_rows.append(self.tables.apply(ext))
             if ids is None:
                 assert self.future is not None  # rows come from it only in the overlap loop
                 tokens.append(0)  # filled from the device-side future buffer below
@@ -123,13 +126,10 @@ class StaticModelRunner:
                 tokens.extend(ids)
             row += ext.num_new
         n, e = row, len(extends)
-        # [extends, 3]: rows, first position and page count of each extend
-        shape = np.array([(ext.num_new, ext.start, len(ext.pages)) for ext in extends], dtype=np.int64)
-        counts, starts, lengths = shape[:, 0], shape[:, 1], shape[:, 2]
-        table = np.full((e, self.max_pages), self.scratch_page, dtype=np.int64)
-        # The ragged page lists into the padded table at once: a boolean mask fills row-major.
-        table[np.arange(self.max_pages) < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(ext.pages for ext in extends), dtype=np.int64, count=int(lengths.sum()))
+        # [extends, 2]: rows and first position of each extend
+        shape = np.array([(ext.num_new, ext.start) for ext in extends], dtype=np.int64)
+        counts, starts = shape[:, 0], shape[:, 1]
+        table = self.tables.block[table_rows]  # [extends, max_pages] padded with the scratch page
         last_rows = np.cumsum(counts) - 1
         if n == e:  # one row per extend (a decode step): the rows are the extends
             positions, row_table = starts, table
@@ -180,10 +180,15 @@ class StaticModelRunner:
                               logits[torch.from_numpy(wanted).to(self.device, non_blocking=True)])
         return torch.cat(picked) if len(picked) > 1 else picked[0]
 
-    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> Mapping[str, SampleOutput]:
+    def release(self, rid: str) -> None:
+        """Forget a finished, aborted or preempted request: its page table and future slot."""
+        self.tables.release(rid)
         if self.future is not None:
-            for rid in plan.aborted + plan.preempted:
-                self.future.release(rid)
+            self.future.release(rid)
+
+    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> Mapping[str, SampleOutput]:
+        for rid in plan.aborted + plan.preempted:
+            self.release(rid)
         if plan.empty:
             return {}
         # plan.extends order: prefill rows first, then decode rows (their requests are disjoint), all
