@@ -92,7 +92,12 @@ class StaticModelRunner:
             self.graphs.capture()
         # Each request's page table, kept across steps (plans carry only new pages), padded with the
         # scratch page as the graphs' page tables are.
-        self.tables = PageTables(self.max_pages, pad_page=self.scratch_page, rows=cfg.max_running_requests)
+        self.tables = PageTables(self.max_pages, pad_page=self.scratch_page, rows=cfg.max_running_requests,
+                                 mirrored=True)
+        # Its device copy: a step sends only the entries that changed and gathers its rows' tables
+        # here (was: every row's whole padded table, [rows, max_pages], copied every step).
+        self.device_tables = torch.tensor(self.tables.block, device=self.device)  # [table rows, max_pages], a copy
+        self.tables.take_changes()  # the copy above holds them
         self.future: FutureTokens | None = None  # set by build_runner for the overlap loop
         self.timeline: StepTimeline | None = None  # set by benchmarks
 
@@ -104,7 +109,8 @@ class StaticModelRunner:
         as one pinned buffer: in the overlap loop this host work must fit inside one GPU step (under
         1 ms for the canary model), and each separate host-to-device copy of pageable memory costs
         a launch and may wait for the stream. The row of each extend's last token, the future
-        buffer's read and write indices travel in the same buffer."""
+        buffer's read and write indices, and the page-table entries that changed since the last
+        step travel in the same buffer; each row's page table is gathered from `device_tables`."""
         extends = plan.extends
         num_prefill = len(plan.prefill)
         from_future = self.future is not None
@@ -129,29 +135,38 @@ class StaticModelRunner:
         # [extends, 2]: rows and first position of each extend
         shape = np.array([(ext.num_new, ext.start) for ext in extends], dtype=np.int64)
         counts, starts = shape[:, 0], shape[:, 1]
-        table = self.tables.block[table_rows]  # [extends, max_pages] padded with the scratch page
+        table_of = np.asarray(table_rows, dtype=np.int64)  # [extends] row of self.tables
         last_rows = np.cumsum(counts) - 1
         if n == e:  # one row per extend (a decode step): the rows are the extends
-            positions, row_table = starts, table
+            positions, row_tables = starts, table_of
         else:
             owner = np.repeat(np.arange(e), counts)  # [rows] which extend each row belongs to
             positions = starts[owner] + (np.arange(n) - (last_rows + 1 - counts)[owner])
-            row_table = table[owner]
-        slots = row_table[np.arange(n), positions // self.page_size] * self.page_size + positions % self.page_size
+            row_tables = table_of[owner]
+        block = self.tables.block
+        slots = block[row_tables, positions // self.page_size] * self.page_size + positions % self.page_size
+        changed = self.tables.take_changes()  # [c] flat indices into the table block
         # Future-buffer slots the sampled tokens go to (assigned on a request's first step).
         future_write = [self.future.slot(ext.rid) for ext in extends] if self.future is not None else []
-        f, w = len(future_rows), len(future_write)
-        flat = np.concatenate([np.asarray(tokens, dtype=np.int64), positions, slots, row_table.ravel(),
-                               last_rows, np.asarray(future_rows + future_read + future_write, dtype=np.int64)])
+        f, w, c = len(future_rows), len(future_write), len(changed)
+        flat = np.concatenate([np.asarray(tokens, dtype=np.int64), positions, slots, row_tables, last_rows,
+                               np.asarray(future_rows + future_read + future_write, dtype=np.int64),
+                               changed, block.reshape(-1)[changed]])
         host = torch.from_numpy(flat)
         if self.device.type == "cuda":
             # Pinned staging, so the copy is truly asynchronous; the caching host allocator keeps
             # the block until the copy has run.
             host = host.pin_memory()
         buf = host.to(self.device, non_blocking=True)
-        token_ids, pos, write_slots, page_rows, last, rows_f, read_f, write_f = torch.split(
-            buf, [n, n, n, n * self.max_pages, e, f, f, w])
-        page_table = page_rows.view(n, self.max_pages)
+        token_ids, pos, write_slots, tables_of_rows, last, rows_f, read_f, write_f, changed_at, changed_to = \
+            torch.split(buf, [n, n, n, n, e, f, f, w, c, c])
+        if len(block) > len(self.device_tables):  # the host block grew (more live requests than rows)
+            grown = torch.full((len(block) - len(self.device_tables), self.max_pages), self.scratch_page,
+                               dtype=torch.long, device=self.device)
+            self.device_tables = torch.cat([self.device_tables, grown])
+        if c:  # stream-ordered after the previous step's gather: its rows' tables are already copied out
+            self.device_tables.view(-1)[changed_at] = changed_to
+        page_table = self.device_tables[tables_of_rows]  # [rows, max_pages]
         if f:
             assert self.future is not None
             token_ids[rows_f] = self.future.tokens[read_f]

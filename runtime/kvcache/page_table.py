@@ -25,14 +25,15 @@ class StalePageTableError(RuntimeError):
 
 
 class PageTables:
-    def __init__(self, max_pages: int, pad_page: int, rows: int = 64) -> None:
+    def __init__(self, max_pages: int, pad_page: int, rows: int = 64, *, mirrored: bool = False) -> None:
         self.max_pages, self.pad_page = max_pages, pad_page
         self.block = np.full((max(rows, 1), max_pages), pad_page, dtype=np.int64)  # [rows, max_pages]
         self.length: dict[str, int] = {}  # pages in each live request's table
         self._row: dict[str, int] = {}
         self._free = list(range(len(self.block) - 1, -1, -1))  # pop() hands out the lowest row first
-        # (row, first column, pages) written since the last `take_updates`: what a device copy must apply.
-        self._updates: list[tuple[int, int, tuple[int, ...]]] = []
+        # mirrored: a device copy follows the block; (row, start, stop) of the entries written since
+        # the last `take_changes` are what it must copy.
+        self._changed: list[tuple[int, int, int]] | None = [] if mirrored else None
 
     @property
     def live(self) -> int:
@@ -58,7 +59,8 @@ class PageTables:
                 raise RuntimeError(f"{end} pages exceed max_model_len ({self.max_pages} pages)")
             self.block[row, first:end] = new
             self.length[rid] = end
-            self._updates.append((row, first, new))
+            if self._changed is not None:
+                self._changed.append((row, first, end))
         return row
 
     def pages(self, rid: str) -> np.ndarray:
@@ -74,13 +76,21 @@ class PageTables:
         length = self.length.pop(rid)
         if length:
             self.block[row, :length] = self.pad_page
-            self._updates.append((row, 0, (self.pad_page,) * length))
+            if self._changed is not None:
+                self._changed.append((row, 0, length))
         self._free.append(row)
 
-    def take_updates(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        """The writes since the last call, in order (a runner with a device copy applies them)."""
-        updates, self._updates = self._updates, []
-        return updates
+    def take_changes(self) -> np.ndarray:
+        """Flat indices into `block` (row * max_pages + column) of every entry written since the last
+        call, each once and sorted (a mirrored runner copies `block.ravel()` at them to the device:
+        the values are the block's current ones, so a release and a new owner's pages in one row
+        between two calls give the new owner's, with no index written twice in one scatter)."""
+        assert self._changed is not None, "take_changes on a table without a device copy"
+        changed, self._changed = self._changed, []
+        if not changed:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.concatenate([np.arange(row * self.max_pages + start, row * self.max_pages + stop)
+                                         for row, start, stop in changed]))
 
     def _take(self, rid: str) -> int:
         if not self._free:  # more live requests than rows: double the block (rare; rows are reused)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
@@ -37,7 +38,7 @@ def ext(rid: str, first: int, new: tuple[int, ...]) -> Extend:
 
 
 def test_rows_grow_by_deltas_and_are_padded_again_on_release():
-    tables = PageTables(max_pages=6, pad_page=PAD, rows=1)
+    tables = PageTables(max_pages=6, pad_page=PAD, rows=1, mirrored=True)
     row = tables.apply(ext("a", 0, (4, 5)))
     tables.apply(ext("a", 2, ()))  # a decode that needed no page
     tables.apply(ext("a", 2, (7,)))
@@ -50,8 +51,11 @@ def test_rows_grow_by_deltas_and_are_padded_again_on_release():
     assert tables.block[row].tolist() == [PAD] * 6
     assert tables.apply(ext("c", 0, (2,))) == row  # the row is reused, padded past its new length
     assert tables.block[row].tolist() == [2] + [PAD] * 5
-    updates = tables.take_updates()
-    assert updates[-2:] == [(row, 0, (PAD,) * 3), (row, 0, (2,))] and tables.take_updates() == []
+    # Every entry written since the start, once each: a's three pages (padded again), b's, c's.
+    assert tables.take_changes().tolist() == [row * 6 + col for col in range(3)] + [6]
+    assert tables.take_changes().tolist() == []
+    tables.apply(ext("c", 1, (3, 8)))
+    assert tables.take_changes().tolist() == [row * 6 + 1, row * 6 + 2]
 
 
 def test_a_delta_that_does_not_continue_the_row_raises():
@@ -129,13 +133,17 @@ def expected_rows(plan: StepPlan, requests, max_pages: int, pad: int) -> np.ndar
     return np.array(rows, dtype=np.int64)
 
 
-def run_checked(tiny, overlap: bool, tables_bug=None) -> Engine:
-    """Static runner on the CPU, a small pool (preemption) and an abort; every step's page table is
-    compared with one rebuilt from the scheduler's page lists."""
+def run_checked(tiny, overlap: bool, tables_bug=None, table_rows: int | None = None) -> Engine:
+    """Static runner on the CPU, a small pool (preemption) and an abort; every step's page table (as
+    gathered from the runner's device copy) is compared with one rebuilt from the scheduler's page
+    lists. `table_rows`: start the runner's tables that small, so they grow while requests run."""
     cfg = EngineConfig(runner="static", num_pages=24, page_size=4, max_model_len=96, max_running_requests=4,
                        max_prefill_tokens=96)
     engine = Engine(tiny, cfg, FaultSet(), Env(), overlap=overlap)
     runner = engine.runner
+    if table_rows is not None:
+        runner.tables = PageTables(runner.max_pages, runner.scratch_page, rows=table_rows, mirrored=True)
+        runner.device_tables = torch.tensor(runner.tables.block)
     if tables_bug is not None:
         tables_bug(runner.tables)
     build = runner.build_step
@@ -166,6 +174,20 @@ def run_checked(tiny, overlap: bool, tables_bug=None) -> Engine:
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_static_runner_tables_match_the_scheduler_through_preemption_and_abort(tiny, overlap):
     run_checked(tiny, overlap)
+
+
+def test_static_runner_tables_grow_on_the_device_too(tiny):
+    engine = run_checked(tiny, overlap=True, table_rows=1)
+    assert len(engine.runner.device_tables) == len(engine.runner.tables.block) > 1
+
+
+def test_a_device_copy_that_misses_changes_is_caught(tiny):
+    """Negative control: the device copy must receive every changed entry (here: none reach it)."""
+    def drop_changes(tables):
+        take = tables.take_changes
+        tables.take_changes = lambda: take()[:0]
+    with pytest.raises(AssertionError, match="stale page table"):
+        run_checked(tiny, overlap=True, tables_bug=drop_changes)
 
 
 def test_a_missed_release_is_caught(tiny):
