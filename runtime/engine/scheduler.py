@@ -43,6 +43,9 @@ class Scheduler:
         self.aborts_in_flight = 0  # aborts applied while the request had a step in flight
         self.discarded_rows = 0  # rows computed for a request that finished before they were processed
         self._pending_aborts: list[str] = []
+        # Preempted since the last plan: the next plan lists them, so every runner (and TP rank)
+        # drops their page tables, whether the preemption made room in `schedule` or came between steps.
+        self._preempted: list[str] = []
         self._arrivals = 0
 
     # ---- intake -------------------------------------------------------------------------------
@@ -105,11 +108,11 @@ class Scheduler:
             self.running.append(promoted)  # decodes from this step on
             if self.on_promote is not None:
                 self.on_promote(promoted)
-        preempted: list[str] = []
-        decode = self._plan_decode(preempted)
+        decode = self._plan_decode()
         prefill = self._plan_prefill()
         for ext in decode + prefill:
             self.in_flight[ext.rid] = self.in_flight.get(ext.rid, 0) + 1
+        preempted, self._preempted = self._preempted, []
         return StepPlan(self.step, tuple(prefill), tuple(decode), tuple(aborted), tuple(preempted))
 
     def _apply_aborts(self) -> list[str]:
@@ -125,7 +128,7 @@ class Scheduler:
         self._pending_aborts.clear()
         return aborted
 
-    def _plan_decode(self, preempted: list[str]) -> list[Extend]:
+    def _plan_decode(self) -> list[Extend]:
         # One pass per running request per step: lookups hoisted and lengths computed inline (this
         # loop's per-row Python is part of every step's host time).
         decode = []
@@ -144,7 +147,6 @@ class Scheduler:
                 while not self.pool.can_allocate(needed):
                     victim = self.running[-1]
                     self._preempt(victim)
-                    preempted.append(victim.rid)
                     if victim is req:
                         break
                 if req.status is not Status.RUNNING:
@@ -186,6 +188,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        self._preempted.append(req.rid)
 
     # ---- results ------------------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, outputs: Mapping[str, SampleOutput]) -> list[Request]:

@@ -225,3 +225,22 @@ def test_pd_first_step_sends_the_whole_table(tiny):
     assert (first.first_page, first.new_pages) == (0, tuple(req.pages))
     second = engine.step().plan.decode[0]
     assert (second.first_page, second.new_pages) == (3, ())
+
+
+@pytest.mark.parametrize("runner", ["eager", "static"])
+def test_a_preemption_between_steps_reaches_the_runner(tiny, runner):
+    """A preemption outside `schedule` (the engine tests force one between steps) is listed in the next
+    plan, so the runner drops the row before the recompute starts a fresh one."""
+    engine = Engine(tiny, EngineConfig(runner=runner, num_pages=32, page_size=4, max_model_len=96), FaultSet(),
+                    Env())
+    req = engine.scheduler.requests[engine.add_request(list(range(3, 20)), SamplingParams(max_tokens=8,
+                                                                                          ignore_eos=True))]
+    plans = []
+    while engine.has_work:
+        plans.append(engine.step().plan)
+        if len(req.output_ids) == 3 and not req.num_preemptions:
+            engine.scheduler._preempt(req)
+    recompute = next(p for p in plans if p.preempted)
+    assert recompute.preempted == (req.rid,) and recompute.prefill[0].first_page == 0
+    assert req.finish_reason == "length" and len(req.output_ids) == 8
+    assert engine.runner.tables.live == 0 and engine.pages_in_use == 0
