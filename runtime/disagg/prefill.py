@@ -129,7 +129,8 @@ class PrefillSide:
     def _write(self, req, room: Room, result: StepResult) -> dict:
         if req.finish_reason == "abort":
             raise RoomFailed(f"room {room.room}: aborted on the prefill server")
-        pages = next(ext.pages for ext in result.plan.extends if ext.rid == req.rid)
+        # Its prefill extend (first_page 0: a prefill always starts a fresh table) lists every page.
+        pages = next(ext.new_pages for ext in result.plan.extends if ext.rid == req.rid)
         num_tokens = len(req.prompt_ids)
         src = list(pages[:self.engine.pool.pages_for_tokens(num_tokens)])
         started = time.perf_counter()

@@ -21,15 +21,16 @@ class MirrorPool:
     def pages_in_use(self) -> int:
         return len(self._owner)
 
-    def claim(self, owner: str, pages: tuple[int, ...]) -> None:
+    def claim(self, owner: str, first_page: int, new_pages: tuple[int, ...]) -> None:
+        """Take the pages a plan appends to `owner`'s table at index `first_page` (an `Extend`'s delta)."""
         held = self._pages.setdefault(owner, [])
-        for page in pages[len(held):]:
+        if len(held) != first_page:
+            raise UseAfterFreeError(f"{owner}: plan appends pages at {first_page}, this rank holds {len(held)}")
+        for page in new_pages:
             if page in self._owner:
                 raise DoubleFreeError(f"rank plan gives page {page} to {owner}, still held by {self._owner[page]}")
             self._owner[page] = owner
             held.append(page)
-        if tuple(held) != tuple(pages):
-            raise UseAfterFreeError(f"{owner}: plan pages {pages} do not extend the held pages {held}")
 
     def release(self, owner: str) -> None:
         for page in self._pages.pop(owner, []):
@@ -39,3 +40,10 @@ class MirrorPool:
         for page in pages:
             if self._owner.get(page) != owner:
                 raise UseAfterFreeError(f"{owner} touched page {page} owned by {self._owner.get(page)!r}")
+
+    def check_table(self, owner: str, new_pages: tuple[int, ...], num_pages: int) -> None:
+        """`PagePool.check_table`: the new pages are the owner's and it holds exactly `num_pages`."""
+        self.check_owned(owner, list(new_pages))
+        held = len(self._pages.get(owner, ()))
+        if held != num_pages:
+            raise UseAfterFreeError(f"{owner}: its page table has {num_pages} pages, this rank holds {held}")

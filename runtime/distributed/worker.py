@@ -75,7 +75,7 @@ class PlanFollower:
         for rid in plan.preempted:
             self.pool.release(rid)
         for ext in plan.extends:
-            self.pool.claim(ext.rid, ext.pages)
+            self.pool.claim(ext.rid, ext.first_page, ext.new_pages)
         if self._needs_host_tokens(plan):
             self._settle()
         self.pending.append(self.runner.execute(plan, self.requests))
@@ -110,8 +110,7 @@ class PlanFollower:
 
     def _drop(self, rid: str) -> None:
         self.pool.release(rid)
-        if self.runner.future is not None:
-            self.runner.future.release(rid)
+        self.runner.release(rid)
         self.requests.pop(rid, None)
 
     def stats(self) -> dict:

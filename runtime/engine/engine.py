@@ -188,8 +188,7 @@ class Engine:
             self.slow_step.delay(time.perf_counter() - started)
         finished, self.scheduler.finished = self.scheduler.finished, []
         for req in finished:
-            if self.runner.future is not None:
-                self.runner.future.release(req.rid)
+            self.runner.release(req.rid)
             if self.tp is not None:
                 self.tp.released(req.rid)
         return StepResult(plan, outputs, finished, time.perf_counter() - started)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from runtime.engine.future import FutureTokens
@@ -11,6 +12,7 @@ from runtime.engine.sampler import SampleOutput, sample_row
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
+from runtime.kvcache.page_table import PageTables
 from runtime.models.batch import ForwardBatch, Segment
 from runtime.models.dsv4_mini import DSV4Mini
 from runtime.streams.tasks import StreamExecutor
@@ -22,9 +24,9 @@ def checked_input_ids(ext: Extend, req: Request, pool: PagePool, page_size: int,
     token list, or None where the overlap loop reads them from the device-side future buffer.
     Shared by both runners, so the `overlap-stale-token` fault lives in one place."""
     end = ext.start + ext.num_new
-    if len(ext.pages) * page_size < end:
-        raise RuntimeError(f"{ext.rid}: plan gives {len(ext.pages)} pages for {end} tokens")
-    pool.check_owned(ext.rid, ext.pages)
+    if ext.num_pages * page_size < end:
+        raise RuntimeError(f"{ext.rid}: plan gives {ext.num_pages} pages for {end} tokens")
+    pool.check_table(ext.rid, ext.new_pages, ext.num_pages)
     if from_future:
         if faults.enabled("overlap-stale-token"):
             # the bug: the host's last known token, one step behind
@@ -56,21 +58,29 @@ def extend_pieces(start: int, end: int, prompt_len: int) -> list[tuple[int, int]
 
 class ModelRunner:
     def __init__(self, model: DSV4Mini, kv: KVCache, pool: PagePool, streams: StreamExecutor,
-                 faults: FaultSet = NO_FAULTS) -> None:
+                 faults: FaultSet = NO_FAULTS, *, max_pages: int | None = None, max_rows: int = 64) -> None:
         self.model = model
         self.kv = kv
         self.pool = pool
         self.streams = streams
         self.page_size = pool.page_size
         self.faults = faults
+        # Each request's page table, kept across steps (plans carry only new pages).
+        self.tables = PageTables(max_pages if max_pages is not None else pool.num_pages, pad_page=-1, rows=max_rows)
         # Set by build_runner(overlap=True): decode inputs then come from here, not from the host token lists.
         self.future: FutureTokens | None = None
         self._shared_generator = torch.Generator().manual_seed(0)  # the shared-sampling-generator fault's
 
-    def slots_for(self, pages: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+    def slots_for(self, pages: np.ndarray, start: int, stop: int) -> torch.Tensor:
         positions = torch.arange(start, stop)
-        page_ids = torch.tensor(pages, dtype=torch.long)[positions // self.page_size]
+        page_ids = torch.from_numpy(pages)[positions // self.page_size]
         return page_ids * self.page_size + positions % self.page_size
+
+    def release(self, rid: str) -> None:
+        """Forget a finished, aborted or preempted request: its page table and future slot."""
+        self.tables.release(rid)
+        if self.future is not None:
+            self.future.release(rid)
 
     def build_batch(self, plan: StepPlan, requests: dict[str, Request]) -> ForwardBatch:
         token_ids, positions, slots, segments = [], [], [], []
@@ -83,9 +93,10 @@ class ModelRunner:
                 token_ids.append(self.future.read([ext.rid]))
             else:
                 token_ids.append(torch.tensor(ids, dtype=torch.long))
+            self.tables.apply(ext)
             end = ext.start + ext.num_new
             positions.append(torch.arange(ext.start, end))
-            context = self.slots_for(ext.pages, 0, end)
+            context = self.slots_for(self.tables.pages(ext.rid), 0, end)
             slots.append(context[ext.start:end])
             # Every piece but the last only writes KV: the extend's logits are its last row's.
             pieces = extend_pieces(ext.start, end, len(requests[ext.rid].prompt_ids))
@@ -96,9 +107,8 @@ class ModelRunner:
         return ForwardBatch(torch.cat(token_ids), torch.cat(positions), torch.cat(slots), tuple(segments))
 
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, SampleOutput]:
-        if self.future is not None:
-            for rid in plan.aborted + plan.preempted:
-                self.future.release(rid)
+        for rid in plan.aborted + plan.preempted:
+            self.release(rid)
         if plan.empty:
             return {}
         batch = self.build_batch(plan, requests)

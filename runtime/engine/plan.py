@@ -18,7 +18,17 @@ class Extend:
     rid: str
     start: int
     num_new: int
-    pages: tuple[int, ...]  # the request's full page table after this step's allocation
+    # The request's page table as a delta, so a plan's size does not grow with the batch's KV: the
+    # pages allocated since its last extend, appended at index `first_page` of the table the runner
+    # keeps (`PageTables`). 0 starts a fresh table: a prefill (also a preemption's recompute) and a
+    # request's first step on this engine (PD decode), which carry every page.
+    first_page: int
+    new_pages: tuple[int, ...]
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the request's table after this step."""
+        return self.first_page + len(self.new_pages)
 
 
 @dataclass(frozen=True)

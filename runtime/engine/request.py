@@ -58,6 +58,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_stop: str | int | None = None
     pages: list[int] = field(default_factory=list)
+    pages_planned: int = 0  # pages[:pages_planned] were sent in a plan: the runner's table holds them
     num_computed: int = 0  # tokens whose KV is in the cache
     num_preemptions: int = 0
     generator: torch.Generator | None = None

@@ -34,7 +34,8 @@ def build_runner(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], cfg: 
         kernels = select_kernels(device=cfg.device, use_reference=env.reference_kernels)
         model = DSV4Mini(model_cfg, weights, kernels, all_reduce=all_reduce, faults=faults)
         runner = ModelRunner(model, KVCache(model_cfg, cfg, DTYPES[cfg.dtype]), pool, streams or InOrderExecutor(),
-                             faults)
+                             faults, max_pages=-(-cfg.max_model_len // cfg.page_size),
+                             max_rows=cfg.max_running_requests)
     if overlap:
         runner.future = FutureTokens(2 * cfg.max_running_requests, device=cfg.device)
     return runner

@@ -43,6 +43,9 @@ class Scheduler:
         self.aborts_in_flight = 0  # aborts applied while the request had a step in flight
         self.discarded_rows = 0  # rows computed for a request that finished before they were processed
         self._pending_aborts: list[str] = []
+        # Preempted since the last plan: the next plan lists them, so every runner (and TP rank)
+        # drops their page tables, whether the preemption made room in `schedule` or came between steps.
+        self._preempted: list[str] = []
         self._arrivals = 0
 
     # ---- intake -------------------------------------------------------------------------------
@@ -77,6 +80,7 @@ class Scheduler:
         self._arrivals += 1
         req.status = Status.RUNNING
         req.num_computed = len(req.prompt_ids)
+        req.pages_planned = 0  # its first decode extend sends the whole table to this engine's runner
         self.requests[req.rid] = req
         self.prefilled.append(req)
         reason = self._stop_reason(req)
@@ -104,11 +108,11 @@ class Scheduler:
             self.running.append(promoted)  # decodes from this step on
             if self.on_promote is not None:
                 self.on_promote(promoted)
-        preempted: list[str] = []
-        decode = self._plan_decode(preempted)
+        decode = self._plan_decode()
         prefill = self._plan_prefill()
         for ext in decode + prefill:
             self.in_flight[ext.rid] = self.in_flight.get(ext.rid, 0) + 1
+        preempted, self._preempted = self._preempted, []
         return StepPlan(self.step, tuple(prefill), tuple(decode), tuple(aborted), tuple(preempted))
 
     def _apply_aborts(self) -> list[str]:
@@ -124,7 +128,7 @@ class Scheduler:
         self._pending_aborts.clear()
         return aborted
 
-    def _plan_decode(self, preempted: list[str]) -> list[Extend]:
+    def _plan_decode(self) -> list[Extend]:
         # One pass per running request per step: lookups hoisted and lengths computed inline (this
         # loop's per-row Python is part of every step's host time).
         decode = []
@@ -143,13 +147,14 @@ class Scheduler:
                 while not self.pool.can_allocate(needed):
                     victim = self.running[-1]
                     self._preempt(victim)
-                    preempted.append(victim.rid)
                     if victim is req:
                         break
                 if req.status is not Status.RUNNING:
                     continue
                 req.pages += self.pool.allocate(req.rid, needed)
-            decode.append(Extend(req.rid, length - 1, 1, tuple(req.pages)))
+            planned = req.pages_planned  # only the pages the runner has not seen travel in the plan
+            decode.append(Extend(req.rid, length - 1, 1, planned, tuple(req.pages[planned:])))
+            req.pages_planned = len(req.pages)
         return decode
 
     def _plan_prefill(self) -> list[Extend]:
@@ -169,19 +174,21 @@ class Scheduler:
             req.num_computed = 0
             self.running.append(req)
             budget -= num_new
-            prefill.append(Extend(req.rid, 0, num_new, tuple(req.pages)))
+            prefill.append(Extend(req.rid, 0, num_new, 0, tuple(req.pages)))
+            req.pages_planned = len(req.pages)
         return prefill
 
     def _preempt(self, req: Request) -> None:
         """Retract a running request: free its pages and queue it first for recomputation."""
         self.running.remove(req)
         self.pool.free(req.rid, req.pages)
-        req.pages = []
+        req.pages, req.pages_planned = [], 0
         req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        self._preempted.append(req.rid)
 
     # ---- results ------------------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, outputs: Mapping[str, SampleOutput]) -> list[Request]:
@@ -241,7 +248,7 @@ class Scheduler:
         # The `abort-leak` fault forgets an aborted request's pages: the pool never gets them back.
         if req.pages and not (reason == "abort" and self.faults.enabled("abort-leak")):
             self.pool.free(req.rid, req.pages)
-        req.pages = []
+        req.pages, req.pages_planned = [], 0
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.finished.append(req)

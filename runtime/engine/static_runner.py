@@ -16,7 +16,6 @@ cache has one page more than the pool hands out: the scratch page that padded ro
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Mapping
 
 import numpy as np
@@ -35,6 +34,7 @@ from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.graph.runner import STEP_BUCKETS, GraphRunner
 from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
+from runtime.kvcache.page_table import PageTables
 from runtime.streams.cuda import CudaStreamExecutor
 from runtime.streams.tasks import InOrderExecutor
 
@@ -90,6 +90,14 @@ class StaticModelRunner:
                                   scratch_page=self.scratch_page, faults=faults, env=env)
         if cfg.cuda_graphs and on_gpu:
             self.graphs.capture()
+        # Each request's page table, kept across steps (plans carry only new pages), padded with the
+        # scratch page as the graphs' page tables are.
+        self.tables = PageTables(self.max_pages, pad_page=self.scratch_page, rows=cfg.max_running_requests,
+                                 mirrored=True)
+        # Its device copy: a step sends only the entries that changed and gathers its rows' tables
+        # here (was: every row's whole padded table, [rows, max_pages], copied every step).
+        self.device_tables = torch.tensor(self.tables.block, device=self.device)  # [table rows, max_pages], a copy
+        self.tables.take_changes()  # the copy above holds them
         self.future: FutureTokens | None = None  # set by build_runner for the overlap loop
         self.timeline: StepTimeline | None = None  # set by benchmarks
 
@@ -101,19 +109,20 @@ class StaticModelRunner:
         as one pinned buffer: in the overlap loop this host work must fit inside one GPU step (under
         1 ms for the canary model), and each separate host-to-device copy of pageable memory costs
         a launch and may wait for the stream. The row of each extend's last token, the future
-        buffer's read and write indices travel in the same buffer."""
+        buffer's read and write indices, and the page-table entries that changed since the last
+        step travel in the same buffer; each row's page table is gathered from `device_tables`."""
         extends = plan.extends
         num_prefill = len(plan.prefill)
         from_future = self.future is not None
         tokens: list[int] = []
         future_rows: list[int] = []
         future_read: list[int] = []
+        table_rows: list[int] = []  # each extend's row of self.tables
         row = 0
         for i, ext in enumerate(extends):
-            if len(ext.pages) > self.max_pages:
-                raise RuntimeError(f"{len(ext.pages)} pages exceed max_model_len ({self.max_pages} pages)")
             ids = checked_input_ids(ext, requests[ext.rid], self.pool, self.page_size,
                                     from_future and i >= num_prefill, self.faults)
+            table_rows.append(self.tables.apply(ext))
             if ids is None:
                 assert self.future is not None  # rows come from it only in the overlap loop
                 tokens.append(0)  # filled from the device-side future buffer below
@@ -123,35 +132,41 @@ class StaticModelRunner:
                 tokens.extend(ids)
             row += ext.num_new
         n, e = row, len(extends)
-        # [extends, 3]: rows, first position and page count of each extend
-        shape = np.array([(ext.num_new, ext.start, len(ext.pages)) for ext in extends], dtype=np.int64)
-        counts, starts, lengths = shape[:, 0], shape[:, 1], shape[:, 2]
-        table = np.full((e, self.max_pages), self.scratch_page, dtype=np.int64)
-        # The ragged page lists into the padded table at once: a boolean mask fills row-major.
-        table[np.arange(self.max_pages) < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(ext.pages for ext in extends), dtype=np.int64, count=int(lengths.sum()))
+        # [extends, 2]: rows and first position of each extend
+        shape = np.array([(ext.num_new, ext.start) for ext in extends], dtype=np.int64)
+        counts, starts = shape[:, 0], shape[:, 1]
+        table_of = np.asarray(table_rows, dtype=np.int64)  # [extends] row of self.tables
         last_rows = np.cumsum(counts) - 1
         if n == e:  # one row per extend (a decode step): the rows are the extends
-            positions, row_table = starts, table
+            positions, row_tables = starts, table_of
         else:
             owner = np.repeat(np.arange(e), counts)  # [rows] which extend each row belongs to
             positions = starts[owner] + (np.arange(n) - (last_rows + 1 - counts)[owner])
-            row_table = table[owner]
-        slots = row_table[np.arange(n), positions // self.page_size] * self.page_size + positions % self.page_size
+            row_tables = table_of[owner]
+        block = self.tables.block
+        slots = block[row_tables, positions // self.page_size] * self.page_size + positions % self.page_size
+        changed = self.tables.take_changes()  # [c] flat indices into the table block
         # Future-buffer slots the sampled tokens go to (assigned on a request's first step).
         future_write = [self.future.slot(ext.rid) for ext in extends] if self.future is not None else []
-        f, w = len(future_rows), len(future_write)
-        flat = np.concatenate([np.asarray(tokens, dtype=np.int64), positions, slots, row_table.ravel(),
-                               last_rows, np.asarray(future_rows + future_read + future_write, dtype=np.int64)])
+        f, w, c = len(future_rows), len(future_write), len(changed)
+        flat = np.concatenate([np.asarray(tokens, dtype=np.int64), positions, slots, row_tables, last_rows,
+                               np.asarray(future_rows + future_read + future_write, dtype=np.int64),
+                               changed, block.reshape(-1)[changed]])
         host = torch.from_numpy(flat)
         if self.device.type == "cuda":
             # Pinned staging, so the copy is truly asynchronous; the caching host allocator keeps
             # the block until the copy has run.
             host = host.pin_memory()
         buf = host.to(self.device, non_blocking=True)
-        token_ids, pos, write_slots, page_rows, last, rows_f, read_f, write_f = torch.split(
-            buf, [n, n, n, n * self.max_pages, e, f, f, w])
-        page_table = page_rows.view(n, self.max_pages)
+        token_ids, pos, write_slots, tables_of_rows, last, rows_f, read_f, write_f, changed_at, changed_to = \
+            torch.split(buf, [n, n, n, n, e, f, f, w, c, c])
+        if len(block) > len(self.device_tables):  # the host block grew (more live requests than rows)
+            grown = torch.full((len(block) - len(self.device_tables), self.max_pages), self.scratch_page,
+                               dtype=torch.long, device=self.device)
+            self.device_tables = torch.cat([self.device_tables, grown])
+        if c:  # stream-ordered after the previous step's gather: its rows' tables are already copied out
+            self.device_tables.view(-1)[changed_at] = changed_to
+        page_table = self.device_tables[tables_of_rows]  # [rows, max_pages]
         if f:
             assert self.future is not None
             token_ids[rows_f] = self.future.tokens[read_f]
@@ -180,10 +195,15 @@ class StaticModelRunner:
                               logits[torch.from_numpy(wanted).to(self.device, non_blocking=True)])
         return torch.cat(picked) if len(picked) > 1 else picked[0]
 
-    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> Mapping[str, SampleOutput]:
+    def release(self, rid: str) -> None:
+        """Forget a finished, aborted or preempted request: its page table and future slot."""
+        self.tables.release(rid)
         if self.future is not None:
-            for rid in plan.aborted + plan.preempted:
-                self.future.release(rid)
+            self.future.release(rid)
+
+    def execute(self, plan: StepPlan, requests: dict[str, Request]) -> Mapping[str, SampleOutput]:
+        for rid in plan.aborted + plan.preempted:
+            self.release(rid)
         if plan.empty:
             return {}
         # plan.extends order: prefill rows first, then decode rows (their requests are disjoint), all

@@ -104,6 +104,17 @@ class PagePool:
             if self._owner.get(page) != owner and page not in aliased:
                 raise UseAfterFreeError(f"{owner} touched page {page} owned by {self._owner.get(page)!r}")
 
+    def check_table(self, owner: str, new_pages: Collection[int], num_pages: int) -> None:
+        """A step's check of a request's page table, O(its new pages): the new pages are the owner's,
+        and the owner holds exactly the table's `num_pages` pages, so none of the pages checked in
+        earlier steps has been freed since (a freed page lowers the count)."""
+        self.check_owned(owner, new_pages)
+        if owner in self._aliased:
+            return  # the kv-slot-reuse fault's aliased pages: no exact count (a page may come back twice)
+        held = len(self._held.get(owner, ()))
+        if held != num_pages:
+            raise UseAfterFreeError(f"{owner}: its page table has {num_pages} pages, it holds {held}")
+
     def _page_owned_by_another(self, owner: str) -> int | None:
         others = [page for page, who in self._owner.items() if who != owner]
         return min(others) if others else None

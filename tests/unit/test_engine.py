@@ -231,7 +231,7 @@ def _forward_logits(tiny, kernels, prompt):
     pool = PagePool(cfg.num_pages, cfg.page_size)
     runner = ModelRunner(model, KVCache(tiny.config, cfg, torch.float32), pool, InOrderExecutor())
     pages = tuple(pool.allocate("r", pool.pages_for_tokens(len(prompt))))
-    plan = StepPlan(1, (Extend("r", 0, len(prompt), pages),), ())
+    plan = StepPlan(1, (Extend("r", 0, len(prompt), 0, pages),), ())
     batch = runner.build_batch(plan, {"r": Request("r", prompt, SamplingParams())})
     return model.forward(batch, runner.kv, runner.streams), model
 

@@ -37,7 +37,7 @@ def handed_over(prefill: Engine, decode: Engine, prompt: list[int], params: Samp
     while prefill.has_work:
         result = prefill.step()
         for ext in result.plan.extends:
-            seen[ext.rid] = ext.pages
+            seen[ext.rid] = ext.new_pages  # a prefill extend lists every page (first_page 0)
     done = prefill.scheduler.requests.pop(rid)
     num_pages = prefill.pool.pages_for_tokens(len(prompt))
     spacer = decode.pool.allocate("spacer", 3) if shift_pages else []  # other page ids on the decode side

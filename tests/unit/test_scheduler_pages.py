@@ -33,8 +33,8 @@ def exact_pages(tokens: int, page_size: int) -> int:
 def check_pages(plan: StepPlan, scheduler: Scheduler, page_size: int) -> None:
     for ext in plan.extends:
         kv_tokens = ext.start + ext.num_new  # positions 0 .. end-1 have KV once this step ran
-        assert len(ext.pages) == exact_pages(kv_tokens, page_size), (
-            f"step {plan.step}: {ext.rid} holds {len(ext.pages)} pages for {kv_tokens} tokens "
+        assert ext.num_pages == exact_pages(kv_tokens, page_size), (
+            f"step {plan.step}: {ext.rid} holds {ext.num_pages} pages for {kv_tokens} tokens "
             f"(page size {page_size})")
     held = sum(len(req.pages) for req in scheduler.running)
     assert scheduler.pool.pages_in_use == held, "the pool counts pages no running request holds"
@@ -67,7 +67,7 @@ def test_a_prompt_of_whole_pages_takes_exactly_those_pages(page_size, pages, ove
     scheduler.add(Request("whole", [1] * (pages * page_size), SamplingParams(max_tokens=max_tokens)))
     plans = drive(scheduler, page_size, overlap)
     prefill = plans[0].prefill[0]
-    assert (prefill.num_new, len(prefill.pages)) == (pages * page_size, pages), "the prefill took an extra page"
+    assert (prefill.num_new, prefill.num_pages) == (pages * page_size, pages), "the prefill took an extra page"
     assert sum(len(p.decode) for p in plans) == max_tokens - 1  # the last token needs no KV of its own
     assert scheduler.requests["whole"].finish_reason == "length"
     assert pool.pages_in_use == 0
@@ -82,7 +82,7 @@ def test_a_pool_of_exactly_the_prompt_pages_admits_every_whole_page_prompt():
     for i in range(4):
         scheduler.add(Request(f"r{i}", [1] * (2 * page_size), SamplingParams(max_tokens=1)))
     plan = scheduler.schedule()
-    assert [len(ext.pages) for ext in plan.prefill] == [2, 2, 2, 2]
+    assert [ext.num_pages for ext in plan.prefill] == [2, 2, 2, 2]
     assert pool.free_pages == 0
     scheduler.postprocess(plan, {ext.rid: SampleOutput(TOKEN, 0.0, []) for ext in plan.extends})
     assert not scheduler.has_work and pool.pages_in_use == 0

@@ -156,12 +156,17 @@ def test_mirror_pool_refuses_a_page_another_request_holds():
     from runtime.kvcache.page_pool import PageAccountingError
 
     pool = MirrorPool(num_pages=8, page_size=4)
-    pool.claim("a", (0, 1))
-    pool.claim("a", (0, 1, 2))
+    pool.claim("a", 0, (0, 1))
+    pool.claim("a", 2, (2,))  # plans carry page-table deltas
     with pytest.raises(PageAccountingError):
-        pool.claim("b", (2,))
+        pool.claim("b", 0, (2,))
     with pytest.raises(PageAccountingError):
         pool.check_owned("b", [0])
+    with pytest.raises(PageAccountingError, match="appends pages at 2, this rank holds 3"):
+        pool.claim("a", 2, (4,))  # a delta that does not continue the held pages
+    pool.check_table("a", (), 3)
+    with pytest.raises(PageAccountingError, match="has 4 pages, this rank holds 3"):
+        pool.check_table("a", (), 4)
     pool.release("a")
-    pool.claim("b", (2,))
+    pool.claim("b", 0, (2,))
     assert pool.pages_in_use == 1
