@@ -79,7 +79,7 @@ class HFTokenizer:
         # is how content stays text (the one-segment-at-a-time split is the same as the full one's).
         self._text_only = _HF.from_str(json.dumps({**spec, "added_tokens": []}))
         self.control_tokens = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
-        self._added = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
+        self._control_text = {i: text for text, i in self.control_tokens.items()}  # id -> its text
         decoder = spec.get("decoder") or {}
         decoders = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
         if not any(d.get("type") == "ByteLevel" for d in decoders):
@@ -115,7 +115,7 @@ class HFTokenizer:
         return cached
 
     def _read_token_bytes(self, token: int) -> bytes:
-        if token in self._added:  # added tokens are stored as their text, not in the byte alphabet
-            return self._added[token].encode("utf-8")
+        if token in self._control_text:  # added tokens are stored as their text, not in the byte alphabet
+            return self._control_text[token].encode("utf-8")
         piece = self._tok.id_to_token(token) if token >= 0 else None
         return b"" if piece is None else bytes(self._byte_of[c] for c in piece)
