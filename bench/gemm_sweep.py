@@ -1,7 +1,8 @@
 """Launch configs of the batch-invariant GEMM (kernels/triton/matmul.py) on the dsv4-slice decode
 projections, measured on the GPU: per weight shape (N, K) and row count, the device time and read
-bandwidth of each candidate tile (BLOCK_M/N/K, warps, stages), and whether its output is bit for
-bit the default config's (a row's reduction order kept, so it may replace the default without a
+bandwidth of each candidate tile (BLOCK_M/N/K, warps, stages; for prefill-sized row counts, e.g.
+`--rows 4096`, also whether the splits are added in the tile's program), and whether its output is
+bit for bit the default config's (a row's reduction order kept, so it may replace the default without a
 numerics change). Split-K variants are timed too; they change the bits by design (a split is fixed
 per shape, so choosing another is a numerics change, not an invariance break).
 
@@ -33,6 +34,13 @@ def decode_shapes(cfg) -> dict[str, tuple[int, int]]:
     return {"attn_q_kv": (heads * qk + qk, cfg.hidden_size), "attn_out": (cfg.hidden_size, heads * cfg.kv_latent_dim),
             "lm_head": (cfg.vocab_size, cfg.hidden_size), "indexer_q_k_w": (index, cfg.hidden_size),
             "router": (cfg.n_routed_experts, cfg.hidden_size)}
+
+
+def prefill_candidates():
+    """Prefill-sized passes: 128-row tiles, the splits added apart (partials + `_split_sum_kernel`)
+    or in the tile's program (`fused_splits`, two accumulators: 128 x 256 may spill)."""
+    for bn, stages, fused in itertools.product((128, 256), (3, 4), (False, True)):
+        yield {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": stages}, fused
 
 
 def candidates(rows: int):
@@ -82,14 +90,21 @@ def sweep_shape(name: str, n: int, k: int, rows: int) -> dict:
         except Exception as e:  # a config the compiler rejects (shared memory, registers)
             return {"config": label, "error": repr(e)[:200]}
         same = bool(torch.equal(mm.matmul(x, weights[0], **kw), default))
-        return {"config": label, "us": round(us, 2), "tb_s": round(weight_bytes / us / 1e6, 3), "same_bits": same}
+        return {"config": label, "us": round(us, 2), "tb_s": round(weight_bytes / us / 1e6, 3),
+                "tflop_s": round(2 * rows * n * k / us / 1e6, 1), "same_bits": same}
 
     results = [measure("default")]
-    for config, bk in candidates(rows):
-        results.append(measure(json.dumps({**config, "BLOCK_K": bk}), config=config, block_k=bk))
-    for other in sorted({1, 2, 4, 8, 16, 32} - {split}):
-        if k // other >= 2 * mm.BLOCK_K:
-            results.append(measure(f"split_k={other}", split_k=other))
+    if rows > mm.PREFILL_ROWS:  # the split is the deployment's: only tiles and where splits are added vary
+        for config, fused in prefill_candidates():
+            if fused and split == 1:
+                continue
+            results.append(measure(json.dumps({**config, "fused_splits": fused}), config=config, fused_splits=fused))
+    else:
+        for config, bk in candidates(rows):
+            results.append(measure(json.dumps({**config, "BLOCK_K": bk}), config=config, block_k=bk))
+        for other in sorted({1, 2, 4, 8, 16, 32} - {split}):
+            if k // other >= 2 * mm.BLOCK_K:
+                results.append(measure(f"split_k={other}", split_k=other))
     ok = [r for r in results if "us" in r]
     best_same = min((r for r in ok if r["same_bits"]), key=lambda r: r["us"])
     best_any = min(ok, key=lambda r: r["us"])

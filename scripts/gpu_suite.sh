@@ -69,6 +69,9 @@ want moe_tiles && section moe_tiles "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_tile
 want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free.json" --free \
     --heads "${MLA_HEADS:-64}" --batches 1,16,32,64,128 --candidates ${MLA_CANDIDATES:-}
 want gemm_sweep && section gemm_sweep "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --budget-s 100 --out "$OUT/gemm_sweep.json"
+# Prefill-sized GEMMs: tiles, and the splits added apart or in the tile's program (same bits?)
+want gemm_prefill && section gemm_prefill "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --rows 4096 --budget-s 90 \
+    --out "$OUT/gemm_prefill.json"
 want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model dsv4-slice \
     --batch-sizes 1,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
 

@@ -4,12 +4,13 @@ router, LM head), decode rows and prefill chunks alike.
 M = rows (tokens), N = output features, K = input features; x: [M, K], w: [N, K] (nn.Linear layout).
 
 Batch invariance: a row's output is the sum over K in BLOCK_K steps, in order, accumulated in
-float32, and (when SPLIT_K > 1) the float32 partials of fixed K ranges added in split order by
-`_split_sum_kernel`. BLOCK_K and SPLIT_K come from (N, K) alone (`split_for`), never from M, so
-`matmul(x)[:k] == matmul(x[:k])` bit for bit. The output tile (BLOCK_M x BLOCK_N), warps and stages
-follow M (`config_for`: small tiles that stream weights for decode, large ones for prefill chunks):
-they decide which program computes an output and which MMA shape it issues, both of which leave each
-output's k16-step order alone. tests/kernels/test_triton_kernels.py checks it on the GPU across the
+float32, and (when SPLIT_K > 1) the float32 partials of fixed K ranges added in split order: by
+`_split_sum_kernel` after one program per split (decode), or by the tile's own program walking the
+splits in order (`FUSED_SPLITS`, prefill: the same additions, no partials in memory). BLOCK_K and
+SPLIT_K come from (N, K) alone (`split_for`), never from M, so `matmul(x)[:k] == matmul(x[:k])` bit
+for bit. The output tile (BLOCK_M x BLOCK_N), warps and stages follow M (`config_for`: small tiles
+that stream weights for decode, large ones for prefill chunks): they decide which program computes
+an output and which MMA shape it issues, both of which leave each output's k16-step order alone. tests/kernels/test_triton_kernels.py checks it on the GPU across the
 switch. cuBLAS, by contrast, picks kernels and split-K by M, which is why `torch.mm` is not
 batch-invariant.
 
@@ -39,8 +40,8 @@ PREFILL_ROWS = 256
 # the serving path.
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, k_chunk, stride_xm, stride_wn, stride_om,
-                   SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, FUSED_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Axis 0 walks M fastest, so the programs that share one weight tile run together (L2 reuse).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -51,21 +52,41 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, k_chunk, stride_xm,
     n_ok = offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    ok = m_ok[:, None] & n_ok[None, :]
+    if FUSED_SPLITS:
+        # One program walks every split of its tile in split order and adds each split's float32
+        # partial to a running total, exactly what the split programs and _split_sum_kernel compute
+        # together (0 + p0 + p1 + ...), without the partials' round trip through memory: a prefill
+        # pass has enough tiles to fill the GPU without splitting K.
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for split in range(0, SPLIT_K):
+            total += _k_range(x_rows, w_rows, m_ok, n_ok, split * k_chunk, tl.minimum(K, (split + 1) * k_chunk),
+                              PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        acc = _k_range(x_rows, w_rows, m_ok, n_ok, pid_k * k_chunk, tl.minimum(K, (pid_k + 1) * k_chunk),
+                       PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        if SPLIT_K == 1:
+            out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            part = part_ptr + (pid_k * M + offs_m[:, None].to(tl.int64)) * N + offs_n[None, :]
+            tl.store(part, acc, mask=ok)
+
+
+@triton.jit
+def _k_range(x_rows, w_rows, m_ok, n_ok, k_start, k_end, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x @ w.T over K in [k_start, k_end), from zero, in BLOCK_K steps: one split's float32 partial."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_end = tl.minimum(K, (pid_k + 1) * k_chunk)
-    for k0 in range(pid_k * k_chunk, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
         a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        part = part_ptr + (pid_k * M + offs_m[:, None].to(tl.int64)) * N + offs_n[None, :]
-        tl.store(part, acc, mask=ok)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -88,11 +109,15 @@ def split_for(n: int, k: int) -> int:
     return split
 
 
-def config_for(m: int, element_size: int) -> dict:
+def config_for(m: int, element_size: int, split: int = 1) -> dict:
     """Tile, warps and stages for an M-row pass. Stages: float32 tiles (the canary model on a GPU)
-    take twice the shared memory of bf16 ones."""
+    take twice the shared memory of bf16 ones. A prefill pass of a split weight adds its splits in
+    the program (`fused_splits`), which holds a second accumulator: 128 x 128 tiles keep both in
+    registers where 128 x 256 would spill."""
     if m <= PREFILL_ROWS:  # decode: 64 rows is wgmma's smallest tile; many programs stream the weights
         return {"BLOCK_M": 64, "BLOCK_N": DECODE_BLOCK_N, "num_warps": 4, "num_stages": 4 if element_size == 2 else 2}
+    if split > 1:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4 if element_size == 2 else 2}
     return {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3 if element_size == 2 else 2}
 
 
@@ -102,10 +127,13 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-           split_k: int | None = None, config: dict | None = None, block_k: int = BLOCK_K) -> torch.Tensor:
+           split_k: int | None = None, config: dict | None = None, block_k: int = BLOCK_K,
+           fused_splits: bool | None = None) -> torch.Tensor:
     """x: [M, K], w: [N, K] -> [M, N] in x.dtype. `split_k` overrides split_for (tests only: a
-    deployment's split must never follow the batch); `config` and `block_k` override config_for and
-    BLOCK_K (bench/gemm_sweep.py only)."""
+    deployment's split must never follow the batch); `config`, `block_k` and `fused_splits`
+    override config_for, BLOCK_K and the prefill rule (bench/gemm_sweep.py and tests only).
+    fused_splits: each program adds its tile's splits itself (same bits as the split programs plus
+    `_split_sum_kernel`), the default above PREFILL_ROWS rows."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.dtype == w.dtype, f"x {tuple(x.shape)} {x.dtype} vs w {tuple(w.shape)} {w.dtype}"
@@ -114,12 +142,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if M == 0:
         return out
     split = split_k or split_for(N, K)
+    fused = (M > PREFILL_ROWS if fused_splits is None else fused_splits) and split > 1
     k_chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
-    config = config or config_for(M, x.element_size())
-    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), split)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 and not fused else out
+    config = config or config_for(M, x.element_size(), split if fused else 1)
+    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), 1 if fused else split)
     _matmul_kernel[grid](x, w, out, part, M, N, K, k_chunk, x.stride(0), w.stride(0), out.stride(0),
-                         SPLIT_K=split, PRECISION=_precision(x.dtype), BLOCK_K=block_k, **config)
-    if split > 1:
+                         SPLIT_K=split, FUSED_SPLITS=fused, PRECISION=_precision(x.dtype), BLOCK_K=block_k, **config)
+    if split > 1 and not fused:
         _split_sum_kernel[(M, triton.cdiv(N, 256))](part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=256)
     return out

@@ -6,8 +6,12 @@ TK = T*K routed rows (row r = token r // K, rank r % K).
 
 Batch invariance: a row's output depends only on its token, its experts and the reduction order
 over D (gate/up) and I (down). That order is fixed by BLOCK_K (a constant here, never tuned) and by
-tile rows being independent (BLOCK_M is a constant too); buckets only tune BLOCK_N, warps and
-stages. The combine sums a token's K expert outputs in rank order, then adds the shared expert.
+tile rows being independent; buckets tune BLOCK_N, warps, stages and, for prefill-sized buckets,
+BLOCK_M: a taller tile reads each expert's weights once per 32 or 64 of its rows instead of per 16,
+and switches the tensor-core instruction (mma.sync below 64 rows, wgmma from 64), which leaves each
+output's k16-step order alone (measured SAME on the H200 by bench/mma_bits.py and bench/moe_tiles.py,
+tested across the buckets on the GPU). The combine sums a token's K expert outputs in rank order,
+then adds the shared expert.
 
 fp8 path: weights e4m3 with one float32 scale per 128x128 block ([E, N/128, K/128]), activations
 quantized per token per 128 channels on the fly (quantize_groups); BLOCK_K is the block size, so
@@ -26,7 +30,7 @@ from runtime.kernels.triton import INTERPRETED
 from runtime.kernels.triton.configs import config_file_name, load_table, pick
 from runtime.kernels.triton.elementwise import quantize_groups
 
-BLOCK_M = 16  # rows per tile: decode has ~TK/E <= 3 rows per expert at bs 128, E 256, K 6
+BLOCK_M = 16  # rows per tile unless a bucket says: decode has ~TK/E <= 3 rows per expert at bs 128, E 256, K 6
 BLOCK_K = 128  # reduction step; equal to the fp8 scale block, so one scale per step
 ALIGNED, DENSE, PER_ROW = 0, 1, 2  # how a tile finds its rows and expert (see _gate_up_kernel)
 # Up to this many routed rows, each row gets its own tile and no alignment launch: a row's bits do
@@ -338,7 +342,7 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
     the shared expert) or PER_ROW (tile_expert = the flat expert ids, one row per tile)."""
     hidden, inter = x.shape[1], w2.shape[2]
     fp8 = w13_scale is not None
-    # BLOCK_M in config: bench/moe_tiles.py only (whether a taller tile keeps a row's bits).
+    # BLOCK_M from a prefill-sized bucket (or bench/moe_tiles.py); one-row tiles stay one-row.
     block_m = config.get("BLOCK_M", BLOCK_M) if routing != PER_ROW else BLOCK_M
     num_tiles = {ALIGNED: tile_expert.numel() if routing == ALIGNED else 0,
                  DENSE: triton.cdiv(num_rows, block_m), PER_ROW: num_rows}[routing]
