@@ -107,6 +107,22 @@ if want gate_baseline; then
     mkdir -p "$OUT/golden"
     find golden/baselines -newer "$OUT/gpu.txt" -name "*.json" -exec cp {} "$OUT/golden/" \;
 fi
+# A/B against another build on this same GPU: the baseline server runs from AB_TREE (a copy of an
+# older commit's runtime/ and golden/models, carried into the call), the candidate is this checkout;
+# interleaved trials answer "is this build slower than that one here?", which a baseline stored on
+# another machine start cannot (the host-bound canary trials move with the host's CPU).
+if want gate_ab_tree; then
+    AB_PORT=${AB_PORT:-18431}
+    ab_py=$(realpath -s "$(command -v "$PY")")  # the same interpreter, from the other tree's directory
+    (cd "${AB_TREE:?gate_ab_tree needs AB_TREE}" && DSV4_NUM_THREADS=1 setsid "$ab_py" -m runtime.serve \
+        --model golden/models/canary-moe-v1 --port "$AB_PORT" --max-running 128 --num-pages 8192 --dtype float32 \
+        >"$OUT/ab_baseline_server.log" 2>&1 &)
+    for _ in $(seq 120); do $PY -c "import httpx; httpx.get('http://127.0.0.1:$AB_PORT/health').raise_for_status()" \
+        2>/dev/null && break; sleep 1; done
+    section gate_ab_tree "${GATE_TIMEOUT:-300}" "${GATE[@]}" --baseline-url "http://127.0.0.1:$AB_PORT" \
+        --report-dir "$OUT/gate_ab"
+    pkill -f -- "--port $AB_PORT" || true
+fi
 # Where the gate's time goes, server and harness together (needs py-spy's wheel in .whl).
 want gate_profile && section gate_profile "${GATE_TIMEOUT:-300}" /tmp/site/bin/py-spy record --subprocesses --threads --rate 100 \
     --format raw -o "$OUT/gate_profile.txt" -- "${GATE[@]}"
@@ -125,5 +141,5 @@ if want perf_trials; then
 fi
 # The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt
- for dir in golden gate gate_baseline; do [ -d "$dir" ] && tar czf "$dir.tgz" "$dir" && rm -rf "$dir"; done) || true
+ for dir in golden gate gate_baseline gate_ab; do [ -d "$dir" ] && tar czf "$dir.tgz" "$dir" && rm -rf "$dir"; done) || true
 exit $status
