@@ -464,6 +464,13 @@ def test_matmul_fused_splits_give_the_split_kernels_bits(seed, rows, split, dtyp
     assert torch.equal(apart, fused)
 
 
+def test_matmul_fuses_short_splits_of_prefill_passes_only():
+    assert matmul.fuses_splits(4096, 4096, 8)  # lm_head / router: the partials' traffic dominates
+    assert not matmul.fuses_splits(4096, 32768, 8)  # attention output: long splits keep the wide tile
+    assert not matmul.fuses_splits(matmul.PREFILL_ROWS, 4096, 8)  # decode: one program per split
+    assert not matmul.fuses_splits(4096, 4096, 1)
+
+
 def test_matmul_split_is_fixed_per_shape_and_fills_a_decode_step():
     assert matmul.split_for(4096, 32768) > 1  # attention output: few N tiles, long K
     assert matmul.split_for(36864, 4096) == 1  # query projection: N tiles enough

@@ -10,9 +10,9 @@ splits in order (`FUSED_SPLITS`, prefill: the same additions, no partials in mem
 SPLIT_K come from (N, K) alone (`split_for`), never from M, so `matmul(x)[:k] == matmul(x[:k])` bit
 for bit. The output tile (BLOCK_M x BLOCK_N), warps and stages follow M (`config_for`: small tiles
 that stream weights for decode, large ones for prefill chunks): they decide which program computes
-an output and which MMA shape it issues, both of which leave each output's k16-step order alone. tests/kernels/test_triton_kernels.py checks it on the GPU across the
-switch. cuBLAS, by contrast, picks kernels and split-K by M, which is why `torch.mm` is not
-batch-invariant.
+an output and which MMA shape it issues, both of which leave each output's k16-step order alone.
+tests/kernels/test_triton_kernels.py checks it on the GPU across the switch. cuBLAS, by contrast,
+picks kernels and split-K by M, which is why `torch.mm` is not batch-invariant.
 
 Decode steps are memory-bound: SPLIT_K puts enough programs on the weights when N is narrow (the
 attention output and the router have few N tiles) so every SM streams a share of them.
@@ -33,6 +33,12 @@ MIN_SPLIT_STEPS = 4
 DECODE_BLOCK_N = 128
 # Above this many rows a pass is compute-bound (a prefill chunk): larger tiles reuse each load more.
 PREFILL_ROWS = 256
+# A prefill pass adds its splits in the tile's program when each split is this short or shorter:
+# then the partials' round trip through memory outweighs the compute (H200, 4,096 rows,
+# `bench.gemm_sweep --rows 4096`: lm_head K 4,096 / 8 splits 306 us fused vs 474 apart; the router
+# and the indexer projection alike or better), while long splits keep the 128 x 256 tile that a
+# second accumulator does not fit (attention output, K 32,768 / 8: 1,921 us apart vs 2,088 fused).
+FUSE_MAX_SPLIT_K = 2048
 
 
 # The row count is never specialized on (Triton would compile a variant per M % 16 class): an eager
@@ -109,6 +115,11 @@ def split_for(n: int, k: int) -> int:
     return split
 
 
+def fuses_splits(m: int, k: int, split: int) -> bool:
+    """Whether an M-row pass over a K-long weight cut in `split` adds the splits in the tile's program."""
+    return split > 1 and m > PREFILL_ROWS and k // split <= FUSE_MAX_SPLIT_K
+
+
 def config_for(m: int, element_size: int, split: int = 1) -> dict:
     """Tile, warps and stages for an M-row pass. Stages: float32 tiles (the canary model on a GPU)
     take twice the shared memory of bf16 ones. A prefill pass of a split weight adds its splits in
@@ -133,7 +144,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     deployment's split must never follow the batch); `config`, `block_k` and `fused_splits`
     override config_for, BLOCK_K and the prefill rule (bench/gemm_sweep.py and tests only).
     fused_splits: each program adds its tile's splits itself (same bits as the split programs plus
-    `_split_sum_kernel`), the default above PREFILL_ROWS rows."""
+    `_split_sum_kernel`), the default above PREFILL_ROWS rows for splits of FUSE_MAX_SPLIT_K or less."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.dtype == w.dtype, f"x {tuple(x.shape)} {x.dtype} vs w {tuple(w.shape)} {w.dtype}"
@@ -142,7 +153,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if M == 0:
         return out
     split = split_k or split_for(N, K)
-    fused = (M > PREFILL_ROWS if fused_splits is None else fused_splits) and split > 1
+    fused = split > 1 and (fuses_splits(M, K, split) if fused_splits is None else fused_splits)
     k_chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 and not fused else out
     config = config or config_for(M, x.element_size(), split if fused else 1)
