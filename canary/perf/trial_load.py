@@ -73,6 +73,16 @@ class TrialWorkload:
         unknown = set(described) - set(WORKLOAD_KEYS)
         if unknown:
             raise ValueError(f"unknown trial workload keys {sorted(unknown)}; known: {', '.join(WORKLOAD_KEYS)}")
+        for key, value in described.items():
+            default = getattr(cls(), key)
+            if key == "concurrency":
+                ok = isinstance(value, list | tuple) and all(map(_is_int, value))
+            elif isinstance(default, bool):
+                ok = isinstance(value, bool)
+            else:
+                ok = _is_int(value) or (isinstance(default, float) and isinstance(value, float))
+            if not ok:
+                raise ValueError(f"trial workload {key} = {value!r}: expected {type(default).__name__}")
         values = dict(described)
         if "concurrency" in values:
             values["concurrency"] = tuple(values["concurrency"])
@@ -80,6 +90,10 @@ class TrialWorkload:
 
 
 WORKLOAD_KEYS = ("concurrency", "max_tokens", "ttft_rate", "ttft_requests", "rounds", "logprobs")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class TrialFigures(dict[str, float]):
