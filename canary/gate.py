@@ -202,7 +202,8 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
              perf_tolerance: float = 0.1, near_tie: float = 0.05, progress: bool = True,
              on_request_done: Callable[[RequestRecord], None] | None = None,
              differential_sample: int = differential.DEFAULT_SAMPLE, deterministic: bool | None = None,
-             perf_trials_min: int = 6, perf_gate: bool = True, calibrate: bool = False) -> GateOutcome:
+             perf_trials_min: int = 6, perf_gate: bool = True, calibrate: bool = False,
+             perf_workload: TrialWorkload = PERF_WORKLOAD) -> GateOutcome:
     """`deterministic`: the load-vs-solo oracle in exact mode; None = exact for the embedded runtime
     (batch-invariant by construction, so a near-tie flipped by load is its bug), near-ties benign elsewhere.
     `perf_gate` False: no baseline compared or recorded (the small-pool run, canary/workload.py).
@@ -249,7 +250,7 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     if record and outcome.failures:
         record = False  # a run that failed an oracle is no one's performance baseline
         outcome.notes.append("performance baseline NOT recorded: the run failed")
-    gate_perf(target, info, baseline, perf_tolerance, record, outcome, perf_trials_min)
+    gate_perf(target, info, baseline, perf_tolerance, record, outcome, perf_trials_min, perf_workload)
     outcome.summary.update(_run_facts(target, options, result, metadata, metrics, outcome))
     return outcome
 
@@ -297,22 +298,37 @@ def _check_pages_idle(target: Target, outcome: GateOutcome) -> None:
 
 
 def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, tolerance: float, pairs: int = 6,
-           progress: bool = True, workload: TrialWorkload = PERF_WORKLOAD, max_pairs: int | None = None) -> GateOutcome:
+           progress: bool = True, workload: TrialWorkload = PERF_WORKLOAD, max_pairs: int | None = None,
+           calibrate: bool = False, near_tie: float = 0.05) -> GateOutcome:
     """The candidate's sessions once through every oracle, then the perf verdict on interleaved
     trials of both servers (canary/perf/trials.py `ab_trials`): slower and inconclusive both fail.
-    `pairs` before the first look, up to `max_pairs` (default twice that) while it is inconclusive."""
+    `pairs` before the first look, up to `max_pairs` (default twice that) while it is inconclusive.
+    `calibrate`: the sessions run alone first, as in `run_gate` (a model this project did not train
+    fails its task oracles alone too: model quality, not a reason to fail an A/B)."""
     outcome = GateOutcome()
+    solo = None
+    if calibrate:
+        options = dataclasses.replace(options, keep_going=True)
+        solo = run_driver(candidate, calibration.solo_options(options), progress)
     result = run_driver(candidate, options, progress)
-    outcome.failures += [f"candidate: {f.describe()}" for _, f in result.failures]
+    if solo is None:
+        outcome.failures += [f"candidate: {f.describe()}" for _, f in result.failures]
+    else:  # near-ties benign, as run_gate has them, except for the embedded runtime (batch-invariant)
+        calibrated = GateOutcome()
+        calibration.apply(solo, result, calibrated, near_tie=None if candidate.embedded else near_tie)
+        outcome.failures += [f"candidate: {line}" for line in calibrated.failures]
+        outcome.notes += calibrated.notes
+        outcome.summary.update(calibrated.summary)
     if pairs <= 0:
         outcome.notes.append("perf gate off (--perf-trials 0)")
-        outcome.summary = {"target": candidate.name, "gate_failures": outcome.failures}
+        outcome.summary.update({"target": candidate.name, "gate_failures": outcome.failures})
         return outcome
     verdict = perf_trials.ab_trials(candidate, baseline_target, workload, tolerance, min_pairs=pairs,
                                     max_pairs=max_pairs or 2 * pairs)
     outcome.failures += verdict.failures()
-    outcome.summary = {"ab": {"baseline": baseline_target.name, "candidate": candidate.name, **verdict.summary()},
-                       "gate_failures": outcome.failures}
+    outcome.summary.update({"ab": {"baseline": baseline_target.name, "candidate": candidate.name,
+                                   "workload": workload.describe(), **verdict.summary()},
+                            "gate_failures": outcome.failures})
     return outcome
 
 
@@ -349,6 +365,15 @@ def sweep(target: Target, options: DriverOptions, progress: bool = True) -> dict
 
 
 # ---- what `pytest -m stress` runs -----------------------------------------------------------------
+def perf_workload(options: CanaryOptions) -> TrialWorkload:
+    """The perf verdict's trial workload: PERF_WORKLOAD, with what `--perf-workload` changes (a server
+    this project did not write may be too slow for its 8-request bursts of 48 tokens, or compute
+    logprobs slowly: '{"concurrency": [1], "max_tokens": 16, "logprobs": false}')."""
+    if not options.perf_workload:
+        return PERF_WORKLOAD
+    return TrialWorkload.from_dict({**PERF_WORKLOAD.describe(), **options.perf_workload})
+
+
 def run_configured(options: CanaryOptions, target: Target) -> GateOutcome:
     """The main job as the command line asks for it: the A/B gate against `--baseline-url`, else
     the gate (golden and baseline recorded on `--golden-update`/`--baseline-update`); then the
@@ -356,19 +381,21 @@ def run_configured(options: CanaryOptions, target: Target) -> GateOutcome:
     from canary.options import driver_options
 
     driver = driver_options(options, target)
+    # default: a model this project did not train (plain-words prompts) is calibrated
+    calibrate = driver.generic_prompts if options.calibrate is None else options.calibrate
+    workload = perf_workload(options)
     if options.baseline_url:
         from canary.targets import remote_target
 
         baseline = remote_target(options.baseline_url, options.model, options.api_key)
-        outcome = run_ab(target, baseline, driver, options.perf_tolerance, pairs=options.perf_trials)
+        outcome = run_ab(target, baseline, driver, options.perf_tolerance, pairs=options.perf_trials,
+                         workload=workload, calibrate=calibrate)
     else:
         outcome = run_gate(target, driver, golden_update=options.golden_update,
                            baseline_update=options.baseline_update,
                            baseline=options.baseline, perf_tolerance=options.perf_tolerance,
                            differential_sample=options.differential_sample, deterministic=options.deterministic,
-                           perf_trials_min=options.perf_trials,
-                           # default: a model this project did not train (plain-words prompts) is calibrated
-                           calibrate=driver.generic_prompts if options.calibrate is None else options.calibrate)
+                           perf_trials_min=options.perf_trials, calibrate=calibrate, perf_workload=workload)
     if options.sweep:
         outcome.summary.update(sweep(target, driver))
     if options.report_dir:

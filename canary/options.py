@@ -41,6 +41,8 @@ class CanaryOptions:
     multibyte_ratio: float = 0.0
     small_pool_pages: int = 0  # the small-pool run's KV pages; 0: no small-pool run
     calibrate: bool | None = None  # sessions alone first (canary/calibration.py); None: for plain-words targets
+    # The perf trials' workload, what differs from canary/gate.py PERF_WORKLOAD (TrialWorkload.describe() keys)
+    perf_workload: dict[str, Any] | None = None
 
 
 def serves_canary_model(model: str | None) -> bool:

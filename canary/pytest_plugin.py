@@ -63,6 +63,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--perf-trials", type=int, default=6, metavar="N",
         help="perf verdict: trials (A/B: interleaved pairs) before the first look, up to 2N while inconclusive "
              "(default 6; 0 switches the perf gate off)")
+    add("--perf-workload", default=None, metavar="JSON",
+        help="perf verdict: the trial workload's changes from the default (keys concurrency, max_tokens, ttft_rate, "
+             "ttft_requests, rounds, logprobs), e.g. '{\"concurrency\": [1], \"max_tokens\": 16, \"logprobs\": false}' "
+             "for a slow server (a stored baseline is only compared with trials of its own workload)")
     add("--report-dir", type=Path, default=None, help="write summary.json and PNG plots here")
     add("--golden-update", action="store_true", help="record golden transcripts and the perf baseline")
     add("--baseline-update", action="store_true",
@@ -104,6 +108,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError("--driver-processes must be >= 1")
     if opt("base_url") and opt("inject_fault"):
         raise pytest.UsageError("--inject-fault applies to the embedded runtime, not to --base-url")
+    workload = _perf_workload(opt("perf_workload"))
     config.stash[OPTIONS] = CanaryOptions(
         sessions=opt("sessions"), turns=opt("turns"), concurrency=opt("concurrency"), base_url=opt("base_url"),
         model=opt("model"), api_key=opt("api_key"), stream_ratio=opt("stream_ratio"),
@@ -114,8 +119,26 @@ def pytest_configure(config: pytest.Config) -> None:
         differential_sample=opt("differential_sample"), deterministic=opt("deterministic"),
         perf_trials=opt("perf_trials"),
         sampled_ratio=opt("sampled_ratio"), stop_ratio=opt("stop_ratio"), multibyte_ratio=opt("multibyte_ratio"),
-        small_pool_pages=opt("small_pool_pages"), calibrate=opt("calibrate"))
+        small_pool_pages=opt("small_pool_pages"), calibrate=opt("calibrate"), perf_workload=workload)
     config.stash[NOTES] = []
+
+
+def _perf_workload(spec: str | None) -> dict | None:
+    """`--perf-workload`'s JSON object, checked here (a typo fails at startup, not after the sessions)."""
+    if spec is None:
+        return None
+    import json
+
+    try:
+        changes = json.loads(spec)
+        if not isinstance(changes, dict):
+            raise ValueError("not a JSON object")
+        from canary.perf.trial_load import TrialWorkload
+
+        TrialWorkload.from_dict(changes)
+    except (ValueError, TypeError) as exc:
+        raise pytest.UsageError(f"--perf-workload {spec!r}: {exc}") from exc
+    return changes
 
 
 def _cuda_available() -> bool:

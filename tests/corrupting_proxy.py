@@ -10,14 +10,22 @@ passed through, or rewritten by `Rewrite.metrics`.
 
 A rewrite applies only from the second user turn on (`late`): a check that looks at the first turn
 of a session only would miss every one of them.
+
+`token_delay_s` (a number instead of None) makes it a slow server instead: streams pass through as
+they come (no rewrite), each token no earlier than its arrival plus `token_delay_s` for every token
+of the response so far, the first included: a server whose every decode step takes that much longer
+(0: the same path with no delay, the fair A/B baseline of a delayed proxy). A non-streamed response
+is held back by `token_delay_s` per completion token of its usage.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -66,6 +74,8 @@ class CorruptingProxy:
         self.rewrite = rewrite or Rewrite()
         self.rewritten = 0  # responses the rewrite changed (a control that changed nothing proves nothing)
         self.in_flight = 0  # chat requests being handled now, this one included (`UnderLoad`)
+        self.token_delay_s: float | None = None  # a number: a slowed pass-through (module docstring)
+        self.delayed_tokens = 0  # tokens held back by token_delay_s (a slowdown that delayed nothing proves nothing)
         self.port = free_port()
         self._server = None
         self._thread: threading.Thread | None = None
@@ -94,6 +104,8 @@ class CorruptingProxy:
             body = json.loads(raw)
             headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
             rewrite = self.rewrite
+            if self.token_delay_s is not None:
+                return await delayed(raw, body, headers, self.token_delay_s)
             if not body.get("stream"):
                 upstream = await client.post("/v1/chat/completions", content=raw, headers=headers)
                 if upstream.status_code != 200 or not rewrite.applies(body):
@@ -116,6 +128,49 @@ class CorruptingProxy:
             async def events():
                 for p in payloads:
                     yield f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n".encode()
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def delayed(raw: bytes, body: dict, headers: dict, delay: float):
+            if not body.get("stream"):
+                upstream = await client.post("/v1/chat/completions", content=raw, headers=headers)
+                if upstream.status_code == 200:
+                    tokens = (upstream.json().get("usage") or {}).get("completion_tokens") or 0
+                    self.delayed_tokens += tokens
+                    await asyncio.sleep(delay * tokens)
+                return Response(upstream.content, upstream.status_code, media_type="application/json")
+            upstream = await client.send(client.build_request("POST", "/v1/chat/completions", content=raw,
+                                                              headers=headers), stream=True)
+            if upstream.status_code != 200:
+                data = await upstream.aread()
+                await upstream.aclose()
+                return Response(data, upstream.status_code, media_type="application/json")
+            lines: asyncio.Queue = asyncio.Queue()
+
+            async def read() -> None:  # the upstream's pace, whatever the delay holds back
+                try:
+                    async for line in upstream.aiter_lines():
+                        await lines.put((time.perf_counter(), line))
+                finally:
+                    await lines.put(None)
+                    await upstream.aclose()
+
+            async def events():
+                reader = asyncio.create_task(read())
+                tokens = 0
+                while (item := await lines.get()) is not None:
+                    arrived, line = item
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload != "[DONE]" and any((ch.get("delta") or {}).get("content")
+                                                   or (ch.get("delta") or {}).get("tool_calls")
+                                                   for ch in json.loads(payload).get("choices") or []):
+                        tokens += 1
+                        self.delayed_tokens += 1
+                        await asyncio.sleep(max(0.0, arrived + tokens * delay - time.perf_counter()))
+                    yield f"data: {payload}\n\n".encode()
+                await reader
 
             return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -10,6 +10,16 @@
   whose p50 depends on where each request lands in the queue), one output token each; the figure
   is the median TTFT.
 
+Servers this project did not write: completion tokens are the usage chunk's where the stream ends
+with one (`stream_options.include_usage`; the embedded runtime's figures and the stored baselines are
+counted so), else counted from the streamed deltas (one per logprob entry where they come, else one
+per delta with text or a tool call: a server that merges tokens into one delta, as llama-cpp-python
+does while it holds back a partial UTF-8 character or stop string, is counted low, alike on both sides
+of an A/B pair); each trial says which (`TrialFigures.tokens_counted`). llama-cpp-python 0.3.36 sends no
+usage chunk. `logprobs=False` leaves them out of the trials' requests: a server that computes them
+slowly (llama-cpp-python sorts the whole vocabulary per token for top logprobs) would otherwise be
+measured doing that. A stream without any token or without a finish_reason is an error, not a fast trial.
+
 A burst of whole multi-turn sessions (the gate's correctness workload) mixes all of this with the
 harness's own speed and the sessions' random lengths: its p50 moved 33-69% between runs of one build.
 Raw HTTP (httpx, SSE parsed here): the harness must cost the 2-core machine as little as it can.
@@ -21,6 +31,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from canary.targets import Target
@@ -34,10 +45,15 @@ class TrialWorkload:
     ttft_requests: int = 8
     timeout_s: float = 120.0
     rounds: int = 1  # decode bursts per level; the figure is the median burst's
+    logprobs: bool = True  # ask for logprobs in the trials' requests (off: a server where they are costly)
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        if self.max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2 (a decode rate needs two tokens), got {self.max_tokens}")
 
     def metrics(self) -> list[str]:
         names = [f"decode_tok_s@{c}" for c in self.concurrency]
@@ -46,8 +62,56 @@ class TrialWorkload:
     def describe(self) -> dict:
         described = {"concurrency": list(self.concurrency), "max_tokens": self.max_tokens,
                      "ttft_rate": self.ttft_rate, "ttft_requests": self.ttft_requests}
-        # Only when it differs from 1: the baselines recorded before `rounds` existed stay comparable.
-        return described | ({"rounds": self.rounds} if self.rounds != 1 else {})
+        # Only where they differ from the defaults: the baselines recorded before `rounds` and
+        # `logprobs` existed stay comparable (the same fingerprint).
+        return (described | ({"rounds": self.rounds} if self.rounds != 1 else {})
+                | ({"logprobs": False} if not self.logprobs else {}))
+
+    @classmethod
+    def from_dict(cls, described: dict) -> TrialWorkload:
+        """`describe()`'s inverse; keys left out take their defaults (`--perf-workload '{"logprobs": false}'`)."""
+        unknown = set(described) - set(WORKLOAD_KEYS)
+        if unknown:
+            raise ValueError(f"unknown trial workload keys {sorted(unknown)}; known: {', '.join(WORKLOAD_KEYS)}")
+        for key, value in described.items():
+            default = getattr(cls(), key)
+            if key == "concurrency":
+                ok = isinstance(value, list | tuple) and all(map(_is_int, value))
+            elif isinstance(default, bool):
+                ok = isinstance(value, bool)
+            else:
+                ok = _is_int(value) or (isinstance(default, float) and isinstance(value, float))
+            if not ok:
+                raise ValueError(f"trial workload {key} = {value!r}: expected {type(default).__name__}")
+        values = dict(described)
+        if "concurrency" in values:
+            values["concurrency"] = tuple(values["concurrency"])
+        return cls(**values)
+
+
+WORKLOAD_KEYS = ("concurrency", "max_tokens", "ttft_rate", "ttft_requests", "rounds", "logprobs")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class TrialFigures(dict[str, float]):
+    """One trial's figures, metric name -> value, and how its requests' completion tokens were
+    counted: `tokens_counted` = {"usage": requests counted from the usage chunk, "deltas": requests
+    counted from the streamed deltas} (only the ways that occurred)."""
+
+    tokens_counted: dict[str, int]
+
+    def __init__(self, figures: dict[str, float], tokens_counted: dict[str, int]) -> None:
+        super().__init__(figures)
+        self.tokens_counted = tokens_counted
+
+
+def trial_record(figures: dict[str, float]) -> dict:
+    """A trial's entry for the stored or A/B record: its figures, and how it counted tokens where it says."""
+    counted = getattr(figures, "tokens_counted", None)
+    return {"figures": dict(figures), **({"tokens_counted": dict(counted)} if counted else {})}
 
 
 def higher_is_better(metric: str) -> bool:
@@ -60,6 +124,7 @@ class _Timing:
     first_token: float | None = None
     finished: float = 0.0
     tokens: int = 0
+    counted: str = ""  # "usage" | "deltas": where `tokens` came from
 
 
 def _messages(target: Target, index: int, salt: str = "") -> tuple[list[dict], dict]:
@@ -74,10 +139,14 @@ def _messages(target: Target, index: int, salt: str = "") -> tuple[list[dict], d
     return messages, {"tools": scenario.tools, "tool_choice": scenario.tool_choice}
 
 
-async def _stream(client, target: Target, messages: list[dict], extra: dict, max_tokens: int) -> _Timing:
+async def _stream(client, target: Target, messages: list[dict], extra: dict, max_tokens: int,
+                  logprobs: bool = True) -> _Timing:
     body = {"model": target.model, "messages": messages, **extra, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "logprobs": True}
+            "stream": True, "stream_options": {"include_usage": True}, **({"logprobs": True} if logprobs else {})}
     timing = _Timing(time.perf_counter())
+    usage: int | None = None
+    streamed = 0  # tokens counted from the deltas
+    finish_reason = None
     async with client.stream("POST", target.url_for("v1", "chat", "completions"), json=body,
                              headers=target.headers) as resp:
         if resp.status_code != 200:
@@ -87,53 +156,68 @@ async def _stream(client, target: Target, messages: list[dict], extra: dict, max
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
-                timing.tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", ()):
                 delta = choice.get("delta") or {}
+                entries = (choice.get("logprobs") or {}).get("content") or []
                 # A token's logprob entry marks its arrival, also while its text is held back (a tool call).
-                if delta.get("content") or delta.get("tool_calls") or (choice.get("logprobs") or {}).get("content"):
+                if delta.get("content") or delta.get("tool_calls") or entries:
                     timing.first_token = timing.first_token or time.perf_counter()
+                    streamed += max(len(entries), 1)
+                finish_reason = choice.get("finish_reason") or finish_reason
     timing.finished = time.perf_counter()
+    timing.tokens, timing.counted = (usage, "usage") if usage is not None else (streamed, "deltas")
     if timing.first_token is None or not timing.tokens:
-        raise RuntimeError("perf trial request returned no tokens (or no usage chunk)")
+        raise RuntimeError(f"perf trial request returned no tokens (streamed {streamed}, usage {usage})")
+    if finish_reason is None:
+        raise RuntimeError(f"perf trial stream ended without a finish_reason after {streamed} tokens: cut short")
     return timing
 
 
-async def _decode_rate(client, target: Target, concurrency: int, max_tokens: int) -> float:
+async def _decode_rate(client, target: Target, concurrency: int, max_tokens: int, logprobs: bool = True,
+                       counted: Counter | None = None) -> float:
     messages, extra = _messages(target, 0)
-    timings = await asyncio.gather(*(_stream(client, target, messages, extra, max_tokens) for _ in range(concurrency)))
+    timings = await asyncio.gather(*(_stream(client, target, messages, extra, max_tokens, logprobs)
+                                     for _ in range(concurrency)))
+    if counted is not None:
+        counted.update(t.counted for t in timings)
     tpots = [(t.finished - t.first_token) / (t.tokens - 1) for t in timings if t.first_token and t.tokens > 1]
     if not tpots:
         raise RuntimeError("perf trial: every request stopped after one token; raise max_tokens")
     return concurrency / statistics.fmean(tpots)
 
 
-async def _ttft_at_rate(client, target: Target, rate: float, count: int, trial: int) -> float:
+async def _ttft_at_rate(client, target: Target, rate: float, count: int, trial: int, logprobs: bool = True,
+                        counted: Counter | None = None) -> float:
     async def one(i: int) -> float:
         await asyncio.sleep(i / rate)
         messages, extra = _messages(target, 1 + i, salt=f"t{trial}r{i}")
-        timing = await _stream(client, target, messages, extra, 1)
+        timing = await _stream(client, target, messages, extra, 1, logprobs)
         assert timing.first_token is not None
+        if counted is not None:
+            counted[timing.counted] += 1
         return timing.first_token - timing.started
 
     return statistics.median(await asyncio.gather(*(one(i) for i in range(count))))
 
 
-async def _trial(target: Target, workload: TrialWorkload, trial: int) -> dict[str, float]:
+async def _trial(target: Target, workload: TrialWorkload, trial: int, transport=None) -> TrialFigures:
     import httpx
 
     limits = httpx.Limits(max_connections=max((*workload.concurrency, workload.ttft_requests)) + 4)
-    async with httpx.AsyncClient(timeout=workload.timeout_s, limits=limits) as client:
+    counted: Counter = Counter()
+    async with httpx.AsyncClient(timeout=workload.timeout_s, limits=limits, transport=transport) as client:
         figures = {}
         for c in workload.concurrency:
-            bursts = [await _decode_rate(client, target, c, workload.max_tokens) for _ in range(workload.rounds)]
+            bursts = [await _decode_rate(client, target, c, workload.max_tokens, workload.logprobs, counted)
+                      for _ in range(workload.rounds)]
             figures[f"decode_tok_s@{c}"] = statistics.median(bursts)
         if workload.ttft_rate > 0 and workload.ttft_requests:
             figures[f"ttft_s@{workload.ttft_rate:g}rps"] = await _ttft_at_rate(
-                client, target, workload.ttft_rate, workload.ttft_requests, trial)
-        return figures
+                client, target, workload.ttft_rate, workload.ttft_requests, trial, workload.logprobs, counted)
+        return TrialFigures(figures, dict(sorted(counted.items())))
 
 
-def measure_trial(target: Target, workload: TrialWorkload, trial: int = 0) -> dict[str, float]:
-    """One trial's figures, metric name -> value (workload.metrics() names them)."""
+def measure_trial(target: Target, workload: TrialWorkload, trial: int = 0) -> TrialFigures:
+    """One trial's figures, metric name -> value (workload.metrics() names them), with how it counted tokens."""
     return asyncio.run(_trial(target, workload, trial))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from canary.perf import ratio_stats
 from canary.perf.ratio_stats import INCONCLUSIVE, OK, SLOWER, RatioVerdict
-from canary.perf.trial_load import TrialWorkload, higher_is_better, measure_trial
+from canary.perf.trial_load import TrialWorkload, higher_is_better, measure_trial, trial_record
 from canary.targets import Target
 
 Measure = Callable[[Target, TrialWorkload, int], dict[str, float]]
@@ -82,7 +82,7 @@ def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tole
             figures = {}
             for name in order:
                 figures[name] = measure(sides[name], workload, 2 * pair + (name == "candidate"))
-                trials.append({"pair": pair, "side": name, "figures": figures[name]})
+                trials.append({"pair": pair, "side": name, **trial_record(figures[name])})
                 if on_trial:
                     on_trial(trials[-1])
             for metric in ratios:
@@ -102,7 +102,7 @@ def _probed_trial(target: Target, workload: TrialWorkload, index: int, measure: 
     before = probe() if probe else None
     figures = measure(target, workload, index)
     speed = math.sqrt(before * probe()) if probe and before else None
-    return {"trial": index, "figures": figures, "machine_speed": speed}
+    return {"trial": index, **trial_record(figures), "machine_speed": speed}
 
 
 def normalized_costs(trials: list[dict], metric: str, by_speed: bool) -> list[float]:
@@ -156,6 +156,4 @@ def stored_trials(target: Target, stored: dict, workload: TrialWorkload, toleran
 
 
 def workload_from(record: dict) -> TrialWorkload:
-    w = record["workload"]
-    return TrialWorkload(concurrency=tuple(w["concurrency"]), max_tokens=w["max_tokens"], ttft_rate=w["ttft_rate"],
-                         ttft_requests=w["ttft_requests"], rounds=w.get("rounds", 1))
+    return TrialWorkload.from_dict(record["workload"])

@@ -11,7 +11,11 @@ What it shows:
   (tests/corrupting_proxy.py `UnderLoad`), is caught: a character changed in the answer text, two tokens
   swapped, another session's nonce in an answer, a stream without `[DONE]`;
 - llama-cpp-python's own default `interrupt_requests` (a streamed answer cut short whenever another
-  request waits) fails the gate under load and passes it alone.
+  request waits) fails the gate under load and passes it alone;
+- the perf verdict (interleaved A/B trials, `--baseline-url`) runs against it although it sends no
+  usage chunk (tokens counted from the deltas) and with logprobs left out of the trials
+  (`--perf-workload`): the server against itself is not called slower, and the server behind a proxy
+  that holds each token back by a known delay is, against the same proxy with no delay.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import pytest
 
 from canary import thirdparty
 from canary.driver import DriverOptions
-from canary.gate import run_gate
+from canary.gate import run_configured, run_gate
+from canary.options import CanaryOptions
+from canary.perf.ratio_stats import SLOWER
 from canary.reports import summary_lines, write_summary
 from canary.scenarios import make_scenario
 from tests import corrupting_proxy as cp
@@ -119,3 +125,54 @@ def test_llama_cpp_default_interrupt_requests_fails_under_load_not_alone(llama_p
     assert not outcome.passed and "[finish-reason]" in fired, outcome.failures
     assert not any(line.startswith("alone (calibration run)") for line in outcome.failures)
     assert "finish-reason" not in outcome.summary["calibration"]["failed_alone"]
+
+
+# The perf trials against this server: one request at a time is all it serves (one slot), so one
+# concurrency level; 16 tokens (~45 ms each here without logprobs), the median of 3; TTFT of 3
+# requests at 1 per second (a prefill takes ~0.85 s). About 5 s a trial on the 2-core machine.
+PERF_WORKLOAD = {"concurrency": [1], "max_tokens": 16, "ttft_rate": 1.0, "ttft_requests": 3, "rounds": 3,
+                 "logprobs": False}
+PERF_TOLERANCE = 0.2
+TOKEN_DELAY_S = 0.05  # the slowed side: about twice this server's decode step here, far past the tolerance
+
+
+def ab_gate(candidate_url: str, baseline_url: str, report_dir):
+    """`pytest -m stress --base-url CANDIDATE --baseline-url BASELINE --perf-workload ...` in small: 2
+    calibrated sessions of one turn, then 4 to 8 interleaved trial pairs."""
+    options = CanaryOptions(sessions=2, turns=1, concurrency=None, base_url=candidate_url,
+                            model=thirdparty.MODEL_ALIAS, api_key=None, stream_ratio=0.5, abort_ratio=0.0, faults=(),
+                            baseline=None, baseline_url=baseline_url, perf_tolerance=PERF_TOLERANCE,
+                            report_dir=report_dir, golden_update=False, baseline_update=False, sweep=False,
+                            max_tokens=4, perf_trials=4, perf_workload=PERF_WORKLOAD)
+    from canary.targets import remote_target
+
+    return run_configured(options, remote_target(candidate_url, thirdparty.MODEL_ALIAS))
+
+
+def perf_facts(outcome) -> list[str]:
+    ab = outcome.summary["ab"]
+    counted = sorted({k for t in ab["trials"] for k in t.get("tokens_counted", {})})
+    return [f"  A/B trials: {len(ab['trials'])} ({ab['candidate']} vs {ab['baseline']}), tokens counted from: "
+            f"{counted}, workload {ab['workload']}"] + [
+        f"  {v['metric']}: {v['status']}, cost ratio {v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}], "
+        f"{v['trials']} pairs ({v['reason']})" for v in ab["verdicts"]]
+
+
+def test_perf_ab_against_itself_is_not_slower_and_a_slowed_server_is(llama, canary_summary, tmp_path):
+    clean = ab_gate(llama.base_url, llama.base_url, tmp_path / "clean")
+    canary_summary(summary_lines(clean.summary, clean.failures, clean.report) + perf_facts(clean))
+    ab = clean.summary["ab"]
+    # llama-cpp-python 0.3.36 sends no usage chunk: every trial counted its tokens from the deltas.
+    assert ab["trials"] and all(set(t["tokens_counted"]) == {"deltas"} for t in ab["trials"]), ab["trials"][:2]
+    assert ab["status"] != SLOWER, "\n".join(clean.failures)
+    # Correctness passed (model quality calibrated away); only a too-noisy perf verdict may fail it.
+    assert all(line.startswith("[perf-inconclusive]") for line in clean.failures), clean.failures
+
+    with cp.CorruptingProxy(llama.root_url) as base, cp.CorruptingProxy(llama.root_url) as slow:
+        base.token_delay_s, slow.token_delay_s = 0.0, TOKEN_DELAY_S
+        slowed = ab_gate(slow.target(llama.model).base_url, base.target(llama.model).base_url, tmp_path / "slowed")
+    canary_summary(summary_lines(slowed.summary, slowed.failures, slowed.report) + perf_facts(slowed))
+    assert slow.delayed_tokens > 0
+    assert slowed.summary["ab"]["status"] == SLOWER, "\n".join(slowed.failures)
+    assert any(line.startswith("[perf-regression] A/B decode_tok_s@1") for line in slowed.failures), slowed.failures
+    assert all(line.startswith("[perf-") for line in slowed.failures), slowed.failures  # the delay corrupts nothing

@@ -254,7 +254,7 @@ def test_a_decode_figure_is_the_median_burst(monkeypatch):
 
     bursts = iter([100.0, 1000.0, 110.0])
 
-    async def fake_rate(client, target, concurrency, max_tokens):
+    async def fake_rate(client, target, concurrency, max_tokens, *_):
         return next(bursts)
 
     monkeypatch.setattr(trial_load, "_decode_rate", fake_rate)

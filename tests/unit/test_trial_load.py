@@ -1,0 +1,156 @@
+"""The perf trial's requests against servers that do not behave like the embedded runtime (issue 17
+items 4-5): no usage chunk (llama-cpp-python 0.3.36 sends none), logprobs left out where a server
+computes them slowly, and streams that end without a token or a finish_reason. A fake server
+(httpx.MockTransport) answers with SSE streams built here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from canary.perf import trial_load
+from canary.perf.trial_load import TrialWorkload
+from canary.perf.trials import ab_trials, record_trials, workload_from
+from canary.targets import Target
+
+pytestmark = pytest.mark.unit
+
+TARGET = Target("fake", "http://fake/v1", "m", False)
+
+
+def sse(chunks: list[dict], done: bool = True) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + (b"data: [DONE]\n\n" if done else b"")
+
+
+def chunk(content: str | None = None, finish: str | None = None, logprobs: int = 0, role: bool = False) -> dict:
+    delta = {"role": "assistant"} if role else ({"content": content} if content is not None else {})
+    entries = [{"token": "x", "logprob": -0.1, "top_logprobs": []} for _ in range(logprobs)]
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                         "logprobs": {"content": entries} if entries else None}]}
+
+
+def reply(tokens: int, *, usage: int | None = None, finish: str | None = "length", logprobs: int = 0,
+          done: bool = True) -> bytes:
+    """A stream of `tokens` text deltas (each with `logprobs` entries), its finish chunk, and a usage
+    chunk saying `usage` where given (as a server does on `stream_options.include_usage`)."""
+    chunks = [chunk(role=True)] + [chunk(f"t{i} ", logprobs=logprobs) for i in range(tokens)]
+    chunks.append(chunk(finish=finish) if finish else chunk(""))
+    if usage is not None:
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": usage,
+                                                "total_tokens": 9 + usage}})
+    return sse(chunks, done)
+
+
+class FakeServer:
+    """Answers every chat completion with `answer(body)` (SSE bytes) and keeps the request bodies."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.bodies = answer, []
+
+    def transport(self) -> httpx.MockTransport:
+        def handle(request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content)
+            self.bodies.append(body)
+            return httpx.Response(200, content=self.answer(body), headers={"content-type": "text/event-stream"})
+
+        return httpx.MockTransport(handle)
+
+
+def stream(server: FakeServer, max_tokens: int = 8, logprobs: bool = True):
+    async def go():
+        async with httpx.AsyncClient(transport=server.transport()) as client:
+            messages = [{"role": "user", "content": "hi"}]
+            return await trial_load._stream(client, TARGET, messages, {}, max_tokens, logprobs)
+
+    return asyncio.run(go())
+
+
+def test_without_a_usage_chunk_tokens_are_counted_from_the_deltas():
+    """llama-cpp-python's streams end with no usage chunk: the old trial raised on every request."""
+    timing = stream(FakeServer(lambda body: reply(6)))
+    assert (timing.tokens, timing.counted) == (6, "deltas")
+    # A logprob entry is one token, also where a delta carries several (or its text is held back).
+    timing = stream(FakeServer(lambda body: reply(3, logprobs=2)))
+    assert (timing.tokens, timing.counted) == (6, "deltas")
+
+
+def test_with_a_usage_chunk_its_count_is_kept():
+    """The usage chunk stays the count where it comes: the embedded runtime's figures and the stored
+    baselines were measured so (here usage says 7 for 5 deltas: a server merging two tokens in one)."""
+    timing = stream(FakeServer(lambda body: reply(5, usage=7)))
+    assert (timing.tokens, timing.counted) == (7, "usage")
+
+
+@pytest.mark.parametrize("answer", [
+    pytest.param(lambda body: reply(0, usage=0), id="no token, usage 0"),
+    pytest.param(lambda body: reply(0), id="no token, no usage"),
+    pytest.param(lambda body: reply(0, usage=5), id="usage 5 but no token streamed"),
+    pytest.param(lambda body: reply(4, usage=0), id="tokens streamed but usage 0"),
+])
+def test_a_stream_without_tokens_is_an_error(answer):
+    with pytest.raises(RuntimeError, match="no tokens"):
+        stream(FakeServer(answer))
+
+
+@pytest.mark.parametrize("usage", [None, 6])
+def test_a_stream_without_a_finish_reason_is_an_error_not_a_fast_trial(usage):
+    """A stream cut short (llama-cpp-python's `interrupt_requests`: `[DONE]` and no finish_reason)
+    would otherwise count as a short, fast request."""
+    with pytest.raises(RuntimeError, match="finish_reason"):
+        stream(FakeServer(lambda body: reply(6, usage=usage, finish=None)))
+    with pytest.raises(RuntimeError, match="finish_reason"):
+        stream(FakeServer(lambda body: reply(6, usage=usage, finish=None, done=False)))
+
+
+def test_logprobs_are_asked_for_by_default_and_left_out_on_request():
+    server = FakeServer(lambda body: reply(4, usage=4))
+    stream(server)
+    stream(server, logprobs=False)
+    assert server.bodies[0]["logprobs"] is True and "logprobs" not in server.bodies[1]
+    assert all(b["stream_options"] == {"include_usage": True} for b in server.bodies)
+
+
+def test_logprobs_off_changes_the_workload_description_only_when_off():
+    """Stored baselines' fingerprints hold `describe()`: the default must describe as before
+    `logprobs` existed (the same five keys; `rounds` only when not 1)."""
+    assert TrialWorkload().describe() == {"concurrency": [1, 8], "max_tokens": 48, "ttft_rate": 4.0,
+                                          "ttft_requests": 8}
+    off = TrialWorkload(logprobs=False)
+    assert off.describe() == {**TrialWorkload().describe(), "logprobs": False}
+    assert workload_from({"workload": off.describe()}) == off
+    assert workload_from({"workload": TrialWorkload().describe()}) == TrialWorkload()
+    assert TrialWorkload.from_dict({"concurrency": [1], "logprobs": False}) == TrialWorkload(
+        concurrency=(1,), logprobs=False)
+    with pytest.raises(ValueError, match="unknown trial workload keys"):
+        TrialWorkload.from_dict({"logprob": False})
+
+
+def test_a_trial_without_usage_or_logprobs_measures_and_says_how_it_counted():
+    """The whole trial against a server like llama-cpp-python (no usage chunk; logprobs off): every
+    request counted from its deltas, none asked for logprobs, and the record says so."""
+    server = FakeServer(lambda body: reply(body["max_tokens"]))
+    workload = TrialWorkload(concurrency=(1, 2), max_tokens=4, ttft_rate=50.0, ttft_requests=3, rounds=2,
+                             logprobs=False)
+    figures = asyncio.run(trial_load._trial(TARGET, workload, 0, transport=server.transport()))
+    assert set(figures) == set(workload.metrics()) and all(v > 0 for v in figures.values())
+    assert figures.tokens_counted == {"deltas": 2 * (1 + 2) + 3}
+    assert not any("logprobs" in b for b in server.bodies)
+    assert trial_load.trial_record(figures) == {"figures": dict(figures), "tokens_counted": {"deltas": 9}}
+
+
+def test_the_trials_records_say_how_tokens_were_counted():
+    def measure(target, workload, trial):
+        counted = {"usage": 3} if target.name == "a" else {"deltas": 3}
+        return trial_load.TrialFigures({"decode_tok_s@8": 100.0, "ttft_s@4rps": 0.5}, counted)
+
+    workload = TrialWorkload(concurrency=(8,), ttft_rate=4.0, ttft_requests=4)
+    a, b = Target("a", "http://a/v1", "m", False), Target("b", "http://b/v1", "m", False)
+    outcome = ab_trials(b, a, workload, 0.1, min_pairs=2, max_pairs=2, measure=measure)
+    assert {(t["side"], json.dumps(t["tokens_counted"])) for t in outcome.trials} == {
+        ("baseline", '{"usage": 3}'), ("candidate", '{"deltas": 3}')}
+    recorded = record_trials(a, workload, trials=2, measure=measure)
+    assert all(t["tokens_counted"] == {"usage": 3} for t in recorded["trials"])
+    json.dumps(recorded)  # a plain dict: the baseline file holds it
