@@ -72,6 +72,9 @@ class PrefillSide:
         self.pending: dict[str, Pending] = {}
         self._sending: set[asyncio.Task] = set()  # writes of held KV in progress (a reference each)
 
+    async def aclose(self) -> None:
+        """At server shutdown: nothing of its own to close (the decode side has an HTTP client)."""
+
     # ---- routes the decode servers call ----------------------------------------------------------
     def add_routes(self, app: FastAPI) -> None:
         @app.post("/pd/register")
