@@ -54,7 +54,8 @@ def _unreachable(role: str, url: str, exc: Exception) -> Response:
 
 
 async def _settle(task: asyncio.Task) -> None:
-    """Let the prefill call end (it answers once the decode side has given up on the room)."""
+    """Let the prefill call end (it answers once the room is done or failed; a cancelled call closes
+    its connection, which the prefill server takes as the request given up)."""
     try:
         await task
     except (httpx.HTTPError, asyncio.CancelledError):
@@ -138,6 +139,10 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         if reply.status_code != 200 or not stream:
             content = await reply.aread()
             await reply.aclose()
+            if reply.status_code != 200:
+                # The decode side failed, maybe before it opened the room: hang up on the prefill server,
+                # which then frees the prompt's KV it holds for the room at once, not at its deadline.
+                prefill_call.cancel()
             await _settle(prefill_call)
             return Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
         return StreamingResponse(_pass_through(reply, prefill_call), media_type="text/event-stream")

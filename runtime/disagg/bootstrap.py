@@ -7,8 +7,10 @@ again, so the session it had before is replaced and any room opened under the ol
 
 A room is one request's meeting point: the router gives the prefill and the decode server the same
 room id; the decode side opens it with its destination page ids and long-polls for the result, the
-prefill side waits for it to be opened, runs the prompt and completes it. Every wait has a deadline
-that becomes `BootstrapTimeout`, an error the client sees.
+prefill side runs the prompt meanwhile (holding its KV pages), waits for the room to be opened, writes
+the KV and completes it. Every wait has a deadline that becomes `BootstrapTimeout`, an error the
+client sees. A room that fails before it is opened (the prefill side timed out or gave up) stays
+failed for `forget_s`, so a late open is refused at once instead of waiting out its own deadline.
 
 All methods run on the prefill server's event loop (the engine thread completes rooms through
 `loop.call_soon_threadsafe`).
@@ -65,8 +67,9 @@ class Room:
 
 
 class BootstrapRegistry:
-    def __init__(self, faults: FaultSet = NO_FAULTS) -> None:
+    def __init__(self, faults: FaultSet = NO_FAULTS, forget_s: float = 120.0) -> None:
         self.faults = faults
+        self.forget_s = forget_s  # how long a room that failed before it was opened refuses a late open
         self.sessions: dict[str, Session] = {}  # by decode name: the current session only
         self.rooms: dict[str, Room] = {}
         self._opened: dict[str, asyncio.Future] = {}  # room id -> resolves with the Room once opened
@@ -102,10 +105,20 @@ class BootstrapRegistry:
     def _opened_future(self, room: str) -> asyncio.Future:
         return self._opened.setdefault(room, asyncio.get_running_loop().create_future())
 
+    def expect(self, room: str) -> None:
+        """Prefill side: a request for `room` has arrived (before its room is opened): from now on a
+        failure of the room (`fail`) is kept for its decode side's open, and for `wait_opened`."""
+        self._opened_future(room)
+
     def open(self, room: str, name: str, session_id: str, dst_pages: list[int]) -> Room:
         session = self.current(name, session_id)
         if room in self.rooms:
             raise BootstrapError(f"room {room} is already open")
+        given_up = self._opened.get(room)
+        error = given_up.exception() if given_up is not None and given_up.done() else None
+        if error is not None:  # the prefill side gave the room up before it was opened
+            del self._opened[room]
+            raise error
         entry = Room(room, session, list(dst_pages), asyncio.get_running_loop().create_future())
         self.rooms[room] = entry
         opened = self._opened_future(room)
@@ -119,8 +132,9 @@ class BootstrapRegistry:
         try:
             return await asyncio.wait_for(asyncio.shield(opened), timeout_s)
         except TimeoutError:
-            self._opened.pop(room, None)
-            raise BootstrapTimeout(f"no decode server opened room {room} within {timeout_s:g} s") from None
+            error = BootstrapTimeout(f"no decode server opened room {room} within {timeout_s:g} s")
+            self.fail(room, error)  # a late open is refused at once
+            raise error from None
 
     async def wait_done(self, room: str, timeout_s: float) -> dict:
         """Decode side: the prefill result (first token, digest, stats) once the KV has been written."""
@@ -155,6 +169,12 @@ class BootstrapRegistry:
         if opened is not None and not opened.done():
             opened.set_exception(error)
             opened.exception()
+            if entry is None:  # not opened yet: refuse its open for a while, then forget it
+                asyncio.get_running_loop().call_later(self.forget_s, self._forget, room, opened)
+
+    def _forget(self, room: str, opened: asyncio.Future) -> None:
+        if self._opened.get(room) is opened:
+            del self._opened[room]
 
     def close(self, room: str) -> None:
         self.rooms.pop(room, None)

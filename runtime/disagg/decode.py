@@ -51,6 +51,14 @@ class DecodeSide:
             self._client = (loop, httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s + 5), limits=limits))
         return self._client[1]
 
+    async def aclose(self) -> None:
+        """Close the HTTP client (its pooled connections to the prefill servers); at server shutdown."""
+        if self._client is not None:
+            loop, client = self._client
+            self._client = None
+            if loop is asyncio.get_running_loop():
+                await client.aclose()
+
     def add_routes(self, app) -> None:
         """The decode side serves nothing extra: it calls the prefill server's bootstrap routes."""
 

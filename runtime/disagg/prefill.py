@@ -1,22 +1,31 @@
 """The prefill server's side of PD: the bootstrap routes decode servers call, the chat path that runs
-a prompt to its first token, and the engine-thread hook that writes the finished prompt's KV pages
-into the decode server's pool.
+a prompt to its first token, and the code that writes the finished prompt's KV pages into the decode
+server's pool.
 
-The write happens on the engine thread right after the step that prefilled the request
-(`EngineBridge.on_step`), before the next step is planned: the scheduler has already returned the
-request's pages to the pool, but no later step has been planned onto them yet, so they still hold
-exactly this prompt's KV (in the overlap loop too: the step already in flight was planned before
-these pages were freed). The prefill side therefore holds no pages across the network wait, and an
-abort on this side cannot leak any.
+The prompt is computed as soon as the request arrives, whether or not its decode server has opened
+the room yet (its page reservation and the HTTP call that opens the room run meanwhile, off the
+critical path). The engine keeps the finished request's pages (`keep_pages`), so they hold exactly
+this prompt's KV until this side frees them:
+
+- the room is already open when the prompt finishes: the engine thread writes the KV right after the
+  step (`on_step`) and frees the pages;
+- it is not: the pages are *held* (`Pending.held`, counted in `dsv4_pd_pages_in_flight`) and written
+  by a worker thread as soon as the room opens (owned pages: no step can touch them meanwhile), then
+  freed on the engine thread;
+- the room never opens (deadline), fails, or the caller goes away (timeout, disconnect, cancel):
+  `_release` aborts the prompt if it is still queued or computing, or frees the held pages. Every
+  path ends with the pages back in the pool, whichever of the event loop and the engine thread gets
+  to the request first (`_lock`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,6 +38,27 @@ from runtime.engine.engine import Engine, StepResult
 from runtime.server.bridge import Accepted, Rejected
 from runtime.server.errors import ApiError, bad_request
 
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Held:
+    """A finished prompt's KV, kept in its pages until its room opens."""
+
+    pages: list[int]  # the request's pages, owned by it in the pool until freed
+    num_tokens: int  # the prompt's: its KV fills the first pages_for_tokens(num_tokens) pages
+    outcome: dict  # what the decode side needs besides the KV (first token, sampler state, digest)
+
+
+@dataclass
+class Pending:
+    """One request of this server between its arrival and its KV write (`PrefillSide.pending`)."""
+
+    room_id: str
+    loop: asyncio.AbstractEventLoop
+    room: Room | None = None  # set once the decode side has opened the room
+    held: Held | None = None  # set once the prompt finished while the room was not open yet
+
 
 class PrefillSide:
     mode = "prefill"
@@ -37,8 +67,13 @@ class PrefillSide:
                  timeout_s: float) -> None:
         self.engine, self.transfer, self.registry, self.metrics = engine, transfer, registry, metrics
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()  # `pending` is shared by the event loop and the engine thread
-        self.pending: dict[str, tuple[Room, asyncio.AbstractEventLoop]] = {}
+        self.faults = engine.faults
+        self._lock = threading.Lock()  # `pending` (and its entries) is shared by the event loop and the engine thread
+        self.pending: dict[str, Pending] = {}
+        self._sending: set[asyncio.Task] = set()  # writes of held KV in progress (a reference each)
+
+    async def aclose(self) -> None:
+        """At server shutdown: nothing of its own to close (the decode side has an HTTP client)."""
 
     # ---- routes the decode servers call ----------------------------------------------------------
     def add_routes(self, app: FastAPI) -> None:
@@ -71,77 +106,144 @@ class PrefillSide:
         if not room_id:
             raise bad_request("this is a PD prefill server: requests come through `python -m runtime.router` "
                               f"(no {ROOM_HEADER} header)")
-        try:
-            room = await self.registry.wait_opened(room_id, self.timeout_s)
-        except BootstrapError as exc:
-            raise api_error(exc) from None
-        needed = self.engine.pool.pages_for_tokens(len(prepared.prompt_ids))
-        if len(room.dst_pages) < needed:
-            error = RoomFailed(f"room {room_id}: decode gave {len(room.dst_pages)} pages for {needed}")
-            self.registry.fail(room_id, error)
-            raise api_error(error)
+        self.registry.expect(room_id)
         with self._lock:
-            self.pending[rid] = (room, asyncio.get_running_loop())
-        # The prompt and exactly one token: the same prefill step the colocated server runs.
-        sink = state.bridge.submit(rid, prepared.prompt_ids, replace(prepared.params, max_tokens=1))
+            self.pending[rid] = Pending(room_id, asyncio.get_running_loop())
+        # The prompt and exactly one token: the same prefill step the colocated server runs. It starts
+        # now; the room is awaited meanwhile.
+        sink = state.bridge.submit(rid, prepared.prompt_ids, replace(prepared.params, max_tokens=1), keep_pages=True)
+        # The caller (the router) going away gives the request up at once: its held pages are freed
+        # now, not at the deadline.
+        watcher = asyncio.ensure_future(self._watch_disconnect(state, request, rid, room_id))
         try:
             first = await sink.get()
             if isinstance(first, Rejected):
                 self.registry.fail(room_id, RoomFailed(f"rejected by the prefill server: {first.message}"))
                 raise bad_request(f"request rejected: {first.message}")
             assert isinstance(first, Accepted)
+            room = await self.registry.wait_opened(room_id, self.timeout_s)
+            needed = self.engine.pool.pages_for_tokens(len(prepared.prompt_ids))
+            if len(room.dst_pages) < needed:
+                raise RoomFailed(f"room {room_id}: decode gave {len(room.dst_pages)} pages for {needed}")
+            self._room_opened(state, rid, room)
             result = await asyncio.wait_for(asyncio.shield(room.done), self.timeout_s)
         except BootstrapError as exc:
+            self._release(state, rid)
+            self.registry.fail(room_id, exc)
             raise api_error(exc) from None
         except TimeoutError:
-            state.bridge.abort(rid)
+            self._release(state, rid)
             timeout = BootstrapTimeout(f"room {room_id}: prefill did not finish within {self.timeout_s:g} s")
             self.registry.fail(room_id, timeout)
             raise api_error(timeout) from None
-        except asyncio.CancelledError:  # the router went away: stop the prefill, tell the decode side
-            state.bridge.abort(rid)
+        except BaseException:  # cancelled (shutdown), a rejected request, a bug: stop the prefill, tell the decode side
+            self._release(state, rid)
             self.registry.fail(room_id, RoomFailed(f"room {room_id}: aborted on the prefill server"))
             raise
         finally:
-            with self._lock:
-                self.pending.pop(rid, None)
+            watcher.cancel()
         return JSONResponse({"room": room_id, "prefilled": True, "kv_bytes": result["kv_bytes"],
                              "transfer_seconds": result["transfer_seconds"]})
+
+    async def _watch_disconnect(self, state, request: Request, rid: str, room_id: str) -> None:
+        """The body has been read, so the next ASGI message is the caller's disconnect."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self._release(state, rid)
+        self.registry.fail(room_id, RoomFailed(f"room {room_id}: the prefill server's caller went away"))
+
+    def _room_opened(self, state, rid: str, room: Room) -> None:
+        """The decode side opened the room: the engine thread writes the KV when the prompt finishes,
+        or, when it already has, a worker thread writes the held KV now."""
+        with self._lock:
+            entry = self.pending.get(rid)
+            if entry is None:  # released meanwhile (the caller went away)
+                raise RoomFailed(f"room {room.room}: the request was given up on the prefill server")
+            entry.room = room
+            held = entry.held
+            if held is not None:
+                del self.pending[rid]
+        if held is not None:
+            task = asyncio.ensure_future(self._send_held(state, rid, room, held))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send_held(self, state, rid: str, room: Room, held: Held) -> None:
+        """Write held KV into the opened room off the event loop, then free the pages. A task of its own:
+        cancelling the request does not stop a write in progress, so the pages are freed only after it."""
+        try:
+            outcome = await asyncio.to_thread(self._write, room, held)
+        except Exception as exc:
+            self.metrics.transfers.labels("failed").inc()
+            error = exc if isinstance(exc, BootstrapError) else RoomFailed(f"room {room.room}: {exc}")
+            self.registry.fail(room.room, error)
+        else:
+            self.metrics.transfers.labels("ok").inc()
+            self.registry.complete(room.room, outcome)
+        finally:
+            self._free_held(state, rid, held)
+
+    def _release(self, state, rid: str) -> None:
+        """Give request `rid` up (idempotent): abort its prompt if it is still queued or computing (the
+        scheduler frees its pages, or `on_step` does if it finishes first), or free its held KV pages."""
+        with self._lock:
+            entry = self.pending.pop(rid, None)
+        if entry is None:  # done already, or its held KV is being written (that write frees the pages)
+            return
+        if entry.held is None:
+            state.bridge.abort(rid)
+        elif not self.faults.enabled("pd-abort-leak"):  # the fault: a given-up request's held pages leak
+            self._free_held(state, rid, entry.held)
+
+    def _free_held(self, state, rid: str, held: Held) -> None:
+        def free(engine: Engine) -> None:
+            engine.pool.free(rid, held.pages)
+            self.metrics.pages_in_flight.dec(len(held.pages))
+
+        state.bridge.call(free).add_done_callback(_log_failure)
 
     # ---- engine thread -----------------------------------------------------------------------------
     def on_step(self, result: StepResult) -> None:
         for req in result.finished:
-            with self._lock:
-                waiting = self.pending.pop(req.rid, None)
-            if waiting is None:
+            if not req.keep_pages:
                 continue
-            room, loop = waiting
+            rid = req.rid
+            held = None
+            if req.finish_reason != "abort" and req.pages:
+                held = Held(list(req.pages), len(req.prompt_ids), self._outcome(req))
+            with self._lock:
+                entry = self.pending.get(rid)
+                room = entry.room if entry is not None else None
+                if entry is not None and (held is None or room is not None):
+                    del self.pending[rid]
+                elif entry is not None:
+                    entry.held = held  # the room is not open yet: keep the KV for it
+                    self.metrics.pages_in_flight.inc(len(req.pages))
+                    continue
+            if entry is None:  # given up while it computed: nobody will write its KV
+                if held is not None and not self.faults.enabled("pd-abort-leak"):
+                    self.engine.pool.free(rid, held.pages)
+                continue
             try:
-                outcome = self._write(req, room, result)
+                if held is None:  # aborted, or preempted with its prefill in flight (no KV kept)
+                    raise RoomFailed(f"room {entry.room_id}: the prompt was aborted on the prefill server")
+                assert room is not None
+                try:
+                    outcome = self._write(room, held)
+                finally:
+                    self.engine.pool.free(rid, held.pages)
             except Exception as exc:  # a failed write fails this request only, never the engine thread
                 self.metrics.transfers.labels("failed").inc()
-                error = exc if isinstance(exc, BootstrapError) else RoomFailed(f"room {room.room}: {exc}")
-                loop.call_soon_threadsafe(self.registry.fail, room.room, error)
+                error = exc if isinstance(exc, BootstrapError) else RoomFailed(f"room {entry.room_id}: {exc}")
+                entry.loop.call_soon_threadsafe(self.registry.fail, entry.room_id, error)
                 continue
             self.metrics.transfers.labels("ok").inc()
-            loop.call_soon_threadsafe(self.registry.complete, room.room, outcome)
+            entry.loop.call_soon_threadsafe(self.registry.complete, entry.room_id, outcome)
 
-    def _write(self, req, room: Room, result: StepResult) -> dict:
-        if req.finish_reason == "abort":
-            raise RoomFailed(f"room {room.room}: aborted on the prefill server")
-        # Its prefill extend (first_page 0: a prefill always starts a fresh table) lists every page.
-        pages = next(ext.new_pages for ext in result.plan.extends if ext.rid == req.rid)
+    def _outcome(self, req) -> dict:
+        """What the decode side needs besides the KV, read on the engine thread as the prompt finishes."""
         num_tokens = len(req.prompt_ids)
-        src = list(pages[:self.engine.pool.pages_for_tokens(num_tokens)])
-        started = time.perf_counter()
-        with room.lock:
-            if room.closed:  # the decode side gave up (timeout, abort): its pages may be reused by now
-                raise RoomFailed(f"room {room.room}: the decode side is no longer waiting")
-            stats = self.transfer.write_pages(room.session.pool, src, room.dst_pages[:len(src)])
-        digest = kv_digest(self.transfer.latent, self.transfer.index_keys, src, self.engine.pool.page_size,
-                           num_tokens)
-        self.metrics.transfer_bytes.inc(stats.bytes)
-        self.metrics.transfer_seconds.observe(stats.seconds)
+        pages = req.pages[:self.engine.pool.pages_for_tokens(num_tokens)]
         assert req.generator is not None
         return {"token": req.output_ids[0],
                 "logprob": req.output_logprobs[0] if req.output_logprobs else None,
@@ -149,5 +251,24 @@ class PrefillSide:
                 "num_sampled": req.num_sampled,
                 # The sampler's generator after the first draw: a seeded request continues its stream.
                 "generator": base64.b64encode(req.generator.get_state().numpy().tobytes()).decode(),
-                "digest": digest, "kv_bytes": stats.bytes, "chunks": stats.chunks,
-                "transfer_seconds": stats.seconds, "prefill_seconds": time.perf_counter() - started}
+                "digest": kv_digest(self.transfer.latent, self.transfer.index_keys, pages,
+                                    self.engine.pool.page_size, num_tokens)}
+
+    def _write(self, room: Room, held: Held) -> dict:
+        """Put the held KV into the room's pages (engine thread, or a worker thread for held pages:
+        either way the pages are owned by the request, so no step writes them meanwhile)."""
+        src = held.pages[:self.engine.pool.pages_for_tokens(held.num_tokens)]
+        started = time.perf_counter()
+        with room.lock:
+            if room.closed:  # the decode side gave up (timeout, abort): its pages may be reused by now
+                raise RoomFailed(f"room {room.room}: the decode side is no longer waiting")
+            stats = self.transfer.write_pages(room.session.pool, src, room.dst_pages[:len(src)])
+        self.metrics.transfer_bytes.inc(stats.bytes)
+        self.metrics.transfer_seconds.observe(stats.seconds)
+        return {**held.outcome, "kv_bytes": stats.bytes, "chunks": stats.chunks, "transfer_seconds": stats.seconds,
+                "prefill_seconds": time.perf_counter() - started}
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("freeing held PD pages failed", exc_info=future.exception())

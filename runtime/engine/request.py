@@ -63,6 +63,9 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     num_sampled: int = 0  # tokens sampled so far, counted by the sampler (ahead of output_ids when overlapped)
+    # PD prefill: when the request finishes (not aborted) its pages stay allocated to it, holding its
+    # KV, and `pages` keeps listing them; whoever submitted it frees them (runtime/disagg/prefill.py).
+    keep_pages: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

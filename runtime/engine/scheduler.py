@@ -245,10 +245,14 @@ class Scheduler:
             self.prefilled.remove(req)
         elif req.status is Status.WAITING:  # queued, or preempted while its last token was in flight
             self.waiting.remove(req)
-        # The `abort-leak` fault forgets an aborted request's pages: the pool never gets them back.
-        if req.pages and not (reason == "abort" and self.faults.enabled("abort-leak")):
-            self.pool.free(req.rid, req.pages)
-        req.pages, req.pages_planned = [], 0
+        if req.keep_pages and reason != "abort" and req.status is Status.RUNNING:
+            pass  # PD prefill: the pages stay the request's (with its KV) until its owner frees them
+        else:
+            # The `abort-leak` fault forgets an aborted request's pages: the pool never gets them back.
+            if req.pages and not (reason == "abort" and self.faults.enabled("abort-leak")):
+                self.pool.free(req.rid, req.pages)
+            req.pages = []
+        req.pages_planned = 0
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.finished.append(req)

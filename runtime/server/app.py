@@ -82,8 +82,9 @@ def create_app(state: ServerState) -> FastAPI:
         state.bridge.start()
         yield
         state.bridge.stop()
-        if state.pd is not None:  # unregister the KV pool: a peer's late write is refused, not a stray store
-            state.pd.transfer.close()
+        if state.pd is not None:
+            await state.pd.aclose()  # the decode side's HTTP client to the prefill servers
+            state.pd.transfer.close()  # unregister the KV pool: a peer's late write is refused, not a stray store
 
     app = FastAPI(title="dsv4 runtime", lifespan=lifespan)
     app.state.server = state

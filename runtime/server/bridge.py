@@ -66,7 +66,7 @@ class EngineBridge:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None  # set if the engine thread died
         # PD prefill (runtime/disagg/prefill.py): sees every step's result on the engine thread, before
-        # the next step can reuse the pages of the requests that finished in it.
+        # the next step is planned (its requests' KV pages are kept: `submit(keep_pages=True)`).
         self.on_step: Callable[[StepResult], None] | None = None
         self._preemptions = 0  # the scheduler's count the counter last caught up with
         metrics.kv_pages_total.set(engine.pool.num_pages)
@@ -84,10 +84,12 @@ class EngineBridge:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queue a request; its events (Accepted or Rejected first) arrive on the returned queue."""
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, *,
+               keep_pages: bool = False) -> asyncio.Queue:
+        """Queue a request; its events (Accepted or Rejected first) arrive on the returned queue.
+        `keep_pages`: its pages outlive it, for the caller to free (`Engine.add_request`)."""
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", rid, prompt_ids, params, (asyncio.get_running_loop(), sink)))
+        self._commands.put(("add", rid, prompt_ids, params, keep_pages, (asyncio.get_running_loop(), sink)))
         self._wake.set()
         return sink
 
@@ -142,10 +144,10 @@ class EngineBridge:
                 return
             drained = True
             if command[0] == "add":
-                _, rid, prompt_ids, params, sink = command
+                _, rid, prompt_ids, params, keep_pages, sink = command
                 self._sinks[rid] = sink
                 try:
-                    self.engine.add_request(prompt_ids, params, rid=rid)
+                    self.engine.add_request(prompt_ids, params, rid=rid, keep_pages=keep_pages)
                 except ValueError as exc:  # RequestRejected and out-of-vocabulary prompts
                     self._send(rid, Rejected(str(exc)))
                     del self._sinks[rid]

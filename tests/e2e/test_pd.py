@@ -401,3 +401,169 @@ def test_a_decode_server_killed_mid_run_fails_its_clients_by_name_and_the_prefil
         pair.start_side("decode")
         seconds, last = pd_chaos.seconds_until_serving(pair.router, MODEL, PROMPTS[0], within_s=30)
         assert seconds is not None, last
+
+
+# ---- the prompt computed before its room opens (its KV pages held until it does) -------------------
+
+def wait_until(condition, timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def held_requests(prefill_state) -> int:
+    pd = prefill_state.pd
+    with pd._lock:
+        return sum(1 for entry in pd.pending.values() if entry.held is not None)
+
+
+def pages_in_flight(url: str) -> float:
+    lines = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+             if line.startswith("dsv4_pd_pages_in_flight ")]
+    return float(lines[0].split()[1])
+
+
+def test_the_prompt_is_computed_before_its_room_opens_and_the_answer_is_unchanged(servers, monkeypatch):
+    """The prefill server runs the prompt at once and holds its KV until the decode side opens the room
+    (here held back until the prompt is done): the pages are held meanwhile, then written, and the
+    answer is still the colocated server's, bit for bit, with every page back on both sides. On the
+    old protocol the prefill side did not start the prompt before the room was open."""
+    import threading
+
+    pair, colocated = servers
+    gate = threading.Event()
+    original = pair.decode_state.pd._await_kv
+
+    async def late(prefill, room, pages):
+        await asyncio.to_thread(gate.wait, 60)
+        return await original(prefill, room, pages)
+
+    monkeypatch.setattr(pair.decode_state.pd, "_await_kv", late)
+    payload = body(PROMPTS[3], stream=True)
+    expected = answer(colocated, payload)
+    got: list[dict] = []
+    client = threading.Thread(target=lambda: got.append(answer(pair.router, payload)))
+    client.start()
+    try:
+        wait_until(lambda: held_requests(pair.prefill_state) == 1, what="the prompt's KV held on the prefill side")
+        assert pair.prefill_state.pd.registry.open_rooms == 0  # computed, and the room still closed
+        assert pair.prefill_state.engine.pages_in_use > 0
+        assert pages_in_flight(pair.prefill) > 0
+    finally:
+        gate.set()
+        client.join(timeout=120)
+    assert got == [expected]
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert pages_in_flight(pair.prefill) == 0 and pair.prefill_state.pd.pending == {}
+
+
+def prefill_only(timeout_s: float, *args: str):
+    return serve_state(server_state("--disaggregation-mode", "prefill", "--disaggregation-timeout", str(timeout_s),
+                                    *args))
+
+
+def post_to_prefill(url: str, room: str, payload: dict) -> httpx.Response:
+    """What the router sends the prefill server (a room no decode server will open here)."""
+    return httpx.post(f"{url}/v1/chat/completions", json=payload, headers={"x-pd-room": room}, timeout=60)
+
+
+@pytest.mark.parametrize("faults", [(), ("--inject-fault", "pd-abort-leak")], ids=["clean", "pd-abort-leak"])
+def test_a_room_that_never_opens_frees_the_held_pages_at_the_deadline_and_refuses_a_late_open(faults):
+    """No decode server opens the room: the prompt is computed and its pages held, then at the PD
+    deadline the caller gets a named 504 and every page is free; the decode side's late open is refused
+    at once. Negative control: with pd-abort-leak the held pages are never freed."""
+    import threading
+
+    state = server_state("--disaggregation-mode", "prefill", "--disaggregation-timeout", "2", *faults)
+    with serve_state(state) as url:
+        replies: list[httpx.Response] = []
+        client = threading.Thread(target=lambda: replies.append(post_to_prefill(url, "room-x", body(PROMPTS[0]))))
+        started = time.monotonic()
+        client.start()
+        wait_until(lambda: held_requests(state) == 1, what="the prompt's KV held")
+        assert state.engine.pages_in_use > 0 and time.monotonic() - started < 2
+        client.join(timeout=30)
+        assert replies[0].status_code == 504 and replies[0].json()["error"]["code"] == "pd_timeout", replies[0].text
+        late = httpx.post(f"{url}/pd/register", json={"name": "late", "instance": "i",
+                                                      "pool": state.pd.transfer.descriptor().to_dict()})
+        opened = time.monotonic()
+        refused = httpx.post(f"{url}/pd/transfer", json={"room": "room-x", "name": "late",
+                                                         "session_id": late.json()["session_id"], "dst_pages": [0]},
+                             timeout=30)
+        assert refused.status_code == 504 and "no decode server opened room room-x" in refused.text
+        assert time.monotonic() - opened < 1.5  # at once, not after a deadline of its own
+        if faults:
+            assert wait_pages_free(state, timeout_s=2) != [0] and pages_in_flight(url) > 0
+        else:
+            assert wait_pages_free(state, timeout_s=5) == [0] and pages_in_flight(url) == 0
+            assert state.pd.pending == {} and state.pd.registry.open_rooms == 0
+
+
+def raw_post(url: str, room: str, payload: dict):
+    """The router's call to the prefill server on a socket of our own, so the test decides when the
+    caller goes away (closing it)."""
+    import json
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(payload).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"x-pd-room: {room}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("phase", ["computing", "held"])
+def test_a_caller_gone_before_the_room_opens_frees_every_page_at_once(phase, monkeypatch):
+    """The caller (the router) hangs up while the prompt is still being computed, or once its KV is
+    held, and no room is open: the prompt is aborted or its held pages freed right away, long before
+    the PD deadline (20 s), and nothing is left in flight."""
+    if phase == "computing":
+        monkeypatch.setenv("DSV4_SLOW_STEP_MS", "1500")
+    state = server_state("--disaggregation-mode", "prefill", "--disaggregation-timeout", "20",
+                         *(("--inject-fault", "slow-step") if phase == "computing" else ()))
+    with serve_state(state) as url:
+        sock = raw_post(url, "room-y", body(PROMPTS[3]))
+        try:
+            if phase == "computing":  # its prefill step is planned (pages taken) and running
+                wait_until(lambda: state.engine.pages_in_use > 0, what="the prompt's prefill step")
+                assert held_requests(state) == 0
+            else:
+                wait_until(lambda: held_requests(state) == 1, what="the prompt's KV held")
+        finally:
+            sock.close()
+        gone = time.monotonic()
+        assert wait_pages_free(state, timeout_s=10) == [0]
+        assert time.monotonic() - gone < 8  # freed by the hang-up, not by the 20 s deadline
+        assert state.pd.pending == {} and state.pd.registry.open_rooms == 0 and pages_in_flight(url) == 0
+
+
+def test_a_decode_failure_before_the_room_opens_makes_the_router_hang_up_on_the_prefill_server(servers, monkeypatch):
+    """The decode side fails before it opens the room (here: out of pages): the router answers its
+    error without waiting for the prefill side's deadline (20 s), and the prefill server, hung up on,
+    frees the prompt's held pages at once."""
+    from runtime.server.errors import ApiError
+
+    pair, _ = servers
+
+    async def no_pages(prefill, room, pages):
+        await asyncio.sleep(0.5)  # the prompt is computed and held by now
+        raise ApiError(503, "decode server out of KV pages", type="server_error", code="pd_out_of_pages")
+
+    monkeypatch.setattr(pair.decode_state.pd, "_await_kv", no_pages)
+    started = time.monotonic()
+    reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "pd_out_of_pages", reply.text
+    assert time.monotonic() - started < 10
+    assert wait_pages_free(pair.prefill_state, pair.decode_state, timeout_s=5) == [0, 0]
+    assert pair.prefill_state.pd.pending == {} and pages_in_flight(pair.prefill) == 0
+
+
+def test_server_shutdown_closes_the_decode_sides_http_client():
+    with pd_pair() as pair:
+        answer(pair.router, body(PROMPTS[2]))
+        assert pair.decode_state.pd._client is not None
+        client = pair.decode_state.pd._client[1]
+        assert not client.is_closed
+    assert client.is_closed and pair.decode_state.pd._client is None

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from runtime.disagg.bootstrap import BootstrapRegistry, BootstrapTimeout, StaleSessionError
+from runtime.disagg.bootstrap import BootstrapRegistry, BootstrapTimeout, RoomFailed, StaleSessionError
 from runtime.disagg.transfer import PoolDescriptor
 from runtime.faults import FaultSet
 
@@ -125,5 +125,26 @@ def test_a_failed_room_bars_later_writes():
             await registry.wait_done("room-1", 0.01)
         with room.lock:
             assert room.closed
+
+    run(scenario())
+
+
+def test_a_room_given_up_before_it_opened_refuses_a_late_open_at_once_then_is_forgotten():
+    """The prefill side gave the room up (deadline, caller gone) before the decode side opened it: the
+    late open fails at once with that error (its pages are freed now, not at its own deadline), and
+    the record of it does not outlive `forget_s`."""
+    async def scenario():
+        registry = BootstrapRegistry(forget_s=0.05)
+        session = registry.register("decode-0", "life-1", pool(1000))
+        with pytest.raises(BootstrapTimeout):
+            await registry.wait_opened("room-1", 0.01)
+        with pytest.raises(BootstrapTimeout, match="no decode server opened room room-1"):
+            registry.open("room-1", "decode-0", session.session_id, [0])
+        registry.expect("room-2")
+        registry.fail("room-2", RoomFailed("room room-2: the prefill server's caller went away"))
+        await asyncio.sleep(0.1)
+        assert registry._opened == {} and registry.open_rooms == 0
+        registry.open("room-2", "decode-0", session.session_id, [0])  # forgotten: an ordinary room again
+        assert registry.open_rooms == 1
 
     run(scenario())

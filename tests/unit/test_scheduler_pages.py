@@ -86,3 +86,24 @@ def test_a_pool_of_exactly_the_prompt_pages_admits_every_whole_page_prompt():
     assert pool.free_pages == 0
     scheduler.postprocess(plan, {ext.rid: SampleOutput(TOKEN, 0.0, []) for ext in plan.extends})
     assert not scheduler.has_work and pool.pages_in_use == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_kept_request_keeps_its_pages_after_finishing_and_an_aborted_one_does_not(overlap):
+    """PD prefill (`Request.keep_pages`): a finished request's pages stay allocated to it, listed in
+    `pages`, until the caller frees them; an aborted one's go back to the pool as usual."""
+    pool = PagePool(16, 4)
+    scheduler = Scheduler(EngineConfig(page_size=4, num_pages=16), pool, NO_EOS)
+    scheduler.add(Request("kept", [1] * 9, SamplingParams(max_tokens=1), keep_pages=True))
+    scheduler.add(Request("plain", [1] * 9, SamplingParams(max_tokens=1)))
+    drive(scheduler, 4, overlap)
+    kept = scheduler.requests["kept"]
+    assert kept.finish_reason == "length" and len(kept.pages) == 3
+    pool.check_owned("kept", kept.pages)
+    assert pool.pages_in_use == 3 and scheduler.requests["plain"].pages == []
+    pool.free("kept", kept.pages)
+    scheduler.add(Request("gone", [1] * 9, SamplingParams(max_tokens=1), keep_pages=True))
+    scheduler.schedule()
+    scheduler.abort("gone")
+    scheduler.schedule()
+    assert scheduler.requests["gone"].finish_reason == "abort" and pool.pages_in_use == 0
