@@ -114,8 +114,8 @@ class Engine:
         self.scheduler.add(Request(rid, list(prompt_ids), params, keep_pages=keep_pages))
         return rid
 
-    def abort(self, rid: str) -> bool:
-        return self.scheduler.abort(rid)
+    def abort(self, rid: str, reason: str = "abort") -> bool:
+        return self.scheduler.abort(rid, reason)
 
     def admit_prefilled(self, req: Request) -> str | None:
         """PD decode: take over a request prefilled elsewhere (KV in `req.pages`, first token in

@@ -42,7 +42,7 @@ class Scheduler:
         self.in_flight: dict[str, int] = {}
         self.aborts_in_flight = 0  # aborts applied while the request had a step in flight
         self.discarded_rows = 0  # rows computed for a request that finished before they were processed
-        self._pending_aborts: list[str] = []
+        self._pending_aborts: list[tuple[str, str]] = []  # (rid, finish reason)
         # Preempted since the last plan: the next plan lists them, so every runner (and TP rank)
         # drops their page tables, whether the preemption made room in `schedule` or came between steps.
         self._preempted: list[str] = []
@@ -88,11 +88,14 @@ class Scheduler:
             self._finish(req, reason)
         return reason
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, reason: str = "abort") -> bool:
+        """End a request before its own end, at the next plan. `reason` is its finish reason: "abort"
+        (the client gave up) or, where the server ended a complete reply itself ("stop": a reply that
+        ended at its last allowed tool call), the reason it is counted under."""
         req = self.requests.get(rid)
         if req is None or req.finished:
             return False
-        self._pending_aborts.append(rid)
+        self._pending_aborts.append((rid, reason))
         return True
 
     @property
@@ -117,13 +120,13 @@ class Scheduler:
 
     def _apply_aborts(self) -> list[str]:
         aborted = []
-        for rid in self._pending_aborts:
+        for rid, reason in self._pending_aborts:
             req = self.requests[rid]
             if req.finished:
                 continue
             if self.in_flight.get(rid):
                 self.aborts_in_flight += 1  # its in-flight row is discarded when it lands
-            self._finish(req, "abort")
+            self._finish(req, reason)
             aborted.append(rid)
         self._pending_aborts.clear()
         return aborted

@@ -291,10 +291,10 @@ def _delta_body(delta: Delta) -> dict[str, Any]:
 
 def _reason(state: ServerState, rid: str, builder: ChoiceBuilder, event: TokenOut) -> str | None:
     """The token's finish reason, or "stop" where the reply ended at its last allowed call
-    (parallel_tool_calls=false, ChoiceBuilder): the engine stops generating it (an abort, as its
-    finish counter counts it)."""
+    (parallel_tool_calls=false, ChoiceBuilder): the engine stops generating it, counted as a "stop"
+    (a complete reply), not as an abort (a client that gave up)."""
     if event.finish_reason is None and builder.ended:
-        state.bridge.abort(rid)
+        state.bridge.abort(rid, reason="stop")
         return "stop"
     return event.finish_reason
 

@@ -109,8 +109,9 @@ class EngineBridge:
         self._wake.set()
         return future
 
-    def abort(self, rid: str) -> None:
-        self._commands.put(("abort", rid))
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        """End the request at the next step; `reason` as `Scheduler.abort` takes it."""
+        self._commands.put(("abort", rid, reason))
         self._wake.set()
 
     # ---- engine thread --------------------------------------------------------------------------
@@ -155,7 +156,7 @@ class EngineBridge:
                 self.metrics.prompt_tokens.inc(len(prompt_ids))
                 self._send(rid, Accepted(len(prompt_ids)))
             elif command[0] == "abort":
-                self.engine.abort(command[1])
+                self.engine.abort(command[1], command[2])
             elif command[0] == "admit":
                 self._admit(command[1], command[2])
             elif command[0] == "call":

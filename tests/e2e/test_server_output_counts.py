@@ -182,9 +182,17 @@ def test_dsml_returned_as_content_is_counted_by_reason(canary):
 
 
 # ---- parallel_tool_calls=false ------------------------------------------------------------------
-def kv_pages_in_use(server) -> float:
+def metric(server, prefix: str) -> float:
     text = server.loop.run_until_complete(server.client.get("/metrics")).text
-    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("dsv4_kv_pages_in_use "))
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
+def kv_pages_in_use(server) -> float:
+    return metric(server, "dsv4_kv_pages_in_use ")
+
+
+def finished(server, reason: str) -> float:
+    return metric(server, f'dsv4_request_finish_total{{reason="{reason}"}} ')
 
 
 def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(canary):
@@ -200,6 +208,7 @@ def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(canary):
     assert len(both["message"]["tool_calls"]) == 2
     first = tokens[: tokens.index("</\uff5cDSML\uff5cinvoke>") + 1]
     single = {**body, "parallel_tool_calls": False}
+    aborts, stops = finished(canary, "abort"), finished(canary, "stop")
     unary = post(canary, single).json()
     chunks = stream(canary, {**single, "stream_options": {"include_usage": True}})
     _, calls, finish, logprobs = streamed_message(chunks)
@@ -215,3 +224,5 @@ def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(canary):
     while kv_pages_in_use(canary) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert kv_pages_in_use(canary) == 0
+    # Both replies were complete: counted as stops, not as aborts (no client gave up).
+    assert (finished(canary, "abort"), finished(canary, "stop")) == (aborts, stops + 2)
