@@ -8,7 +8,8 @@ the next step).
 
 Greedy rows are sampled on the device (argmax: first maximum, as `sample_row`). Rows with a
 temperature use `sample_row` on the host with the request's own generator, so a seeded request
-gives the same tokens as on CPU given the same logits; that row costs a host sync.
+gives the same tokens as on CPU given the same logits: a step with such rows costs one host sync
+(their logits come over in one copy, and their tokens go back in one write), however many they are.
 """
 
 from __future__ import annotations
@@ -62,14 +63,22 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> tuple[tor
     their host-side outputs, pending)."""
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
+    drawn: list[int] = []  # rows with a temperature: drawn on the host below
     for i, req in enumerate(requests):
         params = req.params
         if params.temperature != 0:
-            tokens[i] = sample_row(logits[i].cpu(), req).token  # host sync, own generator
+            drawn.append(i)
             continue
         if params.forced_ids and (forced := forced_token(req)) is not None:
             tokens[i] = forced
         req.num_sampled += 1
+    if drawn:
+        # One copy of the drawn rows' logits (one sync for the step: was one per row, each stalling
+        # the overlap loop), each row drawn with its own generator, their tokens written back at once.
+        index = torch.tensor(drawn, device=logits.device)
+        rows = logits.index_select(0, index).cpu()
+        picked = [sample_row(row, requests[i]).token for row, i in zip(rows, drawn)]
+        tokens.index_put_((index,), torch.tensor(picked, device=logits.device))
     host = {"tokens": tokens, "logprobs": logprobs.gather(1, tokens[:, None])[:, 0]}
     top_counts = [req.params.top_logprobs or 0 for req in requests]
     k = max(top_counts, default=0)
