@@ -150,8 +150,13 @@ def check_finish_and_usage(turn: Turn) -> list[Failure]:
             failures.append(_fail("usage", turn, f"total_tokens {usage.get('total_tokens')} != prompt + completion "
                                   f"{total}", str(usage)))
         completion = usage.get("completion_tokens", -1)
-        if not 0 < completion <= turn.max_tokens:
-            failures.append(_fail("usage", turn, f"completion_tokens {completion} outside (0, {turn.max_tokens}]",
+        # An empty reply that ended by itself (the model's first token was its end of turn) may count
+        # 0 tokens: servers differ on whether the EOS counts (ours counts it; llama.cpp's does not).
+        # Any reply with text or calls took at least one token.
+        empty = reason == "stop" and not turn.content and not turn.tool_calls
+        least = 0 if empty else 1
+        if not least <= completion <= turn.max_tokens:
+            failures.append(_fail("usage", turn, f"completion_tokens {completion} outside [{least}, {turn.max_tokens}]",
                                   str(usage)))
         if reason == "length" and completion != turn.max_tokens:
             failures.append(_fail("usage", turn, f"finish_reason length but {completion} of {turn.max_tokens} tokens",

@@ -99,6 +99,16 @@ def test_finish_and_usage_oracles_fire():
     assert oracles_fired(check_finish_and_usage(miscounted)) == ["usage"]
 
 
+def test_usage_may_count_no_token_for_an_empty_reply_only():
+    """A model whose first token ends its turn gives an empty reply; a server that does not count the
+    EOS reports 0 completion tokens, which is no corruption. Text or calls with 0 tokens still are."""
+    zero = {"prompt_tokens": 80, "completion_tokens": 0, "total_tokens": 80}
+    assert check_finish_and_usage(answer_turn(content="", usage=zero)) == []
+    assert oracles_fired(check_finish_and_usage(answer_turn(usage=zero))) == ["usage"]
+    assert oracles_fired(check_finish_and_usage(answer_turn(content="", finish_reason="length", usage=zero))) \
+        == ["usage"]
+
+
 def test_grounding_oracle_passes_copied_values_and_fires_on_a_flipped_character():
     from canary.oracles.turn import check_grounded_arguments
 
