@@ -46,6 +46,8 @@ VARIANTS = {
     "skip_tail w4 s2": dict(TAIL=True),
     "skip_tail w4 s1": dict(TAIL=True, stages=1),
     "skip_tail w8 s2": dict(TAIL=True, warps=8),
+    "row sums as an MMA w4 s2": dict(ROWSUM_MMA=True),
+    "row sums as an MMA, BLOCK_H 64 w8 s2": dict(ROWSUM_MMA=True, BLOCK_H=64, warps=8),
 }
 
 
@@ -61,7 +63,7 @@ def resources(knobs: dict) -> dict:
     warps, stages = knobs.pop("warps", 4), knobs.pop("stages", 2)
     constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
-                     BLOCK_ALL=1024)
+                     BLOCK_ALL=1024, ROWSUM_MMA=False)
     constants.update(knobs)
     signature = {**SIGNATURE, **{key: "constexpr" for key in constants}}
     kernel = triton.compile(ASTSource(fn=attention._sparse_mla_kernel, signature=signature, constexprs=constants),

@@ -116,11 +116,13 @@ FREE_VARIANTS = {
 }
 
 
-def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepared: dict) -> list:
+def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepared: dict,
+               rowsum_mma: bool = False) -> list:
     """Each FREE_VARIANTS entry against the deployment (gathered, in registers): same bits at the
-    smallest and largest batch and on 2 x 256 prefill rows, and its time at every batch."""
+    smallest and largest batch and on 2 x 256 prefill rows, and its time at every batch. rowsum_mma:
+    the same knobs around the deployment with its row sums as an MMA (`--rowsum-mma`)."""
     inputs, scale = prepared["inputs"], (MLA_LATENT + MLA_ROPE) ** -0.5
-    base = dict(spread=False, merge="registers")  # the rest of default_launch's shape: the deployment's
+    base = dict(spread=False, merge="registers", rowsum_mma=rowsum_mma)  # the rest: default_launch's
     checks = [inputs[b][0] for b in (batches[0], batches[-1])] + [
         (q[:256], s[:256]) for q, s in inputs[PREFILL_ROWS][:2]]
 
@@ -207,6 +209,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--vs-sglang", action="store_true")
     parser.add_argument("--free", action="store_true", help="which deployment knobs keep its bits (see above)")
+    parser.add_argument("--rowsum-mma", action="store_true", help="--free around the deployment with MMA row sums")
     parser.add_argument("--candidates", nargs="*", default=None,
                         help="H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow instead of CANDIDATES")
     args = parser.parse_args()
@@ -224,7 +227,7 @@ def main() -> None:
         prepared = {h: prepare(h, args.topk, batches, cache, vs) for h in heads}
         if args.free:
             for h in heads:
-                free += free_knobs(h, args.topk, batches, cache, prepared[h])
+                free += free_knobs(h, args.topk, batches, cache, prepared[h], args.rowsum_mma)
         if args.candidates is not None:
             order = [(int(c.split(":")[0]), tuple(int(x) for x in c.split(":")[1].split(","))) for c in args.candidates]
         else:  # head counts interleaved, each list most-likely first: a run cut short keeps the best of both

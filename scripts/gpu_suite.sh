@@ -68,6 +68,10 @@ want moe_tiles && section moe_tiles "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_tile
 # whole new deployments (MLA_CANDIDATES, H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow).
 want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free.json" --free \
     --heads "${MLA_HEADS:-64}" --batches 1,16,32,64,128 --candidates ${MLA_CANDIDATES:-}
+# The same knobs around a deployment whose softmax row sums are an MMA (p @ ones): do BLOCK_H and
+# warps become free (then prefill could run 64-head wgmma tiles with decode's bits)?
+want mla_free_mma && section mla_free_mma "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free_mma.json" \
+    --free --rowsum-mma --heads "${MLA_HEADS:-64}" --batches 1,16,32,64,128 --candidates ${MLA_CANDIDATES:-}
 want gemm_sweep && section gemm_sweep "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --budget-s 100 --out "$OUT/gemm_sweep.json"
 # Prefill-sized GEMMs: tiles, and the splits added apart or in the tile's program (same bits?)
 want gemm_prefill && section gemm_prefill "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --rows 4096 --budget-s 90 \

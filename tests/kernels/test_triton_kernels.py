@@ -267,6 +267,43 @@ def test_sparse_mla_launch_modes_give_the_same_bits(seed, queries, heads, topk, 
     assert torch.equal(run(q[perm], slots[perm], MLA_MODES[0]), outs[MLA_MODES[0]][perm]), "row order changed bits"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_mla_row_sums_as_an_mma_match_the_reference_in_every_mode(dtype):
+    """rowsum_mma (the softmax row sums as p @ ones over the 16-bit p, a candidate deployment knob):
+    the reference's values within the dtype's tolerance, and every launch mode's bits alike."""
+    heads, latent, rope_dim, window, topk = 20, 64, 16, 12, 57
+    q, cache, slots, dense_kv, mask = _attention_case(7, 3, heads, latent, rope_dim, 3 * (window + topk), window,
+                                                      topk, dtype)
+    scale = (latent + rope_dim) ** -0.5
+    outs = {}
+    for spread, merge in MLA_MODES:
+        outs[spread, merge] = poisoned(3, heads, latent, dtype=dtype)
+        attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=3, block_h=16, block_s=16,
+                                    spread=spread, merge=merge, rowsum_mma=True, out=outs[spread, merge])
+    assert_same_bits(outs)
+    assert_close_scaled(outs[MLA_MODES[0]], reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale), dtype)
+
+
+@gpu
+def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
+    """With rowsum_mma, BLOCK_H 16/32/64 and 4/8 warps give one set of bits (every reduction of a
+    row is an MMA k-chain or a max); negative control: with tl.sum's row sums, 8 warps change them
+    (measured on the H200: `bench.mla_sweep --free`)."""
+    q, cache, slots, _, _ = _attention_case(3, 4, 64, 512, 64, 2 * (512 + 128), 128, 512, torch.bfloat16,
+                                            page_size=64)
+
+    def run(rowsum_mma: bool, **launch):
+        out = poisoned(4, 64, 512, dtype=torch.bfloat16)
+        attention.sparse_mla_decode(q, cache, slots, 512, 0.04, spread=False, merge="registers",
+                                    rowsum_mma=rowsum_mma, out=out, **launch)
+        return out
+
+    want = run(True)
+    for launch in (dict(num_warps=8), dict(block_h=32, num_warps=8), dict(block_h=64, num_warps=8)):
+        assert torch.equal(run(True, **launch), want), f"rowsum_mma bits changed with {launch}"
+    assert not torch.equal(run(False, num_warps=8), run(False)), "tl.sum row sums no longer depend on warps"
+
+
 def _trailing_padding_case(seed: int, valid_counts: list[int], heads: int, selected: int, dtype):
     """Rows whose selection is `count` slots then -1 to the end, as a prompt row near the start of
     its sequence has (window first, then fewer top-k candidates than k)."""
@@ -320,7 +357,25 @@ def test_sparse_mla_with_skip_tail_compiles_for_the_gpu_without_one(spread, tick
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=stream, TAIL=True,
-                     BLOCK_ALL=1024)
+                     BLOCK_ALL=1024, ROWSUM_MMA=False)
+    done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
+                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("block_h", [16, 64])
+def test_sparse_mla_with_row_sums_as_an_mma_compiles_for_the_gpu(block_h):
+    """rowsum_mma's p @ ones at the deployment shape (gathered, bf16), through sm_90's compiler at
+    16-head (mma.sync) and 64-head (wgmma) blocks."""
+    from tests.kernels.test_indexer_topk import compile_for_sm90
+
+    pointers = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", part_ptr="*bf16",
+                    stats_ptr="*fp32", ticket_ptr="*i32")
+    scalars = dict.fromkeys(["heads", "selected", "blocks_per_chunk", "stride_qt", "stride_qh", "stride_kv",
+                             "stride_idx", "stride_ot", "stride_oh"], "i32")
+    constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=block_h,
+                     BLOCK_S=64, BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
+                     BLOCK_ALL=1024, ROWSUM_MMA=True)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -54,7 +54,7 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
         block_h, block_s, chunk, warps, narrow = 16, 64, 128, 8, False
     return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
                 num_warps=warps, num_stages=2, merge="kernel", gathered_fold="registers", v_split=1,
-                narrow_partials=narrow)
+                narrow_partials=narrow, rowsum_mma=False)
 
 
 def default_num_splits(num_selected: int, num_heads: int) -> int:
@@ -120,7 +120,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
                        NARROW: tl.constexpr, SPLITS: tl.constexpr, STREAM: tl.constexpr, TAIL: tl.constexpr,
-                       BLOCK_ALL: tl.constexpr):
+                       BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
     # head blocks and latent-column blocks) run side by side and share them through L2. With
     # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
@@ -191,8 +191,18 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None], input_precision=PRECISION)
+        if ROWSUM_MMA:
+            # The row sum of the same 16-bit p the values are weighted by, as an MMA (p @ ones, every
+            # column equal; max picks one exactly): its order is the MMA's k order, which no tile
+            # shape, warp count or MMA kind changes (bench/mma_bits.py), where tl.sum's tree follows
+            # the layout. With it, BLOCK_H and warps stop being part of a deployment's numerics.
+            p_v = p.to(kv_v.dtype)
+            ones = tl.full((BLOCK_S, 16), 1.0, dtype=kv_v.dtype)
+            l_i = l_i * alpha + tl.max(tl.dot(p_v, ones, input_precision=PRECISION), axis=1)
+            acc = tl.dot(p_v, kv_v, acc * alpha[:, None], input_precision=PRECISION)
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
         if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
             if NARROW:  # the chunk's sum as the spread mode stores it, in every mode
@@ -271,7 +281,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                       num_splits: int | None = None, block_h: int | None = None, block_s: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, spread: bool | None = None,
                       merge: str | None = None, v_split: int | None = None, narrow_partials: bool | None = None,
-                      skip_tail: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      skip_tail: bool | None = None, rowsum_mma: bool | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
     num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
@@ -285,7 +296,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     memory (no second accumulator in registers), else it folds in registers. The same bits in
     every case. skip_tail: skip each query's whole chunks after its last selected slot (the same
     bits; the rows of a prompt's first window + top-k positions select fewer); None: for passes of
-    more than SKIP_TAIL_ROWS rows (prefill), where such rows are common."""
+    more than SKIP_TAIL_ROWS rows (prefill), where such rows are common. rowsum_mma: the softmax
+    row sums as an MMA over the 16-bit probabilities (other bits than tl.sum's, the same for every
+    BLOCK_H and warp count: a candidate for a future deployment, off in the current ones)."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
@@ -315,6 +328,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         stats = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
     if ticket:
         tickets = _tickets(q.device, tokens * head_blocks * v_split)
+    rowsum_mma = launch["rowsum_mma"] if rowsum_mma is None else rowsum_mma
     if skip_tail is None:
         skip_tail = SKIP_TAIL_ROWS is not None and tokens > SKIP_TAIL_ROWS
     skip_tail = skip_tail and splits > 1
@@ -327,7 +341,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
         NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, TAIL=skip_tail,
-        BLOCK_ALL=triton.next_power_of_2(selected), num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False)
     if spread and not ticket:
         merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, block_c)
         _merge_kernel[(tokens, triton.cdiv(heads, merge_h), triton.cdiv(latent_dim, merge_c))](
