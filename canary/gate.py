@@ -199,6 +199,16 @@ def probes_this_machine(target: Target) -> bool:
     return target.embedded and device_name().startswith("cpu:")
 
 
+def _solo_first(target: Target, options: DriverOptions, calibrate: bool,
+                progress: bool) -> tuple[DriverOptions, RunResult | None]:
+    """`calibrate`: every session alone first (canary/calibration.py), and the load run's options,
+    which then go on past a failed turn as the solo run's do; else the options unchanged, no solo run."""
+    if not calibrate:
+        return options, None
+    options = dataclasses.replace(options, keep_going=True)
+    return options, run_driver(target, calibration.solo_options(options), progress)
+
+
 def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = False, baseline_update: bool = False,
              baseline: Path | None = None,
              perf_tolerance: float = 0.1, near_tie: float = 0.05, progress: bool = True,
@@ -214,10 +224,7 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     outcome = GateOutcome()
     info = target.server_info()
     exact = target.embedded if deterministic is None else deterministic
-    solo = None
-    if calibrate:
-        options = dataclasses.replace(options, keep_going=True)
-        solo = run_driver(target, calibration.solo_options(options), progress)
+    options, solo = _solo_first(target, options, calibrate, progress)
     preemptions_before = target.metric(PREEMPTIONS)
     result = run_driver(target, options, progress, on_request_done)
     if solo is None:
@@ -308,10 +315,7 @@ def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, t
     `calibrate`: the sessions run alone first, as in `run_gate` (a model this project did not train
     fails its task oracles alone too: model quality, not a reason to fail an A/B)."""
     outcome = GateOutcome()
-    solo = None
-    if calibrate:
-        options = dataclasses.replace(options, keep_going=True)
-        solo = run_driver(candidate, calibration.solo_options(options), progress)
+    options, solo = _solo_first(candidate, options, calibrate, progress)
     result = run_driver(candidate, options, progress)
     if solo is None:
         outcome.failures += [f"candidate: {f.describe()}" for _, f in result.failures]

@@ -121,8 +121,7 @@ if want gate_ab_tree; then
     (cd "${AB_TREE:?gate_ab_tree needs AB_TREE}" && DSV4_NUM_THREADS=1 setsid "$ab_py" -m runtime.serve \
         --model golden/models/canary-moe-v1 --port "$AB_PORT" --max-running 128 --num-pages 8192 --dtype float32 \
         >"$OUT/ab_baseline_server.log" 2>&1 &)
-    for _ in $(seq 120); do $PY -c "import httpx; httpx.get('http://127.0.0.1:$AB_PORT/health').raise_for_status()" \
-        2>/dev/null && break; sleep 1; done
+    $PY -c "from canary.targets import wait_healthy; wait_healthy('http://127.0.0.1:$AB_PORT', None, 120, None)"
     section gate_ab_tree "${GATE_TIMEOUT:-300}" "${GATE[@]}" --baseline-url "http://127.0.0.1:$AB_PORT" \
         --report-dir "$OUT/gate_ab"
     pkill -f -- "--port $AB_PORT" || true

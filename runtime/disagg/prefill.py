@@ -37,6 +37,7 @@ from runtime.disagg.transfer import KVTransfer, PoolDescriptor, kv_digest
 from runtime.engine.engine import Engine, StepResult
 from runtime.server.bridge import Accepted, Rejected
 from runtime.server.errors import ApiError, bad_request
+from runtime.server.request_body import until_disconnected
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +147,8 @@ class PrefillSide:
                              "transfer_seconds": result["transfer_seconds"]})
 
     async def _watch_disconnect(self, state, request: Request, rid: str, room_id: str) -> None:
-        """The body has been read, so the next ASGI message is the caller's disconnect."""
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        """The caller going away gives the request up."""
+        await until_disconnected(request)
         self._release(state, rid)
         self.registry.fail(room_id, RoomFailed(f"room {room_id}: the prefill server's caller went away"))
 

@@ -44,7 +44,7 @@ from runtime.server.metrics import ServerMetrics
 from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
 from runtime.server.prompt import render_prompt
 from runtime.server.protocol import ChatCompletionRequest, Message, NamedToolChoice
-from runtime.server.request_body import check_content_type, decode_json, read_limited
+from runtime.server.request_body import check_content_type, decode_json, read_limited, until_disconnected
 from runtime.server.sse import ChunkEncoder
 
 log = logging.getLogger(__name__)
@@ -397,10 +397,8 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
 
 
 async def _signal_disconnect(request: Request, sink: asyncio.Queue) -> None:
-    """The body has been read, so the next ASGI message is the client's disconnect (as Starlette's
-    StreamingResponse listens for it); the handler learns of it through its own queue."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    """The handler learns of its client's disconnect through its own queue."""
+    await until_disconnected(request)
     sink.put_nowait(CLIENT_GONE)
 
 

@@ -88,3 +88,10 @@ def _too_large(message: str) -> ApiError:
 
 def _too_deep() -> ApiError:
     return bad_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+
+
+async def until_disconnected(request) -> None:
+    """Return when the client goes away. Only once the body has been read: the next ASGI message
+    is then the client's disconnect (as Starlette's StreamingResponse listens for it)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

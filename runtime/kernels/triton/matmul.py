@@ -120,14 +120,14 @@ def fuses_splits(m: int, k: int, split: int) -> bool:
     return split > 1 and m > PREFILL_ROWS and k // split <= FUSE_MAX_SPLIT_K
 
 
-def config_for(m: int, element_size: int, split: int = 1) -> dict:
+def config_for(m: int, element_size: int, fused: bool = False) -> dict:
     """Tile, warps and stages for an M-row pass. Stages: float32 tiles (the canary model on a GPU)
     take twice the shared memory of bf16 ones. A prefill pass of a split weight adds its splits in
     the program (`fused_splits`), which holds a second accumulator: 128 x 128 tiles keep both in
     registers where 128 x 256 would spill."""
     if m <= PREFILL_ROWS:  # decode: 64 rows is wgmma's smallest tile; many programs stream the weights
         return {"BLOCK_M": 64, "BLOCK_N": DECODE_BLOCK_N, "num_warps": 4, "num_stages": 4 if element_size == 2 else 2}
-    if split > 1:
+    if fused:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4 if element_size == 2 else 2}
     return {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3 if element_size == 2 else 2}
 
@@ -156,7 +156,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     fused = split > 1 and (fuses_splits(M, K, split) if fused_splits is None else fused_splits)
     k_chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 and not fused else out
-    config = config or config_for(M, x.element_size(), split if fused else 1)
+    config = config or config_for(M, x.element_size(), fused)
     grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), 1 if fused else split)
     _matmul_kernel[grid](x, w, out, part, M, N, K, k_chunk, x.stride(0), w.stride(0), out.stride(0),
                          SPLIT_K=split, FUSED_SPLITS=fused, PRECISION=_precision(x.dtype), BLOCK_K=block_k, **config)
