@@ -113,6 +113,12 @@ FREE_VARIANTS = {
     "bh64/w4+memory": dict(block_h=64, num_warps=4, merge="memory"),
     "bh64/w8+memory": dict(block_h=64, num_warps=8, merge="memory"),
     "bh64/w8": dict(block_h=64, num_warps=8),
+    # Latent-column splits: each program scores over the whole latent but averages only its columns,
+    # so a 64-head tile's two accumulators fit in registers (free only if the row sums are).
+    "v2": dict(v_split=2), "bh32/w8/v2": dict(block_h=32, num_warps=8, v_split=2),
+    "bh64/w8/v2": dict(block_h=64, num_warps=8, v_split=2),
+    "bh64/w8/v2+stages1": dict(block_h=64, num_warps=8, v_split=2, num_stages=1),
+    "bh64/w8/v4": dict(block_h=64, num_warps=8, v_split=4), "bh64/w4/v4": dict(block_h=64, num_warps=4, v_split=4),
 }
 
 

@@ -286,7 +286,7 @@ def test_sparse_mla_row_sums_as_an_mma_match_the_reference_in_every_mode(dtype):
 
 @gpu
 def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
-    """With rowsum_mma, BLOCK_H 16/32/64 and 4/8 warps give one set of bits (every reduction of a
+    """With rowsum_mma, BLOCK_H 16/32/64, 4/8 warps and latent-column splits give one set of bits (every reduction of a
     row is an MMA k-chain or a max); negative control: with tl.sum's row sums, 8 warps change them
     (measured on the H200: `bench.mla_sweep --free`)."""
     q, cache, slots, _, _ = _attention_case(3, 4, 64, 512, 64, 2 * (512 + 128), 128, 512, torch.bfloat16,
@@ -299,7 +299,8 @@ def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
         return out
 
     want = run(True)
-    for launch in (dict(num_warps=8), dict(block_h=32, num_warps=8), dict(block_h=64, num_warps=8)):
+    for launch in (dict(num_warps=8), dict(block_h=32, num_warps=8), dict(block_h=64, num_warps=8),
+                   dict(block_h=64, num_warps=8, v_split=2), dict(v_split=2)):
         assert torch.equal(run(True, **launch), want), f"rowsum_mma bits changed with {launch}"
     assert not torch.equal(run(False, num_warps=8), run(False)), "tl.sum row sums no longer depend on warps"
 
