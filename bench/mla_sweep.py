@@ -119,6 +119,13 @@ FREE_VARIANTS = {
     "bh64/w8/v2": dict(block_h=64, num_warps=8, v_split=2),
     "bh64/w8/v2+stages1": dict(block_h=64, num_warps=8, v_split=2, num_stages=1),
     "bh64/w8/v4": dict(block_h=64, num_warps=8, v_split=4), "bh64/w4/v4": dict(block_h=64, num_warps=4, v_split=4),
+    # One program per chunk (the spread mode) at every batch: one accumulator, no fold in registers,
+    # the chunks' states through memory; with 64-head tiles a chunk's rows are gathered once.
+    "spread": dict(spread=True, merge="kernel"),
+    "spread/bh32/w8": dict(spread=True, merge="kernel", block_h=32, num_warps=8),
+    "spread/bh64/w8": dict(spread=True, merge="kernel", block_h=64, num_warps=8),
+    "spread/bh64/w8/ticket": dict(spread=True, merge="ticket", block_h=64, num_warps=8),
+    "spread/bh64/w4": dict(spread=True, merge="kernel", block_h=64, num_warps=4),
 }
 
 

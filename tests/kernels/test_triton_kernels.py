@@ -286,21 +286,22 @@ def test_sparse_mla_row_sums_as_an_mma_match_the_reference_in_every_mode(dtype):
 
 @gpu
 def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
-    """With rowsum_mma, BLOCK_H 16/32/64, 4/8 warps and latent-column splits give one set of bits (every reduction of a
-    row is an MMA k-chain or a max); negative control: with tl.sum's row sums, 8 warps change them
-    (measured on the H200: `bench.mla_sweep --free`)."""
+    """With rowsum_mma, BLOCK_H 16/32/64, 4/8 warps, latent-column splits and the launch mode give
+    one set of bits (every reduction of a row is an MMA k-chain or a max); negative control: with
+    tl.sum's row sums, 8 warps change them (measured on the H200: `bench.mla_sweep --free`)."""
     q, cache, slots, _, _ = _attention_case(3, 4, 64, 512, 64, 2 * (512 + 128), 128, 512, torch.bfloat16,
                                             page_size=64)
 
     def run(rowsum_mma: bool, **launch):
         out = poisoned(4, 64, 512, dtype=torch.bfloat16)
-        attention.sparse_mla_decode(q, cache, slots, 512, 0.04, spread=False, merge="registers",
-                                    rowsum_mma=rowsum_mma, out=out, **launch)
+        attention.sparse_mla_decode(q, cache, slots, 512, 0.04, rowsum_mma=rowsum_mma, out=out,
+                                    **{"spread": False, "merge": "registers", **launch})
         return out
 
     want = run(True)
     for launch in (dict(num_warps=8), dict(block_h=32, num_warps=8), dict(block_h=64, num_warps=8),
-                   dict(block_h=64, num_warps=8, v_split=2), dict(v_split=2)):
+                   dict(block_h=32, num_warps=8, v_split=2), dict(v_split=2),
+                   dict(spread=True, merge="kernel", block_h=64, num_warps=8)):
         assert torch.equal(run(True, **launch), want), f"rowsum_mma bits changed with {launch}"
     assert not torch.equal(run(False, num_warps=8), run(False)), "tl.sum row sums no longer depend on warps"
 
