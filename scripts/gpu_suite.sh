@@ -58,7 +58,7 @@ want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.st
 # ---- issue 15: our sparse MLA decode and indexer selection beside SGLang's (needs .whl-sglang carried),
 # and the decode GEMM tile sweep (which configs keep the default's bits, and their times)
 want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_vs.json" \
-    --only mla,indexer --batches 1,8,32,64,128 --vs-sglang
+    --only "${KERNELS_ONLY:-mla,indexer}" --batches 1,8,32,64,128 --vs-sglang
 # Do mma.sync (tiles under 64 rows) and wgmma add alike, and do row sums depend on the warps? (the
 # MLA kernel's BLOCK_H and the MoE's BLOCK_M could then follow the batch)
 want mma_bits && section mma_bits "${BENCH_TIMEOUT:-90}" $PY -m bench.mma_bits --out "$OUT/mma_bits.json"
