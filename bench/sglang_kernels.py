@@ -324,11 +324,11 @@ def align_like_sglang(topk_ids: torch.Tensor, block_size: int, num_experts: int)
 @contextlib.contextmanager
 def precomputed_alignment(table: dict):
     """Our fused_moe with its alignment launch taken out of the graph: align_tokens answers from
-    table (id(topk_ids) -> its result, computed beforehand), so the captured launches are exactly
+    table ((id(topk_ids), BLOCK_M) -> its result, computed beforehand), so the captured launches are exactly
     fused_moe's minus the alignment; fused_moe's own code path is otherwise unchanged."""
     from runtime.kernels.triton import moe
     plain = moe.align_tokens
-    moe.align_tokens = lambda topk_ids, num_experts: table[id(topk_ids)]
+    moe.align_tokens = lambda topk_ids, num_experts, block_m=moe.BLOCK_M: table[id(topk_ids), block_m]
     try:
         yield
     finally:
@@ -378,7 +378,8 @@ class VsSGLang:
     def _moe(self, row: dict, packed, inputs, config, split, reference=None) -> None:
         from runtime.kernels.triton import moe
         num_experts, top_k = packed.w2.shape[0], inputs[0][1].shape[1]
-        table = {id(i): moe.align_tokens(i, num_experts) for _, i, _ in inputs
+        block_m = config.get("BLOCK_M", moe.BLOCK_M)  # the tuned buckets' tile height (32/64 for prefill sizes)
+        table = {(id(i), block_m): moe.align_tokens(i, num_experts, block_m) for _, i, _ in inputs
                  if i.shape[0] * i.shape[1] > moe.PER_ROW_MAX_ROWS}
         ours = lambda x, i, w: moe.fused_moe(x, packed, w, i, config=config, split_k=split)  # noqa: E731
         with precomputed_alignment(table):

@@ -288,7 +288,7 @@ def test_sparse_mla_row_sums_as_an_mma_match_the_reference_in_every_mode(dtype):
 def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
     """With rowsum_mma, BLOCK_H 16/32/64, 4/8 warps, latent-column splits and the launch mode give
     one set of bits (every reduction of a row is an MMA k-chain or a max); negative control: with
-    tl.sum's row sums, 8 warps change them (measured on the H200: `bench.mla_sweep --free`)."""
+    tl.sum's row sums, some of the same launches change them (`bench.mla_sweep --free`)."""
     q, cache, slots, _, _ = _attention_case(3, 4, 64, 512, 64, 2 * (512 + 128), 128, 512, torch.bfloat16,
                                             page_size=64)
 
@@ -298,12 +298,17 @@ def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
                                     **{"spread": False, "merge": "registers", **launch})
         return out
 
+    launches = (dict(num_warps=8), dict(block_h=32, num_warps=8), dict(block_h=64, num_warps=8),
+                dict(block_h=32, num_warps=8, v_split=2), dict(v_split=2),
+                dict(spread=True, merge="kernel", block_h=64, num_warps=8))
     want = run(True)
-    for launch in (dict(num_warps=8), dict(block_h=32, num_warps=8), dict(block_h=64, num_warps=8),
-                   dict(block_h=32, num_warps=8, v_split=2), dict(v_split=2),
-                   dict(spread=True, merge="kernel", block_h=64, num_warps=8)):
+    for launch in launches:
         assert torch.equal(run(True, **launch), want), f"rowsum_mma bits changed with {launch}"
-    assert not torch.equal(run(False, num_warps=8), run(False)), "tl.sum row sums no longer depend on warps"
+    # On the H200, 8 warps alone left these inputs' tl.sum bits as they were (2026-12-02); the tile
+    # height changes them (the mma_bits bench: tl.sum's tree follows the layout).
+    plain = run(False)
+    assert any(not torch.equal(run(False, **launch), plain) for launch in launches), \
+        "tl.sum row sums no longer depend on the launch: the control shows nothing"
 
 
 def _trailing_padding_case(seed: int, valid_counts: list[int], heads: int, selected: int, dtype):
