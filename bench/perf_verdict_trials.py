@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--ttft-rate", type=float, default=4.0, help="TTFT arrival rate, req/s (0: no TTFT)")
     parser.add_argument("--ttft-requests", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=1, help="decode bursts per level; the figure is their median")
     parser.add_argument("--server-arg", action="append", default=[], help="extra runtime.serve argument")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     workload = TrialWorkload(concurrency=tuple(int(c) for c in args.concurrency.split(",")), max_tokens=args.max_tokens,
-                             ttft_rate=args.ttft_rate, ttft_requests=args.ttft_requests)
+                             ttft_rate=args.ttft_rate, ttft_requests=args.ttft_requests, rounds=args.rounds)
     modes = ["ab", "stored"] if args.mode == "both" else [args.mode]
     rows = done_runs(args.out)
     todo = [(mode, kind, run) for run in range(args.runs) for mode in modes for kind in ("clean", "slowed")

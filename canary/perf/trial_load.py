@@ -201,23 +201,43 @@ async def _ttft_at_rate(client, target: Target, rate: float, count: int, trial: 
     return statistics.median(await asyncio.gather(*(one(i) for i in range(count))))
 
 
-async def _trial(target: Target, workload: TrialWorkload, trial: int, transport=None) -> TrialFigures:
+async def _trials(targets: list[Target], workload: TrialWorkload, trial: int, transport=None) -> list[TrialFigures]:
+    """One trial per target, their decode bursts taken in turns (round r visits the targets in
+    order, round r + 1 in reverse), so a drift of the machine slower than a burst or two falls on
+    every target alike; the TTFT series then run one target after the other (two arrival clocks at
+    once would load the host twice)."""
     import httpx
 
     limits = httpx.Limits(max_connections=max((*workload.concurrency, workload.ttft_requests)) + 4)
-    counted: Counter = Counter()
+    counted: list[Counter] = [Counter() for _ in targets]
+    figures: list[dict[str, float]] = [{} for _ in targets]
     async with httpx.AsyncClient(timeout=workload.timeout_s, limits=limits, transport=transport) as client:
-        figures = {}
         for c in workload.concurrency:
-            bursts = [await _decode_rate(client, target, c, workload.max_tokens, workload.logprobs, counted)
-                      for _ in range(workload.rounds)]
-            figures[f"decode_tok_s@{c}"] = statistics.median(bursts)
+            bursts: list[list[float]] = [[] for _ in targets]
+            for r in range(workload.rounds):
+                order = range(len(targets)) if r % 2 == 0 else reversed(range(len(targets)))
+                for i in order:
+                    bursts[i].append(await _decode_rate(client, targets[i], c, workload.max_tokens,
+                                                        workload.logprobs, counted[i]))
+            for i in range(len(targets)):
+                figures[i][f"decode_tok_s@{c}"] = statistics.median(bursts[i])
         if workload.ttft_rate > 0 and workload.ttft_requests:
-            figures[f"ttft_s@{workload.ttft_rate:g}rps"] = await _ttft_at_rate(
-                client, target, workload.ttft_rate, workload.ttft_requests, trial, workload.logprobs, counted)
-        return TrialFigures(figures, dict(sorted(counted.items())))
+            for i, target in enumerate(targets):
+                figures[i][f"ttft_s@{workload.ttft_rate:g}rps"] = await _ttft_at_rate(
+                    client, target, workload.ttft_rate, workload.ttft_requests, trial, workload.logprobs, counted[i])
+    return [TrialFigures(f, dict(sorted(n.items()))) for f, n in zip(figures, counted)]
 
 
 def measure_trial(target: Target, workload: TrialWorkload, trial: int = 0) -> TrialFigures:
     """One trial's figures, metric name -> value (workload.metrics() names them), with how it counted tokens."""
-    return asyncio.run(_trial(target, workload, trial))
+    return asyncio.run(_trials([target], workload, trial))[0]
+
+
+def measure_pair(first: Target, second: Target, workload: TrialWorkload,
+                 trial: int = 0) -> tuple[TrialFigures, TrialFigures]:
+    """An A/B pair's two trials, bursts interleaved (`_trials`), on the same prompts. On the H200 the
+    canary's decode@1 figure (~40 ms bursts, host-bound) wandered 700-1,370 tok/s between trials of
+    one server taken a second apart, together on both servers: whole trials one after the other left
+    the same build's A/B interval at +-14% with the median of 10 bursts (2026-12-02)."""
+    first_figures, second_figures = asyncio.run(_trials([first, second], workload, trial))
+    return first_figures, second_figures

@@ -1,7 +1,8 @@
 """Repeated perf trials and their verdict, in the two forms the gate has.
 
-- A/B (`ab_trials`): a baseline server and the candidate, trials interleaved A B B A A B ... so a
-  drift of the machine hits both sides alike; one log-ratio per pair, a t interval on their mean.
+- A/B (`ab_trials`): a baseline server and the candidate, pairs in the order A B, B A, A B ..., each
+  pair's decode bursts taken in turns (`trial_load.measure_pair`), so a drift of the machine hits
+  both sides alike; one log-ratio per pair, a t interval on their mean.
 - Stored (`stored_trials`): the candidate's trials against the trials recorded with the baseline
   (`record_trials`), both normalized by the machine-speed probe taken around each trial; Welch's
   interval on the difference of the normalized log costs. A trial whose probe is outside
@@ -21,10 +22,12 @@ from dataclasses import dataclass, field
 
 from canary.perf import ratio_stats
 from canary.perf.ratio_stats import INCONCLUSIVE, OK, SLOWER, RatioVerdict
-from canary.perf.trial_load import TrialWorkload, higher_is_better, measure_trial, trial_record
+from canary.perf.trial_load import TrialWorkload, higher_is_better, measure_pair, measure_trial, trial_record
 from canary.targets import Target
 
 Measure = Callable[[Target, TrialWorkload, int], dict[str, float]]
+# Both sides of an A/B pair: (first, second, workload, trial) -> (first's figures, second's figures)
+MeasurePair = Callable[[Target, Target, TrialWorkload, int], tuple[dict[str, float], dict[str, float]]]
 Probe = Callable[[], float]
 CHECK_EVERY = 3  # after the minimum, trials are added in steps of this many until the verdict decides
 
@@ -63,15 +66,25 @@ def _checkpoints(min_trials: int, max_trials: int) -> list[int]:
     return sorted(set(p for p in points if p >= 2))
 
 
+def sequential_pair(measure: Measure) -> MeasurePair:
+    """A pair from a one-server measure: the first side's whole trial, then the second's."""
+    def pair(first: Target, second: Target, workload: TrialWorkload, trial: int):
+        return measure(first, workload, trial), measure(second, workload, trial + 1)
+    return pair
+
+
 def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tolerance: float,
-              min_pairs: int = 6, max_pairs: int = 12, measure: Measure = measure_trial,
-              on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
-    """Interleaved A/B pairs; more pairs (up to `max_pairs`) only while the verdict is inconclusive."""
+              min_pairs: int = 6, max_pairs: int = 12, measure: Measure | None = None,
+              on_trial: Callable[[dict], None] | None = None,
+              pair_measure: MeasurePair = measure_pair) -> TrialsOutcome:
+    """Interleaved A/B pairs; more pairs (up to `max_pairs`) only while the verdict is inconclusive.
+    A pair's bursts alternate between the servers (`measure_pair`); `measure` (one server at a
+    time, e.g. a synthetic one in tests) runs the two trials one after the other instead."""
     if not 2 <= min_pairs <= max_pairs:
         raise ValueError(f"need 2 <= min_pairs <= max_pairs, got {min_pairs}, {max_pairs}")
+    run_pair = sequential_pair(measure) if measure is not None else pair_measure
     sides = {"baseline": baseline, "candidate": candidate}
-    for target in sides.values():  # warm-up, not counted: first requests pay lazy initialisation
-        measure(target, workload, -1)
+    run_pair(baseline, candidate, workload, -2)  # warm-up, not counted: first requests pay lazy initialisation
     trials: list[dict] = []
     ratios: dict[str, list[float]] = {m: [] for m in workload.metrics()}
     verdicts: list[RatioVerdict] = []
@@ -79,9 +92,8 @@ def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tole
     for checkpoint in _checkpoints(min_pairs, max_pairs):
         while pair < checkpoint:
             order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
-            figures = {}
+            figures = dict(zip(order, run_pair(sides[order[0]], sides[order[1]], workload, 2 * pair)))
             for name in order:
-                figures[name] = measure(sides[name], workload, 2 * pair + (name == "candidate"))
                 trials.append({"pair": pair, "side": name, **trial_record(figures[name])})
                 if on_trial:
                     on_trial(trials[-1])

@@ -6,6 +6,7 @@ computes them slowly, and streams that end without a token or a finish_reason. A
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import httpx
@@ -134,7 +135,7 @@ def test_a_trial_without_usage_or_logprobs_measures_and_says_how_it_counted():
     server = FakeServer(lambda body: reply(body["max_tokens"]))
     workload = TrialWorkload(concurrency=(1, 2), max_tokens=4, ttft_rate=50.0, ttft_requests=3, rounds=2,
                              logprobs=False)
-    figures = asyncio.run(trial_load._trial(TARGET, workload, 0, transport=server.transport()))
+    figures = asyncio.run(trial_load._trials([TARGET], workload, 0, transport=server.transport()))[0]
     assert set(figures) == set(workload.metrics()) and all(v > 0 for v in figures.values())
     assert figures.tokens_counted == {"deltas": 2 * (1 + 2) + 3}
     assert not any("logprobs" in b for b in server.bodies)
@@ -154,3 +155,27 @@ def test_the_trials_records_say_how_tokens_were_counted():
     recorded = record_trials(a, workload, trials=2, measure=measure)
     assert all(t["tokens_counted"] == {"usage": 3} for t in recorded["trials"])
     json.dumps(recorded)  # a plain dict: the baseline file holds it
+
+
+def test_a_pairs_bursts_take_turns_so_a_drift_falls_on_both_sides(monkeypatch):
+    """Two equal servers on a machine that slows 2% per burst: with the bursts in turns the pair
+    reads them within the drift of one burst; negative control: whole trials one after the other
+    (`sequential_pair`) read the second server ~10% slower."""
+    from canary.perf.trials import sequential_pair
+
+    visits: list[str] = []
+    clock = itertools.count()
+
+    async def fake_rate(client, target, concurrency, max_tokens, *_):
+        visits.append(target.name)
+        return 100.0 * 0.98 ** next(clock)
+
+    monkeypatch.setattr(trial_load, "_decode_rate", fake_rate)
+    workload = TrialWorkload(concurrency=(8,), ttft_rate=0.0, rounds=5)
+    a, b = Target("a", "http://a/v1", "m", False), Target("b", "http://b/v1", "m", False)
+    first, second = trial_load.measure_pair(a, b, workload)
+    assert visits == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert second["decode_tok_s@8"] / first["decode_tok_s@8"] == pytest.approx(0.98)
+    clock = itertools.count()
+    first, second = sequential_pair(trial_load.measure_trial)(a, b, workload, 0)
+    assert second["decode_tok_s@8"] / first["decode_tok_s@8"] == pytest.approx(0.98 ** 5)
