@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from runtime.server.prometheus_text import parse_samples, sample_sum
+
 
 @dataclass(frozen=True)
 class Target:
@@ -70,22 +72,16 @@ class Target:
 
     def kv_pages_in_use(self) -> float | None:
         """The KV-pages gauge from the Prometheus text (keyed like every route); None without one."""
-        return self.metric("kv_pages_in_use")
+        return self.metric("dsv4_kv_pages_in_use")
 
     def metric(self, name: str) -> float | None:
-        """The first unlabelled sample whose name contains `name` in /metrics; None without one."""
+        """The sample named exactly `name` in /metrics (a counter's `_total` included; a labelled one
+        summed over its labels); None without one or without /metrics."""
         try:
             text = httpx.get(self.url_for("metrics"), timeout=10.0, headers=self.headers).text
         except httpx.HTTPError:
             return None
-        for line in text.splitlines():
-            if line.startswith("#") or name not in line.split(" ", 1)[0]:
-                continue
-            try:
-                return float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-        return None
+        return sample_sum(parse_samples(text), name)
 
     def wait_kv_pages_idle(self, timeout_s: float = 10.0) -> float | None:
         """Pages in use once they reach 0 or `timeout_s` passed (finished requests free theirs

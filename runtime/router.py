@@ -26,22 +26,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 from runtime.server.errors import ApiError
+from runtime.server.prometheus_text import parse_samples, sample_sum
 
 FORWARDED_HEADERS = ("authorization", "content-type")
 # Upstream samples the router's /metrics sums over the pair (the gate's page-leak and preemption
 # checks read them off the one URL they know), each with the per-upstream series it is listed under.
 PAIR_SUMS = {"dsv4_kv_pages_in_use": "dsv4_pd_upstream_kv_pages_in_use",
              "dsv4_preemptions_total": "dsv4_pd_upstream_preemptions_total"}
-
-
-def _samples(text: str, names) -> dict[str, float]:
-    """The unlabelled samples of `names` in a Prometheus text exposition (absent ones left out)."""
-    found = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in names:
-            found[name] = float(value.split()[0])
-    return found
 
 
 def _kind(name: str) -> str:
@@ -106,9 +97,12 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                     text = (await clients["http"].get(f"{url}/metrics", headers=_forwarded(request))).text
                 except httpx.HTTPError:
                     continue
-                for name, value in _samples(text, PAIR_SUMS).items():
-                    sums[name] += value
-                    lines.append(f'{PAIR_SUMS[name]}{{role="{role}",url="{url}"}} {value}')
+                samples = parse_samples(text)
+                for name, series in PAIR_SUMS.items():
+                    value = sample_sum(samples, name)
+                    if value is not None:
+                        sums[name] += value
+                        lines.append(f'{series}{{role="{role}",url="{url}"}} {value}')
         head = [line for name, value in sums.items()
                 for line in (f"# TYPE {name.removesuffix('_total')} {_kind(name)}", f"{name} {value}")]
         return Response("\n".join([*head, *lines]) + "\n", media_type="text/plain; version=0.0.4")
