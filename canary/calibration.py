@@ -95,6 +95,13 @@ def _key(record) -> tuple[int, int, str]:
     return record.session, record.hop, json.dumps(record.request, sort_keys=True, default=str)
 
 
+def has_counterpart(solo):
+    """Whether a load request has its solo run counterpart (the same session, number and body), i.e.
+    whether `compare_with_solo` compares it: the load-vs-solo replays need not run it alone again."""
+    alone = {_key(r) for r in solo.requests if not r.aborted and r.request is not None}
+    return lambda record: record.request is not None and _key(record) in alone
+
+
 def _output(turn) -> tuple:
     """What a client reads from a response: text, tool calls (arguments parsed: key order and
     whitespace are presentation) and finish reason."""

@@ -232,8 +232,9 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     else:
         calibration.apply(solo, result, outcome, near_tie=None if exact else near_tie)
     check_session_ends(result, outcome)
+    compared_alone = None if solo is None else calibration.has_counterpart(solo)
     differential.check_load_vs_solo(target, result, outcome, sample=differential_sample, near_tie=near_tie,
-                                    exact=exact)
+                                    exact=exact, compared_alone=compared_alone)
     metrics = run_metrics(result)
     metadata = {"commit": git_commit(), "target": target.name, "model": info.get("model", target.model),
                 "model_hash": info.get("model_hash"), "config_fingerprint": info.get("config_fingerprint"),

@@ -161,9 +161,12 @@ def _differential_line(differential: dict[str, Any]) -> str:
     skipped = differential.get("skipped")
     if skipped:
         return f"skipped ({skipped})"
+    covered = differential.get("compared_alone_in_calibration")
     return (f"{differential.get('equal', 0)}/{differential.get('compared', 0)} replays alone identical to "
             f"under load ({mode}), {differential.get('benign_near_ties', 0)} benign near-ties, "
-            f"{differential.get('failed', 0)} failed, {differential.get('wall_s', 0.0):.1f}s")
+            f"{differential.get('failed', 0)} failed, {differential.get('wall_s', 0.0):.1f}s"
+            + (f"; {covered} requests not replayed: the calibration run ran them alone (see calibration)"
+               if covered else ""))
 
 
 def _calibration_line(calibration: dict[str, Any]) -> str:

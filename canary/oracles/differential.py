@@ -190,9 +190,12 @@ def replay(client, body: dict[str, Any], streamed: bool) -> tuple[list, list]:
 
 
 def check_load_vs_solo(target, result, outcome, *, sample: int = DEFAULT_SAMPLE, exact: bool = False,
-                       near_tie: float = 0.05, timeout_s: float = 300.0) -> None:
+                       near_tie: float = 0.05, timeout_s: float = 300.0, compared_alone=None) -> None:
     """Replay the chosen requests of `result` (a RunResult) against `target` one at a time and add
-    `[load-vs-solo]` failures, a note when skipped, and `summary["differential"]` to `outcome`."""
+    `[load-vs-solo]` failures, a note when skipped, and `summary["differential"]` to `outcome`.
+    `compared_alone(record)`: True for a request the calibration run already ran alone in the same
+    context (canary/calibration.py `has_counterpart`); those are not replayed a second time, the
+    sample is drawn from the rest (requests whose context moved under load, e.g. after a benign near-tie)."""
     if sample <= 0:
         outcome.notes.append("load-vs-solo differential oracle off (--differential-sample 0)")
         return
@@ -202,7 +205,8 @@ def check_load_vs_solo(target, result, outcome, *, sample: int = DEFAULT_SAMPLE,
         return
     import openai
 
-    chosen = choose(result.requests, sample, result.options.seed)
+    pool = [r for r in result.requests if compared_alone is None or not compared_alone(r)]
+    chosen = choose(pool, sample, result.options.seed)
     counts = {"compared": 0, "equal": 0, "benign_near_ties": 0, "failed": 0}
     started = time.perf_counter()
     client = target.client(timeout=timeout_s)
@@ -236,4 +240,5 @@ def check_load_vs_solo(target, result, outcome, *, sample: int = DEFAULT_SAMPLE,
         client.close()
     outcome.summary["differential"] = {
         **counts, "sample": sample, "seeded_sampling": sum(seeded_sampling(r.request) for r in chosen),
-        "exact": exact, "near_tie": None if exact else near_tie, "wall_s": round(time.perf_counter() - started, 2)}
+        "exact": exact, "near_tie": None if exact else near_tie, "wall_s": round(time.perf_counter() - started, 2),
+        **({"compared_alone_in_calibration": len(result.requests) - len(pool)} if compared_alone else {})}

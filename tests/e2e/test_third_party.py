@@ -80,7 +80,8 @@ def test_healthy_server_passes_with_model_quality_reported_and_no_false_alarm(ll
     assert alone["nonce-echo"]["load_failures_excused"] > 0
     reference, replays = calibration["solo_reference"], outcome.summary["differential"]
     assert reference["compared"] >= OPTIONS["sessions"] and reference["failed"] == 0
-    assert replays["compared"] >= OPTIONS["sessions"] and replays["failed"] == 0
+    # The replays run alone only what the calibration run could not compare (a context moved under load).
+    assert replays["compared_alone_in_calibration"] >= reference["compared"] and replays["failed"] == 0
     assert outcome.summary["metrics"]["completion_tokens"] > 0
 
 

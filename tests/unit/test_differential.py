@@ -165,3 +165,23 @@ def test_check_skips_with_a_note_when_the_target_returns_no_logprobs():
     outcome = run_check(records, FakeClient({}), sample=6)
     assert outcome.passed and "differential" not in outcome.summary
     assert any("no logprobs" in note for note in outcome.notes)
+
+
+def test_requests_the_calibration_run_ran_alone_are_not_replayed_again():
+    """With a calibration run, only the requests without a solo counterpart (their context moved under
+    load) are replayed; negative control: a divergence in a replayed request still fails."""
+    from canary import calibration
+
+    records = [record(s, h) for s in range(3) for h in range(2)]
+    solo = RunResult(DriverOptions(sessions=4), "fake", 0.0, 1.0,
+                     requests=[r for r in records if r.session != 2])  # session 2 moved under load
+    answers = {r.request["messages"][0]["content"]: ["a", "b"] for r in records}
+    client = FakeClient(answers)
+    outcome = run_check(records, client, sample=6, compared_alone=calibration.has_counterpart(solo))
+    assert [c["messages"] for c in client.calls] == [r.request["messages"] for r in records if r.session == 2]
+    summary = outcome.summary["differential"]
+    assert (summary["compared"], summary["equal"], summary["compared_alone_in_calibration"]) == (2, 2, 4)
+    assert outcome.passed
+    answers["2:1"] = ["a", "z"]
+    failed = run_check(records, FakeClient(answers), sample=6, compared_alone=calibration.has_counterpart(solo))
+    assert len(failed.failures) == 1 and "session 2 turn 0 request 1" in failed.failures[0]
