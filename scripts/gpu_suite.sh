@@ -139,7 +139,8 @@ if want perf_trials; then
     mkdir -p "$(dirname "$PERF_TRIALS_OUT")"
     section perf_trials "${PERF_TRIALS_TIMEOUT:-580}" $PY -m bench.perf_verdict_trials \
         --runs "${PERF_TRIALS_RUNS:-20}" --mode "${PERF_TRIALS_MODE:-ab}" --budget-s "${PERF_TRIALS_BUDGET:-420}" \
-        --ttft-rate 16 --rounds "${PERF_TRIALS_ROUNDS:-1}" --server-arg=--dtype=float32 --out "$PERF_TRIALS_OUT"
+        --ttft-rate 16 --rounds "${PERF_TRIALS_ROUNDS:-1}" --server-arg=--dtype=float32 --out "$PERF_TRIALS_OUT" \
+        ${PERF_TRIALS_ARGS:-}
     cp "$PERF_TRIALS_OUT" "$OUT/" 2>/dev/null
 fi
 # The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.
