@@ -95,10 +95,15 @@ def _key(record) -> tuple[int, int, str]:
     return record.session, record.hop, json.dumps(record.request, sort_keys=True, default=str)
 
 
+def _solo_by_key(solo) -> dict:
+    """The solo run's whole requests by (session, number, body): a load request's counterpart."""
+    return {_key(r): r for r in solo.requests if not r.aborted and r.request is not None}
+
+
 def has_counterpart(solo):
     """Whether a load request has its solo run counterpart (the same session, number and body), i.e.
     whether `compare_with_solo` compares it: the load-vs-solo replays need not run it alone again."""
-    alone = {_key(r) for r in solo.requests if not r.aborted and r.request is not None}
+    alone = _solo_by_key(solo)
     return lambda record: record.request is not None and _key(record) in alone
 
 
@@ -119,7 +124,7 @@ def compare_with_solo(solo, load, near_tie: float | None) -> dict[str, Any]:
     Returns the counts and `failures` (lines tagged `[solo-reference]`). Aborted requests have no
     whole output and are skipped; a load request whose context differs from the solo run's (an
     earlier benign near-tie, a sampled probe's own text) has no counterpart and is counted as such."""
-    alone = {_key(r): r for r in solo.requests if not r.aborted and r.request is not None}
+    alone = _solo_by_key(solo)
     counts = {"compared": 0, "equal": 0, "benign_near_ties": 0, "failed": 0, "no_counterpart": 0, "no_tokens": 0}
     failures: list[str] = []
     for record in load.requests:
