@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from runtime.train.corpus import Session, make_session, session_messages
-from runtime.train.template import EOS, PAD, THINK_END, render
+from runtime.train.template import ASSISTANT, EOS, PAD, THINK_END, render
 from runtime.train.tools import TOOLS
 
 
@@ -36,13 +36,16 @@ def encode_session(session: Session, tokenizer_path: str) -> Example:
     tok = load_tokenizer(tokenizer_path)
     ids = tok.encode(render(session_messages(session), TOOLS, session.tool_choice), add_special_tokens=False).ids
     sid = special_ids(tok)
-    mask, inside = [], False
+    assistant = tok.token_to_id(ASSISTANT)
+    mask, inside, previous = [], False, None
     for token in ids:
         mask.append(inside)
-        if token == sid["think_end"]:
+        # Only the generation header opens a span: the tools preamble's own text names </think> too.
+        if token == sid["think_end"] and previous == assistant:
             inside = True
         elif token == sid["eos"]:
             inside = False
+        previous = token
     return Example(ids, mask)
 
 

@@ -1,7 +1,8 @@
-"""The canary chat template (chat_template.jinja beside this file) and its special strings.
+"""The canary chat template and its special strings.
 
-The server renders prompts with the copy shipped in the model directory; training renders the
-same file, so what the model learnt is exactly what it is served.
+The canary model is trained on the server's default template (runtime/chat_templates/dsv4_default.jinja,
+DeepSeek's V4 encoder byte for byte) and ships a copy in its model directory, so what the model
+learnt is exactly what it is served, and exactly what a DeepSeek-V4 deployment renders.
 """
 
 from __future__ import annotations
@@ -10,20 +11,20 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
+TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "chat_templates" / "dsv4_default.jinja"
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 PAD = "<｜▁pad▁｜>"
 THINK_END = "</think>"
+ASSISTANT = "<｜Assistant｜>"
 # Whole-token strings: role markers and DSML tags each become one id, so a tool call costs few
 # tokens and a tag can never be split differently in a prompt than when it was generated.
 # BOS/EOS/PAD are "special" (a server may skip them when decoding); the rest must never be skipped.
 SPECIAL = [BOS, EOS, PAD]
-MARKERS = ["<｜User｜>", "<｜Assistant｜>", THINK_END, "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>",
+MARKERS = ["<｜User｜>", ASSISTANT, THINK_END, "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>",
            "<｜DSML｜invoke name=\"", "</｜DSML｜invoke>", "<｜DSML｜parameter name=\"", "</｜DSML｜parameter>",
-           "\" string=\"true\">", "\" string=\"false\">", "<function_results>", "</function_results>",
-           "<result>", "</result>"]
+           "\" string=\"true\">", "\" string=\"false\">", "<tool_result>", "</tool_result>"]
 
 
 @lru_cache(maxsize=4)
@@ -36,4 +37,7 @@ def _compiled(path: str, trim: bool):
 
 def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tool_choice: str = "auto",
            path: Path = TEMPLATE_PATH, trim_blocks: bool = True) -> str:
-    return _compiled(str(path), trim_blocks).render(messages=messages, tools=tools, tool_choice=tool_choice)
+    """The conversation as the server's prompt text: a template that does not write BOS (DeepSeek's
+    does not) gets it in front, as the server adds it as an id (app._prepare)."""
+    text = _compiled(str(path), trim_blocks).render(messages=messages, tools=tools, tool_choice=tool_choice)
+    return text if text.startswith(BOS) else BOS + text
