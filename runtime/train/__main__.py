@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from runtime.config import ModelConfig
-from runtime.models.loader import save_model
+from runtime.models.loader import load_model, save_model
 from runtime.train.encode import load_tokenizer, special_ids
 from runtime.train.loop import TrainConfig, train
 from runtime.train.template import BOS, PAD, TEMPLATE_PATH
@@ -48,24 +48,39 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", type=Path, help="continue from this model directory: its weights and tokenizer, "
+                    "a fresh LR schedule (give another --seed, so the run sees new sessions)")
     args = ap.parse_args(argv)
 
     arch, opts = PRESETS[args.preset]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     tok_path = out / "tokenizer.json"
-    train_tokenizer(opts["vocab"], opts["tokenizer_sessions"], tok_path)
+    init = None
+    if args.init:
+        # The token ids the weights were trained on: the tokenizer is copied, never retrained.
+        loaded = load_model(str(args.init))
+        if args.init.resolve() != out.resolve():
+            shutil.copyfile(args.init / "tokenizer.json", tok_path)
+        init = loaded.weights
+    else:
+        train_tokenizer(opts["vocab"], opts["tokenizer_sessions"], tok_path)
     tok = load_tokenizer(str(tok_path))
     ids = special_ids(tok)
     vocab = -(-tok.get_vocab_size() // 64) * 64  # pad the embedding to a multiple of 64 rows
     model_cfg = replace(arch, vocab_size=vocab, bos_token_id=tok.token_to_id(BOS), eos_token_id=ids["eos"],
                   pad_token_id=tok.token_to_id(PAD))
+    if args.init and model_cfg != loaded.config:
+        raise SystemExit(f"--init {args.init}: its config is not the {args.preset} preset's")
     assert tok.token_to_id(PAD) == ids["pad"]
     tc = TrainConfig(steps=args.steps or opts["steps"], time_budget_s=args.time_budget_s,
                      batch_size=args.batch_size or opts["batch_size"], lr=args.lr,
                      dense_fraction=args.dense_fraction, seed=args.seed, workers=args.workers,
                      log_every=opts["log_every"], device=args.device)
-    weights, summary = train(model_cfg, tc, str(tok_path), ids["pad"], out / "train_log.jsonl")
+    weights, summary = train(model_cfg, tc, str(tok_path), ids["pad"], out / "train_log.jsonl", init)
+    if args.init:
+        earlier = args.init / "train_summary.json"
+        summary["init"] = {"from": str(args.init), **(json.loads(earlier.read_text()) if earlier.is_file() else {})}
     save_model(out, model_cfg, weights)
     shutil.copyfile(TEMPLATE_PATH, out / "chat_template.jinja")
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

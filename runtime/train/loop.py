@@ -52,12 +52,13 @@ def lr_at(progress: float, tc: TrainConfig) -> float:
 
 
 def train(model_cfg: ModelConfig, tc: TrainConfig, tokenizer_path: str, pad_id: int,
-          log_path: Path) -> tuple[dict, dict]:
-    """Returns (weights in the inference layout, summary)."""
+          log_path: Path, init: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict]:
+    """Returns (weights in the inference layout, summary). init: start from these weights (a
+    continued run: a fresh optimiser and LR schedule over the new budget) instead of random ones."""
     torch.manual_seed(tc.seed)
     if tc.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
-    model = TrainModel(model_cfg, init_params(model_cfg, tc.seed)).to(tc.device)
+    model = TrainModel(model_cfg, init if init is not None else init_params(model_cfg, tc.seed)).to(tc.device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
