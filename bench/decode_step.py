@@ -166,6 +166,29 @@ def fit(points: list[tuple[int, float]]) -> dict:
     return {"a_ms": a, "b_ms_per_req": b}
 
 
+def prefill_launches(bench, chunk, roofline_ms: float, plain_logits: torch.Tensor, iters: int) -> dict:
+    """The prefill pass with attention.PREFILL_LAUNCH set: `prefill_rowsum_mma` = the deployment's
+    sparse MLA launch with its row sums as an MMA (what a rowsum_mma deployment would run; other bits
+    than the plain pass's tl.sum), `prefill_halves` = the 64-head latent-halves launch
+    (attention.HALVES_PREFILL, rowsum_mma too), whose logits must equal prefill_rowsum_mma's."""
+    runs = {}
+    saved = attention.PREFILL_LAUNCH
+    launches = {"prefill_rowsum_mma": dict(rowsum_mma=True), "prefill_halves": attention.HALVES_PREFILL}
+    try:
+        for name, launch in launches.items():
+            attention.PREFILL_LAUNCH = launch
+            ms = time_ms(bench.runner.eager, chunk, iters=iters)
+            runs[name] = ms, bench.runner.eager(chunk).clone()
+    finally:
+        attention.PREFILL_LAUNCH = saved
+    out = {name: {"ms": ms, "pct_roofline": 100 * roofline_ms / ms, "same_logits_as_plain": bool(
+        torch.equal(logits, plain_logits))} for name, (ms, logits) in runs.items()}
+    out["prefill_halves"]["same_logits_as_rowsum_mma"] = bool(torch.equal(runs["prefill_halves"][1],
+                                                                          runs["prefill_rowsum_mma"][1]))
+    print(json.dumps({"prefill_launches": out}), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["canary", "dsv4-slice"], default="canary")
@@ -236,6 +259,7 @@ def main() -> None:
             results["prefill_skip_tail"] = {"ms": skip_ms, "pct_roofline": 100 * roofline_ms / skip_ms,
                                             "same_logits": same}
             print(json.dumps({"model": args.model, "prefill_skip_tail": results["prefill_skip_tail"]}), flush=True)
+            results.update(prefill_launches(bench, chunk, roofline_ms, logits, max(3, args.iters // 4)))
         del bench
         torch.cuda.empty_cache()
     if args.sawtooth:
@@ -264,7 +288,9 @@ def main() -> None:
                       "roofline_a_over_eager_a": results["roofline_a_over_eager_a"],
                       "invariance_cost": results["invariance_cost"],
                       "step128_over_step16": results.get("step128_over_step16"),
-                      "prefill": results.get("prefill"), "prefill_skip_tail": results.get("prefill_skip_tail")}),
+                      "prefill": results.get("prefill"), "prefill_skip_tail": results.get("prefill_skip_tail"),
+                      "prefill_rowsum_mma": results.get("prefill_rowsum_mma"),
+                      "prefill_halves": results.get("prefill_halves")}),
           flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -103,20 +103,27 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
 # Knobs of the deployment launch that might not touch a row's reduction order: warps and stages
 # (the dots' k-steps run in order either way; the row sums' trees may not), BLOCK_H (mma m16 vs
 # wgmma m64 tiles), and the gathered mode's fold (registers or memory). Each is checked, not assumed.
-FREE_VARIANTS = {
+# Left out: what the H200 could not hold at the deployment's 2 stages (docs/results.md, "Seventh
+# session": 256-290 KB of 227 KB shared memory): BLOCK_H 64 through memory, at 4 or 8 warps, and
+# BLOCK_H 64 with 2 column blocks loaded a third time ("bh64/w8/v2+stages1" is its 1-stage form).
+FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout still answers it
+    "bh64/w8": dict(block_h=64, num_warps=8),
+    # The prefill launch (attention.HALVES_PREFILL): 2 column blocks whose PV product reads its own
+    # half of the latent already loaded for the scores (no third load: bh64/w8's shared memory).
+    "bh64/w8/halves": dict(block_h=64, num_warps=8, num_stages=2, v_split=2, latent_halves=True),
+    "bh64/w4/halves": dict(block_h=64, num_warps=4, num_stages=2, v_split=2, latent_halves=True),
+    # Half the gathered rows per step (fewer spills, half the shared memory), but a different
+    # numerics: the online softmax steps every 32 positions. Expect "differ"; timed as a candidate.
+    "bh64/w8/halves/bs32": dict(block_h=64, num_warps=8, num_stages=2, v_split=2, latent_halves=True, block_s=32),
     "memory": dict(merge="memory"), "stages1": dict(num_stages=1), "stages3": dict(num_stages=3),
     "memory+stages1": dict(merge="memory", num_stages=1), "warps8": dict(num_warps=8),
     "warps8+stages1": dict(num_warps=8, num_stages=1), "warps2": dict(num_warps=2),
     "warps8+memory": dict(num_warps=8, merge="memory"),
     "warps8+memory+stages1": dict(num_warps=8, merge="memory", num_stages=1),
     "bh32/w8": dict(block_h=32, num_warps=8), "bh32/w8+memory": dict(block_h=32, num_warps=8, merge="memory"),
-    "bh64/w4+memory": dict(block_h=64, num_warps=4, merge="memory"),
-    "bh64/w8+memory": dict(block_h=64, num_warps=8, merge="memory"),
-    "bh64/w8": dict(block_h=64, num_warps=8),
     # Latent-column splits: each program scores over the whole latent but averages only its columns,
     # so a 64-head tile's two accumulators fit in registers (free only if the row sums are).
     "v2": dict(v_split=2), "bh32/w8/v2": dict(block_h=32, num_warps=8, v_split=2),
-    "bh64/w8/v2": dict(block_h=64, num_warps=8, v_split=2),
     "bh64/w8/v2+stages1": dict(block_h=64, num_warps=8, v_split=2, num_stages=1),
     "bh64/w8/v4": dict(block_h=64, num_warps=8, v_split=4), "bh64/w4/v4": dict(block_h=64, num_warps=4, v_split=4),
     # One program per chunk (the spread mode) at every batch: one accumulator, no fold in registers,
@@ -161,7 +168,7 @@ def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepar
 def free_summary(rows: list, batches: list) -> str:
     out = ["== sparse MLA knobs vs the deployment launch (gathered): same bits?, us per batch, prefill us"]
     for r in rows:
-        head = f"H={r['H']} {r['variant']:<16}"
+        head = f"H={r['H']} {r['variant']:<20}"
         if "error" in r:
             out.append(f"{head} {r['error'][:140]}")
             continue
