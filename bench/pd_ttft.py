@@ -32,7 +32,7 @@ def ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, 
     """One request's time to its first content token. `client` is kept across requests: a new httpx
     client costs its TLS context, 30-45 ms on the loaded 2-core CPU, which would be counted on both
     sides and hide the servers' own difference (the first version of this bench did that)."""
-    body = {"model": "canary-moe-v1", "stream": True, "max_tokens": 4, "temperature": 0,
+    body = {"model": "canary-moe-v2", "stream": True, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": " ".join(f"w{i}x{k}" for k in range(words))}]}
     started = time.perf_counter()
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120, headers=headers) as reply:

@@ -18,7 +18,7 @@ from runtime.server.app import _delta_body
 from runtime.server.output import ChoiceBuilder, OutputOptions
 from runtime.server.sse import ChunkEncoder
 
-STORE = Path(__file__).resolve().parents[1] / "golden" / "transcripts" / "stress-canary-moe-v1.jsonl"
+STORE = Path(__file__).resolve().parents[1] / "golden" / "transcripts" / "stress-canary-moe-v2.jsonl"
 
 
 def replies(tokenizer, limit: int) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:

@@ -118,7 +118,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 # The trained canary model (golden/models/, relative to the checkout): the only model with golden
 # transcripts and perf baselines. The gate, the golden CLI, the fault matrix, tests and benches name it here.
-DEFAULT_MODEL = "golden/models/canary-moe-v1"
+DEFAULT_MODEL = "golden/models/canary-moe-v2"
 
 
 def default_model() -> str:

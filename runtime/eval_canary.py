@@ -163,7 +163,7 @@ def evaluate(loaded: LoadedModel, seeds: list[int], concurrency: int, faults: tu
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runtime.eval_canary", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="golden/models/canary-moe-v1")
+    ap.add_argument("--model", default="golden/models/canary-moe-v2")
     ap.add_argument("--sessions", type=int, default=50)
     ap.add_argument("--seed-base", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=1)

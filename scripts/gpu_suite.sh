@@ -119,7 +119,7 @@ if want gate_ab_tree; then
     AB_PORT=${AB_PORT:-18431}
     ab_py=$(realpath -s "$(command -v "$PY")")  # the same interpreter, from the other tree's directory
     (cd "${AB_TREE:?gate_ab_tree needs AB_TREE}" && DSV4_NUM_THREADS=1 setsid "$ab_py" -m runtime.serve \
-        --model golden/models/canary-moe-v1 --port "$AB_PORT" --max-running 128 --num-pages 8192 --dtype float32 \
+        --model golden/models/canary-moe-v2 --port "$AB_PORT" --max-running 128 --num-pages 8192 --dtype float32 \
         >"$OUT/ab_baseline_server.log" 2>&1 &)
     $PY -c "from canary.targets import wait_healthy; wait_healthy('http://127.0.0.1:$AB_PORT', None, 120, None)"
     section gate_ab_tree "${GATE_TIMEOUT:-300}" "${GATE[@]}" --baseline-url "http://127.0.0.1:$AB_PORT" \

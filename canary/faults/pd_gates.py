@@ -23,7 +23,7 @@ from runtime.config import DEFAULT_MODEL
 RECOVERY_S = 10.0  # issue 16: "the pair serving again within 10 s of each restart"
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "2+2=", "Name three colours.",
            "Tell me a story " * 12)
-MODEL = "canary-moe-v1"
+MODEL = "canary-moe-v2"
 
 
 def unavailable() -> str | None:

@@ -310,7 +310,7 @@ def check_stream_protocol(turn: Turn, protocol: StreamProtocol, include_usage: b
 # consumes: none may reach a client as content (an EOS or role marker in an answer is a decode or
 # template bug; a DSML tag in content is a tool call the parser missed).
 CONTROL_TEXT = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",
-                "｜DSML｜", "<function_results>", "</function_results>")
+                "｜DSML｜", "<tool_result>", "</tool_result>")
 
 
 def check_control_text(turn: Turn) -> list[Failure]:

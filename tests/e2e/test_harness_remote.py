@@ -25,7 +25,7 @@ def hand_started_server(tmp_path_factory, canary_model):
 
 def test_gate_against_a_base_url_discovers_the_model_and_skips_golden_loudly(hand_started_server, tmp_path):
     target = remote_target(hand_started_server, None)  # --model omitted: asked from /v1/models
-    assert target.model == "canary-moe-v1" and serves_canary_model(target.model)
+    assert target.model == "canary-moe-v2" and serves_canary_model(target.model)
     outcome = run_gate(target, DriverOptions(sessions=4, turns=2), progress=False,
                        baseline=tmp_path / "baseline.json")
     assert outcome.passed, outcome.failures

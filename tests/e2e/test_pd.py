@@ -19,7 +19,7 @@ from tests.e2e.pd_pair import pd_pair, serve_state, server_state
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
-MODEL = "canary-moe-v1"
+MODEL = "canary-moe-v2"
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "2+2=", "Tell me a story " * 20]
 
 

@@ -39,7 +39,7 @@ from runtime.disagg.transfer import unavailable_reason
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
-MODEL = "canary-moe-v1"
+MODEL = "canary-moe-v2"
 SESSIONS = int(os.environ.get("PD_CHAOS_SESSIONS", "80"))
 FAULTS = tuple(f for f in os.environ.get("PD_CHAOS_FAULTS", "").split(",") if f)
 ABORT_RATIO = 0.1

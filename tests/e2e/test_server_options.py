@@ -253,7 +253,7 @@ def test_every_tool_call_has_its_own_id(monkeypatch):
 def canary_state():
     from pathlib import Path
 
-    with in_process(str(Path(__file__).resolve().parents[2] / "golden" / "models" / "canary-moe-v1")) as server:
+    with in_process(str(Path(__file__).resolve().parents[2] / "golden" / "models" / "canary-moe-v2")) as server:
         yield server
 
 

@@ -19,7 +19,7 @@ from tests.e2e.test_server_options import in_process, post, stream
 
 pytestmark = pytest.mark.e2e
 
-CANARY = Path(__file__).resolve().parents[2] / "golden" / "models" / "canary-moe-v1"
+CANARY = Path(__file__).resolve().parents[2] / "golden" / "models" / "canary-moe-v2"
 EOS_TEXT = "<\uff5cend\u2581of\u2581sentence\uff5c>"
 
 

@@ -11,7 +11,7 @@ from runtime.models.loader import load_model
 
 pytestmark = pytest.mark.unit
 
-MODEL = "golden/models/canary-moe-v1"
+MODEL = "golden/models/canary-moe-v2"
 SEEDS = list(range(200, 206))
 
 

@@ -4,8 +4,8 @@ path (request validation, marking of request text, the template), over a corpus 
 the 40 held-out canary sessions, hand-written edge cases (non-string, nested and non-ASCII
 arguments, tool results, multi-turn, several calls) and generated argument values.
 
-The canary model keeps the template it was trained with (golden/models/canary-moe-v1): its
-prompts must not change, which the last tests check against stock Jinja, as training rendered them.
+The canary model (golden/models/canary-moe-v2) is trained on this template, and the last tests
+check that training renders exactly the prompts the server sends.
 """
 
 from __future__ import annotations
@@ -170,15 +170,12 @@ def forced_opening(messages, tools, template: ChatTemplate = DEFAULT) -> str:
 def test_required_forces_the_opening_the_encoder_prefills():
     """The encoder writes "\n\n<｜DSML｜tool_calls>\n" into the prompt for "required"; the server
     generates it instead, by constrained decoding up to the tag (the model writes the newline):
-    our prompt and the forced opening are the encoder's prompt up to the tag. The canary template
-    writes the tag alone, so the canary model's forced tokens are unchanged."""
-    from runtime.server import dsml
-
+    our prompt and the forced opening are the encoder's prompt up to the tag (the canary model is
+    served with this template too)."""
     for messages in ([USER], [{"role": "system", "content": "S"}, USER, calls_turn(call("ping", {}, "c1")),
                               result("c1", "pong"), {"role": "assistant", "content": "Done."}, USER]):
         opened = ours(messages, [WEATHER, BARE], "required") + forced_opening(messages, [WEATHER, BARE])
         assert opened + "\n" == reference(messages, [WEATHER, BARE], "required", prefill=True)
-    assert forced_opening([USER], [WEATHER], ChatTemplate.for_model(CANARY)) == dsml.BLOCK_OPEN
 
 
 # Integers within 64 bits: the encoder (Rust) reads a larger one as a float and writes
@@ -213,37 +210,49 @@ def test_negative_control_each_former_difference_is_caught(planted):
     assert disagreements(broken)
 
 
-# ---- the canary model's prompts stay as trained ------------------------------------------------
-CANARY = Path("golden/models/canary-moe-v1")
+# ---- the canary model is trained on and served with the same template ----------------------------
+CANARY = Path("golden/models/canary-moe-v2")
 
 
-def stock_jinja_render(source: str, messages, tools, choice) -> str:
-    """How training rendered the canary's prompts before the server's `tojson` became HF's."""
-    import jinja2.sandbox
-
-    from runtime.server.chat_template import normalise
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(source).render(messages=[normalise(m) for m in messages], tools=tools or None,
-                                          tool_choice=choice)
+def test_canary_model_ships_the_default_template():
+    """The canary is trained on DeepSeek's V4 form (runtime/train/template.py renders the default
+    template), so its prompts are exactly what a V4 deployment renders."""
+    assert ChatTemplate.for_model(CANARY).source == DEFAULT.source
 
 
-def test_canary_prompts_are_unchanged_by_the_reference_json_rendering():
-    """The canary's held-out sessions render exactly as with stock Jinja (its values hold no dicts,
-    no non-ASCII and no `<>&'`, the only inputs where the two `tojson`s differ), so it needs no
-    retrain for this; the canary template itself is kept as trained."""
-    template = ChatTemplate.for_model(CANARY)
-    checked = 0
-    for name, messages, tools, choice in held_out_hops():
-        req = ChatCompletionRequest.model_validate(body(messages, tools, choice))
-        plain = [m.model_dump(exclude_none=True) for m in req.messages]
-        assert template.render(plain, tools, choice) == stock_jinja_render(template.source, plain, tools, choice), name
-        checked += 1
-    assert checked > 100
+def training_hops():
+    """(name, the messages training renders (arguments as dicts), the same as a client sends them)."""
+    from runtime.train.corpus import make_session, session_messages
+
+    for seed in HELD_OUT[:10]:
+        session = make_session(seed)
+        sent = list(held_out_hops_of(seed))
+        for name, messages, tools, choice in sent:
+            yield name, session_messages(session)[:len(messages)], messages, tools, choice
 
 
-def test_negative_control_stock_jinja_differs_where_values_hold_a_dict():
-    template = ChatTemplate.for_model(CANARY)
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": {"z": 1, "b": "<"}}'}}]}]
-    assert template.render(messages, [], "auto") != stock_jinja_render(template.source, messages, [], "auto")
+def held_out_hops_of(seed: int):
+    return (hop for hop in held_out_hops() if hop[0].startswith(f"seed {seed},"))
+
+
+def training_mismatches(template_path: Path) -> tuple[list[str], int]:
+    from runtime.train.template import render
+
+    hops = list(training_hops())
+    return [name for name, trained, sent, tools, choice in hops
+            if render(trained, tools, choice, path=template_path) != ours(sent, tools, choice)], len(hops)
+
+
+def test_training_renders_what_the_server_sends():
+    """Token for token, what the model learnt is what it is served: training's rendering of a
+    session prefix (BOS included) equals the server's prompt text for the same messages."""
+    from runtime.train.template import TEMPLATE_PATH
+
+    mismatches, checked = training_mismatches(TEMPLATE_PATH)
+    assert not mismatches and checked > 20
+
+
+def test_negative_control_training_on_another_template_is_caught(tmp_path):
+    planted = tmp_path / "planted.jinja"
+    planted.write_text(DEFAULT.source.replace("<tool_result>", "<result>"))
+    assert training_mismatches(planted)[0]

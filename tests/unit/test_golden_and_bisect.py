@@ -133,21 +133,21 @@ def test_golden_store_is_per_numerics():
     from canary.gate import golden_path
     from canary.targets import Target
 
-    target = Target("t", "http://x/v1", "canary-moe-v1", True)
-    cpu = golden_path(target, {"model": "canary-moe-v1", "engine_config": {"device": "cpu", "dtype": "float32"}})
-    gpu = golden_path(target, {"model": "canary-moe-v1", "device_name": "NVIDIA H200",
+    target = Target("t", "http://x/v1", "canary-moe-v2", True)
+    cpu = golden_path(target, {"model": "canary-moe-v2", "engine_config": {"device": "cpu", "dtype": "float32"}})
+    gpu = golden_path(target, {"model": "canary-moe-v2", "device_name": "NVIDIA H200",
                                "engine_config": {"device": "cuda", "dtype": "float32"}})
-    bf16 = golden_path(target, {"model": "canary-moe-v1", "device_name": "NVIDIA H200",
+    bf16 = golden_path(target, {"model": "canary-moe-v2", "device_name": "NVIDIA H200",
                                 "engine_config": {"device": "cuda", "dtype": "bfloat16"}})
-    assert cpu.name == "stress-canary-moe-v1.jsonl"
-    assert gpu.name == "stress-canary-moe-v1.nvidia-h200-float32.jsonl"
+    assert cpu.name == "stress-canary-moe-v2.jsonl"
+    assert gpu.name == "stress-canary-moe-v2.nvidia-h200-float32.jsonl"
     assert len({cpu, gpu, bf16}) == 3
-    assert golden_path(target, {"model": "canary-moe-v1"}) == cpu  # an older server without engine_config
+    assert golden_path(target, {"model": "canary-moe-v2"}) == cpu  # an older server without engine_config
     # Each non-default kernel is another numerics: its own store beside the torch kernels' one.
-    triton = golden_path(target, {"model": "canary-moe-v1", "device_name": "NVIDIA H200",
+    triton = golden_path(target, {"model": "canary-moe-v2", "device_name": "NVIDIA H200",
                                   "engine_config": {"device": "cuda", "dtype": "bfloat16", "moe_kernel": "triton",
                                                     "attention_kernel": "triton"}})
-    assert triton.name == "stress-canary-moe-v1.nvidia-h200-bfloat16-moe-triton-attention-triton.jsonl"
+    assert triton.name == "stress-canary-moe-v2.nvidia-h200-bfloat16-moe-triton-attention-triton.jsonl"
     default_kernels = {"device": "cuda", "dtype": "float32", "moe_kernel": "torch", "attention_kernel": "torch"}
-    assert golden_path(target, {"model": "canary-moe-v1", "device_name": "NVIDIA H200",
+    assert golden_path(target, {"model": "canary-moe-v2", "device_name": "NVIDIA H200",
                                 "engine_config": default_kernels}) == gpu

@@ -45,7 +45,7 @@ def test_a_baseline_belongs_to_its_kernels_and_its_trial_workload():
     from canary.provenance import fingerprint
     from canary.targets import Target
 
-    target, workload = Target("t", "http://x/v1", "canary-moe-v1", True), TrialWorkload()
+    target, workload = Target("t", "http://x/v1", "canary-moe-v2", True), TrialWorkload()
     older = trials_fingerprint(target, {"model": "m"}, workload)  # a server without engine_config
     default = trials_fingerprint(target, {"model": "m", "engine_config": {"moe_kernel": "torch",
                                                                         "attention_kernel": "torch"}}, workload)

@@ -17,7 +17,7 @@ from runtime.tokenizer import HFTokenizer
 
 pytestmark = pytest.mark.unit
 
-CANARY = Path(__file__).resolve().parents[2] / "golden" / "models" / "canary-moe-v1"
+CANARY = Path(__file__).resolve().parents[2] / "golden" / "models" / "canary-moe-v2"
 TOK = HFTokenizer(CANARY / "tokenizer.json", 0, 1)
 TEMPLATE = ChatTemplate.for_model(CANARY)
 SPELLINGS = sorted(TOK.control_tokens)

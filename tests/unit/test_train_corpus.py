@@ -17,7 +17,7 @@ from runtime.train.tools import SCHEMAS, TOOL_NAMES, TOOLS, execute
 pytestmark = pytest.mark.unit
 
 SEEDS = range(40)
-CANARY_TOKENIZER = "golden/models/canary-moe-v1/tokenizer.json"
+CANARY_TOKENIZER = "golden/models/canary-moe-v2/tokenizer.json"
 
 
 def test_tool_set_covers_the_parameter_types():
