@@ -96,7 +96,7 @@ GATE=($PY -m pytest -m stress --sessions 80 -p no:cacheprovider tests/stress/tes
 # Extra gate flags for every gate section. Four driver processes by default on the GPU host: one
 # asyncio loop running the openai client cannot keep up with the GPU server (docs/results.md); the
 # perf verdict measures its own trial workload (canary/perf/trial_load.py), stored H200 baseline
-# golden/baselines/79078e0361a2508c.json.
+# golden/baselines/798b72dbc1342408.json.
 GATE+=(${GATE_ARGS:---driver-processes 4})
 if want gate_record; then
     section gate_record "${GATE_TIMEOUT:-300}" "${GATE[@]}" --golden-update
