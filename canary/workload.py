@@ -46,9 +46,11 @@ DEFAULT_ABORT_RATIO = 0.05
 # Probe turns are drawn from this many, whatever `--turns` cuts a session to, so a shorter run's
 # requests are numbered as the full run's are and its transcripts line up with the golden store.
 MAX_TURNS = 5
-# The small-pool run: 24 sessions x 2 turns hold ~600 pages of 16 tokens at once; 96 pages (the
-# longest single request needs ~55) make the scheduler preempt (measured: docs/results.md).
-DEFAULT_SMALL_POOL_PAGES = 96
+# The small-pool run: 24 sessions x 2 turns of canary-moe-v2 (DeepSeek's V4 prompts: a first turn
+# needs ~65 pages of 16 tokens, a second up to ~115) hold ~1,800 pages at once. 144 pages admit two
+# first turns and leave too little for both to grow, so the scheduler preempts (9 preemptions on the
+# CPU; 96 pages, v1's figure, admit one request at a time and preempt nothing: docs/results.md).
+DEFAULT_SMALL_POOL_PAGES = 144
 
 
 @dataclass(frozen=True)
