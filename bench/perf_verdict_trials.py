@@ -13,6 +13,7 @@ drifts hits both, and --budget-s stops starting new runs in time for a device ca
 
     python -m bench.perf_verdict_trials --runs 20 --out perf_trials.jsonl            # 2-core CPU
     python -m bench.perf_verdict_trials --runs 20 --mode ab --budget-s 540 \\
+        --perf-workload '{"concurrency": [8], "ttft_rate": 16, "rounds": 10}' \\
         --server-arg=--dtype=float32 --out $OUT/perf_trials.jsonl                    # H200
 """
 
@@ -27,11 +28,22 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from canary.perf import machine_speed, ratio_stats
-from canary.perf.trial_load import TrialWorkload
+from canary.perf.trial_load import WORKLOAD_KEYS, TrialWorkload
 from canary.perf.trials import ab_trials, record_trials, stored_trials
 from canary.provenance import device_name, git_commit
 from canary.targets import Target, embedded_server
 from runtime.config import DEFAULT_MODEL
+
+
+def workload_arg(spec: str) -> TrialWorkload:
+    """`--perf-workload`: a JSON object of changes to the default trial workload, checked up front."""
+    try:
+        changes = json.loads(spec)
+        if not isinstance(changes, dict):
+            raise ValueError("not a JSON object")
+        return TrialWorkload.from_dict(changes)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"{spec!r}: {exc}") from exc
 
 
 def done_runs(out: Path) -> list[dict]:
@@ -67,11 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-pct", type=float, default=10.0, help="slow-step size, %% of step time (default 10)")
     parser.add_argument("--tolerance", type=float, default=0.1)
     parser.add_argument("--trials", type=int, default=6, help="trials (A/B: pairs) before the first look")
-    parser.add_argument("--concurrency", default="1,8", help="decode tok/s levels (default 1,8)")
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--ttft-rate", type=float, default=4.0, help="TTFT arrival rate, req/s (0: no TTFT)")
-    parser.add_argument("--ttft-requests", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=1, help="decode bursts per level; the figure is their median")
+    parser.add_argument("--perf-workload", type=workload_arg, default=TrialWorkload(), metavar="JSON",
+                        help="the trial workload, as the gate's --perf-workload takes it: changes to the default "
+                             f"{json.dumps(TrialWorkload().describe())} (keys: {', '.join(WORKLOAD_KEYS)})")
     parser.add_argument("--server-arg", action="append", default=[], help="extra runtime.serve argument")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
@@ -80,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     # `timeout` (scripts/gpu_suite.sh) sends SIGTERM: exit through the `with` so the servers stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    workload = TrialWorkload(concurrency=tuple(int(c) for c in args.concurrency.split(",")), max_tokens=args.max_tokens,
-                             ttft_rate=args.ttft_rate, ttft_requests=args.ttft_requests, rounds=args.rounds)
+    workload: TrialWorkload = args.perf_workload
     modes = ["ab", "stored"] if args.mode == "both" else [args.mode]
     rows = done_runs(args.out)
     todo = [(mode, kind, run) for run in range(args.runs) for mode in modes for kind in ("clean", "slowed")

@@ -137,10 +137,12 @@ want gate_stream_race && negative_control gate_stream_race "${GATE_TIMEOUT:-300}
 if want perf_trials; then
     PERF_TRIALS_OUT=${PERF_TRIALS_OUT:-/tmp/perf_trials/perf_trials.jsonl}
     mkdir -p "$(dirname "$PERF_TRIALS_OUT")"
+    # The trial workload as JSON (the gate's --perf-workload form), e.g. '{"concurrency": [8], "ttft_rate": 16, "rounds": 10}'.
+    default_workload='{"ttft_rate": 16, "rounds": '"${PERF_TRIALS_ROUNDS:-1}"'}'
     section perf_trials "${PERF_TRIALS_TIMEOUT:-580}" $PY -m bench.perf_verdict_trials \
         --runs "${PERF_TRIALS_RUNS:-20}" --mode "${PERF_TRIALS_MODE:-ab}" --budget-s "${PERF_TRIALS_BUDGET:-420}" \
-        --ttft-rate 16 --rounds "${PERF_TRIALS_ROUNDS:-1}" --server-arg=--dtype=float32 --out "$PERF_TRIALS_OUT" \
-        ${PERF_TRIALS_ARGS:-}
+        --perf-workload "${PERF_TRIALS_WORKLOAD:-$default_workload}" \
+        --server-arg=--dtype=float32 --out "$PERF_TRIALS_OUT" ${PERF_TRIALS_ARGS:-}
     cp "$PERF_TRIALS_OUT" "$OUT/" 2>/dev/null
 fi
 # The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.

@@ -54,3 +54,18 @@ def test_a_baseline_belongs_to_its_kernels_and_its_trial_workload():
     assert triton["triton_kernels"] == ["attention"]
     other = trials_fingerprint(target, {"model": "m"}, TrialWorkload(concurrency=(4,)))
     assert fingerprint(other) != fingerprint(older)
+
+
+def test_the_error_rate_bench_takes_the_gates_workload_json():
+    """bench.perf_verdict_trials reads the trial workload as the gate's --perf-workload does: the
+    same keys, checked before any server starts."""
+    import argparse
+
+    from bench.perf_verdict_trials import workload_arg
+    from canary.perf.trial_load import TrialWorkload
+
+    assert workload_arg('{"concurrency": [8], "ttft_rate": 16, "rounds": 10}') == TrialWorkload(
+        concurrency=(8,), ttft_rate=16, rounds=10)
+    for bad in ('{"rounds": 0}', '{"concurency": [8]}', "[8]", "{"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            workload_arg(bad)
