@@ -105,7 +105,8 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
 # wgmma m64 tiles), and the gathered mode's fold (registers or memory). Each is checked, not assumed.
 # Left out: what the H200 could not hold at the deployment's 2 stages (docs/results.md, "Seventh
 # session": 256-290 KB of 227 KB shared memory): BLOCK_H 64 through memory, at 4 or 8 warps, and
-# BLOCK_H 64 with 2 column blocks loaded a third time ("bh64/w8/v2+stages1" is its 1-stage form).
+# BLOCK_H 64 with 2 column blocks loaded a third time ("bh64/w8/v2+stages1" is its 1-stage form),
+# and with 4 column blocks (251 KB, "Eighth session").
 FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout still answers it
     "bh64/w8": dict(block_h=64, num_warps=8),
     # The prefill launch (attention.HALVES_PREFILL): 2 column blocks whose PV product reads its own
@@ -125,7 +126,6 @@ FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout s
     # so a 64-head tile's two accumulators fit in registers (free only if the row sums are).
     "v2": dict(v_split=2), "bh32/w8/v2": dict(block_h=32, num_warps=8, v_split=2),
     "bh64/w8/v2+stages1": dict(block_h=64, num_warps=8, v_split=2, num_stages=1),
-    "bh64/w8/v4": dict(block_h=64, num_warps=8, v_split=4), "bh64/w4/v4": dict(block_h=64, num_warps=4, v_split=4),
     # One program per chunk (the spread mode) at every batch: one accumulator, no fold in registers,
     # the chunks' states through memory; with 64-head tiles a chunk's rows are gathered once.
     "spread": dict(spread=True, merge="kernel"),
