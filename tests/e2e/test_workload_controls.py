@@ -23,7 +23,7 @@ from canary.gate import run_gate
 from canary.options import CanaryOptions
 from canary.small_pool import small_pool_gate
 from canary.targets import embedded_server
-from canary.workload import DEFAULT_ABORT_RATIO
+from canary.workload import DEFAULT_ABORT_RATIO, DEFAULT_SMALL_POOL_PAGES
 from runtime.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.e2e
@@ -81,7 +81,9 @@ def small_pool(pages: int) -> CanaryOptions:
 
 
 def test_small_pool_preempts_and_a_big_one_fails_the_preemption_check(tmp_path):
-    outcome = small_pool_gate(small_pool(64), DEFAULT_MODEL, [], tmp_path)
+    # The gate's own small pool: it must preempt on this workload too (a pool below one prompt's
+    # pages would instead reject requests with a 400).
+    outcome = small_pool_gate(small_pool(DEFAULT_SMALL_POOL_PAGES), DEFAULT_MODEL, [], tmp_path)
     assert outcome.passed, outcome.failures
     assert outcome.summary["preemptions"] > 0 and outcome.summary["golden"]["checked"] > 0
     idle = small_pool_gate(small_pool(4096), DEFAULT_MODEL, [], tmp_path)
