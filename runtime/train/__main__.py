@@ -16,9 +16,10 @@ from pathlib import Path
 
 from runtime.config import ModelConfig
 from runtime.models.loader import load_model, save_model
+from runtime.server.chat_template import DEFAULT_TEMPLATE, TEMPLATE_NAME
 from runtime.train.encode import load_tokenizer, special_ids
 from runtime.train.loop import TrainConfig, train
-from runtime.train.template import BOS, PAD, TEMPLATE_PATH
+from runtime.train.template import BOS, PAD
 from runtime.train.tokenizer_train import train_tokenizer
 
 # The shipped architecture: small enough for the 2-core CPU stress gate, window + topk = 64 so
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         earlier = args.init / "train_summary.json"
         summary["init"] = {"from": str(args.init), **(json.loads(earlier.read_text()) if earlier.is_file() else {})}
     save_model(out, model_cfg, weights)
-    shutil.copyfile(TEMPLATE_PATH, out / "chat_template.jinja")
+    shutil.copyfile(DEFAULT_TEMPLATE, out / TEMPLATE_NAME)
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"out": str(out), **{k: summary[k] for k in ("steps", "tokens", "elapsed_s")}}))
 

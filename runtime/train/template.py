@@ -1,8 +1,9 @@
 """The canary chat template and its special strings.
 
-The canary model is trained on the server's default template (runtime/chat_templates/dsv4_default.jinja,
-DeepSeek's V4 encoder byte for byte) and ships a copy in its model directory, so what the model
-learnt is exactly what it is served, and exactly what a DeepSeek-V4 deployment renders.
+The canary model is trained on the server's default template (`DEFAULT_TEMPLATE`,
+runtime/chat_templates/dsv4_default.jinja, DeepSeek's V4 encoder byte for byte) and ships a copy in
+its model directory, so what the model learnt is exactly what it is served, and exactly what a
+DeepSeek-V4 deployment renders.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-TEMPLATE_PATH = Path(__file__).resolve().parent.parent / "chat_templates" / "dsv4_default.jinja"
+# The server's own constant and Jinja environment (`tojson` included): training renders exactly what
+# is served. chat_template imports only the standard library at module level (jinja2 lazily).
+from runtime.server.chat_template import DEFAULT_TEMPLATE, environment
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -29,14 +32,11 @@ MARKERS = ["<｜User｜>", ASSISTANT, THINK_END, "<｜DSML｜tool_calls>", "</�
 
 @lru_cache(maxsize=4)
 def _compiled(path: str, trim: bool):
-    # The server's environment (its `tojson` included): training renders exactly what is served.
-    from runtime.server.chat_template import environment
-
     return environment(trim_blocks=trim).from_string(Path(path).read_text())
 
 
 def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tool_choice: str = "auto",
-           path: Path = TEMPLATE_PATH, trim_blocks: bool = True) -> str:
+           path: Path = DEFAULT_TEMPLATE, trim_blocks: bool = True) -> str:
     """The conversation as the server's prompt text: a template that does not write BOS (DeepSeek's
     does not) gets it in front, as the server adds it as an id (app._prepare)."""
     text = _compiled(str(path), trim_blocks).render(messages=messages, tools=tools, tool_choice=tool_choice)

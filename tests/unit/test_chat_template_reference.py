@@ -235,21 +235,35 @@ def held_out_hops_of(seed: int):
     return (hop for hop in held_out_hops() if hop[0].startswith(f"seed {seed},"))
 
 
-def training_mismatches(template_path: Path) -> tuple[list[str], int]:
+def training_mismatches(template_path: Path | None = None) -> tuple[list[str], int]:
+    """Sessions whose training rendering differs from the server's prompt; template_path None:
+    training's own default template."""
     from runtime.train.template import render
 
+    paths = {} if template_path is None else {"path": template_path}
     hops = list(training_hops())
     return [name for name, trained, sent, tools, choice in hops
-            if render(trained, tools, choice, path=template_path) != ours(sent, tools, choice)], len(hops)
+            if render(trained, tools, choice, **paths) != ours(sent, tools, choice)], len(hops)
 
 
 def test_training_renders_what_the_server_sends():
     """Token for token, what the model learnt is what it is served: training's rendering of a
-    session prefix (BOS included) equals the server's prompt text for the same messages."""
-    from runtime.train.template import TEMPLATE_PATH
-
-    mismatches, checked = training_mismatches(TEMPLATE_PATH)
+    session prefix (BOS included) equals the server's prompt text for the same messages, with the
+    template training uses by default (the server's DEFAULT_TEMPLATE, one constant)."""
+    mismatches, checked = training_mismatches()
     assert not mismatches and checked > 20
+
+
+def test_training_template_is_the_servers_constant():
+    """One source of truth: training's default template is the server's DEFAULT_TEMPLATE object,
+    not a second path that happens to point at the same file today."""
+    import inspect
+
+    from runtime.server.chat_template import DEFAULT_TEMPLATE
+    from runtime.train import template
+
+    assert inspect.signature(template.render).parameters["path"].default is DEFAULT_TEMPLATE
+    assert not hasattr(template, "TEMPLATE_PATH")
 
 
 def test_negative_control_training_on_another_template_is_caught(tmp_path):

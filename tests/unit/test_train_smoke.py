@@ -13,6 +13,7 @@ from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.models.loader import load_model
+from runtime.server.chat_template import DEFAULT_TEMPLATE, TEMPLATE_NAME
 from runtime.train.__main__ import main
 
 pytestmark = pytest.mark.unit
@@ -22,6 +23,7 @@ def test_smoke_training_writes_a_servable_model(tmp_path):
     main(["--out", str(tmp_path), "--preset", "smoke", "--steps", "2"])
     for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "train_log.jsonl"):
         assert (tmp_path / name).is_file(), name
+    assert (tmp_path / TEMPLATE_NAME).read_bytes() == DEFAULT_TEMPLATE.read_bytes()
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert log and all(row["ce"] > 0 for row in log)
     loaded = load_model(str(tmp_path))
