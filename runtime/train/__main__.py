@@ -31,6 +31,8 @@ CANARY = ModelConfig(hidden_size=192, num_layers=3, num_heads=4, kv_latent_dim=6
 SMOKE = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, kv_latent_dim=16, rope_dim=8, index_heads=2,
                     index_dim=8, index_topk=8, sliding_window=8, n_routed_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=16)
+# What --init needs from a model directory: its config and weights, and the tokenizer its ids come from.
+INIT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 PRESETS = {
     "canary": (CANARY, dict(vocab=1280, tokenizer_sessions=3000, batch_size=64, steps=100_000, log_every=25)),
     "smoke": (SMOKE, dict(vocab=400, tokenizer_sessions=40, batch_size=4, steps=3, log_every=1)),
@@ -54,6 +56,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     arch, opts = PRESETS[args.preset]
+    # Checked before anything is written: a preset name or a half-written directory would otherwise
+    # load (or fail) somewhere deeper, after the output directory was started.
+    missing = [name for name in INIT_FILES if args.init and not (args.init / name).is_file()]
+    if missing:
+        raise SystemExit(f"--init {args.init}: not a model directory (no {', '.join(missing)}); "
+                         "give a directory that `python -m runtime.train --out` wrote")
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     tok_path = out / "tokenizer.json"

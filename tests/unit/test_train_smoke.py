@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
@@ -15,6 +16,7 @@ from runtime.faults import FaultSet
 from runtime.models.loader import load_model
 from runtime.server.chat_template import DEFAULT_TEMPLATE, TEMPLATE_NAME
 from runtime.train.__main__ import main
+from runtime.train.loop import TrainConfig
 
 pytestmark = pytest.mark.unit
 
@@ -31,3 +33,58 @@ def test_smoke_training_writes_a_servable_model(tmp_path):
     req = engine.generate([loaded.tokenizer.encode("<｜User｜>hi<｜Assistant｜></think>")],
                           SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(req.output_ids) == 4
+
+
+def _weights(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def _differing(a: dict, b: dict, bias_atol: float) -> list[str]:
+    """Names whose tensors differ; the noaux_tc routing bias is not a gradient parameter (a learning
+    rate of 0 leaves it moving by bias_update per step), so it is compared within bias_atol."""
+    assert a.keys() == b.keys()
+    atol = {True: bias_atol, False: 0.0}
+    return [n for n in a if not torch.allclose(a[n], b[n], rtol=0, atol=atol[n.endswith("e_score_correction_bias")])]
+
+
+def test_init_continues_from_a_model_dir(tmp_path):
+    """`--init DIR` starts from DIR's weights and tokenizer: at a learning rate of 0 the saved weights
+    are DIR's, and DIR's tokenizer file is copied, not retrained. Negative control: the same run
+    without --init saves other weights and a tokenizer of its own."""
+    base, cont, fresh = tmp_path / "base", tmp_path / "cont", tmp_path / "fresh"
+    tiny = ["--preset", "smoke", "--batch-size", "1"]  # one short session a step: seconds, not tens
+    main(["--out", str(base), *tiny, "--steps", "1"])
+    # The same tokenizer written with other whitespace: still base's ids, but bytes no retraining gives.
+    tok = base / "tokenizer.json"
+    tok.write_text(json.dumps(json.loads(tok.read_text()), indent=1, ensure_ascii=False))
+    steps = 2
+    continued = [*tiny, "--steps", str(steps), "--lr", "0", "--seed", "1"]
+    main(["--out", str(cont), "--init", str(base), *continued])
+    bias_atol = steps * TrainConfig.bias_update + 1e-9
+    assert not _differing(_weights(base), _weights(cont), bias_atol)
+    assert (cont / "tokenizer.json").read_bytes() == tok.read_bytes()
+    summary = json.loads((cont / "train_summary.json").read_text())
+    assert summary["steps"] == steps and summary["init"]["from"] == str(base)
+
+    main(["--out", str(fresh), *continued])
+    assert _differing(_weights(base), _weights(fresh), bias_atol)
+    assert (fresh / "tokenizer.json").read_bytes() != tok.read_bytes()
+
+
+@pytest.mark.parametrize("init", ["empty", "no-tokenizer", "tiny-random"])
+def test_init_that_is_not_a_model_dir_is_refused(tmp_path, init):
+    """A clear error, before the output directory is started: an empty directory, one without the
+    tokenizer the weights' ids come from, and a preset name (a loadable model, but not a directory)."""
+    if init != "tiny-random":
+        init_dir = tmp_path / init
+        init_dir.mkdir()
+        (init_dir / "config.json").write_text("{}")
+        if init == "no-tokenizer":
+            (init_dir / "model.safetensors").write_bytes(b"")
+        init = str(init_dir)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"not a model directory \(no .*tokenizer\.json"):
+        main(["--out", str(out), "--preset", "smoke", "--steps", "1", "--init", init])
+    assert not out.exists()
