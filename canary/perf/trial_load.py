@@ -32,7 +32,7 @@ import json
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from canary.targets import Target
 
@@ -96,22 +96,21 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class TrialFigures(dict[str, float]):
-    """One trial's figures, metric name -> value, and how its requests' completion tokens were
-    counted: `tokens_counted` = {"usage": requests counted from the usage chunk, "deltas": requests
-    counted from the streamed deltas} (only the ways that occurred)."""
+@dataclass(frozen=True)
+class TrialFigures:
+    """One trial's figures, metric name -> value (`TrialWorkload.metrics()` names them), and how its
+    requests' completion tokens were counted: `tokens_counted` = {"usage": requests counted from the
+    usage chunk, "deltas": requests counted from the streamed deltas} (only the ways that occurred;
+    empty where a measure does not say, e.g. a synthetic one in tests)."""
 
-    tokens_counted: dict[str, int]
+    figures: dict[str, float]
+    tokens_counted: dict[str, int] = field(default_factory=dict)
 
-    def __init__(self, figures: dict[str, float], tokens_counted: dict[str, int]) -> None:
-        super().__init__(figures)
-        self.tokens_counted = tokens_counted
-
-
-def trial_record(figures: dict[str, float]) -> dict:
-    """A trial's entry for the stored or A/B record: its figures, and how it counted tokens where it says."""
-    counted = getattr(figures, "tokens_counted", None)
-    return {"figures": dict(figures), **({"tokens_counted": dict(counted)} if counted else {})}
+    def record(self) -> dict:
+        """The trial's entry for the stored or A/B record (plain JSON): its figures, and how it
+        counted tokens where it says."""
+        counted = {"tokens_counted": dict(self.tokens_counted)} if self.tokens_counted else {}
+        return {"figures": dict(self.figures), **counted}
 
 
 def higher_is_better(metric: str) -> bool:
@@ -229,7 +228,7 @@ async def _trials(targets: list[Target], workload: TrialWorkload, trial: int, tr
 
 
 def measure_trial(target: Target, workload: TrialWorkload, trial: int = 0) -> TrialFigures:
-    """One trial's figures, metric name -> value (workload.metrics() names them), with how it counted tokens."""
+    """One trial's figures, with how it counted tokens."""
     return asyncio.run(_trials([target], workload, trial))[0]
 
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 from canary.perf import ratio_stats
 from canary.perf.ratio_stats import INCONCLUSIVE, OK, SLOWER, RatioVerdict
-from canary.perf.trial_load import TrialWorkload, higher_is_better, measure_pair, measure_trial, trial_record
+from canary.perf.trial_load import TrialFigures, TrialWorkload, higher_is_better, measure_pair, measure_trial
 from canary.targets import Target
 
-Measure = Callable[[Target, TrialWorkload, int], dict[str, float]]
+Measure = Callable[[Target, TrialWorkload, int], TrialFigures]
 # Both sides of an A/B pair: (first, second, workload, trial) -> (first's figures, second's figures)
-MeasurePair = Callable[[Target, Target, TrialWorkload, int], tuple[dict[str, float], dict[str, float]]]
+MeasurePair = Callable[[Target, Target, TrialWorkload, int], tuple[TrialFigures, TrialFigures]]
 Probe = Callable[[], float]
 CHECK_EVERY = 3  # after the minimum, trials are added in steps of this many until the verdict decides
 
@@ -94,12 +94,12 @@ def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tole
             order = ("baseline", "candidate") if pair % 2 == 0 else ("candidate", "baseline")
             figures = dict(zip(order, run_pair(sides[order[0]], sides[order[1]], workload, 2 * pair)))
             for name in order:
-                trials.append({"pair": pair, "side": name, **trial_record(figures[name])})
+                trials.append({"pair": pair, "side": name, **figures[name].record()})
                 if on_trial:
                     on_trial(trials[-1])
             for metric in ratios:
-                ratios[metric].append(log_cost(metric, figures["candidate"][metric])
-                                      - log_cost(metric, figures["baseline"][metric]))
+                ratios[metric].append(log_cost(metric, figures["candidate"].figures[metric])
+                                      - log_cost(metric, figures["baseline"].figures[metric]))
             pair += 1
         verdicts = [ratio_stats.decide(m, ratio_stats.mean_interval(r), tolerance) for m, r in ratios.items()]
         if _decided(verdicts):
@@ -114,7 +114,7 @@ def _probed_trial(target: Target, workload: TrialWorkload, index: int, measure: 
     before = probe() if probe else None
     figures = measure(target, workload, index)
     speed = math.sqrt(before * probe()) if probe and before else None
-    return {"trial": index, **trial_record(figures), "machine_speed": speed}
+    return {"trial": index, **figures.record(), "machine_speed": speed}
 
 
 def normalized_costs(trials: list[dict], metric: str, by_speed: bool) -> list[float]:

@@ -13,7 +13,7 @@ import pytest
 
 from canary.perf import ratio_stats
 from canary.perf.ratio_stats import INCONCLUSIVE, OK, SLOWER, decide, difference_interval, mean_interval
-from canary.perf.trial_load import TrialWorkload
+from canary.perf.trial_load import TrialFigures, TrialWorkload
 from canary.perf.trials import ab_trials, record_trials, stored_trials
 from canary.perf.verdict import find_cliffs, sweep_levels
 from canary.targets import Target
@@ -106,11 +106,11 @@ def synthetic(costs: dict[str, float], sd: float, seed: int, speed=lambda: 1.0):
     rng = random.Random(seed)
     calls: list[str] = []
 
-    def measure(target: Target, workload: TrialWorkload, trial: int) -> dict[str, float]:
+    def measure(target: Target, workload: TrialWorkload, trial: int) -> TrialFigures:
         calls.append(target.name)
         slow = costs[target.name] / speed()
-        return {"decode_tok_s@8": 100.0 / slow * math.exp(rng.gauss(0, sd)),
-                "ttft_s@4rps": 0.5 * slow * math.exp(rng.gauss(0, sd))}
+        return TrialFigures({"decode_tok_s@8": 100.0 / slow * math.exp(rng.gauss(0, sd)),
+                             "ttft_s@4rps": 0.5 * slow * math.exp(rng.gauss(0, sd))})
 
     measure.calls = calls  # type: ignore[attr-defined]
     return measure
@@ -259,4 +259,4 @@ def test_a_decode_figure_is_the_median_burst(monkeypatch):
 
     monkeypatch.setattr(trial_load, "_decode_rate", fake_rate)
     figures = trial_load.measure_trial(A, TrialWorkload(concurrency=(8,), ttft_rate=0.0, rounds=3))
-    assert figures == {"decode_tok_s@8": 110.0}
+    assert figures.figures == {"decode_tok_s@8": 110.0}

@@ -136,10 +136,10 @@ def test_a_trial_without_usage_or_logprobs_measures_and_says_how_it_counted():
     workload = TrialWorkload(concurrency=(1, 2), max_tokens=4, ttft_rate=50.0, ttft_requests=3, rounds=2,
                              logprobs=False)
     figures = asyncio.run(trial_load._trials([TARGET], workload, 0, transport=server.transport()))[0]
-    assert set(figures) == set(workload.metrics()) and all(v > 0 for v in figures.values())
+    assert set(figures.figures) == set(workload.metrics()) and all(v > 0 for v in figures.figures.values())
     assert figures.tokens_counted == {"deltas": 2 * (1 + 2) + 3}
     assert not any("logprobs" in b for b in server.bodies)
-    assert trial_load.trial_record(figures) == {"figures": dict(figures), "tokens_counted": {"deltas": 9}}
+    assert figures.record() == {"figures": figures.figures, "tokens_counted": {"deltas": 9}}
 
 
 def test_the_trials_records_say_how_tokens_were_counted():
@@ -175,7 +175,7 @@ def test_a_pairs_bursts_take_turns_so_a_drift_falls_on_both_sides(monkeypatch):
     a, b = Target("a", "http://a/v1", "m", False), Target("b", "http://b/v1", "m", False)
     first, second = trial_load.measure_pair(a, b, workload)
     assert visits == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
-    assert second["decode_tok_s@8"] / first["decode_tok_s@8"] == pytest.approx(0.98)
+    assert second.figures["decode_tok_s@8"] / first.figures["decode_tok_s@8"] == pytest.approx(0.98)
     clock = itertools.count()
     first, second = sequential_pair(trial_load.measure_trial)(a, b, workload, 0)
-    assert second["decode_tok_s@8"] / first["decode_tok_s@8"] == pytest.approx(0.98 ** 5)
+    assert second.figures["decode_tok_s@8"] / first.figures["decode_tok_s@8"] == pytest.approx(0.98 ** 5)
