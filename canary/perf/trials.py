@@ -74,15 +74,14 @@ def sequential_pair(measure: Measure) -> MeasurePair:
 
 
 def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tolerance: float,
-              min_pairs: int = 6, max_pairs: int = 12, measure: Measure | None = None,
-              on_trial: Callable[[dict], None] | None = None,
-              pair_measure: MeasurePair = measure_pair) -> TrialsOutcome:
+              min_pairs: int = 6, max_pairs: int = 12, run_pair: MeasurePair = measure_pair,
+              on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
     """Interleaved A/B pairs; more pairs (up to `max_pairs`) only while the verdict is inconclusive.
-    A pair's bursts alternate between the servers (`measure_pair`); `measure` (one server at a
-    time, e.g. a synthetic one in tests) runs the two trials one after the other instead."""
+    `run_pair` measures one pair: by default its bursts alternate between the servers
+    (`measure_pair`); `sequential_pair(measure)` runs a one-server measure (e.g. a synthetic one in
+    tests) on each side in turn, whole trial after whole trial."""
     if not 2 <= min_pairs <= max_pairs:
         raise ValueError(f"need 2 <= min_pairs <= max_pairs, got {min_pairs}, {max_pairs}")
-    run_pair = sequential_pair(measure) if measure is not None else pair_measure
     sides = {"baseline": baseline, "candidate": candidate}
     run_pair(baseline, candidate, workload, -2)  # warm-up, not counted: first requests pay lazy initialisation
     trials: list[dict] = []

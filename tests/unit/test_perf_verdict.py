@@ -14,7 +14,7 @@ import pytest
 from canary.perf import ratio_stats
 from canary.perf.ratio_stats import INCONCLUSIVE, OK, SLOWER, decide, difference_interval, mean_interval
 from canary.perf.trial_load import TrialFigures, TrialWorkload
-from canary.perf.trials import ab_trials, record_trials, stored_trials
+from canary.perf.trials import ab_trials, record_trials, sequential_pair, stored_trials
 from canary.perf.verdict import find_cliffs, sweep_levels
 from canary.targets import Target
 
@@ -118,7 +118,7 @@ def synthetic(costs: dict[str, float], sd: float, seed: int, speed=lambda: 1.0):
 
 def test_ab_trials_interleave_and_catch_a_known_slowdown():
     measure = synthetic({"a": 1.0, "b": 1.1}, 0.02, seed=5)
-    outcome = ab_trials(B, A, WORKLOAD, TOL, min_pairs=4, max_pairs=8, measure=measure)
+    outcome = ab_trials(B, A, WORKLOAD, TOL, min_pairs=4, max_pairs=8, run_pair=sequential_pair(measure))
     assert outcome.status == SLOWER
     assert all(v.low < 1.1 < v.high for v in outcome.verdicts)
     # Warm-up a, b; then pairs alternate a b / b a so a drift of the machine hits both sides alike.
@@ -127,9 +127,11 @@ def test_ab_trials_interleave_and_catch_a_known_slowdown():
 
 
 def test_ab_trials_pass_a_clean_pair_and_add_pairs_only_while_inconclusive():
-    clean = ab_trials(B, A, WORKLOAD, TOL, min_pairs=4, max_pairs=8, measure=synthetic({"a": 1, "b": 1}, 0.01, 6))
+    clean = ab_trials(B, A, WORKLOAD, TOL, min_pairs=4, max_pairs=8,
+                      run_pair=sequential_pair(synthetic({"a": 1, "b": 1}, 0.01, 6)))
     assert clean.status == OK and clean.failures() == [] and {v.trials for v in clean.verdicts} == {4}
-    noisy = ab_trials(B, A, WORKLOAD, TOL, min_pairs=4, max_pairs=10, measure=synthetic({"a": 1, "b": 1}, 0.3, 7))
+    noisy = ab_trials(B, A, WORKLOAD, TOL, min_pairs=4, max_pairs=10,
+                      run_pair=sequential_pair(synthetic({"a": 1, "b": 1}, 0.3, 7)))
     assert noisy.status == INCONCLUSIVE and {v.trials for v in noisy.verdicts} == {10}
     assert all(line.startswith("[perf-inconclusive]") for line in noisy.failures())
 
@@ -139,10 +141,12 @@ def test_error_rates_at_realistic_noise_meet_the_issue_targets():
     clean runs alarm and at least 99% of runs 10% slower are called slower (the issue's bar: 0 of 20
     and 19 of 20). Seeded, so the counts are fixed; they show the rule's error rates, not a server's."""
     runs, sd = 300, 0.03 / math.sqrt(2)
-    clean = [ab_trials(B, A, WORKLOAD, TOL, 6, 12, measure=synthetic({"a": 1, "b": 1}, sd, seed)).status
-             for seed in range(runs)]
-    slowed = [ab_trials(B, A, WORKLOAD, TOL, 6, 12, measure=synthetic({"a": 1, "b": 1.1}, sd, seed)).status
-              for seed in range(runs)]
+
+    def status(costs: dict[str, float], seed: int) -> str:
+        return ab_trials(B, A, WORKLOAD, TOL, 6, 12, run_pair=sequential_pair(synthetic(costs, sd, seed))).status
+
+    clean = [status({"a": 1, "b": 1}, seed) for seed in range(runs)]
+    slowed = [status({"a": 1, "b": 1.1}, seed) for seed in range(runs)]
     assert runs - clean.count(OK) <= runs * 0.01 and slowed.count(SLOWER) >= runs * 0.99
 
 

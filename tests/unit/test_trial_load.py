@@ -14,7 +14,7 @@ import pytest
 
 from canary.perf import trial_load
 from canary.perf.trial_load import TrialWorkload
-from canary.perf.trials import ab_trials, record_trials, workload_from
+from canary.perf.trials import ab_trials, record_trials, sequential_pair, workload_from
 from canary.targets import Target
 
 pytestmark = pytest.mark.unit
@@ -149,7 +149,7 @@ def test_the_trials_records_say_how_tokens_were_counted():
 
     workload = TrialWorkload(concurrency=(8,), ttft_rate=4.0, ttft_requests=4)
     a, b = Target("a", "http://a/v1", "m", False), Target("b", "http://b/v1", "m", False)
-    outcome = ab_trials(b, a, workload, 0.1, min_pairs=2, max_pairs=2, measure=measure)
+    outcome = ab_trials(b, a, workload, 0.1, min_pairs=2, max_pairs=2, run_pair=sequential_pair(measure))
     assert {(t["side"], json.dumps(t["tokens_counted"])) for t in outcome.trials} == {
         ("baseline", '{"usage": 3}'), ("candidate", '{"deltas": 3}')}
     recorded = record_trials(a, workload, trials=2, measure=measure)
@@ -160,9 +160,8 @@ def test_the_trials_records_say_how_tokens_were_counted():
 def test_a_pairs_bursts_take_turns_so_a_drift_falls_on_both_sides(monkeypatch):
     """Two equal servers on a machine that slows 2% per burst: with the bursts in turns the pair
     reads them within the drift of one burst; negative control: whole trials one after the other
-    (`sequential_pair`) read the second server ~10% slower."""
-    from canary.perf.trials import sequential_pair
-
+    (`sequential_pair`) read the second server ~10% slower. ab_trials' default run_pair is the one
+    in turns."""
     visits: list[str] = []
     clock = itertools.count()
 
@@ -179,3 +178,7 @@ def test_a_pairs_bursts_take_turns_so_a_drift_falls_on_both_sides(monkeypatch):
     clock = itertools.count()
     first, second = sequential_pair(trial_load.measure_trial)(a, b, workload, 0)
     assert second.figures["decode_tok_s@8"] / first.figures["decode_tok_s@8"] == pytest.approx(0.98 ** 5)
+    visits.clear()
+    ab_trials(b, a, TrialWorkload(concurrency=(8,), ttft_rate=0.0, rounds=2), 0.1, min_pairs=2, max_pairs=2)
+    # The warm-up pair (baseline a first), then pairs a b and b a: each pair's bursts in turns.
+    assert visits == ["a", "b", "b", "a"] * 2 + ["b", "a", "a", "b"]
