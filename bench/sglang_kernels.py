@@ -41,7 +41,6 @@ sglang_over_ours, ours_full_us, sglang_config and the diffs, and meta.sglang the
 
 from __future__ import annotations
 
-import contextlib
 import importlib.abc
 import importlib.util
 import os
@@ -321,20 +320,6 @@ def align_like_sglang(topk_ids: torch.Tensor, block_size: int, num_experts: int)
     return sorted_ids, expert_ids, num_post
 
 
-@contextlib.contextmanager
-def precomputed_alignment(table: dict):
-    """Our fused_moe with its alignment launch taken out of the graph: align_tokens answers from
-    table ((id(topk_ids), BLOCK_M) -> its result, computed beforehand), so the captured launches are exactly
-    fused_moe's minus the alignment; fused_moe's own code path is otherwise unchanged."""
-    from runtime.kernels.triton import moe
-    plain = moe.align_tokens
-    moe.align_tokens = lambda topk_ids, num_experts, block_m=moe.BLOCK_M: table[id(topk_ids), block_m]
-    try:
-        yield
-    finally:
-        moe.align_tokens = plain
-
-
 def _max_diff(a, b) -> float:
     return (a.float() - b.float()).abs().max().item()
 
@@ -379,11 +364,14 @@ class VsSGLang:
         from runtime.kernels.triton import moe
         num_experts, top_k = packed.w2.shape[0], inputs[0][1].shape[1]
         block_m = config.get("BLOCK_M", moe.BLOCK_M)  # the tuned buckets' tile height (32/64 for prefill sizes)
-        table = {(id(i), block_m): moe.align_tokens(i, num_experts, block_m) for _, i, _ in inputs
-                 if i.shape[0] * i.shape[1] > moe.PER_ROW_MAX_ROWS}
-        ours = lambda x, i, w: moe.fused_moe(x, packed, w, i, config=config, split_k=split)  # noqa: E731
-        with precomputed_alignment(table):
-            ours_us = self.graph_us([lambda x=x, i=i, w=w: ours(x, i, w) for x, i, w in inputs])
+        # Our alignment, computed before capture (fused_moe's `alignment`): the captured launches are
+        # exactly fused_moe's minus the alignment. The per-row path (few routed rows) has none.
+        alignments = [moe.align_tokens(i, num_experts, block_m) if i.numel() > moe.PER_ROW_MAX_ROWS else None
+                      for _, i, _ in inputs]
+        ours = lambda x, i, w, a=None: moe.fused_moe(x, packed, w, i, config=config, split_k=split,  # noqa: E731
+                                                     alignment=a)
+        ours_us = self.graph_us([lambda x=x, i=i, w=w, a=a: ours(x, i, w, a)
+                                 for (x, i, w), a in zip(inputs, alignments)])
         configs = self.sgl.moe_configs(packed.w13, packed.w2, top_k, inputs[0][0].shape[0], packed.fp8)
         metas = [align_like_sglang(i, configs[0]["BLOCK_SIZE_M"], num_experts) for _, i, _ in inputs]
         sgl = lambda x, i, w, m: self.sgl.fused_moe(x, packed.w13, packed.w2, w, i, m, configs,  # noqa: E731

@@ -1,7 +1,8 @@
 """align_tokens has three implementations (the one-program counting kernel for few routed rows, the
 one-program register sort up to ALIGN_SORT_KERNEL_MAX_ROWS, a library sort + scans above); they
 must build exactly one layout, element for element, or a batch whose routed-row count crosses a
-threshold would group its rows differently.
+threshold would group its rows differently. And fused_moe's `alignment` (its layout computed
+beforehand) gives the bits of the path that computes it.
 
 Runs the Triton kernels under the interpreter on CPU (integer work: exact there) and on the GPU.
 """
@@ -119,3 +120,39 @@ def test_taller_tiles_build_one_layout_on_every_path(block_m):
         assert torch.equal(tiles.cpu(), layouts[0][1].cpu()) and torch.equal(rows.cpu(), layouts[0][0].cpu())
     assert layouts[0][0].numel() % block_m == 0
 
+
+
+def _small_moe(tokens: int, experts: int = 8, top_k: int = 6, hidden: int = 64, inter: int = 32):
+    gen = torch.Generator().manual_seed(tokens)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(DEVICE)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32).to(DEVICE)
+    route_w = (torch.rand(tokens, top_k, generator=gen) + 0.25).to(DEVICE)
+    return moe.PackedMoE(w13, w2), x, ids, route_w
+
+
+@pytest.mark.parametrize("block_m", [moe.BLOCK_M, 32])
+def test_fused_moe_with_a_precomputed_alignment_gives_the_default_paths_bits(block_m):
+    """`alignment` (bench/sglang_kernels.py times fused_moe without its alignment launch): the
+    precomputed layout gives exactly what fused_moe computes itself. Negative control: another
+    batch's layout changes the output, so the argument is what the kernels read."""
+    packed, x, ids, route_w = _small_moe(5)  # 30 routed rows: the aligned path
+    assert ids.numel() > moe.PER_ROW_MAX_ROWS
+    config = {**moe.DEFAULT_CONFIG, "BLOCK_M": block_m}
+    default = moe.fused_moe(x, packed, route_w, ids, config=config)
+    given = moe.fused_moe(x, packed, route_w, ids, config=config,
+                          alignment=moe.align_tokens(ids, packed.w2.shape[0], block_m))
+    assert torch.equal(given, default)
+    other = moe.align_tokens((ids + 1) % packed.w2.shape[0], packed.w2.shape[0], block_m)
+    assert not torch.equal(moe.fused_moe(x, packed, route_w, ids, config=config, alignment=other), default)
+
+
+def test_fused_moe_refuses_an_alignment_that_cannot_be_used():
+    packed, x, ids, route_w = _small_moe(5)
+    wrong_height = moe.align_tokens(ids, packed.w2.shape[0], 32)  # fused_moe's default config: BLOCK_M 16
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        moe.fused_moe(x, packed, route_w, ids, config=moe.DEFAULT_CONFIG, alignment=wrong_height)
+    packed, x, ids, route_w = _small_moe(2)  # 12 routed rows: the per-row path, no alignment
+    with pytest.raises(ValueError, match="per-row path"):
+        moe.fused_moe(x, packed, route_w, ids, alignment=moe.align_tokens(ids, packed.w2.shape[0]))

@@ -382,11 +382,14 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
 
 
 def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              config: dict | None = None, out: torch.Tensor | None = None,
-              split_k: int | None = None) -> torch.Tensor:
+              config: dict | None = None, out: torch.Tensor | None = None, split_k: int | None = None,
+              alignment: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Routed experts (+ shared expert) for decode. x: [T, D]; topk_weights: [T, K] (already scaled
     by routed_scaling_factor); topk_ids: [T, K] int; out: optional [T, D] x.dtype destination;
-    split_k: gate/up split over D (default gate_up_splits; fix it per deployment, not per batch).
+    split_k: gate/up split over D (default gate_up_splits; fix it per deployment, not per batch);
+    alignment: `align_tokens(topk_ids, E, config's BLOCK_M)`, computed beforehand, for a batch on
+    the aligned path (T * K > PER_ROW_MAX_ROWS); None: computed here. bench/sglang_kernels.py
+    passes it to time the expert passes without the alignment launch.
     Returns [T, D] in x.dtype."""
     num_tokens, hidden = x.shape
     num_experts, inter = weights.w2.shape[0], weights.w2.shape[2]
@@ -398,10 +401,18 @@ def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, t
     split_k = split_k or gate_up_splits(hidden, inter)
     x_in, x_scale = quantize_groups(x) if weights.fp8 else (x, None)
     if num_tokens * top_k <= PER_ROW_MAX_ROWS:
+        if alignment is not None:
+            raise ValueError(f"alignment given for {num_tokens * top_k} routed rows: the per-row path "
+                             f"(<= PER_ROW_MAX_ROWS = {PER_ROW_MAX_ROWS}) has no alignment")
         routing, sorted_rows, tile_expert = PER_ROW, None, topk_ids.reshape(-1)
     else:
-        routing, (sorted_rows, tile_expert) = ALIGNED, align_tokens(topk_ids, num_experts,
-                                                                    config.get("BLOCK_M", BLOCK_M))
+        block_m = config.get("BLOCK_M", BLOCK_M)
+        if alignment is None:
+            alignment = align_tokens(topk_ids, num_experts, block_m)
+        routing, (sorted_rows, tile_expert) = ALIGNED, alignment
+        if sorted_rows.numel() != tile_expert.numel() * block_m:  # shapes only: no host sync
+            raise ValueError(f"alignment of {tile_expert.numel()} tiles and {sorted_rows.numel()} rows "
+                             f"is not align_tokens' layout for BLOCK_M = {block_m}")
     routed = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _expert_pass(x_in, x_scale, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale, routing, sorted_rows,
                  tile_expert, topk_weights.reshape(-1).to(torch.float32).contiguous(), top_k,
