@@ -6,9 +6,11 @@ and decode, and batch-invariant ops, mean a request's logits do not depend on ho
 batched or chunked (batch invariance, and preemption recompute is exact).
 
 A step's rows (prompt rows of its prefills, then one row per decoding request) run as one pass:
-a CUDA-graph replay at the smallest bucket that holds them (`GraphRunner`, STEP_BUCKETS up to 4,096
-rows), or above that, eager passes of at most `max_rows` rows (the prefill chunk: varlen over
-requests, in row order, so a prompt split across passes reads its prefix from the paged cache).
+a CUDA-graph replay at the smallest bucket that holds them (`GraphRunner`; `step_buckets` reach the
+largest step the scheduler plans: the prefill budget plus a decode row per running request), or above
+the largest bucket (buckets set by hand, graphs off), eager passes of at most `max_rows` rows (the
+prefill chunk: varlen over requests, in row order, so a prompt split across passes reads its prefix
+from the paged cache).
 The indexer runs on a side stream (`CudaStreamExecutor`) unless multi-stream is switched off. The KV
 cache has one page more than the pool hands out: the scratch page that padded rows write and read.
 """
@@ -31,7 +33,7 @@ from runtime.engine.sampler import SampleOutput
 from runtime.env import Env
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
-from runtime.graph.runner import STEP_BUCKETS, GraphRunner
+from runtime.graph.runner import GraphRunner, step_buckets
 from runtime.kvcache.kv_cache import KVCache
 from runtime.kvcache.page_pool import PagePool
 from runtime.kvcache.page_table import PageTables
@@ -80,8 +82,9 @@ class StaticModelRunner:
         on_gpu = self.device.type == "cuda"
         side_streams = cfg.multi_stream and on_gpu
         self.streams = CudaStreamExecutor(env.stream_jitter_cycles) if side_streams else InOrderExecutor()
-        buckets = tuple(env.graph_buckets or STEP_BUCKETS)
+        buckets = tuple(env.graph_buckets or step_buckets(cfg.max_prefill_tokens, cfg.max_running_requests))
         self.max_rows = cfg.prefill_chunk  # rows per eager pass
+        self.eager_passes = 0  # passes that ran outside the graphs (tests and benches read it)
         workspace_rows = max(self.max_rows, max(buckets))
         self.model = StaticDecodeModel(model_cfg, weights, page_size=self.page_size, max_pages=self.max_pages,
                                        max_batch=workspace_rows, faults=faults, all_reduce=all_reduce,
@@ -184,6 +187,7 @@ class StaticModelRunner:
             logits = self.graphs.forward(inp)
             return logits if last is None else logits[last]
         picked = []
+        self.eager_passes += -(-inp.batch_size // self.max_rows)
         for start in range(0, inp.batch_size, self.max_rows):
             stop = min(start + self.max_rows, inp.batch_size)
             chunk = DecodeInputs(inp.token_ids[start:stop], inp.positions[start:stop], inp.write_slots[start:stop],

@@ -30,6 +30,19 @@ COARSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # so a step with fresh prompts is one replay too: an eager pass costs the host ~5 ms of kernel
 # launches under the GIL, 44% of the engine thread in the H200 gate when buckets stopped at 1,024.
 STEP_BUCKETS = FINE_BUCKETS + (160, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096)
+# Past STEP_BUCKETS' top, buckets every this many rows up to the engine's largest step.
+LARGE_BUCKET_STEP = 1024
+
+
+def step_buckets(max_prefill_tokens: int, max_running_requests: int) -> tuple[int, ...]:
+    """STEP_BUCKETS, continued up to the largest step the scheduler can plan: a full prefill budget
+    plus one decode row for every other running request. Stopping at the prefill budget sent exactly
+    the busiest steps (fresh prompts while others decode) to eager passes: on the H200 gate those
+    compiled Triton variants on the serving path (1.9 s of the engine thread in a 13.5 s run, every
+    eager pass a new context width for the indexer's selection) and paid ~5 ms of launches each."""
+    largest = max_prefill_tokens + max_running_requests
+    extra = tuple(range(max(STEP_BUCKETS) + LARGE_BUCKET_STEP, largest, LARGE_BUCKET_STEP))
+    return STEP_BUCKETS + extra + ((largest,) if largest > max(STEP_BUCKETS) else ())
 
 
 def pad_batch(batch_size: int, buckets: tuple[int, ...]) -> int:

@@ -16,7 +16,7 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.graph.runner import FINE_BUCKETS
+from runtime.graph.runner import FINE_BUCKETS, STEP_BUCKETS
 from runtime.models.loader import load_model
 
 pytestmark = [pytest.mark.gpu]
@@ -137,6 +137,39 @@ def test_eager_fallback_above_the_largest_bucket_equals_graph_replay(loaded):
     out_wide, out_narrow = generations(wide, prompts, params), generations(narrow, prompts, params)
     assert narrow.runner.graphs.replays > 0
     assert out_wide == out_narrow, first_difference(out_wide, out_narrow)
+
+
+def busiest_step(loaded) -> list[Arrival]:
+    """63 requests decoding when a prompt of nearly the whole prefill budget arrives: the largest step
+    the scheduler plans (4,090 prompt rows + 63 decode rows), as in the gate when fresh turns come."""
+    rng = random.Random(11)
+    vocab = loaded.tokenizer.vocab_size
+    decoding = [Arrival(0, [rng.randrange(3, vocab) for _ in range(rng.randint(20, 300))],
+                        SamplingParams(max_tokens=24, ignore_eos=True)) for _ in range(63)]
+    budget = EngineConfig().max_prefill_tokens
+    return decoding + [Arrival(4, [rng.randrange(3, vocab) for _ in range(budget - 6)],
+                               SamplingParams(max_tokens=6, ignore_eos=True))]
+
+
+def test_the_busiest_step_replays_a_graph_and_compiles_nothing(loaded):
+    """Serving never leaves the graphs captured at start-up: no eager pass and no Triton compile while
+    the busiest step runs. Control: buckets that stop at the prefill budget (the old STEP_BUCKETS)
+    send that step to eager passes."""
+    import triton
+
+    eng = engine(loaded, dtype="float32")
+    compiled: list[str] = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(str(kwargs.get("fn")))
+    try:
+        drive(eng, busiest_step(loaded), rid_prefix=None)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert eng.pages_in_use == 0
+    assert eng.runner.eager_passes == 0, f"{eng.runner.eager_passes} eager passes"
+    assert not compiled, f"Triton compiled on the serving path: {compiled}"
+    old = engine(loaded, dtype="float32", env=Env(graph_buckets=STEP_BUCKETS))
+    drive(old, busiest_step(loaded), rid_prefix=None)
+    assert old.runner.eager_passes > 0, "the control: the busiest step should not fit the old buckets"
 
 
 @pytest.mark.parametrize("kernel", ["moe_kernel", "attention_kernel"])

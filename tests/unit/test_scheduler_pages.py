@@ -18,6 +18,7 @@ from runtime.engine.plan import StepPlan
 from runtime.engine.request import Request, SamplingParams
 from runtime.engine.sampler import SampleOutput
 from runtime.engine.scheduler import Scheduler
+from runtime.graph.runner import STEP_BUCKETS, step_buckets
 from runtime.kvcache.page_pool import PagePool
 
 pytestmark = pytest.mark.unit
@@ -107,3 +108,30 @@ def test_a_kept_request_keeps_its_pages_after_finishing_and_an_aborted_one_does_
     scheduler.abort("gone")
     scheduler.schedule()
     assert scheduler.requests["gone"].finish_reason == "abort" and pool.pages_in_use == 0
+
+
+@pytest.mark.parametrize("max_running", [64, 128])
+def test_the_busiest_step_fits_the_static_runners_largest_graph_bucket(max_running):
+    """A full prefill budget arriving while every other request decodes is the largest step the
+    scheduler plans; the static runner's buckets (`step_buckets`) must hold it, or that step (the
+    busiest kind) leaves the graphs for eager passes (and, on the H200, Triton compiles mid-run).
+    Control: STEP_BUCKETS alone, which stopped at the prefill budget, do not hold it."""
+    cfg = EngineConfig(page_size=16, num_pages=4096, max_running_requests=max_running, max_model_len=8192)
+    scheduler = Scheduler(cfg, PagePool(cfg.num_pages, cfg.page_size), NO_EOS)
+    for i in range(max_running - 1):
+        scheduler.add(Request(f"d{i}", [1] * 4, SamplingParams(max_tokens=64)))
+    first = scheduler.schedule()
+    scheduler.postprocess(first, {ext.rid: SampleOutput(TOKEN, 0.0, []) for ext in first.extends})
+    scheduler.add(Request("long", [1] * (cfg.max_prefill_tokens - 6), SamplingParams(max_tokens=6)))
+    busiest = scheduler.schedule()
+    rows = sum(ext.num_new for ext in busiest.extends)
+    assert len(busiest.decode) == max_running - 1 and len(busiest.prefill) == 1
+    assert rows <= max(step_buckets(cfg.max_prefill_tokens, cfg.max_running_requests))
+    assert rows > max(STEP_BUCKETS), "the control: the old buckets would have sent this step to eager passes"
+
+
+def test_step_buckets_keep_the_fine_ones_and_stay_sorted():
+    buckets = step_buckets(16384, 64)
+    assert buckets[:len(STEP_BUCKETS)] == STEP_BUCKETS and list(buckets) == sorted(set(buckets))
+    assert buckets[-1] == 16384 + 64 and buckets[-2] == 16384  # every 1,024 rows past 4,096, then the exact top
+    assert step_buckets(1024, 64) == STEP_BUCKETS  # the budget fits already: nothing added
