@@ -81,7 +81,7 @@ want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY
 
 # ---- the engine on the GPU (issues 7, 8): graphs + multi-stream through Engine.step(), overlap
 want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \
-    --run-gpu tests/gpu/test_engine_gpu.py -rA
+    --run-gpu tests/gpu/test_engine_gpu.py -rA ${ENGINE_TEST_K:+-k "$ENGINE_TEST_K"}
 want idle_canary && section idle_canary "${BENCH_TIMEOUT:-120}" $PY -m bench.idle_time --model canary \
     --batch-sizes 1,4,16,64 --out "$OUT/idle_canary.json"
 want idle_slice && section idle_slice "${BENCH_TIMEOUT:-150}" $PY -m bench.idle_time --model dsv4-slice \
