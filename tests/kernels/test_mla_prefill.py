@@ -20,8 +20,17 @@ from hypothesis import strategies as st
 
 from runtime.kernels import reference
 from runtime.kernels.triton import INTERPRETED, attention, mla_prefill
-from tests.kernels.test_triton_kernels import (DEVICE, DTYPES, ON_GPU, SEEDS, _attention_case, _trailing_padding_case,
-                                               assert_close_scaled, gpu, poisoned)
+from tests.kernels.test_triton_kernels import (
+    DEVICE,
+    DTYPES,
+    ON_GPU,
+    SEEDS,
+    _attention_case,
+    _trailing_padding_case,
+    assert_close_scaled,
+    gpu,
+    poisoned,
+)
 
 pytestmark = pytest.mark.kernels
 
@@ -44,8 +53,9 @@ def two_pass(q, cache, slots, latent, scale, **launch):
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert not torch.isnan(got).any(), f"NaN in the two-pass output (unwritten?) {what}"
     differ = got != want
+    worst = float((got.double() - want.double()).abs().max())
     assert not differ.any(), (f"two-pass bits differ from the one-pass kernel's {what}: {int(differ.sum())} of "
-                              f"{differ.numel()} values, max |diff| {float((got.double() - want.double()).abs().max())}")
+                              f"{differ.numel()} values, max |diff| {worst}")
 
 
 # (scores BLOCK_H, values BLOCK_H, BLOCK_V) launch shapes; none of them may change a bit.

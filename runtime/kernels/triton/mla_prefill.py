@@ -32,13 +32,22 @@ heads x 640 slots), allocated per call.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
-from runtime.kernels.triton.attention import (LOG2E, _fold_rows, _fold_weights, _normalize, _row_sums_mma,
-                                              chunk_blocks, default_launch)
+from runtime.kernels.triton.attention import (
+    LOG2E,
+    _fold_rows,
+    _fold_weights,
+    _normalize,
+    _row_sums_mma,
+    chunk_blocks,
+    default_launch,
+)
 
 # Launch shapes of the two passes (no effect on the bits). 64-head scores tiles gather each row once
 # for all heads; the values pass's [64 x BLOCK_V] accumulator and fold stay in registers at 8 warps.
@@ -151,6 +160,89 @@ def _head_block(asked: int, heads: int) -> int:
     return max(16, min(asked, triton.next_power_of_2(heads)))
 
 
+def _warps_stages(warps: int | None, stages: int | None, default: dict) -> tuple[int, int]:
+    if INTERPRETED:  # one program at a time in Python: the shape only costs time there
+        return 4, 1
+    return warps or default["num_warps"], stages or default["num_stages"]
+
+
+class SoftmaxStats(NamedTuple):
+    """What the scores pass hands the values pass: p_v [T, H, blocks x BLOCK_S] (kv's dtype), alpha
+    [T, blocks, H], keep and take [T, N, H], the final sums [T, H] (float32), and the chunking."""
+    p: torch.Tensor
+    alpha: torch.Tensor
+    keep: torch.Tensor
+    take: torch.Tensor
+    row_sum: torch.Tensor
+    block_s: int
+    blocks_per_chunk: int
+    narrow: bool
+
+
+def scores_pass(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, scale: float,
+                num_splits: int | None = None, block_s: int | None = None, narrow_partials: bool | None = None,
+                block_h: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> SoftmaxStats:
+    """The first launch of sparse_mla_two_pass (apart so the bench can time it): the numerics
+    knobs as sparse_mla_decode's (default_launch's unless given), the launch shape SCORES_LAUNCH's."""
+    tokens, heads, width = q.shape
+    selected = slots.shape[1]
+    launch = default_launch(selected, heads)
+    block_s = block_s or launch["block_s"]
+    blocks_per_chunk, chunks = chunk_blocks(selected, num_splits or launch["num_splits"], block_s)
+    blocks = triton.cdiv(selected, block_s)
+    narrow = launch["narrow_partials"] if narrow_partials is None else narrow_partials
+    dev = q.device
+    stats = SoftmaxStats(p=torch.empty(tokens, heads, blocks * block_s, dtype=kv_cache.dtype, device=dev),
+                         alpha=torch.empty(tokens, blocks, heads, dtype=torch.float32, device=dev),
+                         keep=torch.empty(tokens, chunks, heads, dtype=torch.float32, device=dev),
+                         take=torch.empty(tokens, chunks, heads, dtype=torch.float32, device=dev),
+                         row_sum=torch.empty(tokens, heads, dtype=torch.float32, device=dev),
+                         block_s=block_s, blocks_per_chunk=blocks_per_chunk,
+                         # float32 q keeps float32 chunk sums, as in sparse_mla_decode
+                         narrow=narrow and q.dtype in (torch.bfloat16, torch.float16))
+    if tokens == 0:
+        return stats
+    bh = _head_block(block_h or SCORES_LAUNCH["block_h"], heads)
+    warps, stages = _warps_stages(num_warps, num_stages, SCORES_LAUNCH)
+    rope_dim = width - latent_dim
+    # No mul+add contraction: every product and sum must round as the one-pass kernel's do.
+    _scores_pass[(triton.cdiv(heads, bh) * tokens,)](
+        q, kv_cache, slots, stats.p, stats.alpha, stats.keep, stats.take, stats.row_sum, heads, selected, blocks,
+        blocks_per_chunk, chunks, scale * LOG2E, q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0),
+        LATENT=latent_dim, ROPE=rope_dim, PRECISION=_precision(q), BLOCK_H=bh, BLOCK_S=block_s,
+        BLOCK_C=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    return stats
+
+
+def values_pass(stats: SoftmaxStats, kv_cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
+                block_h: int | None = None, block_v: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> torch.Tensor:
+    """The second launch of sparse_mla_two_pass into out [T, H, C] (q's dtype): the launch shape
+    VALUES_LAUNCH's unless given; block_v = latent columns per program."""
+    tokens, heads, latent_dim = out.shape
+    if tokens == 0:
+        return out
+    selected = slots.shape[1]
+    blocks = triton.cdiv(selected, stats.block_s)
+    bh = _head_block(block_h or VALUES_LAUNCH["block_h"], heads)
+    bv = min(block_v or VALUES_LAUNCH["block_v"], triton.next_power_of_2(latent_dim))
+    warps, stages = _warps_stages(num_warps, num_stages, VALUES_LAUNCH)
+    v_blocks = triton.cdiv(latent_dim, bv)
+    _values_pass[(triton.cdiv(heads, bh) * v_blocks * tokens,)](
+        kv_cache, slots, stats.p, stats.alpha, stats.keep, stats.take, stats.row_sum, out, heads, selected, blocks,
+        stats.blocks_per_chunk, stats.keep.shape[1], kv_cache.stride(0), slots.stride(0), out.stride(0),
+        out.stride(1), LATENT=latent_dim, PRECISION=_precision(out), NARROW=stats.narrow, BLOCK_H=bh,
+        BLOCK_S=stats.block_s, BLOCK_V=bv, V_BLOCKS=v_blocks, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False)
+    return out
+
+
+def _precision(t: torch.Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"  # as sparse_mla_decode's
+
+
 def sparse_mla_two_pass(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, scale: float,
                         num_splits: int | None = None, block_s: int | None = None,
                         narrow_partials: bool | None = None, scores_block_h: int | None = None,
@@ -164,51 +256,12 @@ def sparse_mla_two_pass(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
     default_launch's unless given (as sparse_mla_decode's). The rest are launch shapes only
     (SCORES_LAUNCH, VALUES_LAUNCH unless given): scores_* for the scores pass, values_* and block_v
     (latent columns per program) for the values pass."""
-    tokens, heads, width = q.shape
-    selected = slots.shape[1]
+    tokens, heads, _ = q.shape
     if out is None:
         out = torch.empty(tokens, heads, latent_dim, dtype=q.dtype, device=q.device)
     if out.dtype != q.dtype:
-        raise ValueError(f"out must be q's dtype ({q.dtype}): the chunk sums' narrow rounding reads it, not {out.dtype}")
-    if tokens == 0:
-        return out
-    launch = default_launch(selected, heads)
-    block_s = block_s or launch["block_s"]
-    blocks_per_chunk, chunks = chunk_blocks(selected, num_splits or launch["num_splits"], block_s)
-    blocks = triton.cdiv(selected, block_s)
-    narrow = launch["narrow_partials"] if narrow_partials is None else narrow_partials
-    narrow = narrow and q.dtype in (torch.bfloat16, torch.float16)  # float32 q keeps float32 chunk sums
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    block_c = triton.next_power_of_2(latent_dim)
-    rope_dim = width - latent_dim
-    dev = q.device
-    p = torch.empty(tokens, heads, blocks * block_s, dtype=kv_cache.dtype, device=dev)
-    alpha = torch.empty(tokens, blocks, heads, dtype=torch.float32, device=dev)
-    keep = torch.empty(tokens, chunks, heads, dtype=torch.float32, device=dev)
-    take = torch.empty(tokens, chunks, heads, dtype=torch.float32, device=dev)
-    row_sum = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
-
-    def shape(asked_warps, asked_stages, default: dict) -> tuple[int, int]:
-        if INTERPRETED:
-            return 4, 1
-        return asked_warps or default["num_warps"], asked_stages or default["num_stages"]
-
-    bh = _head_block(scores_block_h or SCORES_LAUNCH["block_h"], heads)
-    warps, stages = shape(scores_warps, scores_stages, SCORES_LAUNCH)
-    # No mul+add contraction: every product and sum must round as the one-pass kernel's do.
-    _scores_pass[(triton.cdiv(heads, bh) * tokens,)](
-        q, kv_cache, slots, p, alpha, keep, take, row_sum, heads, selected, blocks, blocks_per_chunk, chunks,
-        scale * LOG2E, q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0),
-        LATENT=latent_dim, ROPE=rope_dim, PRECISION=precision, BLOCK_H=bh, BLOCK_S=block_s, BLOCK_C=block_c,
-        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), num_warps=warps, num_stages=stages,
-        enable_fp_fusion=False)
-    bh = _head_block(values_block_h or VALUES_LAUNCH["block_h"], heads)
-    bv = min(block_v or VALUES_LAUNCH["block_v"], block_c)
-    warps, stages = shape(values_warps, values_stages, VALUES_LAUNCH)
-    v_blocks = triton.cdiv(latent_dim, bv)
-    _values_pass[(triton.cdiv(heads, bh) * v_blocks * tokens,)](
-        kv_cache, slots, p, alpha, keep, take, row_sum, out, heads, selected, blocks, blocks_per_chunk, chunks,
-        kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
-        LATENT=latent_dim, PRECISION=precision, NARROW=narrow, BLOCK_H=bh, BLOCK_S=block_s, BLOCK_V=bv,
-        V_BLOCKS=v_blocks, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
-    return out
+        raise ValueError(f"out must be q's dtype ({q.dtype}), not {out.dtype}: the chunk sums' narrow rounding "
+                         "reads it")
+    stats = scores_pass(q, kv_cache, slots, latent_dim, scale, num_splits, block_s, narrow_partials, scores_block_h,
+                        scores_warps, scores_stages)
+    return values_pass(stats, kv_cache, slots, out, values_block_h, block_v, values_warps, values_stages)
