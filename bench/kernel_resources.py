@@ -79,6 +79,7 @@ TWO_PASS_VARIANTS = {
     "scores BLOCK_H 64 w4 s2": ("scores", dict(BLOCK_H=64)),
     "scores BLOCK_H 64 w8 s1": ("scores", dict(BLOCK_H=64, warps=8, stages=1)),
     "scores BLOCK_H 32 w4 s2": ("scores", dict(BLOCK_H=32)),
+    "scores BLOCK_H 64 w16 s2": ("scores", dict(BLOCK_H=64, warps=16)),
     "values 64 x 128 w8 s2": ("values", dict(BLOCK_V=128, V_BLOCKS=4, warps=8)),
     "values 64 x 128 w4 s2": ("values", dict(BLOCK_V=128, V_BLOCKS=4)),
     "values 64 x 256 w8 s2": ("values", dict(BLOCK_V=256, V_BLOCKS=2, warps=8)),

@@ -154,6 +154,8 @@ TWO_PASS_VARIANTS = {
                                     values_warps=4),
     "two-pass/s64w8s1/v64x128w8s3": dict(scores_block_h=64, scores_warps=8, scores_stages=1, values_block_h=64,
                                          block_v=128, values_warps=8, values_stages=3),
+    "two-pass/s64w16/v64x128w8": dict(scores_block_h=64, scores_warps=16, values_block_h=64, block_v=128,
+                                      values_warps=8),
     "two-pass/s32w4/v64x128w8": dict(scores_block_h=32, scores_warps=4, values_block_h=64, block_v=128,
                                      values_warps=8),
     "two-pass/s64w8/v32x256w4": dict(scores_block_h=64, scores_warps=8, values_block_h=32, block_v=256,

@@ -62,7 +62,8 @@ def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 SHAPES = st.sampled_from([(16, 16, 64), (64, 64, 64), (32, 16, 32), (64, 32, 16), (16, 64, 256)])
 
 
-@settings(max_examples=8 if ON_GPU else 4, deadline=None)  # interpreted: each example runs 2 launches per kernel
+# Few examples: interpreted, each runs 3 kernels in Python; on the GPU each new shape compiles 3 kernels.
+@settings(max_examples=6 if ON_GPU else 4, deadline=None)
 @given(seed=SEEDS, queries=st.sampled_from([1, 3]), heads=st.sampled_from([1, 16, 20, 64]),
        dims=st.sampled_from([(32, 16), (48, 8), (64, 64)]), context_vs_selected=st.sampled_from([-5, 0, 40]),
        splits=st.sampled_from([1, 2, 3]), block_s=st.sampled_from([16, 32]), narrow=st.booleans(),
@@ -185,7 +186,7 @@ def test_bit_check_fails_with_tree_row_sums(monkeypatch):
                                     dict(scores_block_h=32, scores_warps=4, values_block_h=64, block_v=128,
                                          values_warps=4),
                                     dict(scores_block_h=16, values_block_h=16, block_v=512, values_warps=4),
-                                    dict(scores_warps=4, scores_stages=3, values_block_h=64, block_v=64,
+                                    dict(scores_warps=8, scores_stages=1, values_block_h=64, block_v=64,
                                          values_stages=3)])
 def test_two_pass_keeps_the_deployment_bits_on_the_gpu(launch):
     """bf16, H=64, C=512, R=64, window 128 + top-512 (S=640: 5 chunks of 128, bf16 chunk sums):
