@@ -12,7 +12,7 @@ the shared expert + the KV rows read (selected latent rows, indexer keys up to e
 Prints one JSON line per measurement and a summary JSON (also written to --out). Times are
 CUDA-event means over --iters runs after warm-up.
 
-    python -m bench.decode_step --model dsv4-slice --out $OUT/decode_slice.json
+    python -m bench.decode_step --model dsv4-slice --out $OUT/decode_slice.json [--prefill-variants]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from canary.provenance import git_commit
 from runtime.config import EngineConfig, ModelConfig
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.graph.runner import COARSE_BUCKETS, FINE_BUCKETS, GraphRunner
-from runtime.kernels.triton import attention
+from runtime.kernels.triton import attention, mla_prefill
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.weights import init_random, weight_shapes
 from runtime.streams.cuda import CudaStreamExecutor
@@ -166,11 +166,24 @@ def fit(points: list[tuple[int, float]]) -> dict:
     return {"a_ms": a, "b_ms_per_req": b}
 
 
+def two_pass_above(rows: int):
+    """The model's sparse MLA call, with passes of more than `rows` rows (prefill chunks) through the
+    two-pass form (mla_prefill: the bits of sparse_mla_decode with rowsum_mma) and the rest through
+    the deployment's kernel as before."""
+    def sparse_mla(q, kv, slots, latent_dim, scale, num_splits=None, out=None):
+        if q.shape[0] > rows:
+            return mla_prefill.sparse_mla_two_pass(q, kv, slots, latent_dim, scale, num_splits=num_splits, out=out)
+        return attention.sparse_mla_decode(q, kv, slots, latent_dim, scale, num_splits=num_splits, out=out)
+    return sparse_mla
+
+
 def prefill_launches(bench, chunk, roofline_ms: float, plain_logits: torch.Tensor, iters: int) -> dict:
     """The prefill pass with attention.PREFILL_LAUNCH set: `prefill_rowsum_mma` = the deployment's
     sparse MLA launch with its row sums as an MMA (what a rowsum_mma deployment would run; other bits
     than the plain pass's tl.sum), `prefill_halves` = the 64-head latent-halves launch
-    (attention.HALVES_PREFILL, rowsum_mma too), whose logits must equal prefill_rowsum_mma's."""
+    (attention.HALVES_PREFILL, rowsum_mma too), whose logits must equal prefill_rowsum_mma's; and
+    `prefill_two_pass` = the pass's sparse MLA as the two-pass form (mla_prefill), whose logits must
+    equal prefill_rowsum_mma's too."""
     runs = {}
     saved = attention.PREFILL_LAUNCH
     launches = {"prefill_rowsum_mma": dict(rowsum_mma=True), "prefill_halves": attention.HALVES_PREFILL}
@@ -181,10 +194,19 @@ def prefill_launches(bench, chunk, roofline_ms: float, plain_logits: torch.Tenso
             runs[name] = ms, bench.runner.eager(chunk).clone()
     finally:
         attention.PREFILL_LAUNCH = saved
+    if bench.model.sparse_mla is not None:  # the Triton attention kernel (--attention-kernel triton)
+        model_mla = bench.model.sparse_mla
+        bench.model.sparse_mla = two_pass_above(attention.PREFILL_LAUNCH_ROWS)
+        try:
+            ms = time_ms(bench.runner.eager, chunk, iters=iters)
+            runs["prefill_two_pass"] = ms, bench.runner.eager(chunk).clone()
+        finally:
+            bench.model.sparse_mla = model_mla
     out = {name: {"ms": ms, "pct_roofline": 100 * roofline_ms / ms, "same_logits_as_plain": bool(
         torch.equal(logits, plain_logits))} for name, (ms, logits) in runs.items()}
-    out["prefill_halves"]["same_logits_as_rowsum_mma"] = bool(torch.equal(runs["prefill_halves"][1],
-                                                                          runs["prefill_rowsum_mma"][1]))
+    for name in ("prefill_halves", "prefill_two_pass"):
+        if name in runs:
+            out[name]["same_logits_as_rowsum_mma"] = bool(torch.equal(runs[name][1], runs["prefill_rowsum_mma"][1]))
     print(json.dumps({"prefill_launches": out}), flush=True)
     return out
 
@@ -197,6 +219,9 @@ def main() -> None:
     ap.add_argument("--attention-kernel", choices=["triton", "torch"], default="triton")
     ap.add_argument("--sawtooth", default="", help="batch sizes for the fine vs coarse bucket sweep")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--prefill-variants", action="store_true",
+                    help="also time the prefill pass with skip_tail, the rowsum_mma / latent-halves launches and the "
+                         "two-pass sparse MLA (each pass's logits checked)")
     ap.add_argument("--out", default="")
     ap.add_argument("--roofline-only", type=float, default=0.0, metavar="TB_S",
                     help="no GPU: print the roofline per batch size at this read bandwidth and its linear fit")
@@ -247,19 +272,20 @@ def main() -> None:
             results["prefill"] = {"rows": PREFILL_ROWS, "ms": ms, "roofline_ms": roofline_ms,
                                   "pct_roofline": 100 * roofline_ms / ms}
             print(json.dumps({"model": args.model, "prefill": results["prefill"]}), flush=True)
-            # The same pass with the sparse MLA kernel skipping each row's empty trailing chunks: its
-            # time, and whether the logits keep their bits (they must).
-            logits = bench.runner.eager(chunk).clone()
-            saved, attention.SKIP_TAIL_ROWS = attention.SKIP_TAIL_ROWS, 256
-            try:
-                skip_ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
-                same = bool(torch.equal(bench.runner.eager(chunk), logits))
-            finally:
-                attention.SKIP_TAIL_ROWS = saved
-            results["prefill_skip_tail"] = {"ms": skip_ms, "pct_roofline": 100 * roofline_ms / skip_ms,
-                                            "same_logits": same}
-            print(json.dumps({"model": args.model, "prefill_skip_tail": results["prefill_skip_tail"]}), flush=True)
-            results.update(prefill_launches(bench, chunk, roofline_ms, logits, max(3, args.iters // 4)))
+            if args.prefill_variants:  # the same pass with other sparse MLA launches (a default run times it once)
+                # The same pass with the sparse MLA kernel skipping each row's empty trailing chunks: its
+                # time, and whether the logits keep their bits (they must).
+                logits = bench.runner.eager(chunk).clone()
+                saved, attention.SKIP_TAIL_ROWS = attention.SKIP_TAIL_ROWS, 256
+                try:
+                    skip_ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
+                    same = bool(torch.equal(bench.runner.eager(chunk), logits))
+                finally:
+                    attention.SKIP_TAIL_ROWS = saved
+                results["prefill_skip_tail"] = {"ms": skip_ms, "pct_roofline": 100 * roofline_ms / skip_ms,
+                                                "same_logits": same}
+                print(json.dumps({"model": args.model, "prefill_skip_tail": results["prefill_skip_tail"]}), flush=True)
+                results.update(prefill_launches(bench, chunk, roofline_ms, logits, max(3, args.iters // 4)))
         del bench
         torch.cuda.empty_cache()
     if args.sawtooth:
@@ -290,7 +316,8 @@ def main() -> None:
                       "step128_over_step16": results.get("step128_over_step16"),
                       "prefill": results.get("prefill"), "prefill_skip_tail": results.get("prefill_skip_tail"),
                       "prefill_rowsum_mma": results.get("prefill_rowsum_mma"),
-                      "prefill_halves": results.get("prefill_halves")}),
+                      "prefill_halves": results.get("prefill_halves"),
+                      "prefill_two_pass": results.get("prefill_two_pass")}),
           flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -6,7 +6,7 @@ program at 255 registers takes 32,640 registers, so 2 fit by registers; shared m
 fewer. Spills are local-memory traffic per thread. The compiler here (this checkout's Triton) may
 not be the device image's: treat the numbers as leads, and time on the GPU (bench.mla_sweep --free).
 
-    python -m bench.kernel_resources [--out resources.json]
+    python -m bench.kernel_resources [--out resources.json] [--two-pass]
 """
 
 from __future__ import annotations
@@ -64,6 +64,31 @@ def ptxas_candidates() -> list[str]:
     return [str(folder / name) for name in ("ptxas", "ptxas-blackwell") if (folder / name).exists()]
 
 
+# The two-pass prefill form (mla_prefill): each pass at the deployment's numerics (BLOCK_S 64, bf16),
+# per launch shape bench.mla_sweep --only-two-pass times.
+SCORES_SIGNATURE = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", p_ptr="*bf16", alpha_ptr="*fp32",
+                        keep_ptr="*fp32", take_ptr="*fp32", sum_ptr="*fp32", heads="i32", selected="i32",
+                        blocks="i32", blocks_per_chunk="i32", chunks="i32", sm_scale_log2="fp32", stride_qt="i32",
+                        stride_qh="i32", stride_kv="i32", stride_idx="i32")
+VALUES_SIGNATURE = dict(kv_ptr="*bf16", idx_ptr="*i32", p_ptr="*bf16", alpha_ptr="*fp32", keep_ptr="*fp32",
+                        take_ptr="*fp32", sum_ptr="*fp32", out_ptr="*bf16", heads="i32", selected="i32", blocks="i32",
+                        blocks_per_chunk="i32", chunks="i32", stride_kv="i32", stride_idx="i32", stride_ot="i32",
+                        stride_oh="i32")
+TWO_PASS_VARIANTS = {
+    "scores BLOCK_H 64 w8 s2": ("scores", dict(BLOCK_H=64, warps=8)),
+    "scores BLOCK_H 64 w4 s2": ("scores", dict(BLOCK_H=64)),
+    "scores BLOCK_H 64 w8 s1": ("scores", dict(BLOCK_H=64, warps=8, stages=1)),
+    "scores BLOCK_H 32 w4 s2": ("scores", dict(BLOCK_H=32)),
+    "scores BLOCK_H 64 w16 s2": ("scores", dict(BLOCK_H=64, warps=16)),
+    "values 64 x 128 w8 s2": ("values", dict(BLOCK_V=128, V_BLOCKS=4, warps=8)),
+    "values 64 x 128 w4 s2": ("values", dict(BLOCK_V=128, V_BLOCKS=4)),
+    "values 64 x 256 w8 s2": ("values", dict(BLOCK_V=256, V_BLOCKS=2, warps=8)),
+    "values 64 x 64 w4 s2": ("values", dict(BLOCK_V=64, V_BLOCKS=8)),
+    "values 64 x 128 w8 s3": ("values", dict(BLOCK_V=128, V_BLOCKS=4, warps=8, stages=3)),
+    "values 32 x 256 w4 s2": ("values", dict(BLOCK_H=32, BLOCK_V=256, V_BLOCKS=2)),
+}
+
+
 def resources(knobs: dict) -> dict:
     knobs = dict(knobs)
     warps, stages = knobs.pop("warps", 4), knobs.pop("stages", 2)
@@ -71,8 +96,27 @@ def resources(knobs: dict) -> dict:
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
                      BLOCK_ALL=1024, ROWSUM_MMA=False, HALVES=False, V_HALF=0)
     constants.update(knobs)
-    signature = {**SIGNATURE, **{key: "constexpr" for key in constants}}
-    kernel = triton.compile(ASTSource(fn=attention._sparse_mla_kernel, signature=signature, constexprs=constants),
+    return compiled_resources(attention._sparse_mla_kernel, SIGNATURE, constants, warps, stages)
+
+
+def two_pass_resources(which: str, knobs: dict) -> dict:
+    from runtime.kernels.triton import mla_prefill
+
+    knobs = dict(knobs)
+    warps, stages = knobs.pop("warps", 4), knobs.pop("stages", 2)
+    if which == "scores":
+        constants = dict(LATENT=512, ROPE=64, PRECISION="tf32", BLOCK_H=64, BLOCK_S=64, BLOCK_C=512, BLOCK_R=64)
+        fn, signature = mla_prefill._scores_pass, SCORES_SIGNATURE
+    else:
+        constants = dict(LATENT=512, PRECISION="tf32", NARROW=True, BLOCK_H=64, BLOCK_S=64, BLOCK_V=128, V_BLOCKS=4)
+        fn, signature = mla_prefill._values_pass, VALUES_SIGNATURE
+    constants.update(knobs)
+    return compiled_resources(fn, signature, constants, warps, stages)
+
+
+def compiled_resources(fn, signature: dict, constants: dict, warps: int, stages: int) -> dict:
+    signature = {**signature, **{key: "constexpr" for key in constants}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))
     ptx = kernel.asm["ptx"]
@@ -104,12 +148,14 @@ def resources(knobs: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--two-pass", action="store_true", help="the two-pass prefill form's kernels instead")
     args = parser.parse_args()
     rows = {}
     print(f"triton {triton.__version__}; per thread: registers, spill bytes stored/loaded; per program: shared "
           "bytes; programs per SM (registers, shared memory)")
-    for name, knobs in VARIANTS.items():
-        rows[name] = r = resources(knobs)
+    variants = TWO_PASS_VARIANTS if args.two_pass else VARIANTS
+    for name, knobs in variants.items():
+        rows[name] = r = two_pass_resources(*knobs) if args.two_pass else resources(knobs)
         print(f"{name:<40} {r['mma']:<8} regs {r['registers']} spills {r['spill_store_bytes']}/{r['spill_load_bytes']} "
               f"shared {r['shared_bytes']} -> {r.get('programs_per_sm')} per SM ({r['ptxas']})", flush=True)
     if args.out:

@@ -11,11 +11,15 @@ With --vs-sglang, SGLang's kernel on the same inputs gives the ratio column.
 
   python -m bench.mla_sweep --json $OUT/mla_sweep.json [--vs-sglang] [--heads 64,16] [--batches 1,8,32,128]
   python -m bench.mla_sweep --json $OUT/mla_free.json --free [--candidates 64:16,64,320,4,2,1,1 ...]
+  python -m bench.mla_sweep --json $OUT/mla_free_mma.json --free --rowsum-mma [--only-two-pass]
 
 --free asks which launch knobs the deployment's bits do not depend on (they may then follow the
 batch like the mode does): each variant of `default_launch` (warps, stages, BLOCK_H, merge) is
 compared bit for bit with the deployment at two batches and the 4,096-row pass, and timed at every
 batch. --candidates (H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow) adds whole new deployments.
+With --rowsum-mma the two-pass prefill form (mla_prefill) comes right after the deployment's row: its
+bits against the rowsum_mma deployment's, its 4,096-row time per launch shape (TWO_PASS_VARIANTS),
+and each pass's time; --only-two-pass stops there (the deployment's row, then the two-pass rows).
 
 The summary ends the log: per candidate and batch the best mode's us (and sglang_us / ours), the
 worst ratio over batches, and the prefill us.
@@ -31,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.kernels import CALLS_PER_GRAPH, MLA_CONTEXT, MLA_LATENT, MLA_ROPE, MLA_WINDOW, graph_us, mla_inputs
-from runtime.kernels.triton import attention
+from runtime.kernels.triton import attention, mla_prefill
 
 # (BLOCK_H, BLOCK_S, chunk positions, warps, stages, V_SPLIT[, narrow partials]); chunk >= S: one
 # chunk (never spread).
@@ -136,8 +140,63 @@ FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout s
 }
 
 
+# The two-pass prefill form (runtime/kernels/triton/mla_prefill.py): the rowsum_mma deployment's
+# bits by construction, timed at 4,096 rows only (a prefill form). Its launch shapes: scores pass
+# (BLOCK_H, warps, stages) / values pass (BLOCK_H x BLOCK_V columns, warps, stages).
+TWO_PASS_VARIANTS = {
+    "two-pass/s64w8/v64x128w8": dict(scores_block_h=64, scores_warps=8, values_block_h=64, block_v=128,
+                                     values_warps=8),
+    "two-pass/s64w4/v64x128w4": dict(scores_block_h=64, scores_warps=4, values_block_h=64, block_v=128,
+                                     values_warps=4),
+    "two-pass/s64w8/v64x256w8": dict(scores_block_h=64, scores_warps=8, values_block_h=64, block_v=256,
+                                     values_warps=8),
+    "two-pass/s64w8/v64x64w4": dict(scores_block_h=64, scores_warps=8, values_block_h=64, block_v=64,
+                                    values_warps=4),
+    "two-pass/s64w8s1/v64x128w8s3": dict(scores_block_h=64, scores_warps=8, scores_stages=1, values_block_h=64,
+                                         block_v=128, values_warps=8, values_stages=3),
+    "two-pass/s64w16/v64x128w8": dict(scores_block_h=64, scores_warps=16, values_block_h=64, block_v=128,
+                                      values_warps=8),
+    "two-pass/s32w4/v64x128w8": dict(scores_block_h=32, scores_warps=4, values_block_h=64, block_v=128,
+                                     values_warps=8),
+    "two-pass/s64w8/v32x256w4": dict(scores_block_h=64, scores_warps=8, values_block_h=32, block_v=256,
+                                     values_warps=4),
+}
+# Its two launches apart, at the first variant's shape: where the time goes.
+SPLIT_VARIANT = "two-pass/s64w8/v64x128w8"
+
+
+def two_pass_rows(heads: int, topk: int, cache: torch.Tensor, prepared: dict, checks: list, want: list) -> list:
+    """Each TWO_PASS_VARIANTS entry: the same bits as the rowsum_mma deployment on `checks` (`want`),
+    its time on the prefill rows, and for SPLIT_VARIANT each pass's time."""
+    inputs, scale = prepared["inputs"][PREFILL_ROWS][:2], (MLA_LATENT + MLA_ROPE) ** -0.5
+    rows = []
+    for name, knobs in TWO_PASS_VARIANTS.items():
+        row = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={})
+        try:
+            row["same_bits"] = all(torch.equal(mla_prefill.sparse_mla_two_pass(q, cache, s, MLA_LATENT, scale, **knobs),
+                                               w) for (q, s), w in zip(checks, want))
+            row["us"][str(PREFILL_ROWS)] = graph_us([lambda q=q, s=s: mla_prefill.sparse_mla_two_pass(
+                q, cache, s, MLA_LATENT, scale, **knobs) for q, s in inputs], reps=3)
+            if name == SPLIT_VARIANT:
+                scores = dict(block_h=knobs["scores_block_h"], num_warps=knobs["scores_warps"])
+                stats = [mla_prefill.scores_pass(q, cache, s, MLA_LATENT, scale, **scores) for q, s in inputs]
+                row["scores_pass_us"] = graph_us([lambda q=q, s=s: mla_prefill.scores_pass(
+                    q, cache, s, MLA_LATENT, scale, **scores) for q, s in inputs], reps=3)
+                outs = [torch.empty(q.shape[0], heads, MLA_LATENT, dtype=q.dtype, device=q.device) for q, _ in inputs]
+                row["values_pass_us"] = graph_us([lambda st=st, s=s, o=o: mla_prefill.values_pass(
+                    st, cache, s, o, block_h=knobs["values_block_h"], block_v=knobs["block_v"],
+                    num_warps=knobs["values_warps"]) for st, (_, s), o in zip(stats, inputs, outs)], reps=3)
+                del stats, outs
+        except Exception as err:  # noqa: BLE001 - a shape the chip cannot hold (shared memory, registers)
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepared: dict,
-               rowsum_mma: bool = False) -> list:
+               rowsum_mma: bool = False, only_two_pass: bool = False) -> list:
     """Each FREE_VARIANTS entry against the deployment (gathered, in registers): same bits at the
     smallest and largest batch and on 2 x 256 prefill rows, and its time at every batch. rowsum_mma:
     the same knobs around the deployment with its row sums as an MMA (`--rowsum-mma`)."""
@@ -146,11 +205,20 @@ def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepar
     checks = [inputs[b][0] for b in (batches[0], batches[-1])] + [
         (q[:256], s[:256]) for q, s in inputs[PREFILL_ROWS][:2]]
 
-    def run(q, s, **kw):
+    def run(q, s, **kw) -> torch.Tensor:
         return attention.sparse_mla_decode(q, cache, s, MLA_LATENT, scale, **{**base, **kw})
     want = [run(q, s) for q, s in checks]
     rows = []
-    for name, knobs in [("deployment", {}), *FREE_VARIANTS.items()]:
+    if rowsum_mma:  # the newest question first (after the deployment's own row, its time the yardstick)
+        order = [("deployment", {}), ("two-pass", None), *FREE_VARIANTS.items()]
+        if only_two_pass:  # and the one-pass prefill launch it must beat
+            order = [("deployment", {}), ("two-pass", None), ("bh64/w8/halves", FREE_VARIANTS["bh64/w8/halves"])]
+    else:
+        order = [("deployment", {}), *FREE_VARIANTS.items()]
+    for name, knobs in order:
+        if knobs is None:
+            rows += two_pass_rows(heads, topk, cache, prepared, checks, want)
+            continue
         row = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={})
         try:
             row["same_bits"] = all(torch.equal(run(q, s, **knobs), w) for (q, s), w in zip(checks, want))
@@ -172,9 +240,11 @@ def free_summary(rows: list, batches: list) -> str:
         if "error" in r:
             out.append(f"{head} {r['error'][:140]}")
             continue
-        cells = " | ".join(f"bs{b} {r['us'].get(str(b), float('nan')):.1f}" for b in batches)
+        cells = " | ".join(f"bs{b} {r['us'][str(b)]:.1f}" for b in batches if str(b) in r["us"]) or "prefill only"
+        passes = (f" (scores {r['scores_pass_us']:.0f} + values {r['values_pass_us']:.0f})"
+                  if "scores_pass_us" in r else "")
         out.append(f"{head} bits {'SAME' if r['same_bits'] else 'differ'} | {cells} | "
-                   f"prefill {r['us'].get(str(PREFILL_ROWS), float('nan')):.0f}")
+                   f"prefill {r['us'].get(str(PREFILL_ROWS), float('nan')):.0f}{passes}")
     return "\n".join(out)
 
 
@@ -230,9 +300,13 @@ def main() -> None:
     parser.add_argument("--vs-sglang", action="store_true")
     parser.add_argument("--free", action="store_true", help="which deployment knobs keep its bits (see above)")
     parser.add_argument("--rowsum-mma", action="store_true", help="--free around the deployment with MMA row sums")
+    parser.add_argument("--only-two-pass", action="store_true",
+                        help="--free --rowsum-mma with the deployment, the two-pass form and the latent halves only")
     parser.add_argument("--candidates", nargs="*", default=None,
                         help="H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow instead of CANDIDATES")
     args = parser.parse_args()
+    if args.only_two_pass:
+        args.free = args.rowsum_mma = True
     vs = None
     if args.vs_sglang:
         vs = _vs_sglang()
@@ -247,8 +321,10 @@ def main() -> None:
         prepared = {h: prepare(h, args.topk, batches, cache, vs) for h in heads}
         if args.free:
             for h in heads:
-                free += free_knobs(h, args.topk, batches, cache, prepared[h], args.rowsum_mma)
-        if args.candidates is not None:
+                free += free_knobs(h, args.topk, batches, cache, prepared[h], args.rowsum_mma, args.only_two_pass)
+        if args.only_two_pass:
+            order = []
+        elif args.candidates is not None:
             order = [(int(c.split(":")[0]), tuple(int(x) for x in c.split(":")[1].split(","))) for c in args.candidates]
         else:  # head counts interleaved, each list most-likely first: a run cut short keeps the best of both
             order = [(h, CANDIDATES[h][i]) for i in range(max(len(CANDIDATES[h]) for h in heads)) for h in heads

@@ -46,7 +46,8 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 # graph-runner tests run alone (their jitter controls depend on the GPU not being shared).
 # `kernel_tests` is the first half alone; KERNEL_TEST_FILES / KERNEL_TEST_K narrow it to what a change touched.
 KERNEL_TEST_FILES=${KERNEL_TEST_FILES:-tests/kernels/test_triton_kernels.py tests/kernels/test_moe_align.py \
-    tests/kernels/test_graph_static.py tests/kernels/test_fused_glue.py tests/kernels/test_indexer_topk.py}
+    tests/kernels/test_graph_static.py tests/kernels/test_fused_glue.py tests/kernels/test_indexer_topk.py \
+    tests/kernels/test_mla_prefill.py}
 (want graph_tests || want kernel_tests) && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q \
     -p no:cacheprovider --run-gpu -n "${KERNEL_TEST_WORKERS:-4}" $KERNEL_TEST_FILES ${KERNEL_TEST_K:+-k "$KERNEL_TEST_K"}
 want graph_tests && section graph_runner_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
@@ -72,12 +73,20 @@ want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep -
 # warps become free (then prefill could run 64-head wgmma tiles with decode's bits)?
 want mla_free_mma && section mla_free_mma "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free_mma.json" \
     --free --rowsum-mma --heads "${MLA_HEADS:-64}" --batches 1,16,32,64,128 --candidates ${MLA_CANDIDATES:-}
+# The two-pass sparse MLA prefill form (mla_prefill): its bits vs the rowsum_mma deployment's and its
+# 4,096-row time per launch shape (each pass apart for one), beside the deployment and the latent halves.
+want mla_two_pass && section mla_two_pass "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_two_pass.json" \
+    --only-two-pass --heads "${MLA_HEADS:-64}" --batches 1,16,128
 want gemm_sweep && section gemm_sweep "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --budget-s 100 --out "$OUT/gemm_sweep.json"
 # Prefill-sized GEMMs: tiles, and the splits added apart or in the tile's program (same bits?)
 want gemm_prefill && section gemm_prefill "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --rows 4096 --budget-s 90 \
     --out "$OUT/gemm_prefill.json"
 want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model dsv4-slice \
     --batch-sizes 1,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
+# The slice's 4,096-row prefill pass with each sparse MLA prefill candidate (skip_tail, rowsum_mma, latent
+# halves, two-pass), each one's logits checked against the pass it must equal; few decode points.
+want prefill_variants_slice && section prefill_variants_slice "${PREFILL_TIMEOUT:-240}" $PY -m bench.decode_step \
+    --model dsv4-slice --batch-sizes 1,16 --iters 10 --prefill-variants --out "$OUT/prefill_variants_slice.json"
 
 # ---- the engine on the GPU (issues 7, 8): graphs + multi-stream through Engine.step(), overlap
 want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \

@@ -75,6 +75,13 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
                 narrow_partials=narrow, rowsum_mma=False, latent_halves=False)
 
 
+def chunk_blocks(selected: int, num_splits: int, block_s: int) -> tuple[int, int]:
+    """(BLOCK_S blocks per chunk, chunks): whole blocks per chunk, so N asked for may give fewer
+    chunks. Part of a row's numerics, shared by every form of the kernel."""
+    blocks_per_chunk = triton.cdiv(triton.cdiv(selected, num_splits), block_s)
+    return blocks_per_chunk, triton.cdiv(selected, blocks_per_chunk * block_s)
+
+
 def default_num_splits(num_selected: int, num_heads: int) -> int:
     return default_launch(num_selected, num_heads)["num_splits"]
 
@@ -93,15 +100,38 @@ def spreads(tokens: int, programs_per_query: int, splits: int, device: torch.dev
 
 
 @triton.jit
-def _fold(M, L, A, m, l, acc):
-    """The softmax state (M, L, A) followed by a chunk's (m, l, acc): the one merge formula of both
-    modes. From the empty state (-1e30, 0, 0) it must return the chunk's state bit for bit (the
-    spread mode folds each chunk into it twice): a side that holds the max gets weight 1 exactly,
-    not exp2(0) of an approximate exp2."""
+def _fold_weights(M, m):
+    """The folded max and the weights of the folded state (keep) and of the chunk's (take), apart
+    from their use so the two-pass prefill form (mla_prefill) can compute them in one pass and
+    apply them in another. A side that holds the max gets weight 1 exactly, not exp2(0) of an
+    approximate exp2."""
     M_new = tl.maximum(M, m)
     keep = tl.where(M == M_new, 1.0, tl.exp2(M - M_new))
     take = tl.where(m == M_new, 1.0, tl.exp2(m - M_new))
-    return M_new, L * keep + l * take, A * keep[:, None] + acc * take[:, None]
+    return M_new, keep, take
+
+
+@triton.jit
+def _fold_rows(A, acc, keep, take):
+    return A * keep[:, None] + acc * take[:, None]
+
+
+@triton.jit
+def _fold(M, L, A, m, l, acc):
+    """The softmax state (M, L, A) followed by a chunk's (m, l, acc): the one merge formula of both
+    modes. From the empty state (-1e30, 0, 0) it must return the chunk's state bit for bit (the
+    spread mode folds each chunk into it twice): `_fold_weights` gives the max's side weight 1."""
+    M_new, keep, take = _fold_weights(M, m)
+    return M_new, L * keep + l * take, _fold_rows(A, acc, keep, take)
+
+
+@triton.jit
+def _row_sums_mma(p_v, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
+    """The row sums of the 16-bit p as an MMA (p @ ones, every column equal; max picks one exactly):
+    its order is the MMA's k order, which no tile shape, warp count or MMA kind changes
+    (bench/mma_bits.py), where tl.sum's tree follows the layout."""
+    ones = tl.full((BLOCK_S, 16), 1.0, dtype=p_v.dtype)
+    return tl.max(tl.dot(p_v, ones, input_precision=PRECISION), axis=1)
 
 
 @triton.jit
@@ -237,13 +267,10 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         if ROWSUM_MMA:
-            # The row sum of the same 16-bit p the values are weighted by, as an MMA (p @ ones, every
-            # column equal; max picks one exactly): its order is the MMA's k order, which no tile
-            # shape, warp count or MMA kind changes (bench/mma_bits.py), where tl.sum's tree follows
-            # the layout. With it, BLOCK_H and warps stop being part of a deployment's numerics.
+            # The row sum of the same 16-bit p the values are weighted by, as an MMA: with it, BLOCK_H
+            # and warps stop being part of a deployment's numerics.
             p_v = p.to(kv_v.dtype)
-            ones = tl.full((BLOCK_S, 16), 1.0, dtype=kv_v.dtype)
-            l_i = l_i * alpha + tl.max(tl.dot(p_v, ones, input_precision=PRECISION), axis=1)
+            l_i = l_i * alpha + _row_sums_mma(p_v, BLOCK_S, PRECISION)
             acc = tl.dot(p_v, kv_v, acc * alpha[:, None], input_precision=PRECISION)
         else:
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -382,8 +409,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     v_split = v_split or launch["v_split"]
     narrow = launch["narrow_partials"] if narrow_partials is None else narrow_partials
     part_dtype = q.dtype if narrow and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    blocks_per_chunk = triton.cdiv(triton.cdiv(selected, splits), block_s)
-    splits = triton.cdiv(selected, blocks_per_chunk * block_s)
+    blocks_per_chunk, splits = chunk_blocks(selected, splits, block_s)
     head_blocks = triton.cdiv(heads, block_h)
     halves = launch["latent_halves"] if latent_halves is None else latent_halves
     if halves and v_split != 2:
