@@ -144,30 +144,28 @@ FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout s
 # bits by construction, timed at 4,096 rows only (a prefill form). Its launch shapes: scores pass
 # (BLOCK_H, warps, stages) / values pass (BLOCK_H x BLOCK_V columns, warps, stages).
 TWO_PASS_VARIANTS = {
-    "two-pass/s64w8/v64x128w8": dict(scores_block_h=64, scores_warps=8, values_block_h=64, block_v=128,
-                                     values_warps=8),
+    # The first H200 sweep (docs/results.md, "Ninth session"): 4 warps a pass beat 8 (2,771 vs 3,239 us),
+    # 32-head score programs gather each row twice (3,571). Around the 4-warp launch now:
     "two-pass/s64w4/v64x128w4": dict(scores_block_h=64, scores_warps=4, values_block_h=64, block_v=128,
                                      values_warps=4),
-    "two-pass/s64w8/v64x256w8": dict(scores_block_h=64, scores_warps=8, values_block_h=64, block_v=256,
-                                     values_warps=8),
-    "two-pass/s64w8/v64x64w4": dict(scores_block_h=64, scores_warps=8, values_block_h=64, block_v=64,
+    "two-pass/s64w4/v64x64w4": dict(scores_block_h=64, scores_warps=4, values_block_h=64, block_v=64,
                                     values_warps=4),
-    "two-pass/s64w8s1/v64x128w8s3": dict(scores_block_h=64, scores_warps=8, scores_stages=1, values_block_h=64,
-                                         block_v=128, values_warps=8, values_stages=3),
-    "two-pass/s64w16/v64x128w8": dict(scores_block_h=64, scores_warps=16, values_block_h=64, block_v=128,
-                                      values_warps=8),
-    "two-pass/s32w4/v64x128w8": dict(scores_block_h=32, scores_warps=4, values_block_h=64, block_v=128,
+    "two-pass/s64w4/v64x256w8": dict(scores_block_h=64, scores_warps=4, values_block_h=64, block_v=256,
                                      values_warps=8),
-    "two-pass/s64w8/v32x256w4": dict(scores_block_h=64, scores_warps=8, values_block_h=32, block_v=256,
-                                     values_warps=4),
+    "two-pass/s64w4/v64x128w8": dict(scores_block_h=64, scores_warps=4, values_block_h=64, block_v=128,
+                                     values_warps=8),
+    "two-pass/s64w4s3/v64x128w4s3": dict(scores_block_h=64, scores_warps=4, scores_stages=3, values_block_h=64,
+                                         block_v=128, values_warps=4, values_stages=3),
+    "two-pass/s64w4s1/v64x128w4": dict(scores_block_h=64, scores_warps=4, scores_stages=1, values_block_h=64,
+                                       block_v=128, values_warps=4),
+    "two-pass/s64w8/v64x128w8": dict(scores_block_h=64, scores_warps=8, values_block_h=64, block_v=128,
+                                     values_warps=8),
 }
-# Its two launches apart, at the first variant's shape: where the time goes.
-SPLIT_VARIANT = "two-pass/s64w8/v64x128w8"
 
 
 def two_pass_rows(heads: int, topk: int, cache: torch.Tensor, prepared: dict, checks: list, want: list) -> list:
     """Each TWO_PASS_VARIANTS entry: the same bits as the rowsum_mma deployment on `checks` (`want`),
-    its time on the prefill rows, and for SPLIT_VARIANT each pass's time."""
+    its time on the prefill rows, and each pass's time apart (where the time goes)."""
     inputs, scale = prepared["inputs"][PREFILL_ROWS][:2], (MLA_LATENT + MLA_ROPE) ** -0.5
     rows = []
     for name, knobs in TWO_PASS_VARIANTS.items():
@@ -177,16 +175,15 @@ def two_pass_rows(heads: int, topk: int, cache: torch.Tensor, prepared: dict, ch
                                                w) for (q, s), w in zip(checks, want))
             row["us"][str(PREFILL_ROWS)] = graph_us([lambda q=q, s=s: mla_prefill.sparse_mla_two_pass(
                 q, cache, s, MLA_LATENT, scale, **knobs) for q, s in inputs], reps=3)
-            if name == SPLIT_VARIANT:
-                scores = dict(block_h=knobs["scores_block_h"], num_warps=knobs["scores_warps"])
-                stats = [mla_prefill.scores_pass(q, cache, s, MLA_LATENT, scale, **scores) for q, s in inputs]
-                row["scores_pass_us"] = graph_us([lambda q=q, s=s: mla_prefill.scores_pass(
-                    q, cache, s, MLA_LATENT, scale, **scores) for q, s in inputs], reps=3)
-                outs = [torch.empty(q.shape[0], heads, MLA_LATENT, dtype=q.dtype, device=q.device) for q, _ in inputs]
-                row["values_pass_us"] = graph_us([lambda st=st, s=s, o=o: mla_prefill.values_pass(
-                    st, cache, s, o, block_h=knobs["values_block_h"], block_v=knobs["block_v"],
-                    num_warps=knobs["values_warps"]) for st, (_, s), o in zip(stats, inputs, outs)], reps=3)
-                del stats, outs
+            scores = dict(block_h=knobs["scores_block_h"], num_warps=knobs["scores_warps"])  # stages: the default's
+            stats = [mla_prefill.scores_pass(q, cache, s, MLA_LATENT, scale, **scores) for q, s in inputs]
+            row["scores_pass_us"] = graph_us([lambda q=q, s=s: mla_prefill.scores_pass(
+                q, cache, s, MLA_LATENT, scale, **scores) for q, s in inputs], reps=3)
+            outs = [torch.empty(q.shape[0], heads, MLA_LATENT, dtype=q.dtype, device=q.device) for q, _ in inputs]
+            row["values_pass_us"] = graph_us([lambda st=st, s=s, o=o: mla_prefill.values_pass(
+                st, cache, s, o, block_h=knobs["values_block_h"], block_v=knobs["block_v"],
+                num_warps=knobs["values_warps"]) for st, (_, s), o in zip(stats, inputs, outs)], reps=3)
+            del stats, outs
         except Exception as err:  # noqa: BLE001 - a shape the chip cannot hold (shared memory, registers)
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         print(json.dumps(row), flush=True)

@@ -50,10 +50,10 @@ from runtime.kernels.triton.attention import (
 )
 
 # Launch shapes of the two passes (no effect on the bits). 64-head scores tiles gather each row once
-# for all heads; the values pass's [64 x BLOCK_V] accumulator and fold stay in registers at 8 warps.
-# Guesses until bench.mla_sweep times them on the H200.
-SCORES_LAUNCH = dict(block_h=64, num_warps=8, num_stages=2)
-VALUES_LAUNCH = dict(block_h=64, block_v=128, num_warps=8, num_stages=2)
+# for all heads. H200, 4,096 rows (bench.mla_sweep --only-two-pass, docs/results.md "Ninth session"):
+# 4 warps a pass 2,771 us, 8 warps 3,239 (the 8-warp scores pass spills at 255 registers).
+SCORES_LAUNCH = dict(block_h=64, num_warps=4, num_stages=2)
+VALUES_LAUNCH = dict(block_h=64, block_v=128, num_warps=4, num_stages=2)
 
 
 @triton.jit
