@@ -180,18 +180,14 @@ def two_pass_above(rows: int):
 def prefill_launches(bench, chunk, roofline_ms: float, plain_logits: torch.Tensor, iters: int) -> dict:
     """The prefill pass with attention.PREFILL_LAUNCH set: `prefill_rowsum_mma` = the deployment's
     sparse MLA launch with its row sums as an MMA (what a rowsum_mma deployment would run; other bits
-    than the plain pass's tl.sum), `prefill_halves` = the 64-head latent-halves launch
-    (attention.HALVES_PREFILL, rowsum_mma too), whose logits must equal prefill_rowsum_mma's; and
-    `prefill_two_pass` = the pass's sparse MLA as the two-pass form (mla_prefill), whose logits must
-    equal prefill_rowsum_mma's too."""
+    than the plain pass's tl.sum); and `prefill_two_pass` = the pass's sparse MLA as the two-pass
+    form (mla_prefill), whose logits must equal prefill_rowsum_mma's."""
     runs = {}
     saved = attention.PREFILL_LAUNCH
-    launches = {"prefill_rowsum_mma": dict(rowsum_mma=True), "prefill_halves": attention.HALVES_PREFILL}
     try:
-        for name, launch in launches.items():
-            attention.PREFILL_LAUNCH = launch
-            ms = time_ms(bench.runner.eager, chunk, iters=iters)
-            runs[name] = ms, bench.runner.eager(chunk).clone()
+        attention.PREFILL_LAUNCH = dict(rowsum_mma=True)
+        ms = time_ms(bench.runner.eager, chunk, iters=iters)
+        runs["prefill_rowsum_mma"] = ms, bench.runner.eager(chunk).clone()
     finally:
         attention.PREFILL_LAUNCH = saved
     if bench.model.sparse_mla is not None:  # the Triton attention kernel (--attention-kernel triton)
@@ -204,9 +200,9 @@ def prefill_launches(bench, chunk, roofline_ms: float, plain_logits: torch.Tenso
             bench.model.sparse_mla = model_mla
     out = {name: {"ms": ms, "pct_roofline": 100 * roofline_ms / ms, "same_logits_as_plain": bool(
         torch.equal(logits, plain_logits))} for name, (ms, logits) in runs.items()}
-    for name in ("prefill_halves", "prefill_two_pass"):
-        if name in runs:
-            out[name]["same_logits_as_rowsum_mma"] = bool(torch.equal(runs[name][1], runs["prefill_rowsum_mma"][1]))
+    if "prefill_two_pass" in runs:
+        out["prefill_two_pass"]["same_logits_as_rowsum_mma"] = bool(
+            torch.equal(runs["prefill_two_pass"][1], runs["prefill_rowsum_mma"][1]))
     print(json.dumps({"prefill_launches": out}), flush=True)
     return out
 
@@ -220,8 +216,8 @@ def main() -> None:
     ap.add_argument("--sawtooth", default="", help="batch sizes for the fine vs coarse bucket sweep")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--prefill-variants", action="store_true",
-                    help="also time the prefill pass with skip_tail, the rowsum_mma / latent-halves launches and the "
-                         "two-pass sparse MLA (each pass's logits checked)")
+                    help="also time the prefill pass with skip_tail, the rowsum_mma launch and the two-pass "
+                         "sparse MLA (each pass's logits checked)")
     ap.add_argument("--out", default="")
     ap.add_argument("--roofline-only", type=float, default=0.0, metavar="TB_S",
                     help="no GPU: print the roofline per batch size at this read bandwidth and its linear fit")
@@ -316,7 +312,6 @@ def main() -> None:
                       "step128_over_step16": results.get("step128_over_step16"),
                       "prefill": results.get("prefill"), "prefill_skip_tail": results.get("prefill_skip_tail"),
                       "prefill_rowsum_mma": results.get("prefill_rowsum_mma"),
-                      "prefill_halves": results.get("prefill_halves"),
                       "prefill_two_pass": results.get("prefill_two_pass")}),
           flush=True)
     if args.out:

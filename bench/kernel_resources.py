@@ -48,11 +48,6 @@ VARIANTS = {
     "skip_tail w8 s2": dict(TAIL=True, warps=8),
     "row sums as an MMA w4 s2": dict(ROWSUM_MMA=True),
     "row sums as an MMA, BLOCK_H 64 w8 s2": dict(ROWSUM_MMA=True, BLOCK_H=64, warps=8),
-    # The prefill launch: 64-head tiles, the latent in halves (one launch per half; the first's).
-    "latent halves, BLOCK_H 64 w8 s2": dict(ROWSUM_MMA=True, BLOCK_H=64, V_SPLIT=2, HALVES=True, warps=8),
-    "latent halves, BLOCK_H 64, BLOCK_S 32 w8 s2": dict(ROWSUM_MMA=True, BLOCK_H=64, BLOCK_S=32, V_SPLIT=2,
-                                                         HALVES=True, warps=8),
-    "latent halves, BLOCK_H 64 w4 s2": dict(ROWSUM_MMA=True, BLOCK_H=64, V_SPLIT=2, HALVES=True),
     "2 column blocks, BLOCK_H 64 w8 s2": dict(ROWSUM_MMA=True, BLOCK_H=64, V_SPLIT=2, warps=8),
 }
 
@@ -94,7 +89,7 @@ def resources(knobs: dict) -> dict:
     warps, stages = knobs.pop("warps", 4), knobs.pop("stages", 2)
     constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
-                     BLOCK_ALL=1024, ROWSUM_MMA=False, HALVES=False, V_HALF=0)
+                     BLOCK_ALL=1024, ROWSUM_MMA=False)
     constants.update(knobs)
     return compiled_resources(attention._sparse_mla_kernel, SIGNATURE, constants, warps, stages)
 

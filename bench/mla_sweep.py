@@ -113,13 +113,6 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
 # and with 4 column blocks (251 KB, "Eighth session").
 FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout still answers it
     "bh64/w8": dict(block_h=64, num_warps=8),
-    # The prefill launch (attention.HALVES_PREFILL): 2 column blocks whose PV product reads its own
-    # half of the latent already loaded for the scores (no third load: bh64/w8's shared memory).
-    "bh64/w8/halves": dict(block_h=64, num_warps=8, num_stages=2, v_split=2, latent_halves=True),
-    "bh64/w4/halves": dict(block_h=64, num_warps=4, num_stages=2, v_split=2, latent_halves=True),
-    # Half the gathered rows per step (fewer spills, half the shared memory), but a different
-    # numerics: the online softmax steps every 32 positions. Expect "differ"; timed as a candidate.
-    "bh64/w8/halves/bs32": dict(block_h=64, num_warps=8, num_stages=2, v_split=2, latent_halves=True, block_s=32),
     "memory": dict(merge="memory"), "stages1": dict(num_stages=1), "stages3": dict(num_stages=3),
     "memory+stages1": dict(merge="memory", num_stages=1), "warps8": dict(num_warps=8),
     "warps8+stages1": dict(num_warps=8, num_stages=1), "warps2": dict(num_warps=2),
@@ -207,9 +200,7 @@ def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepar
     want = [run(q, s) for q, s in checks]
     rows = []
     if rowsum_mma:  # the newest question first (after the deployment's own row, its time the yardstick)
-        order = [("deployment", {}), ("two-pass", None), *FREE_VARIANTS.items()]
-        if only_two_pass:  # and the one-pass prefill launch it must beat
-            order = [("deployment", {}), ("two-pass", None), ("bh64/w8/halves", FREE_VARIANTS["bh64/w8/halves"])]
+        order = [("deployment", {}), ("two-pass", None), *([] if only_two_pass else FREE_VARIANTS.items())]
     else:
         order = [("deployment", {}), *FREE_VARIANTS.items()]
     for name, knobs in order:
@@ -298,7 +289,7 @@ def main() -> None:
     parser.add_argument("--free", action="store_true", help="which deployment knobs keep its bits (see above)")
     parser.add_argument("--rowsum-mma", action="store_true", help="--free around the deployment with MMA row sums")
     parser.add_argument("--only-two-pass", action="store_true",
-                        help="--free --rowsum-mma with the deployment, the two-pass form and the latent halves only")
+                        help="--free --rowsum-mma with the deployment and the two-pass form only")
     parser.add_argument("--candidates", nargs="*", default=None,
                         help="H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow instead of CANDIDATES")
     args = parser.parse_args()

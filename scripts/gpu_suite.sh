@@ -74,7 +74,7 @@ want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep -
 want mla_free_mma && section mla_free_mma "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free_mma.json" \
     --free --rowsum-mma --heads "${MLA_HEADS:-64}" --batches 1,16,32,64,128 --candidates ${MLA_CANDIDATES:-}
 # The two-pass sparse MLA prefill form (mla_prefill): its bits vs the rowsum_mma deployment's and its
-# 4,096-row time per launch shape (each pass apart for one), beside the deployment and the latent halves.
+# 4,096-row time per launch shape (each pass apart for one), beside the deployment.
 want mla_two_pass && section mla_two_pass "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_two_pass.json" \
     --only-two-pass --heads "${MLA_HEADS:-64}" --batches 1,16,128
 want gemm_sweep && section gemm_sweep "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --budget-s 100 --out "$OUT/gemm_sweep.json"
@@ -83,8 +83,8 @@ want gemm_prefill && section gemm_prefill "${BENCH_TIMEOUT:-150}" $PY -m bench.g
     --out "$OUT/gemm_prefill.json"
 want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model dsv4-slice \
     --batch-sizes 1,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
-# The slice's 4,096-row prefill pass with each sparse MLA prefill candidate (skip_tail, rowsum_mma, latent
-# halves, two-pass), each one's logits checked against the pass it must equal; few decode points.
+# The slice's 4,096-row prefill pass with each sparse MLA prefill candidate (skip_tail, rowsum_mma,
+# two-pass), each one's logits checked against the pass it must equal; few decode points.
 want prefill_variants_slice && section prefill_variants_slice "${PREFILL_TIMEOUT:-240}" $PY -m bench.decode_step \
     --model dsv4-slice --batch-sizes 1,16 --iters 10 --prefill-variants --out "$OUT/prefill_variants_slice.json"
 

@@ -286,9 +286,9 @@ def test_sparse_mla_row_sums_as_an_mma_match_the_reference_in_every_mode(dtype):
 
 @gpu
 def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
-    """With rowsum_mma, BLOCK_H 16/32/64, 4/8 warps, latent-column splits (loaded again or as latent
-    halves) and the launch mode give one set of bits (every reduction of a row is an MMA k-chain or a
-    max); negative control: with tl.sum's row sums, some of the same launches change them (`bench.mla_sweep --free`)."""
+    """With rowsum_mma, BLOCK_H 16/32/64, 4/8 warps, latent-column splits and the launch mode give one
+    set of bits (every reduction of a row is an MMA k-chain or a max); negative control: with tl.sum's
+    row sums, some of the same launches change them (`bench.mla_sweep --free`)."""
     q, cache, slots, _, _ = _attention_case(3, 4, 64, 512, 64, 2 * (512 + 128), 128, 512, torch.bfloat16,
                                             page_size=64)
 
@@ -300,9 +300,7 @@ def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
 
     launches = (dict(num_warps=8), dict(block_h=32, num_warps=8), dict(block_h=64, num_warps=8),
                 dict(block_h=32, num_warps=8, v_split=2), dict(v_split=2),
-                dict(spread=True, merge="kernel", block_h=64, num_warps=8),
-                dict(block_h=64, num_warps=8, num_stages=2, v_split=2, latent_halves=True),
-                dict(v_split=2, latent_halves=True))
+                dict(spread=True, merge="kernel", block_h=64, num_warps=8))
     want = run(True)
     for launch in launches:
         assert torch.equal(run(True, **launch), want), f"rowsum_mma bits changed with {launch}"
@@ -313,67 +311,40 @@ def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
         "tl.sum row sums no longer depend on the launch: the control shows nothing"
 
 
-def _halves_run(q, cache, slots, latent, scale, mode, halves, **launch):
-    out = poisoned(q.shape[0], q.shape[1], latent, dtype=q.dtype)
-    attention.sparse_mla_decode(q, cache, slots, latent, scale, spread=mode[0], merge=mode[1], v_split=2,
-                                rowsum_mma=True, latent_halves=halves, out=out, **launch)
-    return out
-
-
-@settings(max_examples=3, deadline=None)  # + the example; each runs 5 launches (interpreted: slow)
-@given(seed=SEEDS, queries=st.sampled_from([1, 3]), heads=st.sampled_from([20, 64]),
-       latent=st.sampled_from([64, 192]), splits=st.sampled_from([2, 3]), block_h=st.sampled_from([16, 64]),
-       skip_tail=st.booleans(), dtype=st.sampled_from(DTYPES))
-@example(seed=3, queries=3, heads=20, latent=192, splits=3, block_h=16, skip_tail=True, dtype=torch.float16)
-def test_sparse_mla_latent_halves_match_the_reference_in_every_mode(seed, queries, heads, latent, splits, block_h,
-                                                                    skip_tail, dtype):
-    """latent_halves (one launch per half of the output columns, the latent loaded as two halves):
-    the reference's values, every launch mode's bits alike, and on the GPU the bits of the same
-    launch loading its columns a third time. C=192 pads to 256: the high half is partly masked.
-    The interpreter's dot is numpy's matmul + acc, which rounds a K split in two otherwise than
-    one matmul over K (checked: 1 ulp apart in float32), so there the two agree within tolerance."""
-    rope_dim, window, topk = 16, 12, 57
-    q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, 3 * (window + topk),
-                                                      window, topk, dtype)
-    scale = (latent + rope_dim) ** -0.5
-    launch = dict(num_splits=splits, block_h=block_h, block_s=16, skip_tail=skip_tail)
-    outs = {mode: _halves_run(q, cache, slots, latent, scale, mode, True, **launch) for mode in MLA_MODES}
-    assert_same_bits(outs)
-    halves = outs[MLA_MODES[0]]
-    assert_close_scaled(halves, reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale), dtype)
-    loaded_again = _halves_run(q, cache, slots, latent, scale, MLA_MODES[2], False, **launch)
-    if ON_GPU:
-        assert torch.equal(halves, loaded_again), "latent halves changed the bits of the v_split=2 launch"
-    else:
-        assert_close_scaled(halves, loaded_again.double().cpu(), dtype)
-
-
-def test_latent_halves_need_two_column_blocks():
-    q, cache, slots, _, _ = _attention_case(1, 1, 16, 64, 16, 40, 8, 24, DTYPES[0])
-    with pytest.raises(ValueError, match="v_split must be 2"):
-        attention.sparse_mla_decode(q, cache, slots, 64, 0.1, v_split=1, latent_halves=True)
-
-
 def test_prefill_launch_applies_above_its_row_count_only(monkeypatch):
-    """PREFILL_LAUNCH: passes of more than PREFILL_LAUNCH_ROWS rows run it (the bits of the same
-    launch asked for explicitly), shorter passes the deployment's; a caller's argument wins."""
+    """PREFILL_LAUNCH: passes of more than PREFILL_LAUNCH_ROWS rows run it, shorter passes the
+    deployment's; a caller's argument wins. Its knobs keep a row's bits (the outputs stay the plain
+    launch's), so which launch ran is read from the kernel's launch arguments."""
     q, cache, slots, _, _ = _attention_case(2, 3, 20, 64, 16, 120, 8, 64, DTYPES[0])
     scale = 80 ** -0.5
     base = dict(num_splits=3, block_s=16, spread=False, merge="registers", rowsum_mma=True)
+    kernel, launched = attention._sparse_mla_kernel, []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["BLOCK_H"], kwargs["V_SPLIT"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
 
     def run(rows, **launch):
         out = poisoned(rows, 20, 64, dtype=q.dtype)
-        return attention.sparse_mla_decode(q[:rows], cache, slots[:rows], 64, scale, out=out, **{**base, **launch})
+        launched.clear()
+        attention.sparse_mla_decode(q[:rows], cache, slots[:rows], 64, scale, out=out, **{**base, **launch})
+        return out, launched[:]
 
-    halves = dict(block_h=64, num_warps=8, v_split=2, latent_halves=True)
-    want_halves, want_plain, want_caller = run(3, **halves), run(3), run(3, block_h=64, num_warps=8)
-    if not ON_GPU:  # the interpreter rounds the halves otherwise (see above): the checks below can tell them apart
-        assert not torch.equal(want_halves, want_plain)
-    monkeypatch.setattr(attention, "PREFILL_LAUNCH", halves)
+    monkeypatch.setattr(attention, "_sparse_mla_kernel", Recorded())
+    want, launch = run(3)
+    assert launch == [(16, 1)]
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH", dict(block_h=64, num_warps=8, v_split=2))
     monkeypatch.setattr(attention, "PREFILL_LAUNCH_ROWS", 2)
-    assert torch.equal(run(3), want_halves), "a 3-row pass did not take PREFILL_LAUNCH"
-    assert torch.equal(run(2), want_plain[:2]), "a 2-row pass took PREFILL_LAUNCH"
-    assert torch.equal(run(3, latent_halves=False, v_split=1), want_caller), "the caller's arguments lost"
+    out, launch = run(3)
+    assert launch == [(64, 2)], "a 3-row pass did not take PREFILL_LAUNCH"
+    assert torch.equal(out, want), "PREFILL_LAUNCH changed the bits"
+    out, launch = run(2)
+    assert launch == [(16, 1)] and torch.equal(out, want[:2]), "a 2-row pass took PREFILL_LAUNCH"
+    out, launch = run(3, v_split=1)
+    assert launch == [(64, 1)] and torch.equal(out, want), "the caller's arguments lost"
 
 
 @pytest.mark.parametrize("launch, match", [(dict(block_s=32), "block_s"), (dict(num_splits=2), "num_splits"),
@@ -440,7 +411,7 @@ def test_sparse_mla_with_skip_tail_compiles_for_the_gpu_without_one(spread, tick
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=stream, TAIL=True,
-                     BLOCK_ALL=1024, ROWSUM_MMA=False, HALVES=False, V_HALF=0)
+                     BLOCK_ALL=1024, ROWSUM_MMA=False)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
@@ -458,26 +429,7 @@ def test_sparse_mla_with_row_sums_as_an_mma_compiles_for_the_gpu(block_h):
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=block_h,
                      BLOCK_S=64, BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
-                     BLOCK_ALL=1024, ROWSUM_MMA=True, HALVES=False, V_HALF=0)
-    done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
-                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
-
-
-@pytest.mark.skipif(ON_GPU, reason="on a GPU the rowsum_mma launch test compiles it for real")
-@pytest.mark.parametrize("v_half, block_s", [(0, 64), (1, 64), (1, 32)])
-def test_sparse_mla_with_latent_halves_compiles_for_the_gpu(v_half, block_s):
-    """The prefill launch (64-head tiles, the latent in halves, each launch's own half as the PV
-    operand, row sums as an MMA) at the deployment shape, through sm_90's compiler."""
-    from tests.kernels.test_indexer_topk import compile_for_sm90
-
-    pointers = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", part_ptr="*bf16",
-                    stats_ptr="*fp32", ticket_ptr="*i32")
-    scalars = dict.fromkeys(["heads", "selected", "blocks_per_chunk", "stride_qt", "stride_qh", "stride_kv",
-                             "stride_idx", "stride_ot", "stride_oh"], "i32")
-    constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=64,
-                     BLOCK_S=block_s, BLOCK_C=512, BLOCK_R=64, V_SPLIT=2, NARROW=True, SPLITS=5, STREAM=False,
-                     TAIL=False, BLOCK_ALL=1024, ROWSUM_MMA=True, HALVES=True, V_HALF=v_half)
+                     BLOCK_ALL=1024, ROWSUM_MMA=True)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -9,9 +9,7 @@ chunk order (`_fold`), and out = A / L. N and the launch shape (BLOCK_H heads pe
 warps, V_SPLIT) are a property of the deployment (`default_launch` reads only S and H), never of the batch.
 With the row sums as an MMA (rowsum_mma) only N, BLOCK_S and the chunk sums' rounding are: BLOCK_H,
 warps, stages, V_SPLIT and the mode gave the same bits on the H200 (a row's reductions are MMA
-k-chains and maxima), so a prefill pass may take its own launch (PREFILL_LAUNCH). Latent halves
-split the scores' k-chain at C/2 without reordering it: the same bits expected, checked on the GPU
-(test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps).
+k-chains and maxima), so a prefill pass may take its own launch (PREFILL_LAUNCH).
 
 Two launch modes compute exactly those operations, so they give the same bits and the mode can
 follow the batch (`spreads`):
@@ -53,11 +51,7 @@ SKIP_TAIL_ROWS: int | None = None
 PREFILL_LAUNCH: dict | None = None
 PREFILL_LAUNCH_ROWS = 256
 _PREFILL_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge", "v_split", "skip_tail",
-                            "rowsum_mma", "latent_halves"})
-# The prefill-shaped launch (bench.decode_step and bench.mla_sweep time it): 64-head tiles gather
-# each row once for all heads; two column halves keep each program's two accumulators at
-# [64 x C/2] (128 float32 registers a thread at 8 warps, where [64 x C] spilled).
-HALVES_PREFILL = dict(block_h=64, num_warps=8, num_stages=2, v_split=2, latent_halves=True, rowsum_mma=True)
+                            "rowsum_mma"})
 
 
 def default_launch(num_selected: int, num_heads: int) -> dict:
@@ -72,7 +66,7 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
         block_h, block_s, chunk, warps, narrow = 16, 64, 128, 8, False
     return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
                 num_warps=warps, num_stages=2, merge="kernel", gathered_fold="registers", v_split=1,
-                narrow_partials=narrow, rowsum_mma=False, latent_halves=False)
+                narrow_partials=narrow, rowsum_mma=False)
 
 
 def chunk_blocks(selected: int, num_splits: int, block_s: int) -> tuple[int, int]:
@@ -168,8 +162,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
                        NARROW: tl.constexpr, SPLITS: tl.constexpr, STREAM: tl.constexpr, TAIL: tl.constexpr,
-                       BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, HALVES: tl.constexpr,
-                       V_HALF: tl.constexpr):
+                       BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
     # head blocks and latent-column blocks) run side by side and share them through L2. With
     # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
@@ -177,12 +170,8 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(heads, BLOCK_H)
     head_block = pid % head_blocks
-    if HALVES:  # one launch per half: the column block is a constant, so is the half the PV reads
-        v_block = V_HALF
-        rest = pid // head_blocks
-    else:
-        v_block = (pid // head_blocks) % V_SPLIT
-        rest = pid // head_blocks // V_SPLIT
+    v_block = (pid // head_blocks) % V_SPLIT
+    rest = pid // head_blocks // V_SPLIT
     if SPREAD:
         chunk = rest % SPLITS
         query = (rest // SPLITS).to(tl.int64)
@@ -200,17 +189,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     r_ok = offs_r < ROPE
     ok = h_ok[:, None] & v_ok[None, :]
     q_rows = q_ptr + query * stride_qt + offs_h[:, None] * stride_qh
-    if HALVES:
-        # The latent as two [*, C/2] halves, here and in every gathered row: the scores' dot runs
-        # the same k-steps in the same order, and the PV product reuses this program's half.
-        offs_lo = tl.arange(0, BLOCK_V)
-        offs_hi = BLOCK_V + offs_lo
-        lo_ok = offs_lo < LATENT
-        hi_ok = offs_hi < LATENT
-        q_lo = tl.load(q_rows + offs_lo[None, :], mask=h_ok[:, None] & lo_ok[None, :], other=0.0)
-        q_hi = tl.load(q_rows + offs_hi[None, :], mask=h_ok[:, None] & hi_ok[None, :], other=0.0)
-    else:
-        q_lat = tl.load(q_rows + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    q_lat = tl.load(q_rows + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
     q_rope = tl.load(q_rows + LATENT + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     if SPREAD:  # this program's chunk only
         first_block = chunk * blocks_per_chunk
@@ -242,25 +221,13 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         valid = slot >= 0
         rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
         # Masked: -1 slots may point at never-written (NaN-poisoned) rows, and 0 * NaN = NaN.
-        if HALVES:
-            kv_lo = tl.load(rows + offs_lo[None, :], mask=valid[:, None] & lo_ok[None, :], other=0.0)
-            kv_hi = tl.load(rows + offs_hi[None, :], mask=valid[:, None] & hi_ok[None, :], other=0.0)
-        else:
-            kv_lat = tl.load(rows + offs_c[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
+        kv_lat = tl.load(rows + offs_c[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
         kv_rope = tl.load(rows + LATENT + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
-        if HALVES:
-            scores = tl.dot(q_lo, tl.trans(kv_lo), input_precision=PRECISION)
-            scores = tl.dot(q_hi, tl.trans(kv_hi), scores, input_precision=PRECISION)
-            if V_HALF == 0:
-                kv_v = kv_lo
-            else:
-                kv_v = kv_hi
-        else:
-            if V_SPLIT == 1:
-                kv_v = kv_lat
-            else:  # this program's columns again (an L1 hit)
-                kv_v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
-            scores = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
+        if V_SPLIT == 1:
+            kv_v = kv_lat
+        else:  # this program's columns again (an L1 hit)
+            kv_v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
+        scores = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
         scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=PRECISION)
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -368,7 +335,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                       num_warps: int | None = None, num_stages: int | None = None, spread: bool | None = None,
                       merge: str | None = None, v_split: int | None = None, narrow_partials: bool | None = None,
                       skip_tail: bool | None = None, rowsum_mma: bool | None = None,
-                      latent_halves: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
     num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
@@ -385,10 +352,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     more than SKIP_TAIL_ROWS rows (prefill), where such rows are common. rowsum_mma: the softmax
     row sums as an MMA over the 16-bit probabilities (other bits than tl.sum's, the same for every
     BLOCK_H and warp count: a candidate for a future deployment, off in the current ones).
-    latent_halves (needs v_split=2): one launch per half of the output columns, each loading the
-    latent as two halves; the scores' dot runs the same k order and the PV product reuses the
-    program's own half, where v_split=2 alone loads its columns a third time. Passes of more than
-    PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set."""
+    Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
@@ -397,11 +361,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         return out
     if PREFILL_LAUNCH is not None and tokens > PREFILL_LAUNCH_ROWS:
         p = _prefill_knobs(dict(block_h=block_h, num_warps=num_warps, num_stages=num_stages, spread=spread,
-                                merge=merge, v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma,
-                                latent_halves=latent_halves))
+                                merge=merge, v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma))
         block_h, num_warps, num_stages, spread = p["block_h"], p["num_warps"], p["num_stages"], p["spread"]
         merge, v_split, skip_tail, rowsum_mma = p["merge"], p["v_split"], p["skip_tail"], p["rowsum_mma"]
-        latent_halves = p["latent_halves"]
     launch = default_launch(selected, heads)
     splits = num_splits or launch["num_splits"]
     block_h = block_h or launch["block_h"]
@@ -411,12 +373,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     part_dtype = q.dtype if narrow and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     blocks_per_chunk, splits = chunk_blocks(selected, splits, block_s)
     head_blocks = triton.cdiv(heads, block_h)
-    halves = launch["latent_halves"] if latent_halves is None else latent_halves
-    if halves and v_split != 2:
-        raise ValueError(f"latent_halves: each launch averages one half of the latent columns, so v_split must be "
-                         f"2, not {v_split}")
-    column_blocks = 1 if halves else v_split  # per launch
-    spread = (spreads(tokens, head_blocks * column_blocks, splits, q.device) if spread is None
+    spread = (spreads(tokens, head_blocks * v_split, splits, q.device) if spread is None
               else spread and splits > 1)
     merge = merge or launch["merge" if spread else "gathered_fold"]
     ticket = spread and merge == "ticket"
@@ -437,15 +394,14 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_c = triton.next_power_of_2(latent_dim)
     # No mul+add contraction: the fold must round alike in registers and from memory.
-    for v_half in (0, 1) if halves else (0,):
-        _sparse_mla_kernel[(head_blocks * column_blocks * (splits if spread else 1) * tokens,)](
-            q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, scale * LOG2E,
-            q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
-            LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
-            BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
-            NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, TAIL=skip_tail,
-            BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, HALVES=halves, V_HALF=v_half,
-            num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    _sparse_mla_kernel[(head_blocks * v_split * (splits if spread else 1) * tokens,)](
+        q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, scale * LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
+        LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
+        BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
+        NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, TAIL=skip_tail,
+        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False)
     if spread and not ticket:
         merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, block_c)
         _merge_kernel[(tokens, triton.cdiv(heads, merge_h), triton.cdiv(latent_dim, merge_c))](
