@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import time
@@ -56,6 +57,23 @@ def counts(rows: list[dict], mode: str, kind: str) -> dict[str, int]:
         "runs": len(statuses)}
 
 
+def by_metric(rows: list[dict], mode: str, kind: str) -> dict[str, dict]:
+    """Per metric: how many of the runs' verdicts on it were ok / slower / inconclusive, and the median
+    width of its interval (as a ratio, 0.1 = 10 points): which metric cries wolf, and why."""
+    seen: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["mode"] == mode and r["kind"] == kind:
+            for v in r.get("verdicts", []):
+                seen.setdefault(v["metric"], []).append(v)
+    out = {}
+    for metric, verdicts in seen.items():
+        statuses = [v["status"] for v in verdicts]
+        widths = sorted(v["high"] - v["low"] for v in verdicts if v["trials"])
+        out[metric] = {s: statuses.count(s) for s in (ratio_stats.OK, ratio_stats.SLOWER, ratio_stats.INCONCLUSIVE)}
+        out[metric]["median_width"] = widths[len(widths) // 2] if widths else math.nan
+    return out
+
+
 def report(rows: list[dict], modes: list[str], pct: float) -> bool:
     """Print the alarm counts per mode; True when every mode meets the issue's bar for its runs."""
     met = True
@@ -69,6 +87,11 @@ def report(rows: list[dict], modes: list[str], pct: float) -> bool:
               f"{clean[ratio_stats.INCONCLUSIVE]} inconclusive); slowed {pct:g}%: caught {caught} of {slowed['runs']} "
               f"({slowed[ratio_stats.INCONCLUSIVE]} inconclusive, {slowed[ratio_stats.OK]} missed) -> "
               f"{'meets' if ok else 'DOES NOT MEET'} the bar (0 alarms, >= 95% caught)", flush=True)
+        for kind in ("clean", "slowed"):
+            for metric, c in by_metric(rows, mode, kind).items():
+                print(f"[{mode}]   {kind} {metric}: ok {c[ratio_stats.OK]}, slower {c[ratio_stats.SLOWER]}, "
+                      f"inconclusive {c[ratio_stats.INCONCLUSIVE]}; median interval width "
+                      f"{c['median_width'] * 100:.1f} points", flush=True)
     return met
 
 

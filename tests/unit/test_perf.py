@@ -69,3 +69,25 @@ def test_the_error_rate_bench_takes_the_gates_workload_json():
     for bad in ('{"rounds": 0}', '{"concurency": [8]}', "[8]", "{"):
         with pytest.raises(argparse.ArgumentTypeError):
             workload_arg(bad)
+
+
+def test_the_error_rate_report_names_the_metric_that_alarms(capsys):
+    """The trials' report breaks each kind's verdicts down by metric (status counts, median interval
+    width), so a failing bar says which metric cried wolf. Two clean runs where only TTFT alarmed."""
+    from bench.perf_verdict_trials import by_metric, report
+
+    def verdict(metric, status, low, high):
+        return {"metric": metric, "status": status, "low": low, "high": high, "trials": 12}
+
+    rows = [{"mode": "ab", "kind": "clean", "run": i, "status": status,
+             "verdicts": [verdict("decode_tok_s@8", "ok", 0.97, 1.03), verdict("ttft_s@16rps", status, *bounds)]}
+            for i, (status, bounds) in enumerate([("ok", (0.98, 1.02)), ("inconclusive", (0.90, 1.20))])]
+    rows.append({"mode": "ab", "kind": "slowed", "run": 0, "status": "slower",
+                 "verdicts": [verdict("decode_tok_s@8", "slower", 1.06, 1.14)]})
+    counts = by_metric(rows, "ab", "clean")
+    assert counts["decode_tok_s@8"]["ok"] == 2 and counts["decode_tok_s@8"]["inconclusive"] == 0
+    assert counts["ttft_s@16rps"]["inconclusive"] == 1 and round(counts["ttft_s@16rps"]["median_width"], 2) == 0.30
+    assert not report(rows, ["ab"], 10.0)  # one clean alarm: the bar is not met
+    printed = capsys.readouterr().out
+    assert "clean ttft_s@16rps: ok 1, slower 0, inconclusive 1" in printed
+    assert "slowed decode_tok_s@8: ok 0, slower 1" in printed
