@@ -76,6 +76,11 @@ def chunk_blocks(selected: int, num_splits: int, block_s: int) -> tuple[int, int
     return blocks_per_chunk, triton.cdiv(selected, blocks_per_chunk * block_s)
 
 
+def mma_precision(dtype: torch.dtype) -> str:
+    """float32 inputs (the canary model on a GPU) keep full float32 products, as the CPU does."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def default_num_splits(num_selected: int, num_heads: int) -> int:
     return default_launch(num_selected, num_heads)["num_splits"]
 
@@ -117,6 +122,29 @@ def _fold(M, L, A, m, l, acc):
     spread mode folds each chunk into it twice): `_fold_weights` gives the max's side weight 1."""
     M_new, keep, take = _fold_weights(M, m)
     return M_new, L * keep + l * take, _fold_rows(A, acc, keep, take)
+
+
+@triton.jit
+def _gather_block(kv_ptr, idx_ptr, query, block, selected, stride_kv, stride_idx, offs_c, c_ok, offs_r, r_ok,
+                  LATENT: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One BLOCK_S block of a query's selected cache rows: (valid, row pointers, latent, rope)."""
+    offs_s = block * BLOCK_S + tl.arange(0, BLOCK_S)
+    slot = tl.load(idx_ptr + query * stride_idx + offs_s, mask=offs_s < selected, other=-1)
+    valid = slot >= 0
+    rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
+    # Masked: -1 slots may point at never-written (NaN-poisoned) rows, and 0 * NaN = NaN.
+    kv_lat = tl.load(rows + offs_c[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
+    kv_rope = tl.load(rows + LATENT + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+    return valid, rows, kv_lat, kv_rope
+
+
+@triton.jit
+def _block_scores(q_lat, q_rope, kv_lat, kv_rope, valid, sm_scale_log2, PRECISION: tl.constexpr):
+    """A block's scaled log2 scores [heads, BLOCK_S]: the latent then the rope part chained in one
+    MMA k-chain (the order every form of the kernel shares), -inf at unselected slots."""
+    scores = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
+    scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=PRECISION)
+    return tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
 
 
 @triton.jit
@@ -216,20 +244,13 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
     # One flat loop over blocks (chunk ends inside it), so the gathered loads pipeline across chunks.
     for block in range(first_block, end_block):
-        offs_s = block * BLOCK_S + tl.arange(0, BLOCK_S)
-        slot = tl.load(idx_ptr + query * stride_idx + offs_s, mask=offs_s < selected, other=-1)
-        valid = slot >= 0
-        rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-        # Masked: -1 slots may point at never-written (NaN-poisoned) rows, and 0 * NaN = NaN.
-        kv_lat = tl.load(rows + offs_c[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
-        kv_rope = tl.load(rows + LATENT + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+        valid, rows, kv_lat, kv_rope = _gather_block(kv_ptr, idx_ptr, query, block, selected, stride_kv, stride_idx,
+                                                     offs_c, c_ok, offs_r, r_ok, LATENT, BLOCK_S)
         if V_SPLIT == 1:
             kv_v = kv_lat
         else:  # this program's columns again (an L1 hit)
             kv_v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
-        scores = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
-        scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=PRECISION)
-        scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+        scores = _block_scores(q_lat, q_rope, kv_lat, kv_rope, valid, sm_scale_log2, PRECISION)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
@@ -391,7 +412,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     if skip_tail is None:
         skip_tail = SKIP_TAIL_ROWS is not None and tokens > SKIP_TAIL_ROWS
     skip_tail = skip_tail and splits > 1
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = mma_precision(q.dtype)
     block_c = triton.next_power_of_2(latent_dim)
     # No mul+add contraction: the fold must round alike in registers and from memory.
     _sparse_mla_kernel[(head_blocks * v_split * (splits if spread else 1) * tokens,)](

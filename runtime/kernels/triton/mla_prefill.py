@@ -41,12 +41,15 @@ import triton.language as tl
 from runtime.kernels.triton import INTERPRETED
 from runtime.kernels.triton.attention import (
     LOG2E,
+    _block_scores,
     _fold_rows,
     _fold_weights,
+    _gather_block,
     _normalize,
     _row_sums_mma,
     chunk_blocks,
     default_launch,
+    mma_precision,
 )
 
 # Launch shapes of the two passes (no effect on the bits). 64-head scores tiles gather each row once
@@ -85,15 +88,9 @@ def _scores_pass(q_ptr, kv_ptr, idx_ptr, p_ptr, alpha_ptr, keep_ptr, take_ptr, s
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for block in range(0, blocks):
         offs_s = block * BLOCK_S + tl.arange(0, BLOCK_S)
-        slot = tl.load(idx_ptr + query * stride_idx + offs_s, mask=offs_s < selected, other=-1)
-        valid = slot >= 0
-        rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-        # Masked: -1 slots may point at never-written (NaN-poisoned) rows, and 0 * NaN = NaN.
-        kv_lat = tl.load(rows + offs_c[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
-        kv_rope = tl.load(rows + LATENT + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
-        scores = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
-        scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=PRECISION)
-        scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+        valid, _, kv_lat, kv_rope = _gather_block(kv_ptr, idx_ptr, query, block, selected, stride_kv, stride_idx,
+                                                  offs_c, c_ok, offs_r, r_ok, LATENT, BLOCK_S)
+        scores = _block_scores(q_lat, q_rope, kv_lat, kv_rope, valid, sm_scale_log2, PRECISION)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p_v = tl.exp2(scores - m_new[:, None]).to(kv_lat.dtype)
@@ -210,7 +207,7 @@ def scores_pass(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, la
     _scores_pass[(triton.cdiv(heads, bh) * tokens,)](
         q, kv_cache, slots, stats.p, stats.alpha, stats.keep, stats.take, stats.row_sum, heads, selected, blocks,
         blocks_per_chunk, chunks, scale * LOG2E, q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0),
-        LATENT=latent_dim, ROPE=rope_dim, PRECISION=_precision(q), BLOCK_H=bh, BLOCK_S=block_s,
+        LATENT=latent_dim, ROPE=rope_dim, PRECISION=mma_precision(q.dtype), BLOCK_H=bh, BLOCK_S=block_s,
         BLOCK_C=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return stats
@@ -233,14 +230,10 @@ def values_pass(stats: SoftmaxStats, kv_cache: torch.Tensor, slots: torch.Tensor
     _values_pass[(triton.cdiv(heads, bh) * v_blocks * tokens,)](
         kv_cache, slots, stats.p, stats.alpha, stats.keep, stats.take, stats.row_sum, out, heads, selected, blocks,
         stats.blocks_per_chunk, stats.keep.shape[1], kv_cache.stride(0), slots.stride(0), out.stride(0),
-        out.stride(1), LATENT=latent_dim, PRECISION=_precision(out), NARROW=stats.narrow, BLOCK_H=bh,
+        out.stride(1), LATENT=latent_dim, PRECISION=mma_precision(out.dtype), NARROW=stats.narrow, BLOCK_H=bh,
         BLOCK_S=stats.block_s, BLOCK_V=bv, V_BLOCKS=v_blocks, num_warps=warps, num_stages=stages,
         enable_fp_fusion=False)
     return out
-
-
-def _precision(t: torch.Tensor) -> str:
-    return "ieee" if t.dtype == torch.float32 else "tf32"  # as sparse_mla_decode's
 
 
 def sparse_mla_two_pass(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, scale: float,
