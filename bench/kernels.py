@@ -281,6 +281,15 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
         x, p = logits[:rows].contiguous(), positions[:rows].contiguous()
         out[f"select_ours_us_B{rows}"] = graph_us([lambda x=x, p=p: ours(x, p, launch)] * 3)
         out[f"select_sort_us_B{rows}"] = graph_us([lambda x=x, p=p: by_sort(x, p)] * 3)
+    # Where the time goes: the same rows cut to narrower contexts. The passes over the row scale with
+    # the width; the selects over ~1024 group maxima and ~k candidates and the final sort do not
+    # (group_size keeps ~1024 groups), so the intercept of time vs width is the fixed per-row part.
+    by_width = {}
+    for width in (4096, 16384, logits.shape[1]):
+        x = logits[:, :width].contiguous()
+        p = torch.full_like(positions, width - 1)
+        by_width[width] = graph_us([lambda x=x, p=p: triton_topk.select_slots(x, p, SELECT_WINDOW, topk)] * 3)
+    out["select_default_us_by_width"] = by_width
     return out
 
 
