@@ -252,17 +252,17 @@ SELECT_WINDOW = 128
 
 def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> dict:
     """The decode step's selection (window U top-k, sorted, ties to the lower position): select_slots'
-    torch stable sort vs the Triton radix select at each (group, block) launch, at B = all rows,
+    torch stable sort vs the Triton radix select at each (group, segment) launch, at B = all rows,
     16 and 1, plus rows where every score ties (the radix select's worst case: no digit prunes
     anything). Every launch gives the same output; `select_same_as_sort` checks the fastest."""
     def ours(x, p, launch):
-        return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, group=launch[0], block=launch[1])
+        return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, group=launch[0], segment=launch[1])
 
     def by_sort(x, p):
         return cuda_torch.select_slots_by_sort(x, p, SELECT_WINDOW, topk)
 
     by_launch = {}
-    for launch in [(group, block) for group in (16, 32, 64, 128) for block in (1024, 4096)]:
+    for launch in [(group, segment) for group in (16, 32, 64, 128) for segment in (1024, 2048, 4096)]:
         try:
             by_launch[launch] = graph_us([lambda launch=launch: ours(logits, positions, launch)] * 3)
         except Exception as err:  # a launch the compiler cannot lower: report, keep the others
@@ -318,7 +318,7 @@ def bench_indexer(ceilings, rows: list) -> None:
         selection = _bench_selection(logits, positions, topk)
         group, block = selection.get("select_launch", (None, None))
         ours_both_us = graph_us([lambda: triton_topk.select_slots(logits_fn(), positions, SELECT_WINDOW, topk,
-                                                                  group=group, block=block)] * 3) \
+                                                                  group=group, segment=block)] * 3) \
             if "select_launch" in selection else None
         bytes_moved = batch * context * (key_bytes + 4)
         flops = 2 * batch * heads * dim * context

@@ -84,7 +84,7 @@ def draw_positions(seed: int, rows: int, width: int) -> torch.Tensor:
     return p
 
 
-def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, rank_order=None):
+def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, rank_order=None, segment=None):
     """The kernel on poisoned buffers: positions -7, valid the opposite of the expected mask (or all
     True), workspace all int64 max (the packed key of a NaN at position 0: first if read unwritten)."""
     rows, width = scores.shape
@@ -93,7 +93,7 @@ def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, ran
     ok = (~expected_ok.to(DEVICE)) if expected_ok is not None else torch.ones(rows, s, dtype=torch.bool, device=DEVICE)
     scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
     topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, group=group, out=(sel, ok),
-                      scratch=scratch, rank_order=rank_order)
+                      scratch=scratch, rank_order=rank_order, segment=segment)
     return sel.cpu(), ok.cpu()
 
 
@@ -133,20 +133,23 @@ def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
 @given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 5]),
        width=st.sampled_from([1, 7, 64, 65, 200]), window=st.sampled_from([0, 1, 8, 128]),
        k=st.sampled_from([1, 5, 24, 64, 512]), group=st.sampled_from([None, 1, 4, 16]),
-       style=st.sampled_from(STYLES))
-@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal")
-@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits")
-@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials")
-@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans")
-def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style):
+       style=st.sampled_from(STYLES), segment=st.sampled_from([None, 8, 32]))
+@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal", segment=None)
+@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits", segment=8)
+@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials", segment=8)
+@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans", segment=32)
+def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment):
+    """segment: positions per program of the passes over the row (at least the group): many segments
+    per row, so candidates come from several and move down to one run."""
     scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
     expected = reference_selection(scores, positions, window, k)
-    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1])
-    assert_same_selection(actual, expected, msg=f"({style}, group={group})")
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment)
+    assert_same_selection(actual, expected, msg=f"({style}, group={group}, segment={segment})")
     assert_tie_aware(*actual, scores, positions, window, k)
     # The torch definition the CPU path runs agrees too (the lead's golden stores were recorded with it).
     assert_same_selection(cuda_torch.select_slots_by_sort(scores, positions, window, k), expected, msg="(by sort)")
-    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group), rows)
+    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group,
+                                                           segment=segment), rows)
 
 
 @settings(max_examples=4)
@@ -235,17 +238,18 @@ def _logits_like(seed: int, rows: int, width: int, style: str) -> torch.Tensor:
 
 @gpu
 @pytest.mark.parametrize("style", ["indexer", "normal", "few_values", "zeros", "last_bits", "specials"])
-@pytest.mark.parametrize("group", [None, 16, 128])
-def test_full_rows_match_torch_cuda_stable_sort(style, group):
+@pytest.mark.parametrize("group, segment", [(None, None), (16, 1024), (128, None), (64, 128)])
+def test_full_rows_match_torch_cuda_stable_sort(style, group, segment):
     rows, width, window, k = 64, 65536, 128, 512
     scores = _logits_like(7, rows, width, style)
     positions = torch.randint(0, width, (rows,), generator=torch.Generator().manual_seed(8)).cuda()
     positions[:8] = width - 1
     positions[8] = 100  # fewer candidates than k
     expected = tuple(t.cpu() for t in cuda_torch.select_slots_by_sort(scores, positions, window, k))
-    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1])
-    assert_same_selection(actual, expected, msg=f"({style}, group={group})")
-    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group), rows)
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment)
+    assert_same_selection(actual, expected, msg=f"({style}, group={group}, segment={segment})")
+    assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group,
+                                                           segment=segment), rows)
 
 
 @gpu
@@ -336,9 +340,19 @@ triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), targ
                options=dict(num_warps=8))
 print("compiled")
 """
-_SIGNATURE = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "ok_ptr": "*i1", "scratch_ptr": "*i64",
-              "maxima_ptr": "*i64", "width": "i32", "stride_s": "i32", "stride_out": "i32", "stride_ok": "i32",
-              "stride_scratch": "i32", "stride_maxima": "i32"}
+_KERNELS = {  # name: (signature, constexprs beyond the shared ones)
+    "_maxima_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "maxima_ptr": "*i64", "width": "i32",
+                        "stride_s": "i32", "stride_maxima": "i32"}, ("GROUP", "SEGMENT")),
+    "_bound_kernel": ({"maxima_ptr": "*i64", "pos_ptr": "*i64", "bound_ptr": "*i64", "n_groups": "i32",
+                       "stride_maxima": "i32"}, ("SMALL_BLOCK",)),
+    "_candidates_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "scratch_ptr": "*i64",
+                            "counts_ptr": "*i32", "width": "i32", "stride_s": "i32", "stride_scratch": "i32",
+                            "stride_counts": "i32"}, ("SEGMENT",)),
+    "_finish_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "counts_ptr": "*i32",
+                        "scratch_ptr": "*i64", "out_ptr": "*i64", "ok_ptr": "*i1", "n_segments": "i32",
+                        "stride_s": "i32", "stride_counts": "i32", "stride_scratch": "i32", "stride_out": "i32",
+                        "stride_ok": "i32"}, ("WINDOW_P2", "TOPK_P2", "SEGMENT", "SMALL_BLOCK", "RANK_ORDER")),
+}
 
 
 def compile_for_sm90(module: str, name: str, signature: dict, constants: dict):
@@ -357,12 +371,15 @@ def compile_for_sm90(module: str, name: str, signature: dict, constants: dict):
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU every test above compiles it for real")
+@pytest.mark.parametrize("kernel", sorted(_KERNELS))
 @pytest.mark.parametrize("window, k, group, rank_order", [(128, 512, 64, False), (0, 1, 1, True)])
-def test_kernel_compiles_for_the_gpu_without_one(window, k, group, rank_order):
-    constants = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
-                     TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, BLOCK=4096, SMALL_BLOCK=1024,
-                     RANK_ORDER=rank_order)
-    done = compile_for_sm90("runtime.kernels.triton.topk", "_select_kernel", dict(_SIGNATURE), constants)
+def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_order):
+    every = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
+                 TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=4096, SMALL_BLOCK=1024,
+                 RANK_ORDER=rank_order)
+    signature, own = _KERNELS[kernel]
+    constants = {name: every[name] for name in ("WINDOW", "TOPK", *own)}
+    done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

@@ -1,26 +1,28 @@
-"""The indexer's selection (window U top-k, as cuda_torch.select_slots) as one Triton program per row.
+"""The indexer's selection (window U top-k, as cuda_torch.select_slots) in four Triton launches.
 
 torch.sort of a whole [B, L] score matrix (select_slots' stable descending sort) makes radix passes
 over every key of every row to keep 512 of them. Here each row finds its k-th largest score by
 selection on an order-preserving 32-bit key of the float instead:
-  1. the maximum key of every GROUP consecutive positions (>= k groups); the k-th largest of those
-     maxima (a radix select over ~1024 of them) bounds the k-th largest key from below;
-  2. the elements at or above the bound (k plus a few, unless scores tie massively) are compacted,
-     in position order, into a scratch row;
-  3. a radix select (four 8-bit digit histograms) over that row finds the k-th key exactly (the
-     bound itself when fewer than k lie above it: ties at the top cost no histogram); every
-     candidate above it and the lowest-position ones equal to it are chosen;
-  4. the k chosen are sorted in registers by (score descending, position ascending).
-Two passes over the row, the rest over ~k elements: tl.histogram lowers to a ballot per bin bit plus
-a popcount per bin (about 50 instructions an element at 256 bins, read off its lowering, not
-measured), so it never runs over the whole row. Rows with at most k candidates (early
-positions) take positions [0, k) directly. The output is select_slots' exactly: the same positions
-in the same order, ties to the lower position, non-candidates (positions > p - window) ranked as
--inf, NaN above +inf as torch.sort does, -0.0 equal to +0.0.
+  1. (_maxima_kernel) the maximum key of every GROUP consecutive positions (>= k groups);
+  2. (_bound_kernel) the k-th largest of those maxima (a radix select over ~1024 of them) bounds
+     the k-th largest key from below;
+  3. (_candidates_kernel) the elements at or above the bound (k plus a few, unless scores tie
+     massively) are compacted, in position order, into a scratch row;
+  4. (_finish_kernel) a radix select (four 8-bit digit histograms) over them finds the k-th key
+     exactly (the bound itself when fewer than k lie above it: ties at the top cost no histogram);
+     every candidate above it and the lowest-position ones equal to it are chosen, then sorted in
+     registers by (score descending, position ascending).
+Steps 1 and 3 read the row and run SEGMENT positions a program, so one row's passes spread over
+the GPU (a single program per row left most SMs idle at decode batch sizes and spent its time
+streaming the row); 2 and 4 work on ~1024 and ~k elements, one program a row. tl.histogram
+lowers to a ballot per bin bit plus a popcount per bin (about 50 instructions an element at 256
+bins, read off its lowering, not measured), so it never runs over the whole row. Rows with at most
+k candidates (early positions) take positions [0, k) directly. The output is select_slots' exactly:
+the same positions in the same order, ties to the lower position, non-candidates (positions
+> p - window) ranked as -inf, NaN above +inf as torch.sort does, -0.0 equal to +0.0.
 
-Batch invariance is trivial: one program per row, nothing in it depends on other rows or on B.
+Batch invariance is trivial: every program works on one row, nothing depends on other rows or on B.
 """
-
 from __future__ import annotations
 
 import torch
@@ -90,54 +92,96 @@ def _radix_select(packed_ptr, n, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(scores_ptr, pos_ptr, out_ptr, ok_ptr, scratch_ptr, maxima_ptr, width,
-                   stride_s, stride_out, stride_ok, stride_scratch, stride_maxima,
+def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxima,
+                   WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr):
+    """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions."""
+    row = tl.program_id(0).to(tl.int64)
+    last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
+    if last + 1 > TOPK:  # rows with at most TOPK candidates take positions [0, TOPK) (_finish_kernel)
+        cols = tl.program_id(1) * SEGMENT + tl.arange(0, SEGMENT)
+        inside = cols < width
+        key = _order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
+        # Lanes past the row get key 0, below every element's.
+        group_max = tl.max(tl.reshape(tl.where(inside, key, 0), [SEGMENT // GROUP, GROUP]), axis=1)
+        g = tl.program_id(1) * (SEGMENT // GROUP) + tl.arange(0, SEGMENT // GROUP)
+        tl.store(maxima_ptr + row * stride_maxima + g, _packed(group_max, g), mask=g * GROUP < width)
+
+
+@triton.jit
+def _bound_kernel(maxima_ptr, pos_ptr, bound_ptr, n_groups, stride_maxima,
+                  WINDOW: tl.constexpr, TOPK: tl.constexpr, SMALL_BLOCK: tl.constexpr):
+    """The TOPK-th largest group maximum of a row: a lower bound of its TOPK-th largest key (TOPK
+    distinct elements, those maxima, reach it; group_size leaves at least TOPK groups)."""
+    row = tl.program_id(0).to(tl.int64)
+    last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
+    if last + 1 > TOPK:
+        bound, _ = _radix_select(maxima_ptr + row * stride_maxima, n_groups, TOPK, SMALL_BLOCK)
+        tl.store(bound_ptr + row, bound)
+
+
+@triton.jit
+def _candidates_kernel(scores_ptr, pos_ptr, bound_ptr, scratch_ptr, counts_ptr, width, stride_s, stride_scratch,
+                       stride_counts, WINDOW: tl.constexpr, TOPK: tl.constexpr, SEGMENT: tl.constexpr):
+    """Pass 2, one program per SEGMENT positions of a row: the elements at or above the row's bound,
+    in position order, at the start of the segment's own stretch of the scratch row; how many, and
+    how many lie strictly above the bound."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
+    if last + 1 > TOPK:
+        bound = tl.load(bound_ptr + row)
+        cols = segment * SEGMENT + tl.arange(0, SEGMENT)
+        inside = cols < width
+        key = _order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
+        cand = inside & (key >= bound)
+        scratch = scratch_ptr + row * stride_scratch + segment * SEGMENT
+        tl.store(scratch + _exclusive_cumsum(cand), _packed(key, cols), mask=cand)
+        counts = counts_ptr + row * stride_counts + 2 * segment
+        tl.store(counts, tl.sum(cand.to(tl.int32), 0))
+        tl.store(counts + 1, tl.sum((cand & (key > bound)).to(tl.int32), 0))
+
+
+@triton.jit
+def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_ptr, ok_ptr, n_segments,
+                   stride_s, stride_counts, stride_scratch, stride_out, stride_ok,
                    WINDOW: tl.constexpr, WINDOW_P2: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK: tl.constexpr, SMALL_BLOCK: tl.constexpr,
-                   RANK_ORDER: tl.constexpr):
+                   SEGMENT: tl.constexpr, SMALL_BLOCK: tl.constexpr, RANK_ORDER: tl.constexpr):
+    """One program per row: the TOPK-th key among the candidates, the chosen, their order, the window."""
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     last = pos - WINDOW  # the last candidate position of the top-k part
-    offs = tl.arange(0, BLOCK)
     s_row = scores_ptr + row * stride_s
     chosen = out_ptr + row * stride_out + WINDOW  # packed (key, position) of the chosen until the sort
     scratch = scratch_ptr + row * stride_scratch
-    maxima = maxima_ptr + row * stride_maxima
+    small = tl.arange(0, SMALL_BLOCK)
 
     if last + 1 <= TOPK:
         # At most TOPK candidates, all at positions < TOPK: the answer is positions [0, TOPK), ordered.
-        for start in range(0, TOPK, BLOCK):
-            cols = start + offs
+        for start in range(0, TOPK, SMALL_BLOCK):
+            cols = start + small
             inside = cols < TOPK
             key = _order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
             tl.store(chosen + cols, _packed(key, cols), mask=inside)
     else:
-        # Pass 1: the maximum key of every GROUP consecutive positions. At least TOPK groups, so the
-        # TOPK-th largest maximum is a lower bound of the TOPK-th largest key: TOPK distinct
-        # elements (those maxima) reach it. Lanes past the row get key 0, below every element's.
-        for start in range(0, width, BLOCK):
-            cols = start + offs
-            inside = cols < width
-            key = _order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
-            group_max = tl.max(tl.reshape(tl.where(inside, key, 0), [BLOCK // GROUP, GROUP]), axis=1)
-            g = start // GROUP + tl.arange(0, BLOCK // GROUP)
-            tl.store(maxima + g, _packed(group_max, g), mask=g * GROUP < width)
-        tl.debug_barrier()  # the maxima are read back by other threads of this program
-        bound, _ = _radix_select(maxima, tl.cdiv(width, GROUP), TOPK, SMALL_BLOCK)
-
-        # Pass 2: every element at or above the bound -> scratch, in position order.
+        # The segments' candidates, moved down to one run in position order. In place: a segment's
+        # run lands at or below where it lies (every earlier segment holds at most SEGMENT), so no
+        # chunk overwrites one not yet read; the barriers keep a chunk's loads before its stores.
         n_cand = 0
         n_above = 0
-        for start in range(0, width, BLOCK):
-            cols = start + offs
-            inside = cols < width
-            key = _order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
-            cand = inside & (key >= bound)
-            tl.store(scratch + n_cand + _exclusive_cumsum(cand), _packed(key, cols), mask=cand)
-            n_cand += tl.sum(cand.to(tl.int32), 0)
-            n_above += tl.sum((cand & (key > bound)).to(tl.int32), 0)
+        for segment in range(0, n_segments):
+            count = tl.load(counts_ptr + row * stride_counts + 2 * segment)
+            if n_cand != segment * SEGMENT:
+                for start in range(0, count, SMALL_BLOCK):
+                    idx = start + small
+                    moved = tl.load(scratch + segment * SEGMENT + idx, mask=idx < count)
+                    tl.debug_barrier()
+                    tl.store(scratch + n_cand + idx, moved, mask=idx < count)
+                    tl.debug_barrier()
+            n_cand += count
+            n_above += tl.load(counts_ptr + row * stride_counts + 2 * segment + 1)
         tl.debug_barrier()  # the scratch row is read back by other threads of this program
 
+        bound = tl.load(bound_ptr + row)
         if n_above < TOPK:  # the bound is the TOPK-th key itself (many ties at the top): no histograms
             prefix = bound
             need = TOPK - n_above
@@ -149,7 +193,7 @@ def _select_kernel(scores_ptr, pos_ptr, out_ptr, ok_ptr, scratch_ptr, maxima_ptr
         n_chosen = 0
         ties = 0
         for start in range(0, n_cand, SMALL_BLOCK):
-            idx = start + tl.arange(0, SMALL_BLOCK)
+            idx = start + small
             inside = idx < n_cand
             packed = tl.load(scratch + idx, mask=inside, other=0)
             ukey = (packed >> 32) + 2147483648
@@ -196,12 +240,13 @@ def group_size(width: int, topk: int, group: int | None = None) -> int:
 
 
 def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int, group: int | None = None,
-                 block: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 segment: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  scratch: torch.Tensor | None = None,
                  rank_order: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
-    group: positions per pass-1 maximum (group_size); every group and block gives the same output.
+    group: positions per pass-1 maximum (group_size); segment: positions per program of the two
+    passes over the row (a power of two >= group). Every group and segment gives the same output.
     out: (positions, valid) buffers to fill; scratch: [B, L] int64 workspace (tests poison both).
     rank_order: order the chosen by counting instead of tl.sort (the same order; by default under
     the interpreter only, where tl.sort takes seconds a row; on a GPU the sort is cheaper)."""
@@ -220,17 +265,30 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
         ok.copy_(window_pos >= 0)
         return sel, ok
     assert width < 2**31
-    scores = scores.contiguous().float()
+    scores, positions = scores.contiguous().float(), positions.contiguous()
     group = group_size(width, topk, group)
+    segment = max(segment or (64 if INTERPRETED else 4096), group)
+    assert segment & (segment - 1) == 0, f"segment {segment} is not a power of two"
+    n_segments = triton.cdiv(width, segment)
     if scratch is None:
         scratch = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
     maxima = torch.empty(rows, triton.cdiv(width, group), dtype=torch.int64, device=scores.device)
-    block = max(block or (64 if INTERPRETED else 4096), group)
-    _select_kernel[(rows,)](
-        scores, positions.contiguous(), sel, ok, scratch, maxima, width, scores.stride(0), sel.stride(0),
-        ok.stride(0), scratch.stride(0), maxima.stride(0), WINDOW=window,
+    bound = torch.empty(rows, dtype=torch.int64, device=scores.device)
+    counts = torch.empty(rows, 2 * n_segments, dtype=torch.int32, device=scores.device)  # (candidates, above)
+    small_block = 64 if INTERPRETED else 1024  # the ~k candidates: a whole 4096-lane histogram would waste 3/4
+    # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
+    # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
+    _maxima_kernel[(rows, n_segments)](scores, positions, maxima, width, scores.stride(0), maxima.stride(0),
+                                        WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8)
+    _bound_kernel[(rows,)](maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
+                           SMALL_BLOCK=small_block, num_warps=8)
+    _candidates_kernel[(rows, n_segments)](scores, positions, bound, scratch, counts, width, scores.stride(0),
+                                            scratch.stride(0), counts.stride(0), WINDOW=window, TOPK=chosen,
+                                            SEGMENT=segment, num_warps=8)
+    _finish_kernel[(rows,)](
+        scores, positions, bound, counts, scratch, sel, ok, n_segments, scores.stride(0), counts.stride(0),
+        scratch.stride(0), sel.stride(0), ok.stride(0), WINDOW=window,
         WINDOW_P2=triton.next_power_of_2(max(window, 1)), TOPK=chosen, TOPK_P2=max(2, triton.next_power_of_2(chosen)),
-        GROUP=group, BLOCK=block,
-        SMALL_BLOCK=64 if INTERPRETED else 1024,  # the ~k candidates: a whole 4096-lane histogram would waste 3/4
-        RANK_ORDER=INTERPRETED if rank_order is None else rank_order, num_warps=8)
+        SEGMENT=segment, SMALL_BLOCK=small_block, RANK_ORDER=INTERPRETED if rank_order is None else rank_order,
+        num_warps=8)
     return sel, ok
