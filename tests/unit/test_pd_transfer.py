@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.disagg.transfer import (MODES, KVTransfer, PoolDescriptor, TransferError, TransferUnavailable, kv_digest,
-                                     page_runs, unavailable_reason)
+from runtime.disagg import transfer
+from runtime.disagg.transfer import KVTransfer, PoolDescriptor, TransferError, kv_digest, page_runs, unavailable_reason
 from runtime.faults import NO_FAULTS, FaultSet
 from tests import pd_peer
 
@@ -58,7 +58,7 @@ class Peer:
         return stats
 
 
-@pytest.fixture(params=MODES)
+@pytest.fixture(params=transfer.MODES)
 def peer(request):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "tests.pd_peer", request.param], cwd=ROOT, env=env, text=True,
@@ -155,11 +155,11 @@ def test_transfer_modes_that_differ_are_a_clear_error():
 
 def test_direct_mode_refuses_a_pool_off_the_host():
     latent, index_keys = (t.to("meta") for t in pd_peer.pool())
-    with pytest.raises(TransferUnavailable, match="staged"):
+    with pytest.raises(transfer.TransferUnavailable, match="staged"):
         KVTransfer(latent, index_keys, pd_peer.PAGE, mode="direct")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", transfer.MODES)
 def test_a_closed_pool_refuses_writes(mode):
     src, dst = sender(mode=mode), sender(mode=mode)
     dst.close()
