@@ -251,7 +251,7 @@ class KVTransfer:
             gather_pages(self.latent, self.index_keys, src_pages, self.page_size, self.staging.view(mine, used))
             gathered = time.perf_counter()
             # One entry: the slot is contiguous on both sides, and Mooncake cuts a large write into
-            # slices itself.
+            # slices itself (176 MB on loopback TCP: 63 ms as one entry, 67-70 ms as 2-32 MiB entries).
             self._put(peer.session, [self.staging.address(mine)], [peer.staging_ptr + staging_offset], [used])
         finally:
             self.staging.free(mine)

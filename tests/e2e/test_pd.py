@@ -432,7 +432,8 @@ def test_a_decode_server_killed_mid_run_fails_its_clients_by_name_and_the_prefil
         failed = [o for o in outcomes if not (o.kind == pd_chaos.OK and o.ended < killed_at)]
         assert len(failed) >= len(outcomes) // 2, outcomes
         assert all(o.kind == pd_chaos.ERROR and o.code and o.code.startswith("pd_") for o in failed), failed
-        assert pd_chaos.pages_left(pair.url("prefill")) == {"kv_pages_in_use": 0.0, "pd_pages_in_flight": 0.0}
+        assert pd_chaos.pages_left(pair.url("prefill")) == {"kv_pages_in_use": 0.0, "pd_pages_in_flight": 0.0,
+                                                             "pd_staging_slots_in_use": 0.0}
         pair.start_side("decode")
         seconds, last = pd_chaos.seconds_until_serving(pair.router, MODEL, PROMPTS[0], within_s=30)
         assert seconds is not None, last

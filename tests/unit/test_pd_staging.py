@@ -127,3 +127,18 @@ def test_allocate_waits_for_a_free_and_gives_up_at_its_deadline():
     assert arena.allocate(1, timeout_s=0.05) is None  # nobody frees: None at the deadline
     threading.Timer(0.05, arena.free, [held]).start()
     assert arena.allocate(1, timeout_s=5.0) == 0
+
+
+def test_serve_refuses_direct_transfer_on_a_cuda_pool():
+    """`runtime.serve --disaggregation-transfer direct` on a GPU is a clear start-up error (the
+    non-CUDA engine cannot register device memory); the same flags on CPU, and the default mode on a
+    GPU, are accepted (the control: the refusal is about the device, not the flag)."""
+    from runtime.disagg.setup import transfer_mode
+    from runtime.serve import parse_args
+
+    direct = parse_args(["--model", "tiny-random", "--disaggregation-mode", "decode",
+                         "--disaggregation-transfer", "direct"])
+    assert transfer_mode(direct, "cpu") == "direct"
+    with pytest.raises(ValueError, match="host memory only"):
+        transfer_mode(direct, "cuda")
+    assert transfer_mode(parse_args(["--model", "tiny-random", "--disaggregation-mode", "prefill"]), "cuda") == "staged"
