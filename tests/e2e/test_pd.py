@@ -471,9 +471,9 @@ def test_the_prompt_is_computed_before_its_room_opens_and_the_answer_is_unchange
     gate = threading.Event()
     original = pair.decode_state.pd._await_kv
 
-    async def late(prefill, room, pages):
+    async def late(prefill, room, pages, staging):
         await asyncio.to_thread(gate.wait, 60)
-        return await original(prefill, room, pages)
+        return await original(prefill, room, pages, staging)
 
     monkeypatch.setattr(pair.decode_state.pd, "_await_kv", late)
     payload = body(PROMPTS[3], stream=True)
@@ -583,7 +583,7 @@ def test_a_decode_failure_before_the_room_opens_makes_the_router_hang_up_on_the_
 
     pair, _ = servers
 
-    async def no_pages(prefill, room, pages):
+    async def no_pages(prefill, room, pages, staging):
         await asyncio.sleep(0.5)  # the prompt is computed and held by now
         raise ApiError(503, "decode server out of KV pages", type="server_error", code="pd_out_of_pages")
 
@@ -593,6 +593,7 @@ def test_a_decode_failure_before_the_room_opens_makes_the_router_hang_up_on_the_
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "pd_out_of_pages", reply.text
     assert time.monotonic() - started < 10
     assert wait_pages_free(pair.prefill_state, pair.decode_state, timeout_s=5) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, pair.decode_state, timeout_s=5) == [0, 0]
     assert pair.prefill_state.pd.pending == {} and pages_in_flight(pair.prefill) == 0
 
 
