@@ -64,6 +64,8 @@ pkgs=$(for so in $sos; do
     for path in "$so" "$real" "${real#/usr}" "/usr$real"; do dpkg -S "$path" 2>/dev/null && break; done
 done | cut -d: -f1 | sort -u | grep -v -x -e libc6 -e libstdc++6 -e libgcc-s1 || true)
 # librdmacm: what the Makefile installs with libibverbs (RDMA connection setup, loaded where a NIC is).
-(cd "$DEBS" && apt-get download -q librdmacm1 $pkgs 2>&1 | grep -v "^W: Download is performed unsandboxed" || true)
-ls "$DEBS"/*.deb >/dev/null
+(cd "$DEBS" && apt-get download -q librdmacm1 $pkgs 2>&1) | grep -v "^W: Download is performed unsandboxed" || true
+for pkg in librdmacm1 $pkgs; do  # every one, or a device run would fail on a missing library
+    ls "$DEBS/${pkg}_"*.deb >/dev/null 2>&1 || { echo "pd_device_deps: $pkg was not downloaded (apt-get update?)" >&2; exit 1; }
+done
 du -sh "$WHL" "$DEBS"
