@@ -182,11 +182,12 @@ if want pd_gpu || want pd_gpu_ttft; then
     export LD_LIBRARY_PATH=/tmp/pdlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     $PY -c "from runtime.disagg.transfer import unavailable_reason as r; print(r() or 'PD: transfer engine loads')" >> "$OUT/pd_libs.txt" 2>&1
 fi
-want pd_gpu && section pd_transfer_gpu_dsv4 "${BENCH_TIMEOUT:-90}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape dsv4 --repeats 5 --out "$OUT/pd_transfer_gpu.json"
-want pd_gpu && section pd_transfer_gpu_canary "${BENCH_TIMEOUT:-90}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape canary --repeats 5 --out "$OUT/pd_transfer_gpu_canary.json"
-want pd_gpu && section pd_gpu_tests "${PD_TEST_TIMEOUT:-420}" $PY -m pytest -q -p no:cacheprovider --run-gpu -rA tests/gpu/test_pd_gpu.py tests/unit/test_pd_staging.py tests/unit/test_pd_transfer.py
-# TTFT of the PD pair (three server processes on the one GPU, plus the router) against the colocated server.
-want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-420}" $PY -m bench.pd_ttft --repeats 10 --words 8,400 --server-arg=--dtype=float32 --out "$OUT/pd_ttft_gpu.json"
+want pd_gpu && section pd_transfer_gpu_dsv4 "${PD_BENCH_TIMEOUT:-60}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape dsv4 --repeats 5 --out "$OUT/pd_transfer_gpu.json"
+want pd_gpu && section pd_transfer_gpu_canary "${PD_BENCH_TIMEOUT:-60}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape canary --repeats 5 --out "$OUT/pd_transfer_gpu_canary.json"
+want pd_gpu && section pd_gpu_tests "${PD_TEST_TIMEOUT:-360}" $PY -m pytest -q -p no:cacheprovider --run-gpu -rA tests/gpu/test_pd_gpu.py tests/unit/test_pd_staging.py tests/unit/test_pd_transfer.py
+# TTFT of the PD pair (two server processes on the one GPU, plus the router) against a colocated server
+# process. pd_gpu and pd_gpu_ttft each fill most of one 10-minute device call: run them in two calls.
+want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.pd_ttft --repeats 10 --words 8,400 --server-arg=--dtype=float32 --out "$OUT/pd_ttft_gpu.json"
 # The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt
  for dir in golden gate gate_baseline gate_ab; do [ -d "$dir" ] && tar czf "$dir.tgz" "$dir" && rm -rf "$dir"; done) || true
