@@ -142,3 +142,51 @@ def test_serve_refuses_direct_transfer_on_a_cuda_pool():
     with pytest.raises(ValueError, match="host memory only"):
         transfer_mode(direct, "cuda")
     assert transfer_mode(parse_args(["--model", "tiny-random", "--disaggregation-mode", "prefill"]), "cuda") == "staged"
+
+
+def live_slots_overlap(arena: StagingArena, seed: int) -> bool:
+    """Random allocations and frees (rooms opening and closing in any order): does any slot handed out
+    share a byte with another live one? Every live slot is filled with its own mark and checked."""
+    import random
+
+    rng = random.Random(seed)
+    live: list[tuple[int, int, int]] = []  # (offset, size, mark) of each slot handed out and not freed
+    for step in range(300):
+        if live and rng.random() < 0.45:
+            offset, size, mark = live.pop(rng.randrange(len(live)))
+            if not bool((arena.buffer[offset:offset + size] == mark).all()):
+                return True
+            try:
+                arena.free(offset)
+            except ValueError:  # the slot was already freed: handed out twice
+                return True
+            continue
+        size = rng.randint(1, 3 * StagingArena.ALIGN)
+        offset = arena.try_allocate(size)
+        if offset is not None:
+            mark = step % 251 + 1
+            arena.view(offset, size).fill_(mark)
+            live.append((offset, size, mark))
+    return any(not bool((arena.buffer[o:o + s] == m).all()) for o, s, m in live)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_live_slots_never_overlap(seed):
+    arena = StagingArena(16 * StagingArena.ALIGN, pinned=False)
+    assert not live_slots_overlap(arena, seed)
+
+
+def test_overlapping_slots_are_seen(monkeypatch):
+    """Negative control: an arena that hands out a free run without taking it off the free list (so
+    two rooms get the same bytes) is caught by the overlap check."""
+    arena = StagingArena(16 * StagingArena.ALIGN, pinned=False)
+    real = arena.try_allocate
+
+    def leaky(nbytes: int) -> int | None:
+        free = list(arena._free)
+        offset = real(nbytes)
+        arena._free = free  # the planted bug
+        return offset
+
+    monkeypatch.setattr(arena, "try_allocate", leaky)
+    assert live_slots_overlap(arena, 0)
