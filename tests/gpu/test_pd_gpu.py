@@ -59,7 +59,7 @@ def test_kv_corrupt_between_cuda_pools_is_caught_by_the_digest():
 
 def test_direct_transfer_is_refused_on_cuda_pools():
     latent, index_keys = torch.zeros(1, 16, 4, device="cuda"), torch.zeros(1, 16, 4, device="cuda")
-    with pytest.raises(TransferUnavailable, match="host memory"):
+    with pytest.raises(TransferUnavailable, match="cannot register device memory"):
         KVTransfer(latent, index_keys, PAGE, mode="direct")
 
 
