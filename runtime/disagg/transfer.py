@@ -37,8 +37,8 @@ MODES = ("direct", "staged")
 SEND_SLOT_WAIT_S = 10.0
 # The default transfer mode, on CPU pools too (CUDA pools have no other). Measured with
 # bench/pd_transfer.py on loopback TCP, 2,048 tokens (docs/results.md "PD KV transfer on loopback"):
-# staged beats direct 10x on scattered pages (canary 1.7 vs 16.5 ms, DSV4-sized 115 vs 375 ms) and
-# loses 1.5-1.7x on contiguous ones (canary 1.6 vs 0.9 ms, DSV4-sized 106 vs 69 ms). The page pool's
+# staged beats direct 3.5-10x on scattered pages (canary 1.7 vs 16-20 ms, DSV4-sized 108-115 vs 375-380
+# ms) and loses 1.5-2x on contiguous ones (canary 1.7 vs 0.8-0.9 ms, DSV4-sized 106 vs 69 ms). The page pool's
 # free list is FIFO, so under concurrent requests a prompt's pages are scattered: staged wins where it
 # matters, and CPU CI runs the very path the GPU servers run.
 DEFAULT_MODE = "staged"
@@ -145,7 +145,7 @@ def mode_mismatch(mine: PoolDescriptor, peer: PoolDescriptor) -> str | None:
 
 
 class KVTransfer:
-    """One process's transfer engine with its KV pool registered."""
+    """One process's transfer engine with its KV pool (direct) or its staging arena (staged) registered."""
 
     def __init__(self, latent: torch.Tensor, index_keys: torch.Tensor, page_size: int, host: str = "127.0.0.1",
                  faults: FaultSet = NO_FAULTS, mode: str = DEFAULT_MODE, staging_bytes: int | None = None) -> None:
