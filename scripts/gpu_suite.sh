@@ -159,16 +159,16 @@ fi
 # links are not in the image: carry .whl-pd and .debs-pd (scripts/pd_device_deps.sh) with .whl. The
 # debs are unpacked under /tmp/pdroot (never /), and only the libraries the image lacks are linked
 # into /tmp/pdlib, so none of the image's own (libssl, libcurl) is shadowed by Debian's build.
-pd_libs() {  # pd_libs: link into /tmp/pdlib each library Mooncake's engine cannot find on this image
-    local round so found missing
-    command -v ldd >/dev/null || { ln -sf /tmp/pdroot/usr/lib/x86_64-linux-gnu/* /tmp/pdlib/; return 0; }
+pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked under ROOT, each library SO cannot find
+    local so=$1 root=$2 libdir=$3 round lib found missing
+    command -v ldd >/dev/null || { ln -sf "$root"/usr/lib/x86_64-linux-gnu/* "$root"/lib/x86_64-linux-gnu/* "$libdir"/; return 0; }
     for round in 1 2 3 4 5 6; do
-        missing=$(LD_LIBRARY_PATH=/tmp/pdlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ldd /tmp/site/mooncake/engine.so | awk '/not found/{print $1}' | sort -u)
+        missing=$(LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ldd "$so" | awk '/not found/{print $1}' | sort -u)
         [ -z "$missing" ] && return 0
-        for so in $missing; do
-            found=$(find /tmp/pdroot -name "$so" | head -n 1)
-            [ -n "$found" ] || { echo "PD: no carried package holds $so (round $round)"; return 1; }
-            ln -sf "$found" "/tmp/pdlib/$so"
+        for lib in $missing; do
+            found=$(find "$root" -name "$lib" | head -n 1)
+            [ -n "$found" ] || { echo "PD: no carried package holds $lib (round $round)"; return 1; }
+            ln -sf "$found" "$libdir/$lib"
         done
     done
     return 1
@@ -178,7 +178,7 @@ if want pd_gpu || want pd_gpu_ttft; then
     for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-pd/*.whl
     [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] || export PYTHONPATH=/tmp/site:$PYTHONPATH
-    pd_libs > "$OUT/pd_libs.txt" 2>&1; ls /tmp/pdlib >> "$OUT/pd_libs.txt"
+    pd_libs /tmp/site/mooncake/engine.so /tmp/pdroot /tmp/pdlib > "$OUT/pd_libs.txt" 2>&1; ls /tmp/pdlib >> "$OUT/pd_libs.txt"
     export LD_LIBRARY_PATH=/tmp/pdlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     $PY -c "from runtime.disagg.transfer import unavailable_reason as r; print(r() or 'PD: transfer engine loads')" >> "$OUT/pd_libs.txt" 2>&1
 fi
