@@ -6,7 +6,10 @@ By default every server is its own process, as deployed (canary/pd_target.py, ca
 side's three event loops and two engine threads share one GIL, which the colocated server does not
 pay, so that form overstates PD's cost.
 
-    python -m bench.pd_ttft --repeats 10 --words 8,400 [--threads]
+    python -m bench.pd_ttft --repeats 10 --words 8,400 [--threads] [--server-arg=--device=cuda ...] [--out F]
+
+`--server-arg` goes to every server, PD sides and colocated alike (scripts/gpu_suite.sh's pd_gpu_ttft
+runs them on the GPU with `--server-arg=--dtype=float32`).
 """
 
 from __future__ import annotations
@@ -47,19 +50,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--words", default="8,400", help="prompt lengths in words, comma-separated")
     parser.add_argument("--threads", action="store_true", help="all servers on threads of this process")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="an argument for every server (repeatable), e.g. --server-arg=--dtype=float32")
+    parser.add_argument("--out", type=Path, default=None, help="the report as JSON")
     args = parser.parse_args(argv)
+    server_args = tuple(args.server_arg)
     rows = {}
     with ExitStack() as stack:
         client = stack.enter_context(httpx.Client())
         pd_headers: dict[str, str] | None = None
         co_headers: dict[str, str] | None = None
         if args.threads:
-            pd_url = stack.enter_context(pd_pair()).router
-            co_url = stack.enter_context(serve_state(server_state()))
+            pd_url = stack.enter_context(pd_pair(server_args, server_args)).router
+            co_url = stack.enter_context(serve_state(server_state(*server_args)))
         else:  # each server started with its own API key
             log_dir = Path(tempfile.mkdtemp(prefix="pd-ttft-"))
-            pd_target = stack.enter_context(embedded_pd_pair(DEFAULT_MODEL, log_dir=log_dir))
-            co_target = stack.enter_context(embedded_server(DEFAULT_MODEL, log_dir=log_dir))
+            pd_target = stack.enter_context(embedded_pd_pair(DEFAULT_MODEL, server_args, log_dir=log_dir))
+            co_target = stack.enter_context(embedded_server(DEFAULT_MODEL, server_args, log_dir=log_dir))
             pd_url, co_url, pd_headers, co_headers = (pd_target.root_url, co_target.root_url, pd_target.headers,
                                                       co_target.headers)
         for words in map(int, args.words.split(",")):
@@ -72,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                            "colocated_ms": round(statistics.median(co) * 1e3, 1),
                            "ratio": round(statistics.median(pd) / statistics.median(co), 2)}
             print(words, rows[words], flush=True)
-    print(json.dumps({"commit": git_commit(), "servers": "threads" if args.threads else "processes", "rows": rows}))
+    report = {"commit": git_commit(), "servers": "threads" if args.threads else "processes",
+              "server_args": list(server_args), "rows": rows}
+    print(json.dumps(report))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -101,10 +101,12 @@ def seconds_until_serving(router: str, model: str, prompt: str, within_s: float 
 
 
 def pages_left(root_url: str, timeout_s: float = 15.0) -> dict[str, float | None]:
-    """KV pages in use and pages reserved for transfers on one PD server once its work has drained
-    (both 0 when nothing leaked); None where the server has no such gauge or is unreachable."""
+    """KV pages in use, pages reserved for transfers and staging slots held (staged transfer mode) on
+    one PD server once its work has drained (all 0 when nothing leaked); None where the server has no
+    such gauge or is unreachable."""
     from canary.targets import Target
 
     target = Target(root_url, root_url + "/v1", "", True)
     return {"kv_pages_in_use": target.wait_kv_pages_idle(timeout_s),
-            "pd_pages_in_flight": target.metric("dsv4_pd_pages_in_flight")}
+            "pd_pages_in_flight": target.metric("dsv4_pd_pages_in_flight"),
+            "pd_staging_slots_in_use": target.metric("dsv4_pd_staging_slots_in_use")}

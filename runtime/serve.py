@@ -68,6 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--disaggregation-name", default=None,
                         help="PD decode: the name this server registers under with prefill servers "
                              "(default: its URL); a restart under the same name replaces the old session")
+    parser.add_argument("--disaggregation-transfer", default=None, choices=["direct", "staged"],
+                        help="PD: how KV pages move (runtime/disagg/transfer.py): staged (the default, and the only "
+                             "one for a CUDA KV pool) gathers them into a registered host staging arena and writes "
+                             "it in one piece; direct writes page runs between registered host pools. Both servers "
+                             "of a pair must use the same")
+    parser.add_argument("--disaggregation-staging-mib", type=int, default=None, metavar="MIB",
+                        help="PD staged transfer: the staging arena's size (default: 64 MiB, or one prompt of "
+                             "--max-model-len tokens if larger)")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -103,6 +111,10 @@ def build_state(args: argparse.Namespace):
     if args.overlap and args.disable_overlap:
         raise ValueError("--overlap and --disable-overlap contradict each other")
     overlap = args.overlap or (device != "cpu" and not args.disable_overlap)
+    if args.disaggregation_mode:  # a transfer mode that cannot work on this device fails before the engine starts
+        from runtime.disagg.setup import transfer_mode
+
+        transfer_mode(args, device)
     engine = start_engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=overlap,
                           tp=args.tp)
     template = ChatTemplate.for_model(Path(loaded.path) if loaded.path else None)

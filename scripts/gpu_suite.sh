@@ -154,6 +154,40 @@ if want perf_trials; then
         --server-arg=--dtype=float32 --out "$PERF_TRIALS_OUT" ${PERF_TRIALS_ARGS:-}
     cp "$PERF_TRIALS_OUT" "$OUT/" 2>/dev/null
 fi
+# ---- issue 16: PD's KV transfer between CUDA pools (staged through pinned host slots, Mooncake over
+# loopback TCP) and the PD pair of GPU servers against the colocated one. Mooncake and the libraries it
+# links are not in the image: carry .whl-pd and .debs-pd (scripts/pd_device_deps.sh) with .whl. The
+# debs are unpacked under /tmp/pdroot (never /), and only the libraries the image lacks are linked
+# into /tmp/pdlib, so none of the image's own (libssl, libcurl) is shadowed by Debian's build.
+pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked under ROOT, each library SO cannot find
+    local so=$1 root=$2 libdir=$3 round lib found missing
+    command -v ldd >/dev/null || { ln -sf "$root"/usr/lib/x86_64-linux-gnu/* "$root"/lib/x86_64-linux-gnu/* "$libdir"/; return 0; }
+    for round in 1 2 3 4 5 6; do
+        missing=$(LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ldd "$so" | awk '/not found/{print $1}' | sort -u)
+        [ -z "$missing" ] && return 0
+        for lib in $missing; do
+            found=$(find "$root" -name "$lib" | head -n 1)
+            [ -n "$found" ] || { echo "PD: no carried package holds $lib (round $round)"; return 1; }
+            ln -sf "$found" "$libdir/$lib"
+        done
+    done
+    return 1
+}
+if want pd_gpu || want pd_gpu_ttft; then
+    rm -rf /tmp/pdroot /tmp/pdlib && mkdir -p /tmp/pdroot /tmp/pdlib
+    for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-pd/*.whl
+    [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] || export PYTHONPATH=/tmp/site:$PYTHONPATH
+    pd_libs /tmp/site/mooncake/engine.so /tmp/pdroot /tmp/pdlib > "$OUT/pd_libs.txt" 2>&1; ls /tmp/pdlib >> "$OUT/pd_libs.txt"
+    export LD_LIBRARY_PATH=/tmp/pdlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    $PY -c "from runtime.disagg.transfer import unavailable_reason as r; print(r() or 'PD: transfer engine loads')" >> "$OUT/pd_libs.txt" 2>&1
+fi
+want pd_gpu && section pd_transfer_gpu_dsv4 "${PD_BENCH_TIMEOUT:-60}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape dsv4 --repeats 5 --out "$OUT/pd_transfer_gpu.json"
+want pd_gpu && section pd_transfer_gpu_canary "${PD_BENCH_TIMEOUT:-60}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape canary --repeats 5 --out "$OUT/pd_transfer_gpu_canary.json"
+want pd_gpu && section pd_gpu_tests "${PD_TEST_TIMEOUT:-360}" $PY -m pytest -q -p no:cacheprovider --run-gpu -rA tests/gpu/test_pd_gpu.py tests/unit/test_pd_staging.py tests/unit/test_pd_transfer.py
+# TTFT of the PD pair (two server processes on the one GPU, plus the router) against a colocated server
+# process. pd_gpu and pd_gpu_ttft each fill most of one 10-minute device call: run them in two calls.
+want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.pd_ttft --repeats 10 --words 8,400 --server-arg=--dtype=float32 --out "$OUT/pd_ttft_gpu.json"
 # The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt
  for dir in golden gate gate_baseline gate_ab; do [ -d "$dir" ] && tar czf "$dir.tgz" "$dir" && rm -rf "$dir"; done) || true

@@ -1,6 +1,12 @@
-"""A second process with a registered KV pool, for the two-process transfer test: prints its pool
-descriptor as one JSON line, then answers each stdin line (a JSON list of page ids and a token count)
-with the digest of those pages, until stdin closes."""
+"""A second process with a registered KV pool, for the two-process transfer tests: started with the
+transfer mode as its argument (direct or staged), prints its pool descriptor as one JSON line, then
+answers each stdin line until stdin closes:
+
+- a JSON list [page ids, token count]: the digest of those pages;
+- {"reserve": num_pages}: the offset of a new receive slot for that many pages (staged);
+- {"receive": [offset, page ids]}: scatter that slot into those pages and free it, answers "ok";
+- {"slots_in_use": null}: how many receive slots are held.
+"""
 
 from __future__ import annotations
 
@@ -18,13 +24,27 @@ def pool() -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.full((LAYERS, SLOTS, LATENT), float("nan")), torch.full((LAYERS, SLOTS, INDEX), float("nan")))
 
 
+def answer(transfer: KVTransfer, command) -> object:
+    if isinstance(command, list):
+        pages, tokens = command
+        return kv_digest(transfer.latent, transfer.index_keys, pages, PAGE, tokens)
+    assert transfer.staging is not None
+    if "reserve" in command:
+        return transfer.staging.try_allocate(transfer.staged_bytes(command["reserve"]))
+    if "receive" in command:
+        offset, pages = command["receive"]
+        transfer.receive_staged(offset, pages)
+        transfer.staging.free(offset)
+        return "ok"
+    return transfer.staging.slots_in_use
+
+
 def main() -> None:
     latent, index_keys = pool()
-    transfer = KVTransfer(latent, index_keys, PAGE)
+    transfer = KVTransfer(latent, index_keys, PAGE, mode=sys.argv[1] if len(sys.argv) > 1 else "staged")
     print(json.dumps(transfer.descriptor().to_dict()), flush=True)
     for line in sys.stdin:
-        pages, tokens = json.loads(line)
-        print(kv_digest(latent, index_keys, pages, PAGE, tokens), flush=True)
+        print(json.dumps(answer(transfer, json.loads(line))), flush=True)
 
 
 if __name__ == "__main__":

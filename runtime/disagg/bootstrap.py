@@ -60,6 +60,7 @@ class Room:
     session: Session
     dst_pages: list[int]
     done: asyncio.Future = field(repr=False)
+    staging_offset: int | None = None  # staged transfer: the decode side's receive slot for this room
     # Held by the engine thread while it writes into dst_pages; `closed` is set under it when the room
     # fails, so once the decode side hears of a failure (and frees the pages) no write can still land.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -110,7 +111,8 @@ class BootstrapRegistry:
         failure of the room (`fail`) is kept for its decode side's open, and for `wait_opened`."""
         self._opened_future(room)
 
-    def open(self, room: str, name: str, session_id: str, dst_pages: list[int]) -> Room:
+    def open(self, room: str, name: str, session_id: str, dst_pages: list[int],
+             staging_offset: int | None = None) -> Room:
         session = self.current(name, session_id)
         if room in self.rooms:
             raise BootstrapError(f"room {room} is already open")
@@ -119,7 +121,7 @@ class BootstrapRegistry:
         if error is not None:  # the prefill side gave the room up before it was opened
             del self._opened[room]
             raise error
-        entry = Room(room, session, list(dst_pages), asyncio.get_running_loop().create_future())
+        entry = Room(room, session, list(dst_pages), asyncio.get_running_loop().create_future(), staging_offset)
         self.rooms[room] = entry
         opened = self._opened_future(room)
         if not opened.done():

@@ -1,9 +1,12 @@
-"""The decode server's side of PD: reserve pages for a prompt's KV, register with the request's
-prefill server (once per prefill server and session), open the request's room with those page ids,
-wait for the KV, check it arrived intact, and hand the request to the engine as already prefilled.
+"""The decode server's side of PD: reserve pages for a prompt's KV (and, in staged transfer mode, a
+receive slot of the staging arena), register with the request's prefill server (once per prefill
+server and session), open the request's room with those page ids (and the slot), wait for the KV,
+scatter it from the slot into the pages (staged), check it arrived intact, and hand the request to
+the engine as already prefilled.
 
 The reserved pages are freed on every path that does not end in admission (timeout, prefill error,
-corrupt KV, client gone); a request admitted to the engine is freed by the scheduler as usual.
+corrupt KV, client gone); a request admitted to the engine is freed by the scheduler as usual. The
+receive slot is freed on every path, admission included (the KV is in the pages by then).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from runtime.engine.request import Request as EngineRequest
 from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import OutOfPagesError
 from runtime.server.errors import ApiError, bad_request
+
+STAGING_POLL_S = 0.005  # how often a request waiting for staging space looks again
 
 
 class DecodeSide:
@@ -75,13 +80,14 @@ class DecodeSide:
             self.sessions[prefill] = reply.json()["session_id"]
             return self.sessions[prefill]
 
-    async def _await_kv(self, prefill: str, room: str, pages: list[int]) -> dict:
+    async def _await_kv(self, prefill: str, room: str, pages: list[int], staging: int | None) -> dict:
         client = self.client()  # its timeout is 5 s over the prefill side's own deadline, which answers first
         refused: str | None = None
         for attempt in range(2):
             session = await self._session(client, prefill, refused)
             reply = await client.post(f"{prefill}/pd/transfer", json={
-                "room": room, "name": self.name, "session_id": session, "dst_pages": pages})
+                "room": room, "name": self.name, "session_id": session, "dst_pages": pages,
+                "staging_offset": staging})
             body = _json(reply)
             stale = reply.status_code == 409 and body.get("error", {}).get("code") == "pd_stale_session"
             if stale and attempt == 0:  # the prefill server restarted: register once more
@@ -99,28 +105,42 @@ class DecodeSide:
                               f"({ROOM_HEADER} / {BOOTSTRAP_HEADER} headers missing)")
         ids = prepared.prompt_ids
         page_size = self.engine.pool.page_size
+        num_pages = self.engine.pool.pages_for_tokens(len(ids))
 
         def reserve(engine: Engine) -> list[int]:
-            return engine.pool.allocate(rid, engine.pool.pages_for_tokens(len(ids)))
+            return engine.pool.allocate(rid, num_pages)
 
+        # The receive slot first, so no page is held while waiting for staging space.
+        staging = await self._reserve_staging(room, num_pages)
         try:
             pages = await state.bridge.call(reserve)
         except OutOfPagesError as exc:
+            self._free_staging(staging)
             raise ApiError(503, f"decode server out of KV pages: {exc}", type="server_error",
                            code="pd_out_of_pages") from None
+        except BaseException:
+            self._free_staging(staging)
+            raise
         self.metrics.pages_in_flight.inc(len(pages))
         admitted = False
         try:
             loop = asyncio.get_running_loop()
             started = loop.time()
             try:
-                result = await self._await_kv(prefill, room, pages)
+                result = await self._await_kv(prefill, room, pages, staging)
             except httpx.HTTPError as exc:
                 raise ApiError(502, f"prefill server {prefill} unreachable for room {room}: {exc!r}",
                                type="server_error", code="pd_prefill_unreachable") from None
             self.metrics.transfer_seconds.observe(loop.time() - started)
-            digest = await state.bridge.call(lambda engine: kv_digest(
-                self.transfer.latent, self.transfer.index_keys, pages, page_size, len(ids)))
+
+            def land(engine: Engine) -> str:
+                """On the engine thread, as every other write to the pool: staged KV into the pages,
+                then the digest of what the pages hold."""
+                if staging is not None:
+                    self.transfer.receive_staged(staging, pages)
+                return kv_digest(self.transfer.latent, self.transfer.index_keys, pages, page_size, len(ids))
+
+            digest = await state.bridge.call(land)
             if digest != result["digest"]:
                 self.metrics.transfers.labels("corrupt").inc()
                 raise ApiError(502, f"room {room}: the KV arrived corrupted (digest {digest} != sender's "
@@ -133,8 +153,35 @@ class DecodeSide:
             return sink
         finally:
             self.metrics.pages_in_flight.dec(len(pages))
+            if admitted or not self.faults.enabled("pd-abort-leak"):  # the fault: a given-up request's slot leaks
+                self._free_staging(staging)
             if not admitted and not self.faults.enabled("pd-abort-leak"):  # the fault: reserved pages leak
                 state.bridge.call(lambda engine: engine.pool.free(rid, pages))
+
+    async def _reserve_staging(self, room: str, num_pages: int) -> int | None:
+        """A receive slot for `num_pages` pages of KV (staged mode; None in direct mode), waiting for
+        slots of other requests to be freed up to the PD timeout. Polled, so a request cancelled while
+        it waits holds nothing (a thread blocked in the arena would take a slot nobody frees)."""
+        arena = self.transfer.staging
+        if arena is None:
+            return None
+        nbytes = self.transfer.staged_bytes(num_pages)
+        if nbytes > arena.capacity:
+            raise ApiError(503, f"room {room}: its KV ({nbytes} bytes) exceeds the decode server's staging "
+                                f"arena ({arena.capacity} bytes)", type="server_error", code="pd_out_of_staging")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while (offset := arena.try_allocate(nbytes)) is None:
+            if loop.time() >= deadline:
+                raise ApiError(503, f"room {room}: no staging space for {nbytes} bytes of KV came free within "
+                                    f"{self.timeout_s:g} s", type="server_error", code="pd_out_of_staging")
+            await asyncio.sleep(STAGING_POLL_S)
+        return offset
+
+    def _free_staging(self, offset: int | None) -> None:
+        if offset is not None:
+            assert self.transfer.staging is not None
+            self.transfer.staging.free(offset)
 
 
 def prefilled_request(rid: str, ids: list[int], params, pages: list[int], result: dict) -> EngineRequest:

@@ -21,9 +21,21 @@ class PDMetrics:
                                      "completed", registry=registry)
         self.transfers = Counter("dsv4_pd_transfers", "Request KV transfers by outcome", ["outcome"],
                                  registry=registry)
+        # Staged transfer: slots of the staging arena held by requests (decode: from the request's
+        # arrival to its KV landing in its pages; prefill: one gather + write). 0 when idle, else a leak.
+        self.staging_slots_in_use = Gauge("dsv4_pd_staging_slots_in_use", "Staging arena slots held by KV "
+                                          "transfers in flight (staged transfer mode)", registry=registry)
+        self.staging_bytes_in_use = Gauge("dsv4_pd_staging_bytes_in_use", "Staging arena bytes held by KV "
+                                          "transfers in flight (staged transfer mode)", registry=registry)
+
+    def track_staging(self, arena) -> None:
+        """Read the arena's own counts at each scrape (a StagingArena; never set by hand, so they
+        cannot drift from it)."""
+        self.staging_slots_in_use.set_function(lambda: arena.slots_in_use)
+        self.staging_bytes_in_use.set_function(lambda: arena.bytes_in_use)
 
     def attach(self, registry: CollectorRegistry) -> None:
         collectors: list[Collector] = [self.transfer_bytes, self.transfer_seconds, self.pages_in_flight,
-                                       self.transfers]
+                                       self.transfers, self.staging_slots_in_use, self.staging_bytes_in_use]
         for collector in collectors:
             registry.register(collector)

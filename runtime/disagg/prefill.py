@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from runtime.disagg.bootstrap import BootstrapError, BootstrapRegistry, BootstrapTimeout, Room, RoomFailed
 from runtime.disagg.metrics import PDMetrics
 from runtime.disagg.protocol import ROOM_HEADER, api_error
-from runtime.disagg.transfer import KVTransfer, PoolDescriptor, kv_digest
+from runtime.disagg.transfer import KVTransfer, PoolDescriptor, kv_digest, mode_mismatch
 from runtime.engine.engine import Engine, StepResult
 from runtime.server.bridge import Accepted, Rejected
 from runtime.server.errors import ApiError, bad_request
@@ -87,6 +87,10 @@ class PrefillSide:
             if session.pool.layout() != mine.layout():
                 raise ApiError(409, f"decode pool layout {session.pool.layout()} differs from the prefill "
                                     f"server's {mine.layout()}", type="server_error", code="pd_layout_mismatch")
+            mismatch = mode_mismatch(mine, session.pool)
+            if mismatch:
+                raise ApiError(409, f"decode and prefill servers cannot exchange KV: {mismatch}",
+                               type="server_error", code="pd_mode_mismatch")
             return {"session_id": session.session_id, "version": session.version}
 
         @app.post("/pd/transfer")
@@ -95,8 +99,9 @@ class PrefillSide:
             body = await request.json()
             room = str(body["room"])
             try:
+                offset = body.get("staging_offset")
                 self.registry.open(room, str(body["name"]), str(body["session_id"]),
-                                   [int(p) for p in body["dst_pages"]])
+                                   [int(p) for p in body["dst_pages"]], None if offset is None else int(offset))
                 return JSONResponse(await self.registry.wait_done(room, self.timeout_s))
             except BootstrapError as exc:
                 return api_error(exc).response()
@@ -262,7 +267,8 @@ class PrefillSide:
         with room.lock:
             if room.closed:  # the decode side gave up (timeout, abort): its pages may be reused by now
                 raise RoomFailed(f"room {room.room}: the decode side is no longer waiting")
-            stats = self.transfer.write_pages(room.session.pool, src, room.dst_pages[:len(src)])
+            stats = self.transfer.write_pages(room.session.pool, src, room.dst_pages[:len(src)],
+                                              staging_offset=room.staging_offset)
         self.metrics.transfer_bytes.inc(stats.bytes)
         self.metrics.transfer_seconds.observe(stats.seconds)
         return {**held.outcome, "kv_bytes": stats.bytes, "chunks": stats.chunks, "transfer_seconds": stats.seconds,

@@ -1,5 +1,6 @@
 """`build_pd_side`: the prefill or decode glue for `runtime.serve --disaggregation-mode`, with the
-engine's KV pool registered with the transfer engine and the transfer metrics ready to attach."""
+engine's KV pool registered with the transfer engine (directly, or through a staging arena) and the
+transfer metrics ready to attach."""
 
 from __future__ import annotations
 
@@ -9,16 +10,40 @@ from runtime.disagg.bootstrap import BootstrapRegistry
 from runtime.disagg.decode import DecodeSide
 from runtime.disagg.metrics import PDMetrics
 from runtime.disagg.prefill import PrefillSide
-from runtime.disagg.transfer import KVTransfer
+from runtime.disagg.staging import staged_bytes
+from runtime.disagg.transfer import DEFAULT_MODE, KVTransfer
 from runtime.engine.engine import Engine
+
+# The staging arena's least size: room for many short prompts in flight at once (canary prompts of a
+# few hundred tokens take ~0.5 MB each); never less than one prompt of --max-model-len tokens.
+MIN_STAGING_BYTES = 64 << 20
+
+
+def transfer_mode(args: argparse.Namespace, device: str) -> str:
+    mode = args.disaggregation_transfer or DEFAULT_MODE
+    if mode == "direct" and device != "cpu":
+        raise ValueError(f"--disaggregation-transfer direct registers the KV pool itself, which is on {device}: "
+                         f"the non-CUDA Mooncake engine registers host memory only; use staged (the default)")
+    return mode
 
 
 def build_pd_side(args: argparse.Namespace, engine: Engine):
     if args.tp > 1:
         raise ValueError("--disaggregation-mode with --tp > 1 is not supported yet (one KV pool per server)")
-    kv = engine.kv
-    transfer = KVTransfer(kv.latent, kv.index_keys, engine.pool.page_size, faults=engine.faults)
+    kv, cfg = engine.kv, engine.cfg
+    mode = transfer_mode(args, cfg.device)
+    one_prompt = staged_bytes(kv.latent, kv.index_keys, engine.pool.pages_for_tokens(cfg.max_model_len),
+                              cfg.page_size)
+    arena = (args.disaggregation_staging_mib << 20) if args.disaggregation_staging_mib else max(
+        MIN_STAGING_BYTES, one_prompt)
+    if arena < one_prompt:
+        raise ValueError(f"--disaggregation-staging-mib {args.disaggregation_staging_mib}: one prompt of "
+                         f"--max-model-len {cfg.max_model_len} tokens needs {-(-one_prompt >> 20)} MiB of staging")
+    transfer = KVTransfer(kv.latent, kv.index_keys, engine.pool.page_size, faults=engine.faults, mode=mode,
+                          staging_bytes=arena)
     metrics = PDMetrics()  # attached to the server's registry by ServerState
+    if transfer.staging is not None:
+        metrics.track_staging(transfer.staging)
     if args.disaggregation_mode == "prefill":
         return PrefillSide(engine, transfer, BootstrapRegistry(engine.faults), metrics, args.disaggregation_timeout)
     name = args.disaggregation_name or f"http://{args.host}:{args.port}"

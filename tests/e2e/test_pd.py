@@ -64,6 +64,17 @@ def wait_pages_free(*states, timeout_s: float = 20.0) -> list[int]:
     return [s.engine.pages_in_use for s in states]
 
 
+def wait_staging_free(*states, timeout_s: float = 20.0) -> list[int]:
+    """Staging arena slots held on each server once its in-flight work has drained (0 each when no path
+    forgot one; the servers run the default, staged, transfer mode)."""
+    deadline = time.monotonic() + timeout_s
+    held = [s.pd.transfer.staging.slots_in_use for s in states]
+    while any(held) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        held = [s.pd.transfer.staging.slots_in_use for s in states]
+    return held
+
+
 @pytest.fixture(scope="module")
 def servers():
     with pd_pair() as pair, serve_state(server_state()) as colocated:
@@ -83,6 +94,7 @@ def test_pd_pair_answers_exactly_as_the_colocated_server(servers, payload):
     assert got == expected
     assert len(got["logprobs"]) >= 1
     assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
 
 
 def test_concurrent_requests_batch_on_both_sides_and_still_match(servers):
@@ -105,6 +117,7 @@ def test_metrics_export_transfer_bytes_latency_and_pages_in_flight(servers):
         sent = [line for line in text.splitlines() if line.startswith("dsv4_pd_transfer_bytes_total ")]
         assert sent and float(sent[0].split()[1]) > 0, text
         assert "dsv4_pd_transfer_seconds_bucket" in text and "dsv4_pd_pages_in_flight 0.0" in text
+        assert "dsv4_pd_staging_slots_in_use 0.0" in text and "dsv4_pd_staging_bytes_in_use 0.0" in text
 
 
 def test_decode_side_reuses_one_http_client(servers, monkeypatch):
@@ -157,28 +170,31 @@ def test_router_passes_validation_errors_through(servers):
     assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
 
 
-def dead_prefill_error(decode_faults: tuple[str, ...]) -> tuple[dict, int]:
-    """A decode server whose prefill server is gone: the client's error and the decode pages left."""
+def dead_prefill_error(decode_faults: tuple[str, ...]) -> tuple[dict, tuple[int, int]]:
+    """A decode server whose prefill server is gone: the client's error and the decode pages and
+    staging slots left."""
     from canary.targets import free_port
 
     state = server_state("--disaggregation-mode", "decode", *decode_faults)
     with serve_state(state) as decode, \
             serve_in_thread(create_router_app([f"http://127.0.0.1:{free_port()}"], [decode])) as router:
         reply = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
-        return {"status": reply.status_code, **reply.json()}, wait_pages_free(state, timeout_s=5)[0]
+        return ({"status": reply.status_code, **reply.json()},
+                (wait_pages_free(state, timeout_s=5)[0], wait_staging_free(state, timeout_s=5)[0]))
 
 
 def test_a_dead_prefill_server_is_an_openai_error_and_frees_the_reserved_pages():
     error, leaked = dead_prefill_error(())
     assert error["status"] == 502 and error["error"]["code"] == "pd_prefill_unreachable"
-    assert leaked == 0
+    assert leaked == (0, 0)
 
 
 def test_abort_leak_fault_is_caught():
-    """Negative control: pd-abort-leak keeps the pages reserved for a transfer that never completed."""
-    error, leaked = dead_prefill_error(("--inject-fault", "pd-abort-leak"))
+    """Negative control: pd-abort-leak keeps the pages (and the staging slot) reserved for a transfer
+    that never completed."""
+    error, (pages, slots) = dead_prefill_error(("--inject-fault", "pd-abort-leak"))
     assert error["status"] == 502
-    assert leaked > 0
+    assert pages > 0 and slots > 0
 
 
 def test_kv_corrupt_fault_is_caught_and_frees_pages():
@@ -186,6 +202,21 @@ def test_kv_corrupt_fault_is_caught_and_frees_pages():
         reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
         assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_kv_corrupt", reply.text
         assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+        assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def test_transfer_modes_that_differ_are_a_named_error_not_a_hang():
+    """A staged prefill server and a direct decode server cannot move KV: the decode side's registration
+    is refused, and the client gets a 409 naming the modes at once, with nothing left reserved."""
+    with pd_pair(decode_args=("--disaggregation-transfer", "direct")) as pair:
+        started = time.monotonic()
+        reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
+        assert reply.status_code == 409 and reply.json()["error"]["code"] == "pd_mode_mismatch", reply.text
+        assert "transfer modes differ" in reply.json()["error"]["message"]
+        assert time.monotonic() - started < 10  # well inside the 20 s PD deadline: refused, not timed out
+        assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+        assert pair.decode_state.pd.transfer.staging is None
+        assert wait_staging_free(pair.prefill_state) == [0]
 
 
 def test_client_disconnects_mid_stream_free_pages_on_both_sides(servers):
@@ -196,6 +227,7 @@ def test_client_disconnects_mid_stream_free_pages_on_both_sides(servers):
             if n > 4:
                 break  # leave with the decode side mid-generation
     assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
 
 
 def restart_then_answer(prefill_faults: tuple[str, ...]) -> int:
@@ -313,7 +345,8 @@ def test_a_prefill_server_killed_mid_request_is_an_error_and_leaks_nothing(tmp_p
 def queued_on_prefill(client: str, decode_faults: tuple[str, ...] = ()) -> tuple[int | None, list[int]]:
     """One routed request queued on a prefill server whose only running slot (`--max-running 1`) is
     held by a long request of its own, past the PD deadline (2 s), the client waiting or gone: its
-    HTTP status (None for the client that left) and the decode side's pages once that has drained."""
+    HTTP status (None for the client that left) and the decode side's pages and staging slots once
+    that has drained."""
     from runtime.engine.request import SamplingParams
 
     with pd_pair(prefill_args=("--max-running", "1"), decode_args=decode_faults, timeout_s=2.0) as pair:
@@ -332,7 +365,8 @@ def queued_on_prefill(client: str, decode_faults: tuple[str, ...] = ()) -> tuple
                     httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]),
                                timeout=httpx.Timeout(60, read=0.5))
                 time.sleep(3)  # past the deadline, with nobody listening
-            decode_pages = wait_pages_free(pair.decode_state, timeout_s=10)
+            decode_pages = wait_pages_free(pair.decode_state, timeout_s=10) + wait_staging_free(pair.decode_state,
+                                                                                                timeout_s=2)
             assert "hog" in engine.scheduler.requests  # the slot really was held all along
         finally:
             on_engine(pair.prefill_state, lambda e: e.abort("hog"))
@@ -347,15 +381,16 @@ def test_a_request_queued_on_prefill_past_its_deadline_is_a_timeout_error_and_le
     """At the PD deadline the prefill side drops the queued request and fails its room, the decode side
     frees the pages it reserved, and the client (still waiting, or gone) gets a named 504, not a hang.
     Once the slot is free the pair serves."""
-    status, decode_pages = queued_on_prefill(client)
+    status, decode_left = queued_on_prefill(client)
     assert status == (504 if client == "waits" else None)
-    assert decode_pages == [0]
+    assert decode_left == [0, 0]  # pages, staging slots
 
 
 def test_queued_on_prefill_check_catches_the_abort_leak_fault():
-    """Negative control: with pd-abort-leak the decode side keeps the pages of the timed-out request."""
-    status, decode_pages = queued_on_prefill("waits", ("--inject-fault", "pd-abort-leak"))
-    assert status == 504 and decode_pages[0] > 0
+    """Negative control: with pd-abort-leak the decode side keeps the pages and the staging slot of the
+    timed-out request."""
+    status, decode_left = queued_on_prefill("waits", ("--inject-fault", "pd-abort-leak"))
+    assert status == 504 and decode_left[0] > 0 and decode_left[1] > 0
 
 
 def on_engine(state, fn):
@@ -397,7 +432,8 @@ def test_a_decode_server_killed_mid_run_fails_its_clients_by_name_and_the_prefil
         failed = [o for o in outcomes if not (o.kind == pd_chaos.OK and o.ended < killed_at)]
         assert len(failed) >= len(outcomes) // 2, outcomes
         assert all(o.kind == pd_chaos.ERROR and o.code and o.code.startswith("pd_") for o in failed), failed
-        assert pd_chaos.pages_left(pair.url("prefill")) == {"kv_pages_in_use": 0.0, "pd_pages_in_flight": 0.0}
+        assert pd_chaos.pages_left(pair.url("prefill")) == {"kv_pages_in_use": 0.0, "pd_pages_in_flight": 0.0,
+                                                             "pd_staging_slots_in_use": 0.0}
         pair.start_side("decode")
         seconds, last = pd_chaos.seconds_until_serving(pair.router, MODEL, PROMPTS[0], within_s=30)
         assert seconds is not None, last
@@ -435,9 +471,9 @@ def test_the_prompt_is_computed_before_its_room_opens_and_the_answer_is_unchange
     gate = threading.Event()
     original = pair.decode_state.pd._await_kv
 
-    async def late(prefill, room, pages):
+    async def late(prefill, room, pages, staging):
         await asyncio.to_thread(gate.wait, 60)
-        return await original(prefill, room, pages)
+        return await original(prefill, room, pages, staging)
 
     monkeypatch.setattr(pair.decode_state.pd, "_await_kv", late)
     payload = body(PROMPTS[3], stream=True)
@@ -547,7 +583,7 @@ def test_a_decode_failure_before_the_room_opens_makes_the_router_hang_up_on_the_
 
     pair, _ = servers
 
-    async def no_pages(prefill, room, pages):
+    async def no_pages(prefill, room, pages, staging):
         await asyncio.sleep(0.5)  # the prompt is computed and held by now
         raise ApiError(503, "decode server out of KV pages", type="server_error", code="pd_out_of_pages")
 
@@ -557,6 +593,7 @@ def test_a_decode_failure_before_the_room_opens_makes_the_router_hang_up_on_the_
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "pd_out_of_pages", reply.text
     assert time.monotonic() - started < 10
     assert wait_pages_free(pair.prefill_state, pair.decode_state, timeout_s=5) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, pair.decode_state, timeout_s=5) == [0, 0]
     assert pair.prefill_state.pd.pending == {} and pages_in_flight(pair.prefill) == 0
 
 

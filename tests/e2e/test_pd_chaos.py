@@ -7,7 +7,7 @@ server, while the sessions keep sending. It must end with:
 - every failed request named: an OpenAI-shaped error (status + body, or a `data:` error chunk);
 - the pair serving again within 10 s of each restart, timed by this test's clock from the new
   process being healthy to the first successful probe request (a bound, not a benchmark);
-- 0 pages left on either side (/metrics: KV pages in use, pages reserved for transfers);
+- 0 pages left on either side (/metrics: KV pages in use, pages reserved for transfers, staging slots held);
 - the same greedy answer for the same prompt before and after the restarts.
 
 80 sessions, as the issue asks (about 1 minute on the 2-core CPU, loaded), opt-in: `pytest --run-slow

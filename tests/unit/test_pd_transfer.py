@@ -1,5 +1,6 @@
-"""runtime/disagg/transfer.py: a request's KV pages written by page id into another process's pool
-through Mooncake over loopback TCP arrive bit for bit (digest of the receiver's pages equals the
+"""runtime/disagg/transfer.py: a request's KV pages written into another process's pool through
+Mooncake over loopback TCP, in both transfer modes (direct: by page id; staged: through a receive
+slot the receiver scatters), arrive bit for bit (digest of the receiver's pages equals the
 sender's), pages outside the request stay untouched, and the oracles fire on planted bugs."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.disagg import transfer
 from runtime.disagg.transfer import KVTransfer, PoolDescriptor, TransferError, kv_digest, page_runs, unavailable_reason
 from runtime.faults import NO_FAULTS, FaultSet
 from tests import pd_peer
@@ -21,29 +23,48 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(una
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def sender(faults: FaultSet = NO_FAULTS) -> KVTransfer:
+def sender(faults: FaultSet = NO_FAULTS, mode: str = "staged") -> KVTransfer:
     latent, index_keys = pd_peer.pool()
     torch.manual_seed(0)
     latent.copy_(torch.randn_like(latent))
     index_keys.copy_(torch.randn_like(index_keys))
-    return KVTransfer(latent, index_keys, pd_peer.PAGE, faults=faults)
+    return KVTransfer(latent, index_keys, pd_peer.PAGE, faults=faults, mode=mode)
 
 
-@pytest.fixture
-def peer():
+class Peer:
+    """tests/pd_peer.py in its own process: the receiving pool, in one transfer mode."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        assert proc.stdout is not None
+        self.descriptor = PoolDescriptor.from_dict(json.loads(proc.stdout.readline()))
+
+    def ask(self, command):
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def digest(self, pages: list[int], tokens: int) -> str:
+        return self.ask([pages, tokens])
+
+    def put(self, src: KVTransfer, src_pages: list[int], dst_pages: list[int]):
+        """One request's transfer as the PD sides run it: in staged mode the receiver reserves a slot,
+        the sender writes into it, the receiver scatters it into its pages and frees it."""
+        offset = self.ask({"reserve": len(dst_pages)}) if self.descriptor.mode == "staged" else None
+        stats = src.write_pages(self.descriptor, src_pages, dst_pages, staging_offset=offset)
+        if offset is not None:
+            assert self.ask({"receive": [offset, dst_pages]}) == "ok"
+        return stats
+
+
+@pytest.fixture(params=transfer.MODES)
+def peer(request):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.pd_peer"], cwd=ROOT, env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.pd_peer", request.param], cwd=ROOT, env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        assert proc.stdout is not None and proc.stdin is not None
-        descriptor = PoolDescriptor.from_dict(json.loads(proc.stdout.readline()))
-
-        def digest(pages: list[int], tokens: int) -> str:
-            proc.stdin.write(json.dumps([pages, tokens]) + "\n")
-            proc.stdin.flush()
-            return proc.stdout.readline().strip()
-
-        yield descriptor, digest
+        yield Peer(proc)
     finally:
         proc.kill()
         proc.wait(timeout=10)
@@ -55,22 +76,35 @@ def test_page_runs_coalesce_only_where_both_sides_are_consecutive():
 
 
 def test_pages_written_into_another_process_arrive_intact(peer):
-    descriptor, digest = peer
-    src = sender()
+    src = sender(mode=peer.descriptor.mode)
     src_pages, dst_pages, tokens = [1, 2, 5], [6, 3, 4], 20  # 20 tokens: the last page is partial
-    before = digest([0, 7], 16)  # pages the write must not touch
-    stats = src.write_pages(descriptor, src_pages, dst_pages)
+    before = peer.digest([0, 7], 16)  # pages the write must not touch
+    stats = peer.put(src, src_pages, dst_pages)
     assert stats.bytes == 2 * 3 * pd_peer.PAGE * (pd_peer.LATENT + pd_peer.INDEX) * 4
-    assert digest(dst_pages, tokens) == kv_digest(src.latent, src.index_keys, src_pages, pd_peer.PAGE, tokens)
-    assert digest([0, 7], 16) == before
+    assert stats.chunks == (1 if peer.descriptor.mode == "staged" else 2 * 2 * 3)  # staged: one write
+    assert peer.digest(dst_pages, tokens) == kv_digest(src.latent, src.index_keys, src_pages, pd_peer.PAGE, tokens)
+    assert peer.digest([0, 7], 16) == before
+    if peer.descriptor.mode == "staged":
+        assert peer.ask({"slots_in_use": None}) == 0 and src.staging is not None and src.staging.slots_in_use == 0
 
 
 def test_kv_corrupt_fault_is_caught_by_the_digest(peer):
     """Negative control: pd-kv-corrupt flips one byte in transit; the receiver's digest differs."""
-    descriptor, digest = peer
-    src = sender(FaultSet(["pd-kv-corrupt"]))
-    src.write_pages(descriptor, [1, 2], [3, 4])
-    assert digest([3, 4], 16) != kv_digest(src.latent, src.index_keys, [1, 2], pd_peer.PAGE, 16)
+    src = sender(FaultSet(["pd-kv-corrupt"]), mode=peer.descriptor.mode)
+    peer.put(src, [1, 2], [3, 4])
+    assert peer.digest([3, 4], 16) != kv_digest(src.latent, src.index_keys, [1, 2], pd_peer.PAGE, 16)
+
+
+def test_a_wrong_page_order_on_the_receiver_is_caught_by_the_digest(peer):
+    """Negative control for the staged path: the receiver scattering the slot into its pages in
+    another order than the sender gathered them (pages carry no ids in the slot) changes the digest."""
+    if peer.descriptor.mode != "staged":
+        pytest.skip("direct writes address pages by id: no order to get wrong on the receiver")
+    src = sender(mode="staged")
+    offset = peer.ask({"reserve": 2})
+    src.write_pages(peer.descriptor, [1, 2], [3, 4], staging_offset=offset)
+    peer.ask({"receive": [offset, [4, 3]]})  # the planted bug: the receiver's pages swapped
+    assert peer.digest([3, 4], 16) != kv_digest(src.latent, src.index_keys, [1, 2], pd_peer.PAGE, 16)
 
 
 def test_digest_depends_on_every_position_and_not_on_page_ids():
@@ -85,7 +119,7 @@ def test_digest_depends_on_every_position_and_not_on_page_ids():
 
 
 def test_bad_peers_are_errors_not_hangs():
-    src = sender()
+    src = sender(mode="direct")
     good = src.descriptor()
     with pytest.raises(TransferError, match="layout"):
         src.write_pages(PoolDescriptor(**{**good.to_dict(), "page_size": 16}), [0], [0])
@@ -97,9 +131,38 @@ def test_bad_peers_are_errors_not_hangs():
         src.write_pages(good, [0, 1], [1])
 
 
-def test_a_closed_pool_refuses_writes():
-    src, dst = sender(), sender()
+def test_bad_staged_peers_are_errors_not_hangs():
+    src, dst = sender(mode="staged"), sender(mode="staged")
+    good = dst.descriptor()
+    with pytest.raises(TransferError, match="receive slot"):  # no slot given
+        src.write_pages(good, [0], [1])
+    with pytest.raises(TransferError, match="receive slot"):  # a slot running past the peer's arena
+        src.write_pages(good, [0], [1], staging_offset=good.staging_bytes - 8)
+    with pytest.raises(TransferError, match="failed"):  # nobody listens there
+        src.write_pages(PoolDescriptor(**{**good.to_dict(), "session": "127.0.0.1:1"}), [0], [1], staging_offset=0)
+    assert src.staging is not None and src.staging.slots_in_use == 0  # the send slot came back after the failure
+
+
+def test_transfer_modes_that_differ_are_a_clear_error():
+    """Both pools must run the same mode: a staged sender refuses a direct peer's descriptor (and the
+    other way round) with an error naming the modes, before anything is written."""
+    staged, direct = sender(mode="staged"), sender(mode="direct")
+    with pytest.raises(TransferError, match="transfer modes differ"):
+        staged.write_pages(direct.descriptor(), [0], [1], staging_offset=0)
+    with pytest.raises(TransferError, match="transfer modes differ"):
+        direct.write_pages(staged.descriptor(), [0], [1])
+
+
+def test_direct_mode_refuses_a_pool_off_the_host():
+    latent, index_keys = (t.to("meta") for t in pd_peer.pool())
+    with pytest.raises(transfer.TransferUnavailable, match="staged"):
+        KVTransfer(latent, index_keys, pd_peer.PAGE, mode="direct")
+
+
+@pytest.mark.parametrize("mode", transfer.MODES)
+def test_a_closed_pool_refuses_writes(mode):
+    src, dst = sender(mode=mode), sender(mode=mode)
     dst.close()
     with pytest.raises(TransferError, match="failed"):
-        src.write_pages(dst.descriptor(), [0], [1])
+        src.write_pages(dst.descriptor(), [0], [1], staging_offset=0)
     dst.close()  # idempotent

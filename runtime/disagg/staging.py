@@ -1,0 +1,159 @@
+"""Staged KV transfer's buffers: `StagingArena`, a host buffer handed out as slots (one per request
+in flight, sized to it), and `gather_pages` / `scatter_pages`, which move a request's pages between
+a KV pool (CPU or CUDA) and one slot.
+
+A slot holds a request's KV as two blocks, latent then index keys, each [layers, pages, page_size,
+dim] in the pool's dtype: the sender gathers its pages into its slot, writes the slot's used bytes
+into the receiver's slot in one engine write, and the receiver scatters them into its own pages.
+Page ids never travel: the order of the pages in the slot is the order of the page lists, so both
+sides must pass their pages in request order (a wrong order lands KV in the wrong positions, which
+the digest check catches).
+
+Slots are host memory because the non-CUDA Mooncake engine registers host memory only; pinned when
+the pool is on CUDA, so the device copies are DMA and not staged again by the driver.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+
+def staged_bytes(latent: torch.Tensor, index_keys: torch.Tensor, num_pages: int, page_size: int) -> int:
+    """Bytes one request of `num_pages` pages fills in a slot."""
+    per_slot_row = latent.shape[0] * (latent.shape[2] * latent.element_size()
+                                      + index_keys.shape[2] * index_keys.element_size())
+    return num_pages * page_size * per_slot_row
+
+
+def _pages_view(pool: torch.Tensor, page_size: int) -> torch.Tensor:
+    # [layers, slots, dim] -> [layers, pages, page_size, dim], no copy (the pool is contiguous)
+    layers, slots, dim = pool.shape
+    return pool.view(layers, slots // page_size, page_size, dim)
+
+
+def _blocks(buffer: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor, num_pages: int,
+            page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent and index-key blocks of a slot (a uint8 buffer), typed and shaped like the pool."""
+    views = []
+    at = 0
+    for pool in (latent, index_keys):
+        shape = (pool.shape[0], num_pages, page_size, pool.shape[2])
+        size = shape[0] * shape[1] * shape[2] * shape[3] * pool.element_size()
+        views.append(buffer[at:at + size].view(pool.dtype).view(shape))
+        at += size
+    return views[0], views[1]
+
+
+def gather_pages(latent: torch.Tensor, index_keys: torch.Tensor, pages: list[int], page_size: int,
+                 slot: torch.Tensor) -> int:
+    """Copy `pages` of every layer of both pools into `slot` (host, uint8, at least `staged_bytes`
+    long); returns the bytes used.
+    Synchronous: the slot is complete when it returns (the engine reads it right after)."""
+    used = staged_bytes(latent, index_keys, len(pages), page_size)
+    if used > slot.numel():
+        raise ValueError(f"{len(pages)} pages need {used} staging bytes, a slot has {slot.numel()}")
+    ids = torch.tensor(pages, dtype=torch.long, device=latent.device)
+    for pool, block in zip((latent, index_keys), _blocks(slot, latent, index_keys, len(pages), page_size)):
+        if pool.device.type == "cpu":  # straight into the slot, no temporary
+            torch.index_select(_pages_view(pool, page_size), 1, ids, out=block)
+        else:  # one gather on the device, then one DMA into the pinned slot
+            block.copy_(_pages_view(pool, page_size).index_select(1, ids), non_blocking=True)
+    if latent.device.type == "cuda":
+        torch.cuda.current_stream(latent.device).synchronize()
+    return used
+
+
+def scatter_pages(slot: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor, pages: list[int],
+                  page_size: int) -> None:
+    """Copy a slot filled by `gather_pages` (same page count) into `pages` of the pools."""
+    ids = torch.tensor(pages, dtype=torch.long, device=latent.device)
+    for pool, block in zip((latent, index_keys), _blocks(slot, latent, index_keys, len(pages), page_size)):
+        _pages_view(pool, page_size).index_copy_(1, ids, block.to(pool.device, non_blocking=True))
+    if latent.device.type == "cuda":  # the slot may be handed out again once this returns
+        torch.cuda.current_stream(latent.device).synchronize()
+
+
+class StagingArena:
+    """One host buffer (registered with the engine by its owner) handed out as slots: one contiguous
+    run of bytes per request in flight, sized to that request, first fit. Sized slots rather than
+    fixed ones: a fixed slot must hold the longest prompt, so the short prompts of a busy server would
+    need many times the memory. Thread-safe: the prefill side takes slots on the engine thread and on
+    worker threads, the decode side on its event loop."""
+
+    ALIGN = 4096  # slot offsets and sizes: whole host pages
+
+    def __init__(self, capacity: int, pinned: bool) -> None:
+        capacity = -(-capacity // self.ALIGN) * self.ALIGN
+        if capacity <= 0:
+            raise ValueError(f"a staging arena needs a positive capacity, got {capacity}")
+        self.capacity = capacity
+        self.buffer = torch.zeros(capacity, dtype=torch.uint8, pin_memory=pinned)
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # (offset, size), sorted, never adjacent
+        self._used: dict[int, int] = {}  # offset -> size of each slot handed out
+        self._cond = threading.Condition(threading.RLock())
+
+    @property
+    def slots_in_use(self) -> int:
+        with self._cond:
+            return len(self._used)
+
+    @property
+    def bytes_in_use(self) -> int:
+        with self._cond:
+            return sum(self._used.values())
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        with self._cond:
+            size = self._used.get(offset)
+        if size is None or nbytes > size:
+            raise ValueError(f"no staging slot of {nbytes} bytes at offset {offset}")
+        return self.buffer[offset:offset + nbytes]
+
+    def address(self, offset: int) -> int:
+        return self.buffer.data_ptr() + offset
+
+    def try_allocate(self, nbytes: int) -> int | None:
+        """The offset of a new slot of at least `nbytes`, or None while no free run is large enough."""
+        if nbytes > self.capacity:
+            raise ValueError(f"a staging slot of {nbytes} bytes exceeds the whole arena ({self.capacity} bytes)")
+        size = max(1, -(-nbytes // self.ALIGN)) * self.ALIGN
+        with self._cond:
+            for i, (offset, free) in enumerate(self._free):
+                if free >= size:
+                    if free == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (offset + size, free - size)
+                    self._used[offset] = size
+                    return offset
+        return None
+
+    def allocate(self, nbytes: int, timeout_s: float) -> int | None:
+        """`try_allocate`, waiting up to `timeout_s` for slots to be freed (None when none came)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                offset = self.try_allocate(nbytes)  # the condition's lock is re-entrant
+                left = deadline - time.monotonic()
+                if offset is not None or left <= 0:
+                    return offset
+                self._cond.wait(left)
+
+    def free(self, offset: int) -> None:
+        with self._cond:
+            size = self._used.pop(offset, None)
+            if size is None:
+                raise ValueError(f"staging slot at offset {offset} is not in use")
+            self._free.append((offset, size))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for start, length in self._free:  # coalesce neighbours, so large slots fit again
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + length)
+                else:
+                    merged.append((start, length))
+            self._free = merged
+            self._cond.notify_all()

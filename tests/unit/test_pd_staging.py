@@ -1,0 +1,192 @@
+"""runtime/disagg/staging.py without a transfer engine: `gather_pages` / `scatter_pages` move a
+request's pages through a staging slot into another pool's pages in request order, on CPU pools and
+(marked gpu) on CUDA pools with a pinned arena, the GPU servers' path; `StagingArena` hands out sized
+slots, takes them back, and its counts show a slot nobody freed. Each oracle has a negative control."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from runtime.disagg.staging import StagingArena, gather_pages, scatter_pages, staged_bytes
+from runtime.disagg.transfer import kv_digest
+
+LAYERS, PAGES, PAGE, LATENT, INDEX = 3, 12, 4, 10, 6
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def pools(device: str, dtype: torch.dtype, fill: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    made = []
+    for dim in (LATENT, INDEX):
+        values = torch.randn(LAYERS, PAGES * PAGE, dim, generator=generator)
+        made.append((values if fill is None else torch.full_like(values, fill)).to(device, dtype))
+    return made[0], made[1]
+
+
+def move(device: str, dtype: torch.dtype, src_pages: list[int], dst_pages: list[int],
+         scatter_order: list[int] | None = None) -> tuple[str, str]:
+    """The digests of the sender's pages and of the receiver's after a gather into a slot of a
+    (pinned, on CUDA) arena and a scatter of it; `scatter_order` plants a receiver-side page order."""
+    src, dst = pools(device, dtype), pools(device, dtype, fill=float("nan"))
+    arena = StagingArena(staged_bytes(*src, PAGES, PAGE), pinned=device == "cuda")
+    nbytes = staged_bytes(*src, len(src_pages), PAGE)
+    offset = arena.try_allocate(nbytes)
+    assert offset is not None
+    assert gather_pages(*src, src_pages, PAGE, arena.view(offset, nbytes)) == nbytes
+    scatter_pages(arena.view(offset, nbytes), *dst, scatter_order or dst_pages, PAGE)
+    arena.free(offset)
+    tokens = len(src_pages) * PAGE - 1  # the last page partly used
+    return kv_digest(*src, src_pages, PAGE, tokens), kv_digest(*dst, dst_pages, PAGE, tokens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_go_through_a_slot_into_other_pages_in_request_order(device, dtype):
+    sent, received = move(device, dtype, [7, 2, 9, 3], [0, 11, 5, 6])
+    assert sent == received
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_wrong_page_order_is_seen(device):
+    """Negative control: the receiver scattering in another order than the sender gathered."""
+    sent, received = move(device, torch.float32, [7, 2, 9, 3], [0, 11, 5, 6], scatter_order=[11, 0, 5, 6])
+    assert sent != received
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_scatter_touches_only_the_request_pages(device):
+    src, dst = pools(device, torch.float32), pools(device, torch.float32, fill=-1.0)
+    slot = torch.zeros(staged_bytes(*src, 2, PAGE), dtype=torch.uint8, pin_memory=device == "cuda")
+    gather_pages(*src, [4, 5], PAGE, slot)
+    scatter_pages(slot, *dst, [1, 8], PAGE)
+    for pool in dst:
+        touched = torch.zeros(PAGES * PAGE, dtype=torch.bool)
+        touched[1 * PAGE:2 * PAGE] = touched[8 * PAGE:9 * PAGE] = True
+        assert bool((pool[:, ~touched.to(device)] == -1.0).all())
+        assert not bool((pool[:, touched.to(device)] == -1.0).any())
+
+
+def test_a_slot_too_small_is_refused():
+    src = pools("cpu", torch.float32)
+    with pytest.raises(ValueError, match="staging bytes"):
+        gather_pages(*src, [0, 1], PAGE, torch.zeros(staged_bytes(*src, 1, PAGE), dtype=torch.uint8))
+
+
+def test_staged_bytes_count_both_pools_of_every_layer():
+    src = pools("cpu", torch.bfloat16)
+    assert staged_bytes(*src, 3, PAGE) == 3 * PAGE * LAYERS * (LATENT + INDEX) * 2
+
+
+def test_the_arena_hands_out_sized_slots_and_takes_them_back():
+    arena = StagingArena(4 * StagingArena.ALIGN, pinned=False)
+    a = arena.try_allocate(100)  # rounds up to one host page
+    b = arena.try_allocate(2 * StagingArena.ALIGN)
+    assert (a, b) == (0, StagingArena.ALIGN) and arena.slots_in_use == 2
+    assert arena.bytes_in_use == 3 * StagingArena.ALIGN
+    assert arena.try_allocate(2 * StagingArena.ALIGN) is None  # one page left
+    arena.free(a)
+    assert arena.try_allocate(2 * StagingArena.ALIGN) is None  # two pages free, but not side by side
+    arena.free(b)  # coalesces with the first: the whole arena again
+    assert arena.slots_in_use == 0 and arena.bytes_in_use == 0
+    assert arena.try_allocate(4 * StagingArena.ALIGN) == 0
+
+
+def test_an_unfreed_slot_shows_in_the_counts():
+    """Negative control for the leak oracle the PD servers export (dsv4_pd_staging_slots_in_use): a
+    request path that forgets its slot leaves the count above 0, and the slot's space stays taken."""
+    arena = StagingArena(2 * StagingArena.ALIGN, pinned=False)
+    freed, forgotten = arena.try_allocate(StagingArena.ALIGN), arena.try_allocate(StagingArena.ALIGN)
+    assert freed is not None and forgotten is not None
+    arena.free(freed)  # the planted bug: `forgotten` is never freed
+    assert arena.slots_in_use == 1 and arena.bytes_in_use == StagingArena.ALIGN
+    assert arena.try_allocate(2 * StagingArena.ALIGN) is None
+
+
+def test_misuse_is_an_error():
+    arena = StagingArena(StagingArena.ALIGN, pinned=False)
+    offset = arena.try_allocate(8)
+    assert offset is not None
+    with pytest.raises(ValueError, match="no staging slot"):
+        arena.view(offset, StagingArena.ALIGN + 1)  # past the slot
+    arena.free(offset)
+    with pytest.raises(ValueError, match="not in use"):
+        arena.free(offset)  # double free
+    with pytest.raises(ValueError, match="no staging slot"):
+        arena.view(offset, 8)  # a freed slot
+    with pytest.raises(ValueError, match="exceeds the whole arena"):
+        arena.try_allocate(2 * StagingArena.ALIGN)
+
+
+def test_allocate_waits_for_a_free_and_gives_up_at_its_deadline():
+    arena = StagingArena(StagingArena.ALIGN, pinned=False)
+    held = arena.try_allocate(1)
+    assert held is not None
+    assert arena.allocate(1, timeout_s=0.05) is None  # nobody frees: None at the deadline
+    threading.Timer(0.05, arena.free, [held]).start()
+    assert arena.allocate(1, timeout_s=5.0) == 0
+
+
+def test_serve_refuses_direct_transfer_on_a_cuda_pool():
+    """`runtime.serve --disaggregation-transfer direct` on a GPU is a clear start-up error (the
+    non-CUDA engine cannot register device memory); the same flags on CPU, and the default mode on a
+    GPU, are accepted (the control: the refusal is about the device, not the flag)."""
+    from runtime.disagg.setup import transfer_mode
+    from runtime.serve import parse_args
+
+    direct = parse_args(["--model", "tiny-random", "--disaggregation-mode", "decode",
+                         "--disaggregation-transfer", "direct"])
+    assert transfer_mode(direct, "cpu") == "direct"
+    with pytest.raises(ValueError, match="host memory only"):
+        transfer_mode(direct, "cuda")
+    assert transfer_mode(parse_args(["--model", "tiny-random", "--disaggregation-mode", "prefill"]), "cuda") == "staged"
+
+
+def live_slots_overlap(arena: StagingArena, seed: int) -> bool:
+    """Random allocations and frees (rooms opening and closing in any order): does any slot handed out
+    share a byte with another live one? Every live slot is filled with its own mark and checked."""
+    import random
+
+    rng = random.Random(seed)
+    live: list[tuple[int, int, int]] = []  # (offset, size, mark) of each slot handed out and not freed
+    for step in range(300):
+        if live and rng.random() < 0.45:
+            offset, size, mark = live.pop(rng.randrange(len(live)))
+            if not bool((arena.buffer[offset:offset + size] == mark).all()):
+                return True
+            try:
+                arena.free(offset)
+            except ValueError:  # the slot was already freed: handed out twice
+                return True
+            continue
+        size = rng.randint(1, 3 * StagingArena.ALIGN)
+        offset = arena.try_allocate(size)
+        if offset is not None:
+            mark = step % 251 + 1
+            arena.view(offset, size).fill_(mark)
+            live.append((offset, size, mark))
+    return any(not bool((arena.buffer[o:o + s] == m).all()) for o, s, m in live)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_live_slots_never_overlap(seed):
+    arena = StagingArena(16 * StagingArena.ALIGN, pinned=False)
+    assert not live_slots_overlap(arena, seed)
+
+
+def test_overlapping_slots_are_seen(monkeypatch):
+    """Negative control: an arena that hands out a free run without taking it off the free list (so
+    two rooms get the same bytes) is caught by the overlap check."""
+    arena = StagingArena(16 * StagingArena.ALIGN, pinned=False)
+    real = arena.try_allocate
+
+    def leaky(nbytes: int) -> int | None:
+        free = list(arena._free)
+        offset = real(nbytes)
+        arena._free = free  # the planted bug
+        return offset
+
+    monkeypatch.setattr(arena, "try_allocate", leaky)
+    assert live_slots_overlap(arena, 0)
