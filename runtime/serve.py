@@ -74,8 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "it in one piece; direct writes page runs between registered host pools. Both servers "
                              "of a pair must use the same")
     parser.add_argument("--disaggregation-staging-mib", type=int, default=None, metavar="MIB",
-                        help="PD staged transfer: the staging arena's size (default: 64 MiB, or one prompt of "
-                             "--max-model-len tokens if larger)")
+                        help="PD staged transfer: the staging arena's size (default: a decode server twice its "
+                             "pool's KV, at most 8 GiB; a prefill server 64 MiB; either at least one prompt of "
+                             "--max-model-len tokens)")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 

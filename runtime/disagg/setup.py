@@ -17,6 +17,14 @@ from runtime.engine.engine import Engine
 # The staging arena's least size: room for many short prompts in flight at once (canary prompts of a
 # few hundred tokens take ~0.5 MB each); never less than one prompt of --max-model-len tokens.
 MIN_STAGING_BYTES = 64 << 20
+# A decode server reserves a request's receive slot when its room opens and holds it while the
+# prompt waits for, and goes through, the prefill server: under load every room in flight holds one.
+# Those rooms hold their pages in the pool too, so an arena of the pool's KV never makes a room the
+# pool admitted wait; twice that leaves the first-fit arena room for its fragmentation. (The 80-session
+# PD gate failed 11 requests on 64 MiB: 80 rooms of ~1.8 MB waited 30 s for slots.) Pinned host memory
+# is dear, so the default stops at this cap; above it a room may wait for staging, up to the PD
+# timeout, then fails with `pd_out_of_staging`.
+DECODE_STAGING_CAP_BYTES = 8 << 30
 
 
 def transfer_mode(args: argparse.Namespace, device: str) -> str:
@@ -27,6 +35,16 @@ def transfer_mode(args: argparse.Namespace, device: str) -> str:
     return mode
 
 
+def default_staging_bytes(mode: str, one_prompt: int, whole_pool: int) -> int:
+    """The arena a side gets without --disaggregation-staging-mib: a prefill server's send slots live
+    for one gather + write each (MIN_STAGING_BYTES); a decode server's receive slots for a room's
+    whole wait, so it gets twice its pool's KV up to DECODE_STAGING_CAP_BYTES. Never less than one
+    prompt of --max-model-len tokens."""
+    if mode == "decode":
+        return max(MIN_STAGING_BYTES, one_prompt, min(2 * whole_pool, DECODE_STAGING_CAP_BYTES))
+    return max(MIN_STAGING_BYTES, one_prompt)
+
+
 def build_pd_side(args: argparse.Namespace, engine: Engine):
     if args.tp > 1:
         raise ValueError("--disaggregation-mode with --tp > 1 is not supported yet (one KV pool per server)")
@@ -34,8 +52,9 @@ def build_pd_side(args: argparse.Namespace, engine: Engine):
     mode = transfer_mode(args, cfg.device)
     one_prompt = staged_bytes(kv.latent, kv.index_keys, engine.pool.pages_for_tokens(cfg.max_model_len),
                               cfg.page_size)
-    arena = (args.disaggregation_staging_mib << 20) if args.disaggregation_staging_mib else max(
-        MIN_STAGING_BYTES, one_prompt)
+    arena = (args.disaggregation_staging_mib << 20) if args.disaggregation_staging_mib else \
+        default_staging_bytes(args.disaggregation_mode, one_prompt,
+                              staged_bytes(kv.latent, kv.index_keys, engine.pool.num_pages, cfg.page_size))
     if arena < one_prompt:
         raise ValueError(f"--disaggregation-staging-mib {args.disaggregation_staging_mib}: one prompt of "
                          f"--max-model-len {cfg.max_model_len} tokens needs {-(-one_prompt >> 20)} MiB of staging")

@@ -190,3 +190,57 @@ def test_overlapping_slots_are_seen(monkeypatch):
 
     monkeypatch.setattr(arena, "try_allocate", leaky)
     assert live_slots_overlap(arena, 0)
+
+
+# ---------------------------------------------------------------- the decode side's default arena
+
+def rooms_that_wait(capacity: int, page_bytes: int, pool_pages: int, seed: int, steps: int = 4000) -> int:
+    """Rooms drawn as a loaded decode server sees them (prompts of 1-128 pages, opened while the pool
+    has their pages, closed in random order), each asking for its receive slot: how many found no
+    slot although the pool had admitted them."""
+    import random
+    rng = random.Random(seed)
+    arena = StagingArena(capacity, pinned=False)
+    open_rooms: list[tuple[int, int]] = []  # (offset, pages)
+    pages_held = waited = 0
+    for _ in range(steps):
+        if open_rooms and (rng.random() < 0.45 or pages_held > pool_pages - 128):
+            offset, pages = open_rooms.pop(rng.randrange(len(open_rooms)))
+            arena.free(offset)
+            pages_held -= pages
+            continue
+        pages = rng.randint(1, 128)
+        if pages_held + pages > pool_pages:
+            continue  # the pool itself refuses it: not the arena's doing
+        offset = arena.try_allocate(pages * page_bytes)
+        if offset is None:
+            waited += 1
+            continue
+        open_rooms.append((offset, pages))
+        pages_held += pages
+    return waited
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_decode_arena_by_default_never_makes_an_admitted_room_wait(seed):
+    """A decode server holds a receive slot per room for its whole wait (the 80-session PD gate failed
+    11 rooms on 64 MiB): its default arena, twice its pool's KV, serves every room the pool admits."""
+    from runtime.disagg.setup import default_staging_bytes
+    page_bytes, pool_pages = 21_504, 8192  # the canary's KV per 16-token page; a gate server's pool
+    capacity = default_staging_bytes("decode", one_prompt=128 * page_bytes, whole_pool=pool_pages * page_bytes)
+    assert rooms_that_wait(capacity, page_bytes, pool_pages, seed) == 0
+
+
+def test_rooms_wait_on_the_old_64_mib_arena():
+    """Negative control: the prefill side's 64 MiB (the decode side's old default) makes rooms wait."""
+    from runtime.disagg.setup import default_staging_bytes
+    page_bytes, pool_pages = 21_504, 8192
+    capacity = default_staging_bytes("prefill", one_prompt=128 * page_bytes, whole_pool=pool_pages * page_bytes)
+    assert capacity == 64 << 20
+    assert rooms_that_wait(capacity, page_bytes, pool_pages, seed=0) > 0
+
+
+def test_the_decode_arena_default_stops_at_its_cap():
+    from runtime.disagg.setup import DECODE_STAGING_CAP_BYTES, default_staging_bytes
+    assert default_staging_bytes("decode", one_prompt=1 << 20, whole_pool=64 << 30) == DECODE_STAGING_CAP_BYTES
+    assert default_staging_bytes("decode", one_prompt=12 << 30, whole_pool=64 << 30) == 12 << 30  # one prompt fits
