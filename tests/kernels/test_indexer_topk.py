@@ -383,6 +383,16 @@ def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.skipif(ON_GPU, reason="on a GPU test_selection_matches_reference_exactly compiles it for real")
+def test_the_bound_kernel_compiles_for_a_row_of_one_group():
+    """Triton passes an integer argument equal to 1 as a constexpr: a one-position row gives the bound
+    kernel n_groups == 1 (the interpreter never specializes, so only the H200 saw this fail)."""
+    signature, _ = _KERNELS["_bound_kernel"]
+    done = compile_for_sm90("runtime.kernels.triton.topk", "_bound_kernel", dict(signature),
+                            dict(WINDOW=0, TOPK=1, SMALL_BLOCK=1024, n_groups=1))
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 def test_compile_check_fails_on_code_only_the_interpreter_accepts():
     """Negative control: the constexpr reassignment the interpreter let through must fail here."""
     done = compile_for_sm90("tests.kernels.planted_compile_error", "reassigns_a_constexpr", {"out_ptr": "*i32"}, {})

@@ -72,7 +72,9 @@ def _radix_select(packed_ptr, n, k, BLOCK: tl.constexpr):
     bins = tl.arange(0, 256)
     offs = tl.arange(0, BLOCK)
     need = k  # how many to take among the values matching `prefix`
-    prefix = n.to(tl.int64) * 0
+    # An int64 zero that is a tensor whatever n is: Triton passes an integer argument equal to 1 as a
+    # constexpr (a row of one group maximum), and a constexpr has no .to().
+    prefix = tl.program_id(0).to(tl.int64) * 0
     for level in tl.static_range(4):
         shift = 24 - 8 * level
         hist = tl.zeros([256], dtype=tl.int32)
