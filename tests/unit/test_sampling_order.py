@@ -105,3 +105,23 @@ def test_device_sampler_draws_each_row_from_its_own_generator():
         for i, (p, gen) in enumerate(zip(params, generators)):
             expected = int(torch.argmax(logits[i])) if gen is None else reference_sample(logits[i], p, gen)
             assert int(tokens[i]) == outputs[f"r{i}"].token == expected, f"row {i}"
+
+
+def test_device_sampler_writes_forced_openings_of_greedy_rows():
+    """The batched path's forced tokens (one write for the step, not one per row): each greedy row
+    with a constrained opening takes its forced ids, then its argmax; its neighbours (plain greedy, and
+    a sampled row whose opening sample_row forces) are untouched. The forced ids are never the argmax,
+    so a write that missed a row or landed on another one fails."""
+    from runtime.engine.device_sampler import sample_on_device
+
+    params = [SamplingParams(temperature=0.0, forced_ids=(5, 6)), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, forced_ids=(11,)),
+              SamplingParams(temperature=0.8, seed=3, forced_ids=(13,))]
+    logits = torch.full((len(params), V), -2.0)
+    logits[:, 9] = 5.0  # every row's argmax
+    requests = [Request(f"r{i}", [0], p) for i, p in enumerate(params)]
+    steps = [[int(t) for t in sample_on_device(logits.clone(), requests)[0]] for _ in range(3)]
+    assert [row[0] for row in steps] == [5, 6, 9], "a forced greedy row"
+    assert [row[1] for row in steps] == [9, 9, 9], "a plain greedy row"
+    assert [row[2] for row in steps] == [11, 9, 9], "a forced greedy row beside another"
+    assert steps[0][3] == 13, "a sampled row's forced opening"
