@@ -2,6 +2,8 @@
 against importing from a conftest, so plain values and classes live here).
 
 - `API_KEY`: the bearer token of the e2e `server` fixture.
+- `sampled_rows`: random logits and sampling parameters (temperature, top-p, top-k, seed) for the
+  sampler tests on CPU and on the GPU.
 - `ExtendCase`, `make_batch`: random extend batches over a pre-filled KV cache, shared by the
   stream tests (tests/unit) and the static-graph tests (tests/kernels).
 
@@ -17,6 +19,7 @@ import random
 import torch
 
 from runtime.config import EngineConfig
+from runtime.engine.request import SamplingParams
 from runtime.faults import FaultSet
 from runtime.kernels import cpu
 from runtime.kvcache.kv_cache import KVCache
@@ -27,6 +30,19 @@ from runtime.streams.tasks import InOrderExecutor, StreamExecutor
 API_KEY = "test-key"
 
 SLOTS_PER_REQUEST = 128
+
+
+def sampled_rows(seed: int, n: int, vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
+    """n rows of logits at a random scale (flat to peaked) and n parameter sets mixing top-p on/off
+    and top-k on/off, each with its own seed."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=gen) * float(torch.empty(()).uniform_(0.5, 6.0, generator=gen))
+    params = []
+    for i in range(n):
+        t, p, k = torch.rand(3, generator=gen).tolist()
+        params.append(SamplingParams(temperature=0.2 + 1.8 * t, top_p=1.0 if p > 0.7 else 0.3 + 0.7 * p,
+                                     top_k=0 if k > 0.5 else 1 + int(k * 40), seed=seed * 1000 + i))
+    return logits, params
 
 
 def make_batch(spans: list[tuple[int, int]], token_ids: list[list[int]]) -> ForwardBatch:

@@ -7,9 +7,13 @@ event only when the loop first reads them (normal loop: at once; overlap loop: a
 the next step).
 
 Greedy rows are sampled on the device (argmax: first maximum, as `sample_row`). Rows with a
-temperature use `sample_row` on the host with the request's own generator, so a seeded request
-gives the same tokens as on CPU given the same logits: a step with such rows costs one host sync
-(their logits come over in one copy, and their tokens go back in one write), however many they are.
+temperature are drawn on the device too (`draw_rows`): each row's uniform comes from its request's
+own generator on the host, before the logits exist, and travels with the row's parameters in one
+pinned write. So no step waits for the GPU to sample: drawing them on the host (their logits copied
+over, `sample_row` per row) was the engine thread's largest wait for the GPU in the H200 gate (136 of
+its 712 py-spy samples), each one making the overlap loop run host work and the GPU step in series.
+On CPU the draw has `sample_row`'s bits; on the GPU a token can differ from the CPU's only where the
+uniform falls within float32 rounding of a boundary of the cumulative distribution.
 Forced tokens (a constrained opening) are written from pinned memory, without a sync.
 """
 
@@ -20,7 +24,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from runtime.engine.request import Request
-from runtime.engine.sampler import SampleOutput, forced_token, sample_row
+from runtime.engine.sampler import SampleOutput, draw_rows, forced_token
 
 
 class PendingOutputs(Mapping):
@@ -73,27 +77,31 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> tuple[tor
     their host-side outputs, pending)."""
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = torch.argmax(logits, dim=-1)
-    drawn: list[int] = []  # rows with a temperature: drawn on the host below
     forced_rows: list[int] = []
     forced_ids: list[int] = []
+    drawn: list[tuple[int, float, int, float, float]] = []  # row, temperature, top_k, top_p, uniform
     for i, req in enumerate(requests):
         params = req.params
-        if params.temperature != 0:
-            drawn.append(i)
-            continue
-        if params.forced_ids and (forced := forced_token(req)) is not None:
+        forced = forced_token(req) if params.forced_ids else None
+        req.num_sampled += 1
+        if forced is not None:  # no draw: the generator's stream starts after the forced opening
             forced_rows.append(i)
             forced_ids.append(forced)
-        req.num_sampled += 1
-    if forced_rows:  # greedy rows of a constrained opening: one write for the step, no sync
+        elif params.temperature != 0:
+            # The same generator call as sample_row's, so a seeded request's stream is the same.
+            uniform = float(torch.rand((), generator=req.generator, dtype=torch.float64))
+            drawn.append((i, params.temperature, params.top_k or 0, params.top_p, uniform))
+    if forced_rows:  # one write for the step, no sync
         tokens.index_put_((_on_device(forced_rows, logits.device),), _on_device(forced_ids, logits.device))
     if drawn:
-        # One copy of the drawn rows' logits (one sync for the step: was one per row, each stalling
-        # the overlap loop), each row drawn with its own generator, their tokens written back at once.
-        index = _on_device(drawn, logits.device)
-        rows = logits.index_select(0, index).cpu()
-        picked = [sample_row(row, requests[i]).token for row, i in zip(rows, drawn)]
-        tokens.index_put_((index,), _on_device(picked, logits.device))
+        # One pinned float64 write carries every drawn row's index and parameters (all exact in
+        # float64; temperature and top_p round to float32 as sample_row's scalars do).
+        packed = torch.tensor(drawn, dtype=torch.float64, pin_memory=logits.device.type == "cuda")
+        columns = packed.to(logits.device, non_blocking=True).T
+        index = columns[0].long()
+        picked = draw_rows(logits.index_select(0, index), columns[1].float(), columns[2].long(),
+                           columns[3].float(), columns[4])
+        tokens.index_put_((index,), picked)
     host = {"tokens": tokens, "logprobs": logprobs.gather(1, tokens[:, None])[:, 0]}
     top_counts = [req.params.top_logprobs or 0 for req in requests]
     k = max(top_counts, default=0)

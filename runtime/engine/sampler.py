@@ -65,3 +65,30 @@ def sample_row(logits: torch.Tensor, req: Request) -> SampleOutput:
         values, ids = torch.topk(logprobs, params.top_logprobs)
         top = [(int(i), float(v)) for i, v in zip(ids, values)]
     return SampleOutput(token, float(logprobs[token]), top)
+
+
+def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              uniform: torch.Tensor) -> torch.Tensor:
+    """`sample_row`'s draw for many rows at once, on the rows' device, with each row's uniform drawn
+    beforehand from its request's generator (the draw does not depend on the logits, so the host can
+    take it without waiting for them). logits [m, V] float32; temperature, top_p [m] float32; top_k
+    [m] int64 (0: off); uniform [m] float64 -> tokens [m] int64.
+
+    The same operations as `sample_row` in the same dtypes, row by row: on CPU the same bits (the
+    unit test compares them). On the GPU softmax and the scans round differently, so a token can
+    differ only where the draw falls within rounding of a boundary of the cumulative distribution."""
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    sorted_probs, sorted_ids = order.values, order.indices
+    positions = torch.arange(sorted_probs.shape[-1], device=logits.device)
+    keep = (top_k[:, None] == 0) | (positions[None, :] < top_k[:, None])
+    # top_p == 1 means no nucleus filter at all (as sample_row skips it): a cumulative sum that
+    # rounds up to 1.0 before the tail must not drop the tail.
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    cdf = torch.cumsum(kept, dim=-1)
+    target = (uniform * cdf[:, -1].double()).to(cdf.dtype)
+    index = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    index = torch.minimum(index, keep.sum(dim=-1) - 1)
+    return sorted_ids.gather(1, index[:, None])[:, 0]

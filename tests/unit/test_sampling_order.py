@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime.engine.request import Request, SamplingParams
 from runtime.engine.sampler import sample_row
+from tests.utils import sampled_rows
 
 pytestmark = pytest.mark.unit
 
@@ -125,3 +128,36 @@ def test_device_sampler_writes_forced_openings_of_greedy_rows():
     assert [row[1] for row in steps] == [9, 9, 9], "a plain greedy row"
     assert [row[2] for row in steps] == [11, 9, 9], "a forced greedy row beside another"
     assert steps[0][3] == 13, "a sampled row's forced opening"
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 12), vocab=st.sampled_from([7, 64, 1000]))
+def test_device_draw_equals_sample_row_bit_for_bit_on_cpu(seed, n, vocab):
+    """The batched draw the GPU runs (`draw_rows` through sample_on_device, here on CPU) against
+    `sample_row` per row with a copy of each request's generator: the same tokens, step after step."""
+    from runtime.engine.device_sampler import sample_on_device
+
+    logits, params = sampled_rows(seed, n, vocab)
+    batched = [Request(f"r{i}", [0], p) for i, p in enumerate(params)]
+    solo = [Request(f"r{i}", [0], p) for i, p in enumerate(params)]
+    for _ in range(3):
+        tokens = sample_on_device(logits.clone(), batched)[0].tolist()
+        assert tokens == [sample_row(logits[i], req).token for i, req in enumerate(solo)]
+
+
+def test_negative_control_a_uniform_drawn_for_another_row_is_caught(monkeypatch):
+    """The oracle above fails when each row's draw uses its neighbour's uniform."""
+    from runtime.engine import device_sampler, sampler
+
+    def shifted(logits, temperature, top_k, top_p, uniform):
+        return sampler.draw_rows(logits, temperature, top_k, top_p, uniform.roll(1))
+
+    monkeypatch.setattr(device_sampler, "draw_rows", shifted)
+    logits, params = sampled_rows(5, 8, 64)
+    batched = [Request(f"r{i}", [0], p) for i, p in enumerate(params)]
+    solo = [Request(f"r{i}", [0], p) for i, p in enumerate(params)]
+    caught = False
+    for _ in range(5):
+        tokens = device_sampler.sample_on_device(logits.clone(), batched)[0].tolist()
+        caught |= tokens != [sample_row(logits[i], req).token for i, req in enumerate(solo)]
+    assert caught
