@@ -180,7 +180,7 @@ pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked 
     done
     return 1
 }
-if want pd_gpu || want pd_gpu_ttft; then
+if want pd_gpu || want pd_gpu_ttft || want gate_pd; then
     rm -rf /tmp/pdroot /tmp/pdlib && mkdir -p /tmp/pdroot /tmp/pdlib
     for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-pd/*.whl
@@ -195,7 +195,11 @@ want pd_gpu && section pd_gpu_tests "${PD_TEST_TIMEOUT:-360}" $PY -m pytest -q -
 # TTFT of the PD pair (two server processes on the one GPU, plus the router) against a colocated server
 # process. pd_gpu and pd_gpu_ttft each fill most of one 10-minute device call: run them in two calls.
 want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.pd_ttft --repeats 10 --words 8,400 --server-arg=--dtype=float32 --out "$OUT/pd_ttft_gpu.json"
+# Issue 16: the 80-session gate against a PD pair (prefill + decode servers on the one GPU, the
+# router in front) with the H200 golden store, beside the colocated `gate` of the same call: TTFT of
+# the pair vs the colocated server on the same workload.
+want gate_pd && section gate_pd "${GATE_TIMEOUT:-300}" "${GATE[@]}" --pd --report-dir "$OUT/gate_pd"
 # The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt
- for dir in golden gate gate_baseline gate_ab; do [ -d "$dir" ] && tar czf "$dir.tgz" "$dir" && rm -rf "$dir"; done) || true
+ for dir in golden gate gate_baseline gate_ab gate_pd; do [ -d "$dir" ] && tar czf "$dir.tgz" "$dir" && rm -rf "$dir"; done) || true
 exit $status
