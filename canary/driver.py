@@ -98,6 +98,7 @@ class RequestRecord:
     # was sent (the list grows over the session): the load-vs-solo oracle replays exactly this.
     request: dict[str, Any] | None = None
     protocol: StreamProtocol | None = None  # streamed only: what the raw SSE carried
+    prompt_tokens: int = 0  # from usage (0 if the server sent none): how much prefill the turn cost
 
 
 # How a session ended: every session ends exactly one way, and all but "completed" say why.
@@ -447,7 +448,8 @@ class SessionDriver:
                     _usage(usage), kwargs["max_tokens"], tokens)
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, False, False, started, None, finished, completion, [], turn,
-                             _transcript(scenario, hop, tokens, tops, _own_logprobs(content)))
+                             _transcript(scenario, hop, tokens, tops, _own_logprobs(content)),
+                             prompt_tokens=usage.get("prompt_tokens") or 0 if usage else 0)
 
     async def _streamed(self, client, kwargs, scenario, hop, turn_index, started, abort_after) -> RequestRecord:
         stream = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
@@ -505,7 +507,7 @@ class SessionDriver:
         completion = usage["completion_tokens"] if usage else len(tokens)
         return RequestRecord(scenario.index, hop, True, aborted, started, first_token, finished, completion,
                              chunk_times, turn, None if aborted else _transcript(scenario, hop, tokens, tops, own),
-                             protocol=protocol)
+                             protocol=protocol, prompt_tokens=usage.get("prompt_tokens") or 0 if usage else 0)
 
 
 def _usage(usage: dict | None) -> dict[str, int] | None:

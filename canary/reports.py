@@ -113,7 +113,9 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
     if m:
         lines.append(f"  requests: {m['requests']} ({m['aborted_requests']} aborted), {m['completion_tokens']} "
                      f"completion tokens in {m['wall_s']:.1f}s = {m['output_tok_s']:.0f} tok/s; TTFT p50 "
-                     f"{m['ttft_s']['p50']:.3f}s, TPOT p50 {m['tpot_s']['p50'] * 1000:.1f}ms")
+                     f"{m['ttft_s']['p50']:.3f}s, TPOT p50 {m['tpot_s']['p50'] * 1000:.1f}ms"
+                     + (f"; {m['prompt_tokens']} prompt tokens ({m['prompt_tokens'] / m['completion_tokens']:.0f} per "
+                        "completion token)" if m.get("prompt_tokens") and m["completion_tokens"] else ""))
     checks = summary.get("oracle_checks") or {}
     if checks:
         lines.append(f"  oracles ({len(checks)}, responses checked): "

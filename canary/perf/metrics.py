@@ -18,6 +18,9 @@ def run_metrics(result: RunResult) -> dict:
         "requests": len(result.requests),
         "aborted_requests": sum(r.aborted for r in result.requests),
         "completion_tokens": tokens,
+        # Every turn re-sends its whole conversation and the runtime has no prefix cache: the prompt
+        # tokens are the prefill work the run cost, beside the tokens it produced.
+        "prompt_tokens": sum(r.prompt_tokens for r in done),
         "wall_s": result.wall_s,
         "output_tok_s": tokens / result.wall_s if result.wall_s > 0 else 0.0,
         "ttft_s": summarize(ttft),

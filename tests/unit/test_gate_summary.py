@@ -17,7 +17,8 @@ def gate_summary(**overrides) -> dict:
     stat = {"count": 10, "p50": 0.25, "p90": 0.3, "p99": 0.4, "mean": 0.26}
     summary = {"target": "embedded:canary-dsv4", "sessions": 8, "sessions_completed": 7, "sessions_failed": 0,
                "sessions_aborted": 1,
-               "metrics": {"requests": 40, "aborted_requests": 1, "completion_tokens": 1234, "wall_s": 12.5,
+               "metrics": {"requests": 40, "aborted_requests": 1, "completion_tokens": 1234, "prompt_tokens": 24680,
+                           "wall_s": 12.5,
                            "output_tok_s": 98.7, "ttft_s": stat, "tpot_s": {**stat, "p50": 0.0123}},
                "oracle_checks": {"nonce": 40, "required-calls": 12, "stream-protocol": 20},
                "golden": {"path": "golden/transcripts/stress-canary-dsv4.jsonl", "checked": 39,
@@ -34,7 +35,7 @@ def test_a_passing_gate_says_what_ran_and_what_was_checked():
     text = "\n".join(summary_lines(gate_summary(), [], report_path="reports/summary.json"))
     for fact in ("PASSED", "embedded:canary-dsv4", "sessions: 8 (7 completed, 0 failed, 1 aborted)",
                  "requests: 40 (1 aborted), 1234 completion tokens in 12.5s = 99 tok/s",
-                 "nonce 40", "required-calls 12", "stream-protocol 20",
+                 "24680 prompt tokens (20 per completion token)", "nonce 40", "required-calls 12", "stream-protocol 20",
                  "golden: 38/39 requests token-identical, 1 benign near-ties, 0 diverged",
                  "ok vs golden/baselines/x.json: tolerance 10%",
                  "decode_tok_s@8 +1.3% [-1.0%, +3.7%] over 6 trials (ok)",
@@ -80,3 +81,16 @@ def test_the_plugin_prints_the_summary_in_the_terminal_summary(pytester, verdict
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(**{verdict: 1})
     result.stdout.re_match_lines([r".*= canary =.*", r"canary gate LINE-ONE", r"  sessions: 8 LINE-TWO"])
+
+
+def test_run_metrics_count_the_prompt_tokens_of_completed_requests_only():
+    from types import SimpleNamespace
+
+    from canary.perf.metrics import run_metrics
+
+    def rec(prompt, completion, aborted=False):
+        return SimpleNamespace(aborted=aborted, streamed=False, first_token=None, completion_tokens=completion,
+                               prompt_tokens=prompt, chunk_times=[], started=0.0, finished=1.0)
+
+    result = SimpleNamespace(requests=[rec(100, 10), rec(250, 5), rec(999, 1, aborted=True)], wall_s=2.0)
+    assert run_metrics(result)["prompt_tokens"] == 350
