@@ -101,8 +101,9 @@ want idle_slice && section idle_slice "${BENCH_TIMEOUT:-150}" $PY -m bench.idle_
 # Golden tokens are per numerics (canary/gate.py golden_path): `gate_record` records this GPU's
 # store and perf baseline (every other oracle still applies), `gate` checks a fresh server against
 # them, `gate_stream_race` must fail. float32: bf16 is a different model numerically.
+# GATE_DTYPE=bfloat16 runs the gate in the GPU's serving dtype against its own store (record it first).
 GATE=($PY -m pytest -m stress --sessions 80 -p no:cacheprovider tests/stress/test_canary_gate.py
-      --server-arg=--dtype=float32 --perf-tolerance 0.1)
+      --server-arg=--dtype=${GATE_DTYPE:-float32} --perf-tolerance 0.1)
 # Extra gate flags for every gate section. Four driver processes by default on the GPU host: one
 # asyncio loop running the openai client cannot keep up with the GPU server (docs/results.md); the
 # perf verdict measures its own trial workload (canary/perf/trial_load.py), stored H200 baseline
