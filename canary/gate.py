@@ -155,9 +155,14 @@ def trials_fingerprint(target: Target, info: dict, workload: TrialWorkload) -> d
     (not the gate's sessions: the verdict measures its own fixed workload, canary/perf/trial_load.py)."""
     fp = {"hardware": device_name(), "model": info.get("model", target.model), "model_hash": info.get("model_hash"),
           "config_fingerprint": info.get("config_fingerprint"), "perf": "trials-v1", "workload": workload.describe()}
-    kernels = kernel_choices(info.get("engine_config") or {})
+    engine = info.get("engine_config") or {}
+    kernels = kernel_choices(engine)
     if kernels:
         fp["triton_kernels"] = kernels
+    # Another dtype is another speed (and another golden store, golden_path): keyed like the kernels,
+    # only off the default, so the baselines recorded before the key existed keep their names.
+    if engine.get("dtype", "float32") != "float32":
+        fp["dtype"] = engine["dtype"]
     return fp
 
 

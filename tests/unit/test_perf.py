@@ -54,6 +54,11 @@ def test_a_baseline_belongs_to_its_kernels_and_its_trial_workload():
     assert triton["triton_kernels"] == ["attention"]
     other = trials_fingerprint(target, {"model": "m"}, TrialWorkload(concurrency=(4,)))
     assert fingerprint(other) != fingerprint(older)
+    # A bfloat16 server is another speed: its baseline is its own (one recorded on the H200 overwrote
+    # the float32 file before the dtype was part of the key).
+    float32 = trials_fingerprint(target, {"model": "m", "engine_config": {"dtype": "float32"}}, workload)
+    bf16 = trials_fingerprint(target, {"model": "m", "engine_config": {"dtype": "bfloat16"}}, workload)
+    assert fingerprint(float32) == fingerprint(older) != fingerprint(bf16)
 
 
 def test_the_error_rate_bench_takes_the_gates_workload_json():
