@@ -29,6 +29,7 @@ from canary.targets import Target
 GOLDEN_DIR = Path("golden/transcripts")
 PERF_WORKLOAD = TrialWorkload()  # the perf verdict's trial workload (canary/perf/trial_load.py)
 PREEMPTIONS = "dsv4_preemptions_total"  # the runtime's counter (runtime/server/metrics.py)
+STEP_SECONDS = "dsv4_engine_step_seconds"  # the runtime's step-time histogram (its _sum and _count)
 BASELINE_DIR = Path("golden/baselines")
 
 
@@ -204,6 +205,23 @@ def probes_this_machine(target: Target) -> bool:
     return target.embedded and device_name().startswith("cpu:")
 
 
+def engine_steps(target: Target) -> tuple[float, float] | None:
+    """(seconds, steps) the runtime's engine has spent in steps so far; None for a server without the
+    histogram."""
+    seconds, steps = target.metric(STEP_SECONDS + "_sum"), target.metric(STEP_SECONDS + "_count")
+    return None if seconds is None or steps is None else (seconds, steps)
+
+
+def engine_steps_during(before, after, wall_s: float) -> dict | None:
+    """The load phase's engine steps: how many, their mean, and the share of the run they filled
+    (near 1: the engine loop is the bottleneck; well below: the requests' path around it is)."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    seconds, steps = after[0] - before[0], after[1] - before[1]
+    return {"steps": steps, "seconds": seconds, "mean_ms": 1000 * seconds / steps if steps else 0.0,
+            "busy": seconds / wall_s}
+
+
 def _solo_first(target: Target, options: DriverOptions, calibrate: bool,
                 progress: bool) -> tuple[DriverOptions, RunResult | None]:
     """`calibrate`: every session alone first (canary/calibration.py), and the load run's options,
@@ -231,7 +249,9 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     exact = target.embedded if deterministic is None else deterministic
     options, solo = _solo_first(target, options, calibrate, progress)
     preemptions_before = target.metric(PREEMPTIONS)
+    steps_before = engine_steps(target)
     result = run_driver(target, options, progress, on_request_done)
+    outcome.summary["engine_steps"] = engine_steps_during(steps_before, engine_steps(target), result.wall_s)
     if solo is None:
         outcome.failures += [f.describe() for _, f in result.failures]
     else:

@@ -116,6 +116,17 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
                      f"{m['ttft_s']['p50']:.3f}s, TPOT p50 {m['tpot_s']['p50'] * 1000:.1f}ms"
                      + (f"; {m['prompt_tokens']} prompt tokens ({m['prompt_tokens'] / m['completion_tokens']:.0f} per "
                         "completion token)" if m.get("prompt_tokens") and m["completion_tokens"] else ""))
+    path = (m or {}).get("critical_path")
+    if path and path["between_requests_s"]["count"]:
+        lines.append(f"  critical path: the longest session {path['longest_session_s']:.1f}s "
+                     f"({path['longest_session_requests']} requests: {path['longest_inside_requests_s']:.1f}s inside "
+                     f"them, {path['longest_between_requests_s']:.1f}s between them); between a session's requests "
+                     f"p50 {path['between_requests_s']['p50'] * 1000:.0f}ms, p90 "
+                     f"{path['between_requests_s']['p90'] * 1000:.0f}ms")
+    steps = summary.get("engine_steps")
+    if steps:
+        lines.append(f"  engine: {steps['steps']:.0f} steps, mean {steps['mean_ms']:.1f}ms, in steps "
+                     f"{100 * steps['busy']:.0f}% of the run")
     checks = summary.get("oracle_checks") or {}
     if checks:
         lines.append(f"  oracles ({len(checks)}, responses checked): "

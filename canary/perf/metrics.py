@@ -27,4 +27,30 @@ def run_metrics(result: RunResult) -> dict:
         "tpot_s": summarize(tpot),
         "itl_s": summarize(itl),
         "e2e_s": summarize([r.finished - r.started for r in done]),
+        "critical_path": critical_path(result.requests),
     }
+
+
+def critical_path(records) -> dict | None:
+    """Where the run's wall time goes. A session's turns run one after the other, so the run lasts
+    as long as its longest session: its time inside requests (the server's latency) and between them
+    (the harness: reading the reply, checking it, building the next turn). Also every session's gaps
+    between consecutive requests, so a slow harness shows apart from a slow server."""
+    sessions: dict[int, list] = {}
+    for r in records:
+        sessions.setdefault(r.session, []).append(r)
+    if not sessions:
+        return None
+    gaps: list[float] = []
+    longest = None
+    for recs in sessions.values():
+        recs.sort(key=lambda r: r.started)
+        gaps += [b.started - a.finished for a, b in zip(recs, recs[1:])]
+        span = recs[-1].finished - recs[0].started
+        if longest is None or span > longest[0]:
+            longest = (span, recs)
+    assert longest is not None
+    span, recs = longest
+    inside = sum(r.finished - r.started for r in recs)
+    return {"longest_session_s": span, "longest_session_requests": len(recs), "longest_inside_requests_s": inside,
+            "longest_between_requests_s": span - inside, "between_requests_s": summarize(gaps)}

@@ -89,8 +89,36 @@ def test_run_metrics_count_the_prompt_tokens_of_completed_requests_only():
     from canary.perf.metrics import run_metrics
 
     def rec(prompt, completion, aborted=False):
-        return SimpleNamespace(aborted=aborted, streamed=False, first_token=None, completion_tokens=completion,
-                               prompt_tokens=prompt, chunk_times=[], started=0.0, finished=1.0)
+        return SimpleNamespace(session=0, aborted=aborted, streamed=False, first_token=None,
+                               completion_tokens=completion, prompt_tokens=prompt, chunk_times=[], started=0.0,
+                               finished=1.0)
 
     result = SimpleNamespace(requests=[rec(100, 10), rec(250, 5), rec(999, 1, aborted=True)], wall_s=2.0)
     assert run_metrics(result)["prompt_tokens"] == 350
+
+
+def test_the_critical_path_is_the_longest_session_inside_and_between_its_requests():
+    from types import SimpleNamespace
+
+    from canary.perf.metrics import critical_path
+
+    def rec(session, started, finished):
+        return SimpleNamespace(session=session, started=started, finished=finished)
+
+    # session 1: requests at [0, 2] and [2.5, 5] (span 5, 4.5 inside, a 0.5 gap); session 2: [0, 1], [1.1, 1.5]
+    path = critical_path([rec(1, 2.5, 5.0), rec(2, 0.0, 1.0), rec(1, 0.0, 2.0), rec(2, 1.1, 1.5)])
+    assert path["longest_session_s"] == 5.0 and path["longest_session_requests"] == 2
+    assert path["longest_inside_requests_s"] == 4.5 and abs(path["longest_between_requests_s"] - 0.5) < 1e-12
+    assert path["between_requests_s"]["count"] == 2
+    text = "\n".join(summary_lines(gate_summary(metrics={**gate_summary()["metrics"], "critical_path": path}), []))
+    assert "critical path: the longest session 5.0s (2 requests: 4.5s inside them, 0.5s between them)" in text
+
+
+def test_engine_steps_of_the_load_phase_come_from_the_histograms_difference():
+    from canary.gate import engine_steps_during
+
+    steps = engine_steps_during((1.0, 10.0), (7.0, 510.0), wall_s=12.0)
+    assert steps == {"steps": 500.0, "seconds": 6.0, "mean_ms": 12.0, "busy": 0.5}
+    assert engine_steps_during(None, (7.0, 510.0), 12.0) is None
+    text = "\n".join(summary_lines(gate_summary(engine_steps=steps), []))
+    assert "engine: 500 steps, mean 12.0ms, in steps 50% of the run" in text
