@@ -33,9 +33,10 @@ def run_metrics(result: RunResult) -> dict:
 
 def critical_path(records) -> dict | None:
     """Where the run's wall time goes. A session's turns run one after the other, so the run lasts
-    as long as its longest session: its time inside requests (the server's latency) and between them
-    (the harness: reading the reply, checking it, building the next turn). Also every session's gaps
-    between consecutive requests, so a slow harness shows apart from a slow server."""
+    as long as its longest session: its time inside its recorded requests (the server's latency) and
+    between them (the harness reading, checking and building the next turn, plus the non-streamed
+    reference request that follows each streamed one, which is not a record of its own). Also every
+    session's gaps between consecutive requests, so the harness's share shows apart from the server's."""
     sessions: dict[int, list] = {}
     for r in records:
         sessions.setdefault(r.session, []).append(r)

@@ -122,3 +122,16 @@ def test_engine_steps_of_the_load_phase_come_from_the_histograms_difference():
     assert engine_steps_during(None, (7.0, 510.0), 12.0) is None
     text = "\n".join(summary_lines(gate_summary(engine_steps=steps), []))
     assert "engine: 500 steps, mean 12.0ms, in steps 50% of the run" in text
+
+
+def test_a_sharded_runs_wall_time_is_its_sessions_not_its_process_start_up():
+    """Two shards whose sessions ran 100.0-110.0 and 100.5-111.0 (wall clock): the run took 11 s,
+    whenever their processes were spawned; requests, failures and counts add up."""
+    from canary.driver import DriverOptions, RunResult
+    from canary.driver_pool import merge_shards
+
+    a = RunResult(DriverOptions(), "t", 100.0, 10.0, sessions_completed=3, oracle_checks={"nonce": 4})
+    b = RunResult(DriverOptions(), "t", 100.5, 10.5, sessions_completed=2, oracle_checks={"nonce": 1, "gibberish": 2})
+    merged = merge_shards(DriverOptions(), "t", [a, b])
+    assert merged.started == 100.0 and merged.wall_s == 11.0
+    assert merged.sessions_completed == 5 and merged.oracle_checks == {"nonce": 5, "gibberish": 2}
