@@ -11,7 +11,7 @@ from runtime.disagg.decode import DecodeSide
 from runtime.disagg.metrics import PDMetrics
 from runtime.disagg.prefill import PrefillSide
 from runtime.disagg.staging import staged_bytes
-from runtime.disagg.transfer import DEFAULT_MODE, KVTransfer
+from runtime.disagg.transfer import DEFAULT_MODE, KVTransfer, mode_unsupported
 from runtime.engine.engine import Engine
 
 # The staging arena's least size: room for many short prompts in flight at once (canary prompts of a
@@ -29,9 +29,9 @@ DECODE_STAGING_CAP_BYTES = 8 << 30
 
 def transfer_mode(args: argparse.Namespace, device: str) -> str:
     mode = args.disaggregation_transfer or DEFAULT_MODE
-    if mode == "direct" and device != "cpu":
-        raise ValueError(f"--disaggregation-transfer direct registers the KV pool itself, which is on {device}: "
-                         f"the non-CUDA Mooncake engine registers host memory only; use staged (the default)")
+    unsupported = mode_unsupported(mode, device)
+    if unsupported:
+        raise ValueError(f"--disaggregation-transfer {mode}: {unsupported}")
     return mode
 
 

@@ -52,6 +52,15 @@ class TransferError(RuntimeError):
     """A write that the engine reported as failed (peer gone, bad address)."""
 
 
+def mode_unsupported(mode: str, device: str | torch.device) -> str | None:
+    """Why a KV pool on `device` cannot move its pages in transfer `mode`, or None when it can: the
+    one rule, checked when a server starts (before its engine) and by `KVTransfer` itself."""
+    if mode == "direct" and torch.device(device).type != "cpu":
+        return (f"direct KV transfer registers the KV pool itself, which is on {device}: the non-CUDA Mooncake "
+                f"engine registers host memory only (it cannot register device memory); use 'staged' (the default)")
+    return None
+
+
 def mooncake_engine_class():
     try:
         from mooncake.engine import TransferEngine
@@ -155,9 +164,9 @@ class KVTransfer:
             raise ValueError("the KV pool must be contiguous to be registered")
         if mode not in MODES:
             raise ValueError(f"transfer mode must be one of {MODES}, got {mode!r}")
-        if mode == "direct" and latent.device.type != "cpu":
-            raise TransferUnavailable(f"direct KV transfer needs host pools, this one is on {latent.device}: the "
-                                      f"non-CUDA Mooncake engine cannot register device memory (use mode 'staged')")
+        unsupported = mode_unsupported(mode, latent.device)
+        if unsupported:
+            raise TransferUnavailable(unsupported)
         self.latent, self.index_keys, self.page_size, self.mode = latent, index_keys, page_size, mode
         self.faults = faults
         self.engine = mooncake_engine_class()()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.disagg.staging import StagingArena, gather_pages, scatter_pages, staged_bytes
-from runtime.disagg.transfer import kv_digest
+from runtime.disagg.transfer import TransferUnavailable, kv_digest
 
 LAYERS, PAGES, PAGE, LATENT, INDEX = 3, 12, 4, 10, 6
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -127,6 +127,23 @@ def test_allocate_waits_for_a_free_and_gives_up_at_its_deadline():
     assert arena.allocate(1, timeout_s=0.05) is None  # nobody frees: None at the deadline
     threading.Timer(0.05, arena.free, [held]).start()
     assert arena.allocate(1, timeout_s=5.0) == 0
+
+
+def test_direct_mode_off_the_host_is_one_rule_with_one_message():
+    """Start-up (`transfer_mode`) and `KVTransfer` refuse a direct transfer of a device pool with the
+    same words: one rule, checked in both places."""
+    from runtime.disagg.setup import transfer_mode
+    from runtime.disagg.transfer import KVTransfer
+    from runtime.serve import parse_args
+
+    args = parse_args(["--model", "tiny-random", "--disaggregation-mode", "decode",
+                       "--disaggregation-transfer", "direct"])
+    with pytest.raises(ValueError) as at_start:
+        transfer_mode(args, "meta")
+    latent, index_keys = (torch.empty(LAYERS, PAGES * PAGE, dim, device="meta") for dim in (LATENT, INDEX))
+    with pytest.raises(TransferUnavailable) as in_transfer:
+        KVTransfer(latent, index_keys, PAGE, mode="direct")
+    assert str(in_transfer.value) in str(at_start.value)
 
 
 def test_serve_refuses_direct_transfer_on_a_cuda_pool():
