@@ -242,7 +242,7 @@ def rooms_that_wait(capacity: int, page_bytes: int, pool_pages: int, seed: int, 
 def test_the_decode_arena_by_default_never_makes_an_admitted_room_wait(seed):
     """A decode server holds a receive slot per room for its whole wait (the 80-session PD gate failed
     11 rooms on 64 MiB): its default arena, twice its pool's KV, serves every room the pool admits."""
-    from runtime.disagg.setup import default_staging_bytes
+    from runtime.disagg.staging import default_staging_bytes
     page_bytes, pool_pages = 21_504, 8192  # the canary's KV per 16-token page; a gate server's pool
     capacity = default_staging_bytes("decode", one_prompt=128 * page_bytes, whole_pool=pool_pages * page_bytes)
     assert rooms_that_wait(capacity, page_bytes, pool_pages, seed) == 0
@@ -250,7 +250,7 @@ def test_the_decode_arena_by_default_never_makes_an_admitted_room_wait(seed):
 
 def test_rooms_wait_on_the_old_64_mib_arena():
     """Negative control: the prefill side's 64 MiB (the decode side's old default) makes rooms wait."""
-    from runtime.disagg.setup import default_staging_bytes
+    from runtime.disagg.staging import default_staging_bytes
     page_bytes, pool_pages = 21_504, 8192
     capacity = default_staging_bytes("prefill", one_prompt=128 * page_bytes, whole_pool=pool_pages * page_bytes)
     assert capacity == 64 << 20
@@ -258,6 +258,6 @@ def test_rooms_wait_on_the_old_64_mib_arena():
 
 
 def test_the_decode_arena_default_stops_at_its_cap():
-    from runtime.disagg.setup import DECODE_STAGING_CAP_BYTES, default_staging_bytes
+    from runtime.disagg.staging import DECODE_STAGING_CAP_BYTES, default_staging_bytes
     assert default_staging_bytes("decode", one_prompt=1 << 20, whole_pool=64 << 30) == DECODE_STAGING_CAP_BYTES
     assert default_staging_bytes("decode", one_prompt=12 << 30, whole_pool=64 << 30) == 12 << 30  # one prompt fits
