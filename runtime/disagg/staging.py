@@ -114,7 +114,11 @@ class StagingArena:
         if capacity <= 0:
             raise ValueError(f"a staging arena needs a positive capacity, got {capacity}")
         self.capacity = capacity
-        self.buffer = torch.zeros(capacity, dtype=torch.uint8, pin_memory=pinned)
+        # Not zeroed: a decode arena is up to 8 GiB, and no byte is read before it is written. The
+        # sender gathers into its slot before the engine reads it; the receiver scatters the pages of
+        # its request, as many as the sender wrote (both sides count pages_for_tokens(prompt)), and
+        # its digest covers the prompt's positions, all inside those pages.
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
         self._free: list[tuple[int, int]] = [(0, capacity)]  # (offset, size), sorted, never adjacent
         self._used: dict[int, int] = {}  # offset -> size of each slot handed out
         self._cond = threading.Condition(threading.RLock())

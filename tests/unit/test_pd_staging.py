@@ -129,6 +129,24 @@ def test_allocate_waits_for_a_free_and_gives_up_at_its_deadline():
     assert arena.allocate(1, timeout_s=5.0) == 0
 
 
+def test_a_new_arena_does_not_touch_its_memory():
+    """A decode arena is up to 8 GiB: making it must not write it (torch.zeros did, at every start-up).
+    Control: writing the buffer does show in the RSS, so the oracle can see an arena that is touched."""
+    import os
+
+    from canary.soak.rss import read_rss_bytes
+
+    size = 512 << 20
+    before = read_rss_bytes(os.getpid())
+    arena = StagingArena(size, pinned=False)
+    made = read_rss_bytes(os.getpid())
+    arena.buffer.fill_(1)
+    touched = read_rss_bytes(os.getpid())
+    assert before is not None and made is not None and touched is not None
+    assert made - before < size // 8
+    assert touched - before > size // 2
+
+
 def test_direct_mode_off_the_host_is_one_rule_with_one_message():
     """Start-up (`transfer_mode`) and `KVTransfer` refuse a direct transfer of a device pool with the
     same words: one rule, checked in both places."""
