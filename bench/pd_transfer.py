@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             src_pages, dst_pages = list(range(pages)), list(range(pages, 2 * pages))
         totals, gathers, writes, scatters, stats = [], [], [], [], None
         # The receive slot, as the decode side reserves one per request (the arena holds the pool's KV)
-        offset = dst.staging.try_allocate(dst.staged_bytes(pages)) if dst.staging else None
+        offset = dst.staging.allocate(dst.staged_bytes(pages)) if dst.staging else None
         for _ in range(args.repeats):
             stats = src.write_pages(dst.descriptor(), src_pages, dst_pages, staging_offset=offset)
             scatter = dst.receive_staged(offset, dst_pages) if offset is not None else 0.0

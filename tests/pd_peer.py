@@ -30,7 +30,7 @@ def answer(transfer: KVTransfer, command) -> object:
         return kv_digest(transfer.latent, transfer.index_keys, pages, PAGE, tokens)
     assert transfer.staging is not None
     if "reserve" in command:
-        return transfer.staging.try_allocate(transfer.staged_bytes(command["reserve"]))
+        return transfer.staging.allocate(transfer.staged_bytes(command["reserve"]))
     if "receive" in command:
         offset, pages = command["receive"]
         transfer.receive_staged(offset, pages)

@@ -28,8 +28,6 @@ from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import OutOfPagesError
 from runtime.server.errors import ApiError, bad_request
 
-STAGING_POLL_S = 0.005  # how often a request waiting for staging space looks again
-
 
 class DecodeSide:
     mode = "decode"
@@ -160,8 +158,8 @@ class DecodeSide:
 
     async def _reserve_staging(self, room: str, num_pages: int) -> int | None:
         """A receive slot for `num_pages` pages of KV (staged mode; None in direct mode), waiting for
-        slots of other requests to be freed up to the PD timeout. Polled, so a request cancelled while
-        it waits holds nothing (a thread blocked in the arena would take a slot nobody frees)."""
+        slots of other requests to be freed up to the PD timeout. A request cancelled while it waits
+        holds nothing (`StagingArena.allocate_async`)."""
         arena = self.transfer.staging
         if arena is None:
             return None
@@ -169,13 +167,10 @@ class DecodeSide:
         if nbytes > arena.capacity:
             raise ApiError(503, f"room {room}: its KV ({nbytes} bytes) exceeds the decode server's staging "
                                 f"arena ({arena.capacity} bytes)", type="server_error", code="pd_out_of_staging")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
-        while (offset := arena.try_allocate(nbytes)) is None:
-            if loop.time() >= deadline:
-                raise ApiError(503, f"room {room}: no staging space for {nbytes} bytes of KV came free within "
-                                    f"{self.timeout_s:g} s", type="server_error", code="pd_out_of_staging")
-            await asyncio.sleep(STAGING_POLL_S)
+        offset = await arena.allocate_async(nbytes, self.timeout_s)
+        if offset is None:
+            raise ApiError(503, f"room {room}: no staging space for {nbytes} bytes of KV came free within "
+                                f"{self.timeout_s:g} s", type="server_error", code="pd_out_of_staging")
         return offset
 
     def _free_staging(self, offset: int | None) -> None:

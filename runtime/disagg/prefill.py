@@ -7,11 +7,11 @@ the room yet (its page reservation and the HTTP call that opens the room run mea
 critical path). The engine keeps the finished request's pages (`keep_pages`), so they hold exactly
 this prompt's KV until this side frees them:
 
-- the room is already open when the prompt finishes: the engine thread writes the KV right after the
-  step (`on_step`) and frees the pages;
-- it is not: the pages are *held* (`Pending.held`, counted in `dsv4_pd_pages_in_flight`) and written
-  by a worker thread as soon as the room opens (owned pages: no step can touch them meanwhile), then
-  freed on the engine thread;
+- the pages of a finished prompt are *held* (`Pending.held`, counted in `dsv4_pd_pages_in_flight`)
+  and written by a worker thread as soon as its room is open - at once when it already is - then
+  freed on the engine thread. Owned pages: no step can touch them meanwhile, so the engine thread
+  goes on to its next step instead of hashing and writing the KV (on a busy prefill server that
+  thread is the bottleneck of the pair);
 - the room never opens (deadline), fails, or the caller goes away (timeout, disconnect, cancel):
   `_release` aborts the prompt if it is still queued or computing, or frees the held pages. Every
   path ends with the pages back in the pool, whichever of the event loop and the engine thread gets
@@ -48,7 +48,7 @@ class Held:
 
     pages: list[int]  # the request's pages, owned by it in the pool until freed
     num_tokens: int  # the prompt's: its KV fills the first pages_for_tokens(num_tokens) pages
-    outcome: dict  # what the decode side needs besides the KV (first token, sampler state, digest)
+    outcome: dict  # what the decode side needs besides the KV and its digest (first token, sampler state)
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Pending:
 
     room_id: str
     loop: asyncio.AbstractEventLoop
+    state: object  # the server's state: its bridge frees the pages once they are written
     room: Room | None = None  # set once the decode side has opened the room
     held: Held | None = None  # set once the prompt finished while the room was not open yet
 
@@ -114,7 +115,7 @@ class PrefillSide:
                               f"(no {ROOM_HEADER} header)")
         self.registry.expect(room_id)
         with self._lock:
-            self.pending[rid] = Pending(room_id, asyncio.get_running_loop())
+            self.pending[rid] = Pending(room_id, asyncio.get_running_loop(), state)
         # The prompt and exactly one token: the same prefill step the colocated server runs. It starts
         # now; the room is awaited meanwhile.
         sink = state.bridge.submit(rid, prepared.prompt_ids, replace(prepared.params, max_tokens=1), keep_pages=True)
@@ -158,8 +159,8 @@ class PrefillSide:
         self.registry.fail(room_id, RoomFailed(f"room {room_id}: the prefill server's caller went away"))
 
     def _room_opened(self, state, rid: str, room: Room) -> None:
-        """The decode side opened the room: the engine thread writes the KV when the prompt finishes,
-        or, when it already has, a worker thread writes the held KV now."""
+        """The decode side opened the room: the KV is written when the prompt finishes (`on_step`), or
+        now when it already has."""
         with self._lock:
             entry = self.pending.get(rid)
             if entry is None:  # released meanwhile (the caller went away)
@@ -169,9 +170,13 @@ class PrefillSide:
             if held is not None:
                 del self.pending[rid]
         if held is not None:
-            task = asyncio.ensure_future(self._send_held(state, rid, room, held))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            self._start_send(state, rid, room, held)
+
+    def _start_send(self, state, rid: str, room: Room, held: Held) -> None:
+        """On the event loop: write the held KV on a worker thread (`_send_held`)."""
+        task = asyncio.ensure_future(self._send_held(state, rid, room, held))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _send_held(self, state, rid: str, room: Room, held: Held) -> None:
         """Write held KV into the opened room off the event loop, then free the pages. A task of its own:
@@ -209,6 +214,8 @@ class PrefillSide:
 
     # ---- engine thread -----------------------------------------------------------------------------
     def on_step(self, result: StepResult) -> None:
+        """Keep each finished prompt's pages for its room (the write happens off this thread), or free
+        them when nobody will take them."""
         for req in result.finished:
             if not req.keep_pages:
                 continue
@@ -223,47 +230,35 @@ class PrefillSide:
                     del self.pending[rid]
                 elif entry is not None:
                     entry.held = held  # the room is not open yet: keep the KV for it
-                    self.metrics.pages_in_flight.inc(len(req.pages))
-                    continue
+                if entry is not None and held is not None:
+                    self.metrics.pages_in_flight.inc(len(held.pages))
             if entry is None:  # given up while it computed: nobody will write its KV
                 if held is not None and not self.faults.enabled("pd-abort-leak"):
                     self.engine.pool.free(rid, held.pages)
-                continue
-            try:
-                if held is None:  # aborted, or preempted with its prefill in flight (no KV kept)
-                    raise RoomFailed(f"room {entry.room_id}: the prompt was aborted on the prefill server")
-                assert room is not None
-                try:
-                    outcome = self._write(room, held)
-                finally:
-                    self.engine.pool.free(rid, held.pages)
-            except Exception as exc:  # a failed write fails this request only, never the engine thread
+            elif held is None:  # aborted, or preempted with its prefill in flight (no KV kept)
                 self.metrics.transfers.labels("failed").inc()
-                error = exc if isinstance(exc, BootstrapError) else RoomFailed(f"room {entry.room_id}: {exc}")
+                error = RoomFailed(f"room {entry.room_id}: the prompt was aborted on the prefill server")
                 entry.loop.call_soon_threadsafe(self.registry.fail, entry.room_id, error)
-                continue
-            self.metrics.transfers.labels("ok").inc()
-            entry.loop.call_soon_threadsafe(self.registry.complete, entry.room_id, outcome)
+            elif room is not None:
+                entry.loop.call_soon_threadsafe(self._start_send, entry.state, rid, room, held)
 
     def _outcome(self, req) -> dict:
         """What the decode side needs besides the KV, read on the engine thread as the prompt finishes."""
-        num_tokens = len(req.prompt_ids)
-        pages = req.pages[:self.engine.pool.pages_for_tokens(num_tokens)]
         assert req.generator is not None
         return {"token": req.output_ids[0],
                 "logprob": req.output_logprobs[0] if req.output_logprobs else None,
                 "top": req.output_top_logprobs[0] if req.output_top_logprobs else [],
                 "num_sampled": req.num_sampled,
                 # The sampler's generator after the first draw: a seeded request continues its stream.
-                "generator": base64.b64encode(req.generator.get_state().numpy().tobytes()).decode(),
-                "digest": kv_digest(self.transfer.latent, self.transfer.index_keys, pages,
-                                    self.engine.pool.page_size, num_tokens)}
+                "generator": base64.b64encode(req.generator.get_state().numpy().tobytes()).decode()}
 
     def _write(self, room: Room, held: Held) -> dict:
-        """Put the held KV into the room's pages (engine thread, or a worker thread for held pages:
-        either way the pages are owned by the request, so no step writes them meanwhile)."""
+        """Put the held KV into the room's pages, with the digest of what was sent (a worker thread: the
+        pages are owned by the request, so no step writes them meanwhile)."""
         src = held.pages[:self.engine.pool.pages_for_tokens(held.num_tokens)]
         started = time.perf_counter()
+        digest = kv_digest(self.transfer.latent, self.transfer.index_keys, src, self.engine.pool.page_size,
+                           held.num_tokens)
         with room.lock:
             if room.closed:  # the decode side gave up (timeout, abort): its pages may be reused by now
                 raise RoomFailed(f"room {room.room}: the decode side is no longer waiting")
@@ -271,8 +266,8 @@ class PrefillSide:
                                               staging_offset=room.staging_offset)
         self.metrics.transfer_bytes.inc(stats.bytes)
         self.metrics.transfer_seconds.observe(stats.seconds)
-        return {**held.outcome, "kv_bytes": stats.bytes, "chunks": stats.chunks, "transfer_seconds": stats.seconds,
-                "prefill_seconds": time.perf_counter() - started}
+        return {**held.outcome, "digest": digest, "kv_bytes": stats.bytes, "chunks": stats.chunks,
+                "transfer_seconds": stats.seconds, "prefill_seconds": time.perf_counter() - started}
 
 
 def _log_failure(future: asyncio.Future) -> None:

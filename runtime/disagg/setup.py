@@ -10,39 +10,17 @@ from runtime.disagg.bootstrap import BootstrapRegistry
 from runtime.disagg.decode import DecodeSide
 from runtime.disagg.metrics import PDMetrics
 from runtime.disagg.prefill import PrefillSide
-from runtime.disagg.staging import staged_bytes
-from runtime.disagg.transfer import DEFAULT_MODE, KVTransfer
+from runtime.disagg.staging import default_staging_bytes, staged_bytes
+from runtime.disagg.transfer import DEFAULT_MODE, KVTransfer, mode_unsupported
 from runtime.engine.engine import Engine
-
-# The staging arena's least size: room for many short prompts in flight at once (canary prompts of a
-# few hundred tokens take ~0.5 MB each); never less than one prompt of --max-model-len tokens.
-MIN_STAGING_BYTES = 64 << 20
-# A decode server reserves a request's receive slot when its room opens and holds it while the
-# prompt waits for, and goes through, the prefill server: under load every room in flight holds one.
-# Those rooms hold their pages in the pool too, so an arena of the pool's KV never makes a room the
-# pool admitted wait; twice that leaves the first-fit arena room for its fragmentation. (The 80-session
-# PD gate failed 11 requests on 64 MiB: 80 rooms of ~1.8 MB waited 30 s for slots.) Pinned host memory
-# is dear, so the default stops at this cap; above it a room may wait for staging, up to the PD
-# timeout, then fails with `pd_out_of_staging`.
-DECODE_STAGING_CAP_BYTES = 8 << 30
 
 
 def transfer_mode(args: argparse.Namespace, device: str) -> str:
     mode = args.disaggregation_transfer or DEFAULT_MODE
-    if mode == "direct" and device != "cpu":
-        raise ValueError(f"--disaggregation-transfer direct registers the KV pool itself, which is on {device}: "
-                         f"the non-CUDA Mooncake engine registers host memory only; use staged (the default)")
+    unsupported = mode_unsupported(mode, device)
+    if unsupported:
+        raise ValueError(f"--disaggregation-transfer {mode}: {unsupported}")
     return mode
-
-
-def default_staging_bytes(mode: str, one_prompt: int, whole_pool: int) -> int:
-    """The arena a side gets without --disaggregation-staging-mib: a prefill server's send slots live
-    for one gather + write each (MIN_STAGING_BYTES); a decode server's receive slots for a room's
-    whole wait, so it gets twice its pool's KV up to DECODE_STAGING_CAP_BYTES. Never less than one
-    prompt of --max-model-len tokens."""
-    if mode == "decode":
-        return max(MIN_STAGING_BYTES, one_prompt, min(2 * whole_pool, DECODE_STAGING_CAP_BYTES))
-    return max(MIN_STAGING_BYTES, one_prompt)
 
 
 def build_pd_side(args: argparse.Namespace, engine: Engine):

@@ -15,10 +15,36 @@ the pool is on CUDA, so the device copies are DMA and not staged again by the dr
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import torch
+
+# The arena's least size: room for many short prompts in flight at once (canary prompts of a few
+# hundred tokens take ~0.5 MB each); never less than one prompt of --max-model-len tokens.
+MIN_STAGING_BYTES = 64 << 20
+# A decode server reserves a request's receive slot when its room opens and holds it while the
+# prompt waits for, and goes through, the prefill server: under load every room in flight holds one.
+# Those rooms hold their pages in the pool too, so an arena of the pool's KV never makes a room the
+# pool admitted wait; twice that leaves the first-fit arena room for its fragmentation. (The 80-session
+# PD gate failed 11 requests on 64 MiB: 80 rooms of ~1.8 MB waited 30 s for slots.) Pinned host memory
+# is dear, so the default stops at this cap; above it a room may wait for staging, up to the PD
+# timeout, then fails with `pd_out_of_staging`.
+DECODE_STAGING_CAP_BYTES = 8 << 30
+
+
+def default_staging_bytes(role: str, one_prompt: int, whole_pool: int) -> int:
+    """The arena a side gets when nobody sized it (the one place that decides): a prefill server's
+    send slots live for one gather + write each (MIN_STAGING_BYTES); a decode server's receive slots
+    for a room's whole wait, so it gets twice its pool's KV (`whole_pool` bytes) up to
+    DECODE_STAGING_CAP_BYTES. Never less than `one_prompt`, the bytes of one longest prompt."""
+    if role == "decode":
+        return max(MIN_STAGING_BYTES, one_prompt, min(2 * whole_pool, DECODE_STAGING_CAP_BYTES))
+    if role == "prefill":
+        return max(MIN_STAGING_BYTES, one_prompt)
+    raise ValueError(f"a staging arena's role is 'prefill' or 'decode', got {role!r}")
 
 
 def staged_bytes(latent: torch.Tensor, index_keys: torch.Tensor, num_pages: int, page_size: int) -> int:
@@ -90,10 +116,14 @@ class StagingArena:
         if capacity <= 0:
             raise ValueError(f"a staging arena needs a positive capacity, got {capacity}")
         self.capacity = capacity
-        self.buffer = torch.zeros(capacity, dtype=torch.uint8, pin_memory=pinned)
+        # Not zeroed: a decode arena is up to 8 GiB, and no byte is read before it is written. The
+        # sender gathers into its slot before the engine reads it; the receiver scatters the pages of
+        # its request, as many as the sender wrote (both sides count pages_for_tokens(prompt)), and
+        # its digest covers the prompt's positions, all inside those pages.
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
         self._free: list[tuple[int, int]] = [(0, capacity)]  # (offset, size), sorted, never adjacent
         self._used: dict[int, int] = {}  # offset -> size of each slot handed out
-        self._cond = threading.Condition(threading.RLock())
+        self._cond = threading.Condition()
 
     @property
     def slots_in_use(self) -> int:
@@ -115,32 +145,72 @@ class StagingArena:
     def address(self, offset: int) -> int:
         return self.buffer.data_ptr() + offset
 
-    def try_allocate(self, nbytes: int) -> int | None:
-        """The offset of a new slot of at least `nbytes`, or None while no free run is large enough."""
+    def allocate(self, nbytes: int, timeout_s: float = 0.0,
+                 cancelled: Callable[[], bool] = lambda: False) -> int | None:
+        """The offset of a new slot of at least `nbytes`, waiting up to `timeout_s` for other slots to be
+        freed (0: no wait); None at the deadline, or as soon as `cancelled()` is true (looked at whenever
+        a free or `wake()` wakes the waiters). First fit."""
         if nbytes > self.capacity:
             raise ValueError(f"a staging slot of {nbytes} bytes exceeds the whole arena ({self.capacity} bytes)")
         size = max(1, -(-nbytes // self.ALIGN)) * self.ALIGN
-        with self._cond:
-            for i, (offset, free) in enumerate(self._free):
-                if free >= size:
-                    if free == size:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (offset + size, free - size)
-                    self._used[offset] = size
-                    return offset
-        return None
-
-    def allocate(self, nbytes: int, timeout_s: float) -> int | None:
-        """`try_allocate`, waiting up to `timeout_s` for slots to be freed (None when none came)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                offset = self.try_allocate(nbytes)  # the condition's lock is re-entrant
+                offset = self._take(size)
                 left = deadline - time.monotonic()
-                if offset is not None or left <= 0:
+                if offset is not None or left <= 0 or cancelled():
                     return offset
                 self._cond.wait(left)
+
+    async def allocate_async(self, nbytes: int, timeout_s: float) -> int | None:
+        """`allocate` for an event loop: the wait runs on a thread of its own (a slot is often free at
+        once, and then no thread starts). Cancelling the caller stops the wait, and a slot the thread
+        took meanwhile is freed: a request given up while it waited holds nothing."""
+        offset = self.allocate(nbytes)
+        if offset is not None:
+            return offset
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[int | None] = loop.create_future()
+        stop = threading.Event()
+
+        def settle(offset: int | None) -> None:  # on the loop
+            if not got.cancelled():
+                got.set_result(offset)
+            elif offset is not None:
+                self.free(offset)
+
+        def wait() -> None:
+            offset = self.allocate(nbytes, timeout_s, stop.is_set)
+            try:
+                loop.call_soon_threadsafe(settle, offset)
+            except RuntimeError:  # the loop is closed (server shutdown): nobody takes the slot
+                if offset is not None:
+                    self.free(offset)
+
+        threading.Thread(target=wait, name="staging-wait", daemon=True).start()
+        try:
+            return await got
+        except asyncio.CancelledError:
+            stop.set()
+            self.wake()
+            raise
+
+    def wake(self) -> None:
+        """Make waiting `allocate` calls look at their `cancelled` check now."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _take(self, size: int) -> int | None:
+        # Caller holds the lock; `size` is whole host pages.
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                self._used[offset] = size
+                return offset
+        return None
 
     def free(self, offset: int) -> None:
         with self._cond:

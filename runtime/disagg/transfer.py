@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from runtime.disagg.staging import StagingArena, gather_pages, scatter_pages, staged_bytes
+from runtime.disagg.staging import StagingArena, default_staging_bytes, gather_pages, scatter_pages, staged_bytes
 from runtime.faults import NO_FAULTS, FaultSet
 
 # The wheel and the Debian packages it links against (Makefile `install` target).
@@ -50,6 +50,15 @@ class TransferUnavailable(RuntimeError):
 
 class TransferError(RuntimeError):
     """A write that the engine reported as failed (peer gone, bad address)."""
+
+
+def mode_unsupported(mode: str, device: str | torch.device) -> str | None:
+    """Why a KV pool on `device` cannot move its pages in transfer `mode`, or None when it can: the
+    one rule, checked when a server starts (before its engine) and by `KVTransfer` itself."""
+    if mode == "direct" and torch.device(device).type != "cpu":
+        return (f"direct KV transfer registers the KV pool itself, which is on {device}: the non-CUDA Mooncake "
+                f"engine registers host memory only (it cannot register device memory); use 'staged' (the default)")
+    return None
 
 
 def mooncake_engine_class():
@@ -149,15 +158,16 @@ class KVTransfer:
 
     def __init__(self, latent: torch.Tensor, index_keys: torch.Tensor, page_size: int, host: str = "127.0.0.1",
                  faults: FaultSet = NO_FAULTS, mode: str = DEFAULT_MODE, staging_bytes: int | None = None) -> None:
-        """`staging_bytes`: the staged mode's arena (default: the whole pool's KV), shared by the
-        requests in flight (receiver) or the writes in progress (sender)."""
+        """`staging_bytes`: the staged mode's arena, shared by the requests in flight (receiver) or the
+        writes in progress (sender); default: a decode server's default for this pool (the larger of
+        the two roles' defaults, `default_staging_bytes`)."""
         if not (latent.is_contiguous() and index_keys.is_contiguous()):
             raise ValueError("the KV pool must be contiguous to be registered")
         if mode not in MODES:
             raise ValueError(f"transfer mode must be one of {MODES}, got {mode!r}")
-        if mode == "direct" and latent.device.type != "cpu":
-            raise TransferUnavailable(f"direct KV transfer needs host pools, this one is on {latent.device}: the "
-                                      f"non-CUDA Mooncake engine cannot register device memory (use mode 'staged')")
+        unsupported = mode_unsupported(mode, latent.device)
+        if unsupported:
+            raise TransferUnavailable(unsupported)
         self.latent, self.index_keys, self.page_size, self.mode = latent, index_keys, page_size, mode
         self.faults = faults
         self.engine = mooncake_engine_class()()
@@ -167,7 +177,8 @@ class KVTransfer:
         self.staging: StagingArena | None = None
         registered = [latent, index_keys]
         if mode == "staged":
-            capacity = staging_bytes or staged_bytes(latent, index_keys, latent.shape[1] // page_size, page_size)
+            whole_pool = staged_bytes(latent, index_keys, latent.shape[1] // page_size, page_size)
+            capacity = staging_bytes or default_staging_bytes("decode", one_prompt=0, whole_pool=whole_pool)
             self.staging = StagingArena(capacity, pinned=latent.device.type == "cuda")
             registered = [self.staging.buffer]
         for tensor in registered:

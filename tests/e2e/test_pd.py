@@ -502,6 +502,39 @@ def test_the_prompt_is_computed_before_its_room_opens_and_the_answer_is_unchange
     assert pages_in_flight(pair.prefill) == 0 and pair.prefill_state.pd.pending == {}
 
 
+def test_the_prefill_engine_thread_neither_hashes_nor_writes_the_kv(servers, monkeypatch):
+    """A prompt whose room is already open when it finishes (the common case: the room opens while the
+    prompt computes) has its KV hashed and written by a worker thread, not the engine thread, which
+    is the busy prefill server's bottleneck (it used to do both right after the step). The answer is
+    unchanged and every page comes back, pages-in-flight included."""
+    import threading
+
+    from runtime.disagg import prefill
+
+    pair, colocated = servers
+    side = pair.prefill_state.pd
+    threads: list[tuple[str, str]] = []
+    digest, write = prefill.kv_digest, side.transfer.write_pages
+
+    def hashing(*args, **kwargs):
+        threads.append(("digest", threading.current_thread().name))
+        return digest(*args, **kwargs)
+
+    def writing(*args, **kwargs):
+        threads.append(("write", threading.current_thread().name))
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(prefill, "kv_digest", hashing)
+    monkeypatch.setattr(side.transfer, "write_pages", writing)
+    payloads = [body(p, stream=s) for p in PROMPTS for s in (False, True)]
+    expected = [answer(colocated, payload) for payload in payloads]
+    assert [answer(pair.router, payload) for payload in payloads] == expected
+    assert sorted({what for what, _ in threads}) == ["digest", "write"] and len(threads) == 2 * len(payloads)
+    assert [name for _, name in threads if name == "engine"] == []
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert pages_in_flight(pair.prefill) == 0 and side.pending == {}
+
+
 def prefill_only(timeout_s: float, *args: str):
     return serve_state(server_state("--disaggregation-mode", "prefill", "--disaggregation-timeout", str(timeout_s),
                                     *args))

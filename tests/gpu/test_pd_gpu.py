@@ -32,7 +32,7 @@ def cuda_pool(faults: FaultSet = NO_FAULTS, fill: float | None = None) -> KVTran
 
 def staged_move(src: KVTransfer, dst: KVTransfer, src_pages: list[int], dst_pages: list[int]) -> None:
     assert dst.staging is not None
-    offset = dst.staging.try_allocate(dst.staged_bytes(len(dst_pages)))
+    offset = dst.staging.allocate(dst.staged_bytes(len(dst_pages)))
     assert offset is not None
     src.write_pages(dst.descriptor(), src_pages, dst_pages, staging_offset=offset)
     dst.receive_staged(offset, dst_pages)

@@ -159,6 +159,17 @@ def test_direct_mode_refuses_a_pool_off_the_host():
         KVTransfer(latent, index_keys, pd_peer.PAGE, mode="direct")
 
 
+def test_an_unsized_arena_gets_the_one_default():
+    """`KVTransfer` without `staging_bytes` sizes its arena as `default_staging_bytes` does for a decode
+    server (it used to have a default of its own: the whole pool's KV, 8 KiB here)."""
+    from runtime.disagg.staging import default_staging_bytes, staged_bytes
+
+    made = sender()
+    assert made.staging is not None
+    whole_pool = staged_bytes(made.latent, made.index_keys, pd_peer.SLOTS // pd_peer.PAGE, pd_peer.PAGE)
+    assert made.staging.capacity == default_staging_bytes("decode", one_prompt=0, whole_pool=whole_pool)
+
+
 @pytest.mark.parametrize("mode", transfer.MODES)
 def test_a_closed_pool_refuses_writes(mode):
     src, dst = sender(mode=mode), sender(mode=mode)
