@@ -119,6 +119,9 @@ class RunResult:
     # each failed session's failure reached `failures` (driver_pool.run_sharded concatenates them).
     session_ends: list[tuple[int, str, str]] = field(default_factory=list)
     oracle_checks: dict[str, int] = field(default_factory=dict)  # oracle -> responses it checked (summed by shards)
+    # Sharded runs: seconds from spawning the driver processes to the first session's start (their
+    # interpreters and imports): the harness's, so outside `wall_s`, and reported beside it.
+    startup_s: float = 0.0
 
     @property
     def transcripts(self) -> list[Transcript]:

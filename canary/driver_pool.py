@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import queue
+import time
 from collections.abc import Callable
 
 from canary.driver import DriverOptions, RequestRecord, RunResult, SessionDriver
@@ -42,6 +43,7 @@ def run_sharded(target: Target, options: DriverOptions,
     shard_options = dataclasses.replace(options, processes=1)
     # spawn, not fork: the parent is a pytest process with threads (fork would copy held locks).
     context = multiprocessing.get_context("spawn")
+    spawned = time.time()
     events = context.Queue()
     workers = [context.Process(target=_shard_main, args=(target, shard_options, (k, n), events), daemon=True)
                for k in range(n)]
@@ -73,7 +75,9 @@ def run_sharded(target: Target, options: DriverOptions,
                 worker.terminate()
     if errors:
         raise errors[0]
-    return merge_shards(options, target.name, results)
+    merged = merge_shards(options, target.name, results)
+    merged.startup_s = merged.started - spawned
+    return merged
 
 
 def merge_shards(options: DriverOptions, target_name: str, results: list[RunResult]) -> RunResult:

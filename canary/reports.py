@@ -122,7 +122,9 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
                      f"({path['longest_session_requests']} requests: {path['longest_inside_requests_s']:.1f}s inside "
                      f"them, {path['longest_between_requests_s']:.1f}s between them); between a session's requests "
                      f"p50 {path['between_requests_s']['p50'] * 1000:.0f}ms, p90 "
-                     f"{path['between_requests_s']['p90'] * 1000:.0f}ms")
+                     f"{path['between_requests_s']['p90'] * 1000:.0f}ms"
+                     + (f"; driver processes started in {m['driver_startup_s']:.1f}s before it (not counted)"
+                        if m.get("driver_startup_s") else ""))
     steps = summary.get("engine_steps")
     if steps:
         lines.append(f"  engine: {steps['steps']:.0f} steps, mean {steps['mean_ms']:.1f}ms, in steps "

@@ -22,6 +22,7 @@ def run_metrics(result: RunResult) -> dict:
         # tokens are the prefill work the run cost, beside the tokens it produced.
         "prompt_tokens": sum(r.prompt_tokens for r in done),
         "wall_s": result.wall_s,
+        "driver_startup_s": result.startup_s,
         "output_tok_s": tokens / result.wall_s if result.wall_s > 0 else 0.0,
         "ttft_s": summarize(ttft),
         "tpot_s": summarize(tpot),

@@ -93,7 +93,8 @@ def test_run_metrics_count_the_prompt_tokens_of_completed_requests_only():
                                completion_tokens=completion, prompt_tokens=prompt, chunk_times=[], started=0.0,
                                finished=1.0)
 
-    result = SimpleNamespace(requests=[rec(100, 10), rec(250, 5), rec(999, 1, aborted=True)], wall_s=2.0)
+    result = SimpleNamespace(requests=[rec(100, 10), rec(250, 5), rec(999, 1, aborted=True)], wall_s=2.0,
+                             startup_s=0.0)
     assert run_metrics(result)["prompt_tokens"] == 350
 
 
@@ -110,8 +111,10 @@ def test_the_critical_path_is_the_longest_session_inside_and_between_its_request
     assert path["longest_session_s"] == 5.0 and path["longest_session_requests"] == 2
     assert path["longest_inside_requests_s"] == 4.5 and abs(path["longest_between_requests_s"] - 0.5) < 1e-12
     assert path["between_requests_s"]["count"] == 2
-    text = "\n".join(summary_lines(gate_summary(metrics={**gate_summary()["metrics"], "critical_path": path}), []))
+    metrics = {**gate_summary()["metrics"], "critical_path": path, "driver_startup_s": 3.25}
+    text = "\n".join(summary_lines(gate_summary(metrics=metrics), []))
     assert "critical path: the longest session 5.0s (2 requests: 4.5s inside them, 0.5s between them)" in text
+    assert "driver processes started in 3.2s before it (not counted)" in text
 
 
 def test_engine_steps_of_the_load_phase_come_from_the_histograms_difference():
