@@ -19,11 +19,26 @@ from pathlib import Path
 
 from canary.targets import Target, _stop, embedded_server, free_port, wait_healthy
 
+# The PD deadline (`--disaggregation-timeout`, 30 s by default) counts a prompt's wait in the prefill
+# server's queue. Under the 80-session gate on the 2-core CPU the prefill server is saturated (the turns
+# re-send whole conversations: ~33 prompt tokens per token produced) and the pair's TTFT p50 sits at
+# 24-33 s, so a 30 s deadline failed 26 sessions of a clean run with 504s that say nothing about the
+# build. The gate's pair waits this long instead; a wedge still ends as a named error, only later.
+GATE_PD_TIMEOUT_S = 120.0
+
+
+def with_gate_timeout(args: Sequence[str]) -> list[str]:
+    """The servers' arguments with the gate's PD deadline, unless the caller chose one."""
+    if any(a.split("=", 1)[0] == "--disaggregation-timeout" for a in args):
+        return list(args)
+    return [*args, "--disaggregation-timeout", f"{GATE_PD_TIMEOUT_S:g}"]
+
 
 @contextmanager
 def embedded_pd_pair(model: str, args: Sequence[str] = (), *, faults: Sequence[str] = (), log_dir: Path | None = None,
                      startup_timeout_s: float = 120.0) -> Iterator[Target]:
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+    args = with_gate_timeout(args)
     with ExitStack() as stack:
         prefill = stack.enter_context(embedded_server(model, [*args, "--disaggregation-mode", "prefill"],
                                                       faults=faults, log_dir=log_dir,

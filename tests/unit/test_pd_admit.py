@@ -102,3 +102,15 @@ def test_aborting_a_queued_prefilled_request_frees_its_pages(tiny):
     decode.abort("a")
     decode.run_until_done()
     assert decode.pages_in_use == 0
+
+
+def test_the_gates_pd_pair_waits_past_a_saturated_prefill_queue_unless_told_otherwise():
+    """The 80-session PD gate on the 2-core CPU queues prompts ~30 s on the prefill server: the pair it
+    starts gets the longer deadline; a deadline the caller passes (either spelling) is kept."""
+    from canary.pd_target import GATE_PD_TIMEOUT_S, with_gate_timeout
+
+    assert with_gate_timeout(["--dtype=float32"]) == ["--dtype=float32", "--disaggregation-timeout",
+                                                      f"{GATE_PD_TIMEOUT_S:g}"]
+    assert GATE_PD_TIMEOUT_S > 30.0  # the server's default, which failed a clean run
+    assert with_gate_timeout(["--disaggregation-timeout", "5"]) == ["--disaggregation-timeout", "5"]
+    assert with_gate_timeout(["--disaggregation-timeout=5"]) == ["--disaggregation-timeout=5"]
