@@ -51,8 +51,12 @@ def assert_all_exit(pids: set[int]) -> None:
 
 def start_generate(*extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "runtime.generate", "--tp", "2", "--overlap", *extra]
+    # The child starts with SIGINT at its default, as a terminal's foreground job does. A child inherits
+    # an ignored SIGINT (and Python then leaves it ignored): a test runner's process that ignores it
+    # made the driver sleep through the test's Ctrl-C and run to the end (rc 0; twice in CI under xdist).
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "DSV4_NUM_THREADS": "1"})
+                            env={**os.environ, "DSV4_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_worker(proc: subprocess.Popen) -> set[int]:
