@@ -29,7 +29,8 @@ from canary.targets import Target
 GOLDEN_DIR = Path("golden/transcripts")
 PERF_WORKLOAD = TrialWorkload()  # the perf verdict's trial workload (canary/perf/trial_load.py)
 PREEMPTIONS = "dsv4_preemptions_total"  # the runtime's counter (runtime/server/metrics.py)
-STEP_SECONDS = "dsv4_engine_step_seconds"  # the runtime's step-time histogram (its _sum and _count)
+# The runtime's step-time histogram's sum and count (runtime/server/metrics.py).
+STEP_SECONDS = ("dsv4_engine_step_seconds_sum", "dsv4_engine_step_seconds_count")
 BASELINE_DIR = Path("golden/baselines")
 
 
@@ -205,10 +206,10 @@ def probes_this_machine(target: Target) -> bool:
     return target.embedded and device_name().startswith("cpu:")
 
 
-def engine_steps(target: Target) -> tuple[float, float] | None:
-    """(seconds, steps) the runtime's engine has spent in steps so far; None for a server without the
-    histogram."""
-    seconds, steps = target.metric(STEP_SECONDS + "_sum"), target.metric(STEP_SECONDS + "_count")
+def engine_steps(read: dict[str, float | None]) -> tuple[float, float] | None:
+    """(seconds, steps) the runtime's engine has spent in steps so far, from a read of /metrics
+    (`Target.metrics` with STEP_SECONDS among the names); None for a server without the histogram."""
+    seconds, steps = (read[name] for name in STEP_SECONDS)
     return None if seconds is None or steps is None else (seconds, steps)
 
 
@@ -248,10 +249,10 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     info = target.server_info()
     exact = target.embedded if deterministic is None else deterministic
     options, solo = _solo_first(target, options, calibrate, progress)
-    preemptions_before = target.metric(PREEMPTIONS)
-    steps_before = engine_steps(target)
+    before = target.metrics(PREEMPTIONS, *STEP_SECONDS)
     result = run_driver(target, options, progress, on_request_done)
-    outcome.summary["engine_steps"] = engine_steps_during(steps_before, engine_steps(target), result.wall_s)
+    outcome.summary["engine_steps"] = engine_steps_during(engine_steps(before),
+                                                          engine_steps(target.metrics(*STEP_SECONDS)), result.wall_s)
     if solo is None:
         outcome.failures += [f.describe() for _, f in result.failures]
     else:
@@ -275,6 +276,7 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     # or a proxy in front of one); one without it gets a note saying the check did not run.
     _check_pages_idle(target, outcome)
     preemptions_after = target.metric(PREEMPTIONS)
+    preemptions_before = before[PREEMPTIONS]
     outcome.summary["preemptions"] = (None if preemptions_before is None or preemptions_after is None
                                       else preemptions_after - preemptions_before)
     if not perf_gate:

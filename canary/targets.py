@@ -77,11 +77,16 @@ class Target:
     def metric(self, name: str) -> float | None:
         """The sample named exactly `name` in /metrics (a counter's `_total` included; a labelled one
         summed over its labels); None without one or without /metrics."""
+        return self.metrics(name)[name]
+
+    def metrics(self, *names: str) -> dict[str, float | None]:
+        """`metric` for several names from one read of /metrics."""
         try:
             text = httpx.get(self.url_for("metrics"), timeout=10.0, headers=self.headers).text
         except httpx.HTTPError:
-            return None
-        return sample_sum(parse_samples(text), name)
+            return dict.fromkeys(names)
+        samples = parse_samples(text)
+        return {name: sample_sum(samples, name) for name in names}
 
     def wait_kv_pages_idle(self, timeout_s: float = 10.0) -> float | None:
         """Pages in use once they reach 0 or `timeout_s` passed (finished requests free theirs

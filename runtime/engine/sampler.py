@@ -45,21 +45,12 @@ def sample_row(logits: torch.Tensor, req: Request) -> SampleOutput:
     elif params.temperature == 0:
         token = int(torch.argmax(logits))  # first maximum: ties go to the lower id
     else:
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        order = torch.sort(probs, descending=True, stable=True)
-        sorted_probs, sorted_ids = order.values, order.indices
-        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-        if params.top_k:
-            keep[params.top_k:] = False
-        if params.top_p < 1.0:
-            before = torch.cumsum(sorted_probs, dim=0) - sorted_probs
-            keep &= before < params.top_p  # the smallest prefix whose mass reaches top_p
-        kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        cdf = torch.cumsum(kept, dim=0)
-        u = float(torch.rand((), generator=req.generator, dtype=torch.float64)) * float(cdf[-1])
-        index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True)[0])
-        index = min(index, int(keep.sum()) - 1)
-        token = int(sorted_ids[index])
+        # The batched draw on one row: one implementation of temperature, top-k, top-p and the draw
+        # for this path and the device sampler's (`draw_rows`).
+        uniform = torch.rand(1, generator=req.generator, dtype=torch.float64)
+        token = int(draw_rows(logits[None], torch.tensor([params.temperature], dtype=torch.float32),
+                              torch.tensor([params.top_k or 0]), torch.tensor([params.top_p], dtype=torch.float32),
+                              uniform)[0])
     top: list[tuple[int, float]] = []
     if params.top_logprobs:
         values, ids = torch.topk(logprobs, params.top_logprobs)
@@ -74,9 +65,9 @@ def draw_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     take it without waiting for them). logits [m, V] float32; temperature, top_p [m] float32; top_k
     [m] int64 (0: off); uniform [m] float64 -> tokens [m] int64.
 
-    The same operations as `sample_row` in the same dtypes, row by row: on CPU the same bits (the
-    unit test compares them). On the GPU softmax and the scans round differently, so a token can
-    differ only where the draw falls within rounding of a boundary of the cumulative distribution."""
+    `sample_row` draws its one row through this too. On the GPU softmax and the scans round
+    differently from the CPU's, so a token can differ from the host's only where the draw falls
+    within rounding of a boundary of the cumulative distribution."""
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     order = torch.sort(probs, dim=-1, descending=True, stable=True)
     sorted_probs, sorted_ids = order.values, order.indices

@@ -137,6 +137,8 @@ def test_router_sums_the_pair_and_target_metric_reads_the_sum(monkeypatch):
         assert target.metric("dsv4_preemptions_total") == 5.0
         assert target.metric("dsv4_pd_upstream_kv_pages_in_use") == 5.0  # both roles' series
         assert target.metric("kv_pages_in_use") is None
+        assert target.metrics("dsv4_preemptions_total", "kv_pages_in_use") == {  # one read, several names
+            "dsv4_preemptions_total": 5.0, "kv_pages_in_use": None}
     samples = parse_samples(text)
     assert sample_sum(samples, "dsv4_pd_upstream_kv_pages_in_use", {"role": "decode"}) == 3.0
     assert sample_sum(samples, "dsv4_pd_upstream_preemptions_total", {"role": "prefill"}) == 1.0
