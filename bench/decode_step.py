@@ -27,7 +27,7 @@ from canary.provenance import git_commit
 from runtime.config import EngineConfig, ModelConfig
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.graph.runner import COARSE_BUCKETS, FINE_BUCKETS, GraphRunner
-from runtime.kernels.triton import attention, mla_prefill
+from runtime.kernels.triton import attention, matmul
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.weights import init_random, weight_shapes
 from runtime.streams.cuda import CudaStreamExecutor
@@ -166,43 +166,20 @@ def fit(points: list[tuple[int, float]]) -> dict:
     return {"a_ms": a, "b_ms_per_req": b}
 
 
-def two_pass_above(rows: int):
-    """The model's sparse MLA call, with passes of more than `rows` rows (prefill chunks) through the
-    two-pass form (mla_prefill: the bits of sparse_mla_decode with rowsum_mma) and the rest through
-    the deployment's kernel as before."""
-    def sparse_mla(q, kv, slots, latent_dim, scale, num_splits=None, out=None):
-        if q.shape[0] > rows:
-            return mla_prefill.sparse_mla_two_pass(q, kv, slots, latent_dim, scale, num_splits=num_splits, out=out)
-        return attention.sparse_mla_decode(q, kv, slots, latent_dim, scale, num_splits=num_splits, out=out)
-    return sparse_mla
-
-
 def prefill_launches(bench, chunk, roofline_ms: float, plain_logits: torch.Tensor, iters: int) -> dict:
-    """The prefill pass with attention.PREFILL_LAUNCH set: `prefill_rowsum_mma` = the deployment's
-    sparse MLA launch with its row sums as an MMA (what a rowsum_mma deployment would run; other bits
-    than the plain pass's tl.sum); and `prefill_two_pass` = the pass's sparse MLA as the two-pass
-    form (mla_prefill), whose logits must equal prefill_rowsum_mma's."""
+    """The prefill pass with other sparse MLA launches of the deployment's numerics: `prefill_one_pass`
+    = the one-pass kernel with MMA row sums (attention.PREFILL_LAUNCH rowsum_mma) where a rowsum_mma
+    deployment runs the two-pass form (mla_prefill.sparse_mla): its logits must equal the plain pass's."""
     runs = {}
-    saved = attention.PREFILL_LAUNCH
+    saved_rows = attention.PREFILL_LAUNCH_ROWS
     try:
-        attention.PREFILL_LAUNCH = dict(rowsum_mma=True)
+        attention.PREFILL_LAUNCH_ROWS = chunk.batch_size  # no pass is a prefill pass: sparse_mla keeps one pass
         ms = time_ms(bench.runner.eager, chunk, iters=iters)
-        runs["prefill_rowsum_mma"] = ms, bench.runner.eager(chunk).clone()
+        runs["prefill_one_pass"] = ms, bench.runner.eager(chunk).clone()
     finally:
-        attention.PREFILL_LAUNCH = saved
-    if bench.model.sparse_mla is not None:  # the Triton attention kernel (--attention-kernel triton)
-        model_mla = bench.model.sparse_mla
-        bench.model.sparse_mla = two_pass_above(attention.PREFILL_LAUNCH_ROWS)
-        try:
-            ms = time_ms(bench.runner.eager, chunk, iters=iters)
-            runs["prefill_two_pass"] = ms, bench.runner.eager(chunk).clone()
-        finally:
-            bench.model.sparse_mla = model_mla
+        attention.PREFILL_LAUNCH_ROWS = saved_rows
     out = {name: {"ms": ms, "pct_roofline": 100 * roofline_ms / ms, "same_logits_as_plain": bool(
         torch.equal(logits, plain_logits))} for name, (ms, logits) in runs.items()}
-    if "prefill_two_pass" in runs:
-        out["prefill_two_pass"]["same_logits_as_rowsum_mma"] = bool(
-            torch.equal(runs["prefill_two_pass"][1], runs["prefill_rowsum_mma"][1]))
     print(json.dumps({"prefill_launches": out}), flush=True)
     return out
 
@@ -216,8 +193,9 @@ def main() -> None:
     ap.add_argument("--sawtooth", default="", help="batch sizes for the fine vs coarse bucket sweep")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--prefill-variants", action="store_true",
-                    help="also time the prefill pass with skip_tail, the rowsum_mma launch and the two-pass "
-                         "sparse MLA (each pass's logits checked)")
+                    help="also time the prefill pass with skip_tail the other way, with the other GEMM kernel "
+                         "(pointer or TMA) and with the one-pass sparse MLA where the deployment runs two (each pass's "
+                         "logits checked against the plain pass's)")
     ap.add_argument("--out", default="")
     ap.add_argument("--roofline-only", type=float, default=0.0, metavar="TB_S",
                     help="no GPU: print the roofline per batch size at this read bandwidth and its linear fit")
@@ -269,18 +247,32 @@ def main() -> None:
                                   "pct_roofline": 100 * roofline_ms / ms}
             print(json.dumps({"model": args.model, "prefill": results["prefill"]}), flush=True)
             if args.prefill_variants:  # the same pass with other sparse MLA launches (a default run times it once)
-                # The same pass with the sparse MLA kernel skipping each row's empty trailing chunks: its
-                # time, and whether the logits keep their bits (they must).
+                # The same pass with the sparse MLA's skip_tail the other way (on in the deployment:
+                # each row's empty trailing chunks skipped): its time, and the logits' bits (the same).
                 logits = bench.runner.eager(chunk).clone()
-                saved, attention.SKIP_TAIL_ROWS = attention.SKIP_TAIL_ROWS, 256
+                saved = attention.SKIP_TAIL_ROWS
+                attention.SKIP_TAIL_ROWS = 256 if saved is None else None
                 try:
-                    skip_ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
+                    other_ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
                     same = bool(torch.equal(bench.runner.eager(chunk), logits))
                 finally:
                     attention.SKIP_TAIL_ROWS = saved
-                results["prefill_skip_tail"] = {"ms": skip_ms, "pct_roofline": 100 * roofline_ms / skip_ms,
-                                                "same_logits": same}
-                print(json.dumps({"model": args.model, "prefill_skip_tail": results["prefill_skip_tail"]}), flush=True)
+                results["prefill_other_tail"] = {"skip_tail": saved is None, "ms": other_ms,
+                                                 "pct_roofline": 100 * roofline_ms / other_ms, "same_logits": same}
+                print(json.dumps({"model": args.model, "prefill_other_tail": results["prefill_other_tail"]}),
+                      flush=True)
+                # The same pass with the projections on the other GEMM kernel (the pointer kernel where
+                # the deployment runs the persistent TMA one): same bits required.
+                saved_tma, matmul.PREFILL_TMA = matmul.PREFILL_TMA, not matmul.PREFILL_TMA
+                try:
+                    other_ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
+                    same = bool(torch.equal(bench.runner.eager(chunk), logits))
+                finally:
+                    matmul.PREFILL_TMA = saved_tma
+                results["prefill_other_gemm"] = {"tma": not saved_tma, "ms": other_ms,
+                                                 "pct_roofline": 100 * roofline_ms / other_ms, "same_logits": same}
+                print(json.dumps({"model": args.model, "prefill_other_gemm": results["prefill_other_gemm"]}),
+                      flush=True)
                 results.update(prefill_launches(bench, chunk, roofline_ms, logits, max(3, args.iters // 4)))
         del bench
         torch.cuda.empty_cache()
@@ -310,9 +302,9 @@ def main() -> None:
                       "roofline_a_over_eager_a": results["roofline_a_over_eager_a"],
                       "invariance_cost": results["invariance_cost"],
                       "step128_over_step16": results.get("step128_over_step16"),
-                      "prefill": results.get("prefill"), "prefill_skip_tail": results.get("prefill_skip_tail"),
-                      "prefill_rowsum_mma": results.get("prefill_rowsum_mma"),
-                      "prefill_two_pass": results.get("prefill_two_pass")}),
+                      "prefill": results.get("prefill"), "prefill_other_tail": results.get("prefill_other_tail"),
+                      "prefill_other_gemm": results.get("prefill_other_gemm"),
+                      "prefill_one_pass": results.get("prefill_one_pass")}),
           flush=True)
     if args.out:
         with open(args.out, "w") as f:

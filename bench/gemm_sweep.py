@@ -4,7 +4,8 @@ bandwidth of each candidate tile (BLOCK_M/N/K, warps, stages; for prefill-sized 
 `--rows 4096`, also whether the splits are added in the tile's program), and whether its output is
 bit for bit the default config's (a row's reduction order kept, so it may replace the default without a
 numerics change). Split-K variants are timed too; they change the bits by design (a split is fixed
-per shape, so choosing another is a numerics change, not an invariance break).
+per shape, so choosing another is a numerics change, not an invariance break). Prefill row counts
+also time the persistent TMA kernel (`tma`), whose bits must equal the default's.
 
 Each candidate runs as a CUDA graph over enough copies of the weight to miss L2 (a decode step
 streams every weight once), so host launch cost is not timed.
@@ -41,6 +42,13 @@ def prefill_candidates():
     or in the tile's program (`fused_splits`, two accumulators: 128 x 256 may spill)."""
     for bn, stages, fused in itertools.product((128, 256), (3, 4), (False, True)):
         yield {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": stages}, fused
+
+
+def tma_candidates():
+    """The persistent TMA kernel (matmul.PREFILL_TMA), splits apart: its tiles, stages and whether the
+    tile loop is flattened (the next tile's loads pipelined under this one's store)."""
+    for (bn, stages), flatten in itertools.product(((256, 3), (256, 4), (128, 4), (128, 5)), (True, False)):
+        yield {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": stages, "flatten": flatten}
 
 
 def candidates(rows: int):
@@ -99,6 +107,8 @@ def sweep_shape(name: str, n: int, k: int, rows: int) -> dict:
             if fused and split == 1:
                 continue
             results.append(measure(json.dumps({**config, "fused_splits": fused}), config=config, fused_splits=fused))
+        for config in tma_candidates():
+            results.append(measure(json.dumps({**config, "tma": True}), config=config, fused_splits=False, tma=True))
     else:
         for config, bk in candidates(rows):
             results.append(measure(json.dumps({**config, "BLOCK_K": bk}), config=config, block_k=bk))

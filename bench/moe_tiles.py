@@ -10,11 +10,16 @@ batch only if a row's bits stay the same. This measures both, on the dsv4-slice'
     python -m bench.moe_tiles --out $OUT/moe_tiles.json
 
 Prints per token count and BLOCK_M: SAME/differ against BLOCK_M=16, and us per call.
+`--prefill-sweep` instead times a 4,096-token chunk over the knobs that leave bits alone (BLOCK_M,
+BLOCK_N, warps, stages), each checked SAME against the deployment's bucket:
+
+    python -m bench.moe_tiles --prefill-sweep --out $OUT/moe_prefill.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -31,6 +36,8 @@ BLOCK_MS = (16, 32, 64, 128)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="4,096 tokens over BLOCK_M x BLOCK_N x warps x stages instead of BLOCK_M alone")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -39,14 +46,20 @@ def main() -> None:
     shared2 = torch.randn(1, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
     packed = moe.PackedMoE(w13, w2, shared13, shared2)
     rows = []
-    for tokens in TOKENS:
+    for tokens in (4096,) if args.prefill_sweep else TOKENS:
         inputs = [(torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16).cuda(),
                    *_routing(gen, tokens, EXPERTS, TOP_K)) for _ in range(CALLS_PER_GRAPH)]
         base = moe.moe_config(EXPERTS, INTER, False, tokens)
         x0, ids0, w0 = inputs[0]
         want = moe.fused_moe(x0, packed, w0, ids0, config=base)
-        for block_m in BLOCK_MS:
-            config = {**base, "BLOCK_M": block_m}
+        if args.prefill_sweep:  # the deployment's bucket first, then every candidate against it
+            configs = [base] + [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                                for bm, bn, (w, st) in itertools.product((64, 128), (32, 64, 128),
+                                                                         ((4, 2), (4, 3), (8, 2), (8, 3)))]
+        else:
+            configs = [{**base, "BLOCK_M": block_m} for block_m in BLOCK_MS]
+        for config in configs:
+            block_m = config.get("BLOCK_M", moe.BLOCK_M)
             row = dict(tokens=tokens, block_m=block_m, config=config)
             try:
                 row["same_bits"] = bool(torch.equal(moe.fused_moe(x0, packed, w0, ids0, config=config), want))
@@ -59,7 +72,7 @@ def main() -> None:
     print("== fused MoE (E=256 top-6 H=4096 I=256 + shared), bf16: BLOCK_M vs 16, us per call")
     for r in rows:
         verdict = r.get("error") or f"{'SAME' if r['same_bits'] else 'differ'} {r['us']:8.1f} us"
-        print(f"tokens {r['tokens']:>5} BLOCK_M {r['block_m']:>3}: {verdict}")
+        print(f"tokens {r['tokens']:>5} {json.dumps(r['config'])}: {verdict}")
     if args.out:
         args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
 

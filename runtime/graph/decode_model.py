@@ -89,9 +89,10 @@ class StaticDecodeModel:
         if attention_kernel == "triton":
             from runtime.kernels.triton import attention as triton_attention
             from runtime.kernels.triton import indexer as triton_indexer
+            from runtime.kernels.triton import mla_prefill
 
             self.indexer_logits = triton_indexer.indexer_logits
-            self.sparse_mla = triton_attention.sparse_mla_decode
+            self.sparse_mla = mla_prefill.sparse_mla  # the one-pass kernel, or two passes for prefill chunks
             local_heads = weights["layers.0.attn.wq.weight"].shape[0] // (cfg.kv_latent_dim + cfg.rope_dim)
             self.attention_splits = triton_attention.default_num_splits(cfg.sliding_window + cfg.index_topk,
                                                                         local_heads)

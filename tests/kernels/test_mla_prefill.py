@@ -209,9 +209,11 @@ def test_two_pass_keeps_the_deployment_bits_on_the_gpu(launch):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above compile them for real")
 @pytest.mark.parametrize("kernel", ["_scores_pass", "_values_pass"])
-def test_two_pass_kernels_compile_for_the_gpu_without_one(kernel):
-    """Both passes at the deployment shape (bf16, H=64 tiles, C=512, R=64, BLOCK_S=64), through
-    sm_90's compiler: the interpreter accepts code the compiler refuses."""
+@pytest.mark.parametrize("tail", [False, True])
+def test_two_pass_kernels_compile_for_the_gpu_without_one(kernel, tail):
+    """Both passes at the deployment shape (bf16, H=64 tiles, C=512, R=64, BLOCK_S=64, 640 slots),
+    with and without skip_tail, through sm_90's compiler: the interpreter accepts code the compiler
+    refuses."""
     from tests.kernels.test_indexer_topk import compile_for_sm90
 
     if kernel == "_scores_pass":
@@ -219,7 +221,8 @@ def test_two_pass_kernels_compile_for_the_gpu_without_one(kernel):
                         keep_ptr="*fp32", take_ptr="*fp32", sum_ptr="*fp32")
         scalars = ["heads", "selected", "blocks", "blocks_per_chunk", "chunks", "stride_qt", "stride_qh", "stride_kv",
                    "stride_idx"]
-        constants = dict(LATENT=512, ROPE=64, PRECISION="tf32", BLOCK_H=64, BLOCK_S=64, BLOCK_C=512, BLOCK_R=64)
+        constants = dict(LATENT=512, ROPE=64, PRECISION="tf32", BLOCK_H=64, BLOCK_S=64, BLOCK_C=512, BLOCK_R=64,
+                         TAIL=tail, BLOCK_ALL=1024)
         signature = {**pointers, **dict.fromkeys(scalars[:5], "i32"), "sm_scale_log2": "fp32",
                      **dict.fromkeys(scalars[5:], "i32")}
     else:
@@ -227,7 +230,55 @@ def test_two_pass_kernels_compile_for_the_gpu_without_one(kernel):
                         take_ptr="*fp32", sum_ptr="*fp32", out_ptr="*bf16")
         scalars = ["heads", "selected", "blocks", "blocks_per_chunk", "chunks", "stride_kv", "stride_idx",
                    "stride_ot", "stride_oh"]
-        constants = dict(LATENT=512, PRECISION="tf32", NARROW=True, BLOCK_H=64, BLOCK_S=64, BLOCK_V=128, V_BLOCKS=4)
+        constants = dict(LATENT=512, PRECISION="tf32", NARROW=True, BLOCK_H=64, BLOCK_S=64, BLOCK_V=128, V_BLOCKS=4,
+                         TAIL=tail, BLOCK_ALL=1024)
         signature = {**pointers, **dict.fromkeys(scalars, "i32")}
     done = compile_for_sm90("runtime.kernels.triton.mla_prefill", kernel, signature, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- the deployment's dispatch
+
+@pytest.mark.parametrize("heads, rows, two_passes", [(64, 5, True), (64, 4, False), (16, 5, False)])
+def test_deployment_runs_prefill_passes_of_mma_row_sum_launches_in_two_passes(monkeypatch, heads, rows, two_passes):
+    """mla_prefill.sparse_mla: a pass of more than PREFILL_LAUNCH_ROWS rows goes through the two-pass
+    form exactly where the deployment's launch takes MMA row sums (H >= 64), and either way it has the
+    one-pass kernel's bits (here with the prefill threshold lowered to 4 rows)."""
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH_ROWS", 4)
+    calls = []
+    real = mla_prefill.sparse_mla_two_pass
+    monkeypatch.setattr(mla_prefill, "sparse_mla_two_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, cache, slots, _, _ = _attention_case(3, rows, heads, 64, 16, 300, 32, 96, DTYPES[-1])
+    scale = 80 ** -0.5
+    got = poisoned(rows, heads, 64, dtype=q.dtype)
+    mla_prefill.sparse_mla(q, cache, slots, 64, scale, out=got)
+    assert bool(calls) == two_passes
+    assert attention.default_launch(slots.shape[1], heads)["rowsum_mma"] == (heads >= 64)
+    want = poisoned(rows, heads, 64, dtype=q.dtype)
+    attention.sparse_mla_decode(q, cache, slots, 64, scale, out=want)  # the deployment's one-pass launch
+    assert_bits_equal(got, want, f"(H={heads}, {rows} rows)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_pass_skipping_empty_trailing_chunks_keeps_the_bits(dtype):
+    """skip_tail in both passes against the one-pass kernel's full loop: rows whose last slot is the
+    first or last of a chunk, or in the first chunk; chunks of 32 positions (2 blocks of 16)."""
+    counts = [1, 31, 32, 33, 64, 65, 97, 100]
+    q, cache, slots, latent, scale = _trailing_padding_case(5, counts, 20, 100, dtype)
+    numerics = dict(num_splits=4, block_s=16, narrow_partials=dtype != torch.float32)
+    want = one_pass(q, cache, slots, latent, scale, block_h=16, skip_tail=False, **numerics)
+    for skip in (False, True):
+        got = two_pass(q, cache, slots, latent, scale, skip_tail=skip, **numerics)
+        assert_bits_equal(got, want, f"(skip_tail={skip})")
+
+
+def test_two_pass_skip_tail_oracle_fails_when_a_used_chunk_is_dropped():
+    """Negative control: rows with their last selected slot dropped (what skipping one chunk too many
+    does to a row whose last chunk holds one slot) give other bits than the full selection's."""
+    q, cache, slots, latent, scale = _trailing_padding_case(5, [33, 65], 20, 100, DTYPES[0])
+    dropped = slots.clone()
+    dropped[0, 32] = dropped[1, 64] = -1
+    numerics = dict(num_splits=4, block_s=16)
+    got = two_pass(q, cache, dropped, latent, scale, **numerics)
+    want = one_pass(q, cache, slots, latent, scale, block_h=16, skip_tail=False, **numerics)
+    assert not torch.equal(got[0], want[0]) and not torch.equal(got[1], want[1])

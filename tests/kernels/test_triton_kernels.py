@@ -573,6 +573,58 @@ def test_matmul_fused_splits_give_the_split_kernels_bits(seed, rows, split, dtyp
     assert torch.equal(apart, fused)
 
 
+@settings(max_examples=6 if ON_GPU else 2, deadline=None)
+@given(seed=SEEDS, rows=st.sampled_from([257, 300]), shape=st.sampled_from([(72, 520), (300, 96), (40, 1024)]),
+       split=st.sampled_from([None, 2, 4]), dtype=st.sampled_from(DTYPES), magnitude=st.sampled_from([1e-2, 1.0, 30.0]))
+@example(seed=0, rows=300, shape=(72, 520), split=4, dtype=DTYPES[0], magnitude=1.0)  # K off the box, 4 splits
+def test_matmul_tma_kernel_gives_the_pointer_kernels_bits(seed, rows, shape, split, dtype, magnitude):
+    """The persistent TMA kernel (PREFILL_TMA) only moves loads and programs around: each output's
+    k steps and split order are the pointer kernel's, so its bits must be too (K off the box size:
+    the box past K reads zeros, as the masked loads do)."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    x, w = randn(gen, rows, k, scale=magnitude, dtype=dtype), randn(gen, n, k, scale=k ** -0.5, dtype=dtype)
+    run = lambda tma: matmul.matmul(x, w, out=poisoned(rows, n, dtype=dtype), split_k=split,  # noqa: E731
+                                    fused_splits=False, tma=tma)
+    pointer, tma = run(False), run(True)
+    assert_close_scaled(tma, reference.linear(x.cpu(), w.cpu()), dtype)
+    assert torch.equal(pointer, tma)
+
+
+def test_matmul_tma_oracle_fails_when_a_split_is_dropped():
+    """Negative control: a TMA pass that lost its last split's partial differs from the pointer kernel."""
+    gen = torch.Generator().manual_seed(2)
+    x, w = randn(gen, 300, 520, dtype=DTYPES[0]), randn(gen, 72, 520, scale=520 ** -0.5, dtype=DTYPES[0])
+    pointer = matmul.matmul(x, w, split_k=2, fused_splits=False, tma=False)
+    head = matmul.matmul(x[:, :256].contiguous(), w[:, :256].contiguous(), split_k=1, tma=True)
+    assert not torch.equal(pointer, head)
+
+
+def test_matmul_tma_serves_16_bit_prefill_passes_only(monkeypatch):
+    assert matmul.PREFILL_TMA  # deployed: same bits, faster on the H200 (docs/results.md, twelfth session)
+    assert matmul.uses_tma(4096, 2, fused=False)
+    assert not matmul.uses_tma(4096, 2, fused=True)  # fused splits keep the pointer kernel's two accumulators
+    assert not matmul.uses_tma(4096, 4, fused=False)  # float32 (the canary on a GPU): its bits stay put
+    assert not matmul.uses_tma(matmul.PREFILL_ROWS, 2, fused=False)  # decode
+    monkeypatch.setattr(matmul, "PREFILL_TMA", False)
+    assert not matmul.uses_tma(4096, 2, fused=False)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the TMA bits test compiles it for real")
+@pytest.mark.parametrize("split, flatten", [(1, True), (8, False)])
+def test_matmul_tma_kernel_compiles_for_the_gpu_without_one(split, flatten):
+    """The prefill tile (128 x 256, bf16, 8 warps) through sm_90's compiler: descriptors, the
+    persistent loop and the partials' store are what the interpreter cannot vouch for."""
+    from tests.kernels.test_indexer_topk import compile_for_sm90
+
+    signature = {"x_desc": "tensordesc<bf16[128, 64]>", "w_desc": "tensordesc<bf16[256, 64]>", "out_ptr": "*bf16",
+                 "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_chunk": "i32", "stride_om": "i32"}
+    constants = dict(SPLIT_K=split, PRECISION="tf32", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PROGRAMS=132,
+                     FLATTEN=flatten)
+    done = compile_for_sm90("runtime.kernels.triton.matmul", "_matmul_tma_kernel", signature, constants)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 def test_matmul_fuses_short_splits_of_prefill_passes_only():
     assert matmul.fuses_splits(4096, 4096, 8)  # lm_head / router: the partials' traffic dominates
     assert not matmul.fuses_splits(4096, 32768, 8)  # attention output: long splits keep the wide tile
@@ -692,8 +744,8 @@ def test_fp8_fused_moe_matches_dequantized_reference(seed, tokens, shape, shared
 @gpu
 def test_fused_moe_full_size_tuned_buckets_and_per_row_path_keep_a_rows_bits():
     """E=256, top-6, hidden 4096, I=256 (TP8 shard): batches of 1, 16, 33, 600 and 2,100 use different
-    tuned configs from the device's config file (the last two taller tiles: 32 and 64 rows, wgmma
-    instead of mma.sync), and a single token takes the per-row path (no alignment); a row's bits
+    tuned configs from the device's config file (the last two taller tiles: 32 and 128 rows, the
+    latter wgmma instead of mma.sync), and a single token takes the per-row path (no alignment); a row's bits
     must not change, and the rows must match the reference."""
     experts, top_k, hidden, inter, tokens = 256, 6, 4096, 256, 2100
     if moe.moe_config(experts, inter, False, 1) == moe.moe_config(experts, inter, False, tokens):
@@ -715,7 +767,7 @@ def test_fused_moe_full_size_tuned_buckets_and_per_row_path_keep_a_rows_bits():
                 x[t].cpu(), w13[e, :inter].cpu(), w13[e, inter:].cpu(), w2[e].cpu())
         assert_close_scaled(out[t], expected, torch.bfloat16, msg=f"token {t}")
     assert {moe.moe_config(experts, inter, False, k).get("BLOCK_M", moe.BLOCK_M) for k in (16, 600, tokens)} \
-        == {16, 32, 64}, "the tuned file no longer spans three tile heights: this test checks less"
+        == {16, 32, 128}, "the tuned file no longer spans three tile heights: this test checks less"
     for k in (1, 16, 33, 600):
         assert torch.equal(out[:k], _run_moe(x[:k], packed, ids[:k], route_w[:k], split_k)), f"prefix {k}"
     assert torch.equal(out[16:17], _run_moe(x[16:17], packed, ids[16:17], route_w[16:17], split_k))

@@ -28,7 +28,9 @@ def _row_uniform_interpreter_dot() -> None:
     other micro-kernels than its middle rows: a row's bits then depend on its position in the tile.
     A GPU's MMA treats every row alike, and kernels that gather rows into tiles (the fused MoE's
     aligned layout) rely on it. Here each row is its own [1, K] x [K, N] product, so under the
-    interpreter too a row's bits depend only on its data, as on the GPU."""
+    interpreter too a row's bits depend only on its data, as on the GPU. The right operand is made
+    contiguous first: BLAS takes a transposed view (`dot(a, b.T)`, the TMA GEMM's weight box) through
+    other kernels than the same values laid out plainly, where an MMA reads both alike."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -38,7 +40,8 @@ def _row_uniform_interpreter_dot() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8:
             return plain_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        right = np.ascontiguousarray(b.data)
+        rows = [np.matmul(a.data[i:i + 1], right, dtype=d.data.dtype) for i in range(a.data.shape[0])]
         return interpreter.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
 
     builder.create_dot = create_dot

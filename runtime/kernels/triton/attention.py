@@ -38,11 +38,9 @@ LOG2E = 1.4426950408889634
 # CPU tests cross the mode switch with a few queries.
 INTERPRETER_FILL = 8
 # Passes of more rows than this (prefill chunks) skip each query's empty trailing chunks (skip_tail);
-# None: never. Off until timed on the H200 (bench.decode_step times the prefill pass both ways): on
-# this machine's Triton 3.9 + ptxas the tail bound made the 4-warp, 2-stage launch fall to 32
-# registers and 11 KB of spills per thread (bench/kernel_resources.py), which could cost more than
-# the skipped chunks save.
-SKIP_TAIL_ROWS: int | None = None
+# None: never. Timed on the H200 (bench.decode_step --prefill-variants, four sessions, same logits
+# every time): the slice's 4,096-row pass 0.4-0.6 ms faster with it (19.70 vs 20.32 ms in the twelfth).
+SKIP_TAIL_ROWS: int | None = 256
 # Passes of more rows than PREFILL_LAUNCH_ROWS (prefill chunks) take these sparse_mla_decode knobs
 # in place of default_launch's (a caller's own arguments still win); None: never. Only knobs that
 # left a row's bits alone under MMA row sums on the H200 are accepted (docs/results.md, "Seventh
@@ -60,13 +58,17 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
     reduction order, so it reads only S and H. Chosen on the H200 by `python -m bench.mla_sweep`."""
     # bench.mla_sweep on the H200 (docs/results.md, "Sparse MLA launch sweep"): 128-position
     # chunks of 16 heads; H=64 keeps its chunk sums in bf16 (2 us less at bs 1-8), H=16 runs 8 warps.
+    # H=64 takes its row sums as an MMA: its decode steps cost the same as with tl.sum (H200, twelfth
+    # session: 0.567-1.681 ms against 0.558-1.663 at bs 1-128), and its prefill passes may then run
+    # the two-pass form (mla_prefill.sparse_mla) with the same bits, 1.3 ms less per 4,096-row pass.
+    # Fewer heads (the canary, a TP rank's share) keep tl.sum: their golden stores were recorded so.
     if num_heads >= 64:
-        block_h, block_s, chunk, warps, narrow = 16, 64, 128, 4, True
+        block_h, block_s, chunk, warps, narrow, mma_sums = 16, 64, 128, 4, True, True
     else:
-        block_h, block_s, chunk, warps, narrow = 16, 64, 128, 8, False
+        block_h, block_s, chunk, warps, narrow, mma_sums = 16, 64, 128, 8, False, False
     return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
                 num_warps=warps, num_stages=2, merge="kernel", gathered_fold="registers", v_split=1,
-                narrow_partials=narrow, rowsum_mma=False)
+                narrow_partials=narrow, rowsum_mma=mma_sums)
 
 
 def chunk_blocks(selected: int, num_splits: int, block_s: int) -> tuple[int, int]:
@@ -183,6 +185,21 @@ def _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok, 
 
 
 @triton.jit
+def _tail_end_block(idx_ptr, query, stride_idx, selected, blocks_per_chunk, BLOCK_S: tl.constexpr,
+                    BLOCK_ALL: tl.constexpr):
+    """skip_tail's bound: the block after the query's last chunk that holds a selected slot (-1 to
+    the end: a prompt row near the start of its sequence has fewer candidates than top-k). The whole
+    chunks past it hold the empty state, whose fold is the identity exactly (keep = 1 by the where,
+    take = exp2(-1e30 - M) = 0), so skipping them keeps the full loop's bits. Shared by the one-pass
+    kernel and both passes of mla_prefill's form."""
+    offs_all = tl.arange(0, BLOCK_ALL)
+    all_slots = tl.load(idx_ptr + query * stride_idx + offs_all, mask=offs_all < selected, other=-1)
+    last = tl.max(tl.where(all_slots >= 0, offs_all, -1), axis=0)
+    chunk_len = blocks_per_chunk * BLOCK_S
+    return (last + chunk_len) // chunk_len * blocks_per_chunk
+
+
+@triton.jit
 def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, ticket_ptr,
                        heads, selected, blocks_per_chunk, sm_scale_log2,
                        stride_qt, stride_qh, stride_kv, stride_idx, stride_ot, stride_oh,
@@ -226,15 +243,8 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         first_block = 0
         end_block = tl.cdiv(selected, BLOCK_S)
     if TAIL:
-        # Whole chunks after the query's last selected slot (-1 to the end: a prompt row near the
-        # start of its sequence has fewer candidates than top-k) are skipped. Their state is the
-        # empty one, whose fold is the identity exactly (keep = 1 by the where, take = exp2(-1e30 - M)
-        # = 0), so the bits are the full loop's.
-        offs_all = tl.arange(0, BLOCK_ALL)
-        all_slots = tl.load(idx_ptr + query * stride_idx + offs_all, mask=offs_all < selected, other=-1)
-        last = tl.max(tl.where(all_slots >= 0, offs_all, -1), axis=0)
-        chunk_len = blocks_per_chunk * BLOCK_S
-        end_block = tl.minimum(end_block, (last + chunk_len) // chunk_len * blocks_per_chunk)
+        end_block = tl.minimum(end_block, _tail_end_block(idx_ptr, query, stride_idx, selected, blocks_per_chunk,
+                                                          BLOCK_S, BLOCK_ALL))
     # Folded state and the running chunk's state. -1e30, finite: an empty chunk must not give inf - inf.
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -372,7 +382,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     bits; the rows of a prompt's first window + top-k positions select fewer); None: for passes of
     more than SKIP_TAIL_ROWS rows (prefill), where such rows are common. rowsum_mma: the softmax
     row sums as an MMA over the 16-bit probabilities (other bits than tl.sum's, the same for every
-    BLOCK_H and warp count: a candidate for a future deployment, off in the current ones).
+    BLOCK_H and warp count; default_launch's: on for H >= 64).
     Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]

@@ -38,7 +38,15 @@ PREFILL_ROWS = 256
 # `bench.gemm_sweep --rows 4096`: lm_head K 4,096 / 8 splits 306 us fused vs 474 apart; the router
 # and the indexer projection alike or better), while long splits keep the 128 x 256 tile that a
 # second accumulator does not fit (attention output, K 32,768 / 8: 1,921 us apart vs 2,088 fused).
-FUSE_MAX_SPLIT_K = 2048
+# 1,024: the indexer projection's 2,048-long splits run apart on the TMA kernel (493 us) faster than
+# fused (517-534 us); lm_head's and the router's (512, 256) stay fused (306 vs 480 us apart).
+FUSE_MAX_SPLIT_K = 1024
+# Prefill passes of 16-bit weights whose splits are not fused run the persistent TMA kernel
+# (`_matmul_tma_kernel`): the same tiles, k order and partials, loaded by the Tensor Memory
+# Accelerator, one program per SM walking the tiles. H200, 4,096 rows, same bits (bench.gemm_sweep
+# --rows 4096, twelfth session): attention q/kv 2,216 -> 1,611 us (780 TFLOP/s), attention output
+# 1,897 -> 1,659, indexer projection 517 -> 493; the slice's prefill pass 20.3 -> 19.0 ms.
+PREFILL_TMA = True
 
 
 # The row count is never specialized on (Triton would compile a variant per M % 16 class): an eager
@@ -73,12 +81,18 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, k_chunk, stride_xm,
     else:
         acc = _k_range(x_rows, w_rows, m_ok, n_ok, pid_k * k_chunk, tl.minimum(K, (pid_k + 1) * k_chunk),
                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        if SPLIT_K == 1:
-            out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
-        else:
-            part = part_ptr + (pid_k * M + offs_m[:, None].to(tl.int64)) * N + offs_n[None, :]
-            tl.store(part, acc, mask=ok)
+        _store_tile(acc, out_ptr, part_ptr, offs_m, offs_n, ok, pid_k, M, N, stride_om, SPLIT_K)
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, part_ptr, offs_m, offs_n, ok, pid_k, M, N, stride_om, SPLIT_K: tl.constexpr):
+    """A tile's float32 result: the output itself (in its dtype) or, split, this split's partial."""
+    if SPLIT_K == 1:
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        part = part_ptr + (pid_k * M + offs_m[:, None].to(tl.int64)) * N + offs_n[None, :]
+        tl.store(part, acc, mask=ok)
 
 
 @triton.jit
@@ -93,6 +107,39 @@ def _k_range(x_rows, w_rows, m_ok, n_ok, k_start, k_end, PRECISION: tl.constexpr
         b = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
+
+
+# Why TMA for prefill: the pointer kernel's 128 x 256 tiles reach ~71% of cuBLAS's rate on the
+# slice's projections (bench.gemm_sweep --rows 4096); its loads go through registers and cp.async
+# address arithmetic, where TMA copies a whole [BLOCK, BLOCK_K] box per instruction. Persistent: a
+# program per SM takes tiles in turn (which program computes a tile never changes its bits), so the
+# next tile's loads start while the last one's result is stored.
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(x_desc, w_desc, out_ptr, part_ptr, M, N, K, k_chunk, stride_om,
+                       SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
+                       FLATTEN: tl.constexpr):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    tiles = num_m * num_n * SPLIT_K
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
+        # M fastest, as the pointer kernel's grid: programs running together share a weight tile.
+        pid_m = tile % num_m
+        pid_n = (tile // num_m) % num_n
+        pid_k = tile // (num_m * num_n)
+        k_start = pid_k * k_chunk
+        k_end = tl.minimum(K, k_start + k_chunk)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The same k steps from zero as _k_range: the box past K (and past M, N) reads zeros, as
+        # the pointer kernel's masked loads do, and a split's range is a whole number of steps.
+        for k0 in range(k_start, k_end, BLOCK_K):
+            a = x_desc.load([pid_m * BLOCK_M, k0])
+            b = w_desc.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        _store_tile(acc, out_ptr, part_ptr, offs_m, offs_n, ok, pid_k, M, N, stride_om, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -137,14 +184,47 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def uses_tma(m: int, element_size: int, fused: bool) -> bool:
+    """Whether an M-row pass runs the persistent TMA kernel (PREFILL_TMA: prefill passes of 16-bit
+    weights whose splits are not fused; float32 keeps the pointer kernel and the canary's bits)."""
+    return PREFILL_TMA and m > PREFILL_ROWS and element_size == 2 and not fused
+
+
+def tma_loadable(t: torch.Tensor) -> bool:
+    """TMA copies boxes from a 16-byte-aligned base with 16-byte-aligned row strides."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def _programs(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _launch_tma(x, w, out, part, split, k_chunk, config, block_k) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4
+
+    M, K = x.shape
+    N = w.shape[0]
+    config = dict(config)
+    flatten = config.pop("flatten", True)
+    x_desc = TensorDescriptor.from_tensor(x, [config["BLOCK_M"], block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [config["BLOCK_N"], block_k])
+    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]) * split
+    programs = min(tiles, _programs(x.device))
+    _matmul_tma_kernel[(programs,)](x_desc, w_desc, out, part, M, N, K, k_chunk, out.stride(0), SPLIT_K=split,
+                                    PRECISION=_precision(x.dtype), BLOCK_K=block_k, PROGRAMS=programs,
+                                    FLATTEN=flatten, **config)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
            split_k: int | None = None, config: dict | None = None, block_k: int = BLOCK_K,
-           fused_splits: bool | None = None) -> torch.Tensor:
+           fused_splits: bool | None = None, tma: bool | None = None) -> torch.Tensor:
     """x: [M, K], w: [N, K] -> [M, N] in x.dtype. `split_k` overrides split_for (tests only: a
     deployment's split must never follow the batch); `config`, `block_k` and `fused_splits`
     override config_for, BLOCK_K and the prefill rule (bench/gemm_sweep.py and tests only).
     fused_splits: each program adds its tile's splits itself (same bits as the split programs plus
-    `_split_sum_kernel`), the default above PREFILL_ROWS rows for splits of FUSE_MAX_SPLIT_K or less."""
+    `_split_sum_kernel`), the default above PREFILL_ROWS rows for splits of FUSE_MAX_SPLIT_K or less.
+    tma: the persistent TMA kernel (same bits; `uses_tma` decides by default; `config` may then
+    carry "flatten", the tile loop's flattening)."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.dtype == w.dtype, f"x {tuple(x.shape)} {x.dtype} vs w {tuple(w.shape)} {w.dtype}"
@@ -156,7 +236,14 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     fused = split > 1 and (fuses_splits(M, K, split) if fused_splits is None else fused_splits)
     k_chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 and not fused else out
+    tma = uses_tma(M, x.element_size(), fused) if tma is None else tma and not fused
+    tma = tma and tma_loadable(x) and tma_loadable(w)
     config = config or config_for(M, x.element_size(), fused)
+    if tma:
+        _launch_tma(x, w, out, part, split, k_chunk, config, block_k)
+        if split > 1:
+            _split_sum_kernel[(M, triton.cdiv(N, 256))](part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=256)
+        return out
     grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), 1 if fused else split)
     _matmul_kernel[grid](x, w, out, part, M, N, K, k_chunk, x.stride(0), w.stride(0), out.stride(0),
                          SPLIT_K=split, FUSED_SPLITS=fused, PRECISION=_precision(x.dtype), BLOCK_K=block_k, **config)
