@@ -6,10 +6,15 @@ By default every server is its own process, as deployed (canary/pd_target.py, ca
 side's three event loops and two engine threads share one GIL, which the colocated server does not
 pay, so that form overstates PD's cost.
 
-    python -m bench.pd_ttft --repeats 10 --words 8,400 [--threads] [--server-arg=--device=cuda ...] [--out F]
+    python -m bench.pd_ttft --repeats 10 --words 8,400 [--threads] [--phases] [--server-arg=--device=cuda ...] [--out F]
 
 `--server-arg` goes to every server, PD sides and colocated alike (scripts/gpu_suite.sh's pd_gpu_ttft
 runs them on the GPU with `--server-arg=--dtype=float32`).
+
+`--phases` traces every timed request (`x-dsv4-trace`, runtime/server/trace.py) and prints, per prompt
+size, the median of each phase of the PD pair's critical path, of the decode side's room-opening
+branch beside it, and of the colocated server's path (bench/pd_phases.py names them). The servers must
+run on this host: the marks of all processes are read on one monotonic clock.
 """
 
 from __future__ import annotations
@@ -19,30 +24,84 @@ import json
 import statistics
 import tempfile
 import time
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 
+from bench.pd_phases import (
+    COLOCATED_PATH,
+    PD_PATH,
+    PD_ROOM_BRANCH,
+    PD_SENDER_DIGEST,
+    flatten,
+    medians_ms,
+    phases,
+    room_slack_ms,
+)
 from canary.pd_target import embedded_pd_pair
 from canary.provenance import git_commit
 from canary.targets import embedded_server
 from runtime.config import DEFAULT_MODEL
+from runtime.server.trace import TRACE_HEADER
 from tests.e2e.pd_pair import pd_pair, serve_state, server_state
 
 
-def ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, str] | None = None) -> float:
+def ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, str] | None = None,
+         marks: dict[str, float] | None = None) -> float:
     """One request's time to its first content token. `client` is kept across requests: a new httpx
     client costs its TLS context, 30-45 ms on the loaded 2-core CPU, which would be counted on both
-    sides and hide the servers' own difference (the first version of this bench did that)."""
+    sides and hide the servers' own difference (the first version of this bench did that). `marks`
+    gets the client's own phase marks ("sent", "first_token"), on the servers' clock."""
     body = {"model": "canary-moe-v2", "stream": True, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": " ".join(f"w{i}x{k}" for k in range(words))}]}
-    started = time.perf_counter()
+    started = time.monotonic()
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120, headers=headers) as reply:
         for line in reply.iter_lines():
             if '"content"' in line and '"content": ""' not in line:
-                return time.perf_counter() - started
+                now = time.monotonic()
+                if marks is not None:
+                    marks.update(sent=started, first_token=now)
+                return now - started
     raise RuntimeError("no token came back")
+
+
+def traced_ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, str] | None,
+                side: str | None) -> tuple[float, dict[str, float]]:
+    """`ttft` of a traced request, and its marks on every side, flattened ("router.received", ...).
+    `side`: the name of a lone server's marks (colocated); None for the router, which names its own."""
+    key = uuid.uuid4().hex
+    mine: dict[str, float] = {}
+    seconds = ttft(client, url, words, i, {**(headers or {}), TRACE_HEADER: key}, mine)
+    reply = client.get(f"{url}/debug/trace/{key}", headers=headers, timeout=30)
+    reply.raise_for_status()
+    found = reply.json()
+    by_side = {side: found["marks"]} if side else found
+    return seconds, flatten({**by_side, "client": mine})
+
+
+def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[dict[str, float]]) -> dict:
+    """The phase medians of one prompt size, printed and returned."""
+    report = {"pd_path_ms": medians_ms([phases(PD_PATH, m) for m in pd_marks], PD_PATH),
+              "pd_room_branch_ms": medians_ms([phases(PD_ROOM_BRANCH, m) for m in pd_marks], PD_ROOM_BRANCH),
+              "pd_sender_digest_ms": medians_ms([phases(PD_SENDER_DIGEST, m) for m in pd_marks], PD_SENDER_DIGEST),
+              "colocated_path_ms": medians_ms([phases(COLOCATED_PATH, m) for m in co_marks], COLOCATED_PATH)}
+    slack = [s for s in map(room_slack_ms, pd_marks) if s is not None]
+    if slack:
+        report["room_open_before_kv_held_ms"] = round(statistics.median(slack), 2)
+    print(f"--- {words} words: medians in ms ---")
+    for title, key in (("PD critical path", "pd_path_ms"),
+                       ("PD decode side, opening the room (beside the prompt)", "pd_room_branch_ms"),
+                       ("PD sender's digest (beside the write)", "pd_sender_digest_ms"),
+                       ("colocated", "colocated_path_ms")):
+        print(f"  {title}: (sum {sum(report[key].values()):.2f})")
+        for phase, ms in report[key].items():
+            print(f"    {ms:8.2f}  {phase}")
+    if slack:
+        print(f"  the room was open {report['room_open_before_kv_held_ms']:.2f} ms before the prompt's KV "
+              f"(negative: the KV waited for it)")
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--words", default="8,400", help="prompt lengths in words, comma-separated")
     parser.add_argument("--threads", action="store_true", help="all servers on threads of this process")
+    parser.add_argument("--phases", action="store_true",
+                        help="trace each request and print the median of each phase (bench/pd_phases.py)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="an argument for every server (repeatable), e.g. --server-arg=--dtype=float32")
     parser.add_argument("--out", type=Path, default=None, help="the report as JSON")
@@ -72,14 +133,25 @@ def main(argv: list[str] | None = None) -> int:
         for words in map(int, args.words.split(",")):
             ttft(client, pd_url, words, -1, pd_headers), ttft(client, co_url, words, -1, co_headers)  # warm both
             pd, co = [], []
+            pd_marks: list[dict[str, float]] = []
+            co_marks: list[dict[str, float]] = []
             for i in range(args.repeats):  # interleaved: a load spike on the shared CPU hits both
-                pd.append(ttft(client, pd_url, words, i, pd_headers))
-                co.append(ttft(client, co_url, words, i, co_headers))
+                if args.phases:
+                    for url, headers, side, times, marks in ((pd_url, pd_headers, None, pd, pd_marks),
+                                                             (co_url, co_headers, "server", co, co_marks)):
+                        seconds, request_marks = traced_ttft(client, url, words, i, headers, side)
+                        times.append(seconds)
+                        marks.append(request_marks)
+                else:
+                    pd.append(ttft(client, pd_url, words, i, pd_headers))
+                    co.append(ttft(client, co_url, words, i, co_headers))
             rows[words] = {"pd_ms": round(statistics.median(pd) * 1e3, 1),
                            "colocated_ms": round(statistics.median(co) * 1e3, 1),
                            "ratio": round(statistics.median(pd) / statistics.median(co), 2)}
             print(words, rows[words], flush=True)
-    report = {"commit": git_commit(), "servers": "threads" if args.threads else "processes",
+            if args.phases:
+                rows[words]["phases"] = print_phases(words, pd_marks, co_marks)
+    report = {"commit": git_commit(), "servers": "threads" if args.threads else "processes", "phases": args.phases,
               "server_args": list(server_args), "rows": rows}
     print(json.dumps(report))
     if args.out:

@@ -27,8 +27,9 @@ from fastapi.responses import Response, StreamingResponse
 from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 from runtime.server.errors import ApiError
 from runtime.server.prometheus_text import parse_samples, sample_sum
+from runtime.server.trace import NO_TRACE, TRACE_HEADER, Trace, TraceLog
 
-FORWARDED_HEADERS = ("authorization", "content-type")
+FORWARDED_HEADERS = ("authorization", "content-type", TRACE_HEADER)
 # Upstream samples the router's /metrics sums over the pair (the gate's page-leak and preemption
 # checks read them off the one URL they know), each with the per-upstream series it is listed under.
 PAIR_SUMS = {"dsv4_kv_pages_in_use": "dsv4_pd_upstream_kv_pages_in_use",
@@ -58,6 +59,7 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         raise ValueError("the router needs at least one --prefill and one --decode server")
     pick_prefill, pick_decode = itertools.cycle(prefill), itertools.cycle(decode)
     clients: dict[str, httpx.AsyncClient] = {}
+    traces = TraceLog()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -111,8 +113,30 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
     async def server_info(request: Request) -> Response:
         return await proxy_get(request, "/server_info")
 
+    @app.get("/debug/trace/{key}")
+    async def debug_trace(request: Request, key: str) -> Response:
+        """The request's phase marks here and on the upstreams that kept them (runtime/server/trace.py)."""
+        found: dict[str, dict] = {}
+        marks = traces.marks(key)
+        if marks is not None:
+            found["router"] = marks
+        for role, urls in (("prefill", prefill), ("decode", decode)):
+            for url in urls:
+                try:
+                    reply = await clients["http"].get(f"{url}/debug/trace/{key}", headers=_forwarded(request))
+                except httpx.HTTPError:
+                    continue
+                if reply.status_code == 200:
+                    found[role] = reply.json()["marks"]
+        if not found:
+            return ApiError(404, f"no trace {key!r} is kept by the router or its upstreams",
+                            code="not_found").response()
+        return Response(json.dumps(found), media_type="application/json")
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        trace = traces.start(request.headers)
+        trace.mark("received")
         body = await request.body()
         try:
             stream = json.loads(body).get("stream") is True
@@ -121,15 +145,20 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         prefill_url, decode_url = next(pick_prefill), next(pick_decode)
         headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
         client = clients["http"]
+        # Both calls as tasks, the prefill call first: tasks start in the order they are made, so the
+        # prompt (the critical path) leaves before the decode call (which only opens the room, and has
+        # the prompt's compute time to do it). Awaiting the decode call inline ran it first.
         prefill_call = asyncio.create_task(client.post(f"{prefill_url}/v1/chat/completions", content=body,
                                                        headers=headers))
+        decode_call = asyncio.create_task(client.send(client.build_request(
+            "POST", f"{decode_url}/v1/chat/completions", content=body, headers=headers), stream=True))
         try:
-            reply = await client.send(client.build_request("POST", f"{decode_url}/v1/chat/completions",
-                                                           content=body, headers=headers), stream=True)
+            reply = await decode_call
         except httpx.HTTPError as exc:
             prefill_call.cancel()
             await _settle(prefill_call)
             return _unreachable("decode", decode_url, exc)
+        trace.mark("decode_headers")
         if reply.status_code != 200 or not stream:
             content = await reply.aread()
             await reply.aclose()
@@ -139,14 +168,17 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                 prefill_call.cancel()
             await _settle(prefill_call)
             return Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
-        return StreamingResponse(_pass_through(reply, prefill_call), media_type="text/event-stream")
+        return StreamingResponse(_pass_through(reply, prefill_call, trace), media_type="text/event-stream")
 
     return app
 
 
-async def _pass_through(reply: httpx.Response, prefill_call: asyncio.Task) -> AsyncIterator[bytes]:
+async def _pass_through(reply: httpx.Response, prefill_call: asyncio.Task,
+                        trace: Trace = NO_TRACE) -> AsyncIterator[bytes]:
     try:
         async for chunk in reply.aiter_raw():
+            if trace is not NO_TRACE and chunk.count(b'"content": "') > chunk.count(b'"content": ""'):
+                trace.mark("first_token_relayed")  # the first chunk with text (the role chunk has none)
             yield chunk
     except httpx.HTTPError as exc:  # the decode server died mid-stream: say so inside the stream
         error = ApiError(502, f"decode server stream broke: {exc!r}", type="server_error", code="pd_stream_broken")

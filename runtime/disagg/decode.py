@@ -27,6 +27,7 @@ from runtime.engine.request import Request as EngineRequest
 from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import OutOfPagesError
 from runtime.server.errors import ApiError, bad_request
+from runtime.server.trace import NO_TRACE, Trace
 
 
 class DecodeSide:
@@ -78,14 +79,16 @@ class DecodeSide:
             self.sessions[prefill] = reply.json()["session_id"]
             return self.sessions[prefill]
 
-    async def _await_kv(self, prefill: str, room: str, pages: list[int], staging: int | None) -> dict:
+    async def _await_kv(self, prefill: str, room: str, pages: list[int], staging: int | None,
+                        trace: Trace = NO_TRACE) -> dict:
         client = self.client()  # its timeout is 5 s over the prefill side's own deadline, which answers first
         refused: str | None = None
         for attempt in range(2):
             session = await self._session(client, prefill, refused)
+            trace.mark("transfer_requested")
             reply = await client.post(f"{prefill}/pd/transfer", json={
                 "room": room, "name": self.name, "session_id": session, "dst_pages": pages,
-                "staging_offset": staging})
+                "staging_offset": staging}, headers=trace.headers())
             body = _json(reply)
             stale = reply.status_code == 409 and body.get("error", {}).get("code") == "pd_stale_session"
             if stale and attempt == 0:  # the prefill server restarted: register once more
@@ -96,7 +99,7 @@ class DecodeSide:
             return body
         raise AssertionError("unreachable")
 
-    async def start(self, state, request: Request, rid: str, prepared) -> asyncio.Queue:
+    async def start(self, state, request: Request, rid: str, prepared, trace: Trace = NO_TRACE) -> asyncio.Queue:
         room, prefill = request.headers.get(ROOM_HEADER), request.headers.get(BOOTSTRAP_HEADER)
         if not room or not prefill:
             raise bad_request("this is a PD decode server: requests come through `python -m runtime.router` "
@@ -110,6 +113,7 @@ class DecodeSide:
 
         # The receive slot first, so no page is held while waiting for staging space.
         staging = await self._reserve_staging(room, num_pages)
+        trace.mark("staging_reserved")
         try:
             pages = await state.bridge.call(reserve)
         except OutOfPagesError as exc:
@@ -120,23 +124,28 @@ class DecodeSide:
             self._free_staging(staging)
             raise
         self.metrics.pages_in_flight.inc(len(pages))
+        trace.mark("pages_reserved")
         admitted = False
         try:
             loop = asyncio.get_running_loop()
             started = loop.time()
             try:
-                result = await self._await_kv(prefill, room, pages, staging)
+                result = await self._await_kv(prefill, room, pages, staging, trace)
             except httpx.HTTPError as exc:
                 raise ApiError(502, f"prefill server {prefill} unreachable for room {room}: {exc!r}",
                                type="server_error", code="pd_prefill_unreachable") from None
             self.metrics.transfer_seconds.observe(loop.time() - started)
+            trace.mark("transfer_answered")
 
             def land(engine: Engine) -> str:
                 """On the engine thread, as every other write to the pool: staged KV into the pages,
                 then the digest of what the pages hold."""
                 if staging is not None:
                     self.transfer.receive_staged(staging, pages)
-                return kv_digest(self.transfer.latent, self.transfer.index_keys, pages, page_size, len(ids))
+                trace.mark("kv_landed")
+                digest = kv_digest(self.transfer.latent, self.transfer.index_keys, pages, page_size, len(ids))
+                trace.mark("kv_checked")
+                return digest
 
             digest = await state.bridge.call(land)
             if digest != result["digest"]:
@@ -146,7 +155,7 @@ class DecodeSide:
             self.metrics.transfer_bytes.inc(int(result["kv_bytes"]))
             self.metrics.transfers.labels("ok").inc()
             req = prefilled_request(rid, ids, prepared.params, pages, result)
-            sink = state.bridge.submit_prefilled(req)
+            sink = state.bridge.submit_prefilled(req, trace)
             admitted = True
             return sink
         finally:

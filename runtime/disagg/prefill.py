@@ -25,6 +25,8 @@ import base64
 import logging
 import threading
 import time
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
@@ -38,6 +40,7 @@ from runtime.engine.engine import Engine, StepResult
 from runtime.server.bridge import Accepted, Rejected
 from runtime.server.errors import ApiError, bad_request
 from runtime.server.request_body import until_disconnected
+from runtime.server.trace import NO_TRACE, Trace
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class Held:
     pages: list[int]  # the request's pages, owned by it in the pool until freed
     num_tokens: int  # the prompt's: its KV fills the first pages_for_tokens(num_tokens) pages
     outcome: dict  # what the decode side needs besides the KV and its digest (first token, sampler state)
+    trace: Trace = NO_TRACE  # its request's, for the write's marks
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Pending:
     state: object  # the server's state: its bridge frees the pages once they are written
     room: Room | None = None  # set once the decode side has opened the room
     held: Held | None = None  # set once the prompt finished while the room was not open yet
+    trace: Trace = NO_TRACE
 
 
 class PrefillSide:
@@ -73,9 +78,12 @@ class PrefillSide:
         self._lock = threading.Lock()  # `pending` (and its entries) is shared by the event loop and the engine thread
         self.pending: dict[str, Pending] = {}
         self._sending: set[asyncio.Task] = set()  # writes of held KV in progress (a reference each)
+        # The sender's KV digests, each beside its write (`_write`): both read the same owned pages.
+        self._digests = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-digest")
 
     async def aclose(self) -> None:
-        """At server shutdown: nothing of its own to close (the decode side has an HTTP client)."""
+        """At server shutdown: stop the digest threads (the decode side closes an HTTP client here)."""
+        self._digests.shutdown(wait=False)
 
     # ---- routes the decode servers call ----------------------------------------------------------
     def add_routes(self, app: FastAPI) -> None:
@@ -99,26 +107,31 @@ class PrefillSide:
             """Decode side: open a room with its destination pages; answers once the KV is written."""
             body = await request.json()
             room = str(body["room"])
+            trace = app.state.server.traces.start(request.headers)  # the chat request's, when it is traced
             try:
                 offset = body.get("staging_offset")
                 self.registry.open(room, str(body["name"]), str(body["session_id"]),
                                    [int(p) for p in body["dst_pages"]], None if offset is None else int(offset))
-                return JSONResponse(await self.registry.wait_done(room, self.timeout_s))
+                trace.mark("room_opened")
+                result = await self.registry.wait_done(room, self.timeout_s)
+                trace.mark("transfer_replying")
+                return JSONResponse(result)
             except BootstrapError as exc:
                 return api_error(exc).response()
 
     # ---- the chat path -----------------------------------------------------------------------------
-    async def start(self, state, request: Request, rid: str, prepared) -> Response:
+    async def start(self, state, request: Request, rid: str, prepared, trace: Trace = NO_TRACE) -> Response:
         room_id = request.headers.get(ROOM_HEADER)
         if not room_id:
             raise bad_request("this is a PD prefill server: requests come through `python -m runtime.router` "
                               f"(no {ROOM_HEADER} header)")
         self.registry.expect(room_id)
         with self._lock:
-            self.pending[rid] = Pending(room_id, asyncio.get_running_loop(), state)
+            self.pending[rid] = Pending(room_id, asyncio.get_running_loop(), state, trace=trace)
         # The prompt and exactly one token: the same prefill step the colocated server runs. It starts
         # now; the room is awaited meanwhile.
-        sink = state.bridge.submit(rid, prepared.prompt_ids, replace(prepared.params, max_tokens=1), keep_pages=True)
+        sink = state.bridge.submit(rid, prepared.prompt_ids, replace(prepared.params, max_tokens=1), keep_pages=True,
+                                   trace=trace)
         # The caller (the router) going away gives the request up at once: its held pages are freed
         # now, not at the deadline.
         watcher = asyncio.ensure_future(self._watch_disconnect(state, request, rid, room_id))
@@ -190,6 +203,7 @@ class PrefillSide:
         else:
             self.metrics.transfers.labels("ok").inc()
             self.registry.complete(room.room, outcome)
+            held.trace.mark("room_completed")
         finally:
             self._free_held(state, rid, held)
 
@@ -226,6 +240,9 @@ class PrefillSide:
             with self._lock:
                 entry = self.pending.get(rid)
                 room = entry.room if entry is not None else None
+                if entry is not None and held is not None:
+                    held.trace = entry.trace
+                    held.trace.mark("kv_held")
                 if entry is not None and (held is None or room is not None):
                     del self.pending[rid]
                 elif entry is not None:
@@ -254,20 +271,34 @@ class PrefillSide:
 
     def _write(self, room: Room, held: Held) -> dict:
         """Put the held KV into the room's pages, with the digest of what was sent (a worker thread: the
-        pages are owned by the request, so no step writes them meanwhile)."""
+        pages are owned by the request, so no step writes them meanwhile). The digest is computed on
+        a thread of its own beside the gather and write, which read the same pages: both spend their
+        time outside the GIL (CRC-32, torch copies, Mooncake), so the slower one sets the pace."""
         src = held.pages[:self.engine.pool.pages_for_tokens(held.num_tokens)]
         started = time.perf_counter()
-        digest = kv_digest(self.transfer.latent, self.transfer.index_keys, src, self.engine.pool.page_size,
-                           held.num_tokens)
-        with room.lock:
-            if room.closed:  # the decode side gave up (timeout, abort): its pages may be reused by now
-                raise RoomFailed(f"room {room.room}: the decode side is no longer waiting")
-            stats = self.transfer.write_pages(room.session.pool, src, room.dst_pages[:len(src)],
-                                              staging_offset=room.staging_offset)
+        held.trace.mark("write_started")
+        digesting = self._digests.submit(self._digest, src, held)
+        try:
+            with room.lock:
+                if room.closed:  # the decode side gave up (timeout, abort): its pages may be reused by now
+                    raise RoomFailed(f"room {room.room}: the decode side is no longer waiting")
+                stats = self.transfer.write_pages(room.session.pool, src, room.dst_pages[:len(src)],
+                                                  staging_offset=room.staging_offset, trace=held.trace)
+            held.trace.mark("kv_written")
+        finally:
+            futures.wait([digesting])  # the pages are freed after this returns: nothing may read them then
+        digest = digesting.result()
+        held.trace.mark("kv_digest_awaited")
         self.metrics.transfer_bytes.inc(stats.bytes)
         self.metrics.transfer_seconds.observe(stats.seconds)
         return {**held.outcome, "digest": digest, "kv_bytes": stats.bytes, "chunks": stats.chunks,
                 "transfer_seconds": stats.seconds, "prefill_seconds": time.perf_counter() - started}
+
+    def _digest(self, src: list[int], held: Held) -> str:
+        digest = kv_digest(self.transfer.latent, self.transfer.index_keys, src, self.engine.pool.page_size,
+                           held.num_tokens)
+        held.trace.mark("kv_digested")
+        return digest
 
 
 def _log_failure(future: asyncio.Future) -> None:

@@ -54,8 +54,9 @@ def staged_bytes(latent: torch.Tensor, index_keys: torch.Tensor, num_pages: int,
     return num_pages * page_size * per_slot_row
 
 
-def _pages_view(pool: torch.Tensor, page_size: int) -> torch.Tensor:
-    # [layers, slots, dim] -> [layers, pages, page_size, dim], no copy (the pool is contiguous)
+def pages_view(pool: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A KV pool by page: [layers, slots, dim] -> [layers, pages, page_size, dim], no copy (the pool is
+    contiguous); also what `kv_digest` gathers whole pages from."""
     layers, slots, dim = pool.shape
     return pool.view(layers, slots // page_size, page_size, dim)
 
@@ -84,9 +85,9 @@ def gather_pages(latent: torch.Tensor, index_keys: torch.Tensor, pages: list[int
     ids = torch.tensor(pages, dtype=torch.long, device=latent.device)
     for pool, block in zip((latent, index_keys), _blocks(slot, latent, index_keys, len(pages), page_size)):
         if pool.device.type == "cpu":  # straight into the slot, no temporary
-            torch.index_select(_pages_view(pool, page_size), 1, ids, out=block)
+            torch.index_select(pages_view(pool, page_size), 1, ids, out=block)
         else:  # one gather on the device, then one DMA into the pinned slot
-            block.copy_(_pages_view(pool, page_size).index_select(1, ids), non_blocking=True)
+            block.copy_(pages_view(pool, page_size).index_select(1, ids), non_blocking=True)
     if latent.device.type == "cuda":
         torch.cuda.current_stream(latent.device).synchronize()
     return used
@@ -97,7 +98,7 @@ def scatter_pages(slot: torch.Tensor, latent: torch.Tensor, index_keys: torch.Te
     """Copy a slot filled by `gather_pages` (same page count) into `pages` of the pools."""
     ids = torch.tensor(pages, dtype=torch.long, device=latent.device)
     for pool, block in zip((latent, index_keys), _blocks(slot, latent, index_keys, len(pages), page_size)):
-        _pages_view(pool, page_size).index_copy_(1, ids, block.to(pool.device, non_blocking=True))
+        pages_view(pool, page_size).index_copy_(1, ids, block.to(pool.device, non_blocking=True))
     if latent.device.type == "cuda":  # the slot may be handed out again once this returns
         torch.cuda.current_stream(latent.device).synchronize()
 

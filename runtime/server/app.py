@@ -46,6 +46,7 @@ from runtime.server.prompt import render_prompt
 from runtime.server.protocol import ChatCompletionRequest, Message, NamedToolChoice
 from runtime.server.request_body import check_content_type, decode_json, read_limited, until_disconnected
 from runtime.server.sse import ChunkEncoder
+from runtime.server.trace import NO_TRACE, Trace, TraceLog
 
 log = logging.getLogger(__name__)
 CLIENT_GONE = object()  # put into a unary request's sink when its client disconnects
@@ -70,6 +71,7 @@ class ServerState:
                                   self.metrics.in_flight.set)
         self.model_name = self.loaded.name
         self.model_hash = self.loaded.weights_hash
+        self.traces = TraceLog()  # requests that asked for one (runtime/server/trace.py)
         if self.pd is not None:
             self.pd.metrics.attach(self.metrics.registry)
             if self.pd.mode == "prefill":
@@ -136,6 +138,14 @@ def create_app(state: ServerState) -> FastAPI:
                              "fastapi": fastapi.__version__},
                 "engine_error": None if state.bridge.error is None else repr(state.bridge.error)}
 
+    @app.get("/debug/trace/{key}")
+    async def debug_trace(key: str) -> dict:
+        """The phase marks of a request that sent `x-dsv4-trace: KEY` (runtime/server/trace.py)."""
+        marks = state.traces.marks(key)
+        if marks is None:
+            raise ApiError(404, f"no trace {key!r} is kept here", code="not_found")
+        return {"marks": marks}
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
@@ -144,19 +154,22 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post(CHAT_PATH)
     async def chat_completions(request: Request) -> Response:
+        trace = state.traces.start(request.headers)
+        trace.mark("received")
         req = await _parse_body(request, state.env.server_max_body_bytes)
         prepared = _prepare(state, req)
+        trace.mark("prepared")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         # Prompts are user data: only at debug level, which an operator switches on deliberately.
         log.debug("%s: %d prompt tokens: %r", rid, len(prepared.prompt_ids), prepared.prompt)
         if state.pd is not None:  # PD: prefill answers here; decode hands back the sink of a prefilled request
-            started = await state.pd.start(state, request, rid, prepared)
+            started = await state.pd.start(state, request, rid, prepared, trace)
             if isinstance(started, Response):
                 state.metrics.requests.labels(request.url.path, "200").inc()
                 return started
             sink = started
         else:
-            sink = state.bridge.submit(rid, prepared.prompt_ids, prepared.params)
+            sink = state.bridge.submit(rid, prepared.prompt_ids, prepared.params, trace=trace)
         first = await sink.get()
         if isinstance(first, Rejected):
             raise bad_request(f"request rejected: {first.message}", code="context_length_exceeded"
@@ -166,7 +179,7 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             state.metrics.requests.labels(request.url.path, "200").inc()
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(state, rid, sink, builder, len(prepared.prompt_ids), include_usage),
+            return StreamingResponse(_stream(state, rid, sink, builder, len(prepared.prompt_ids), include_usage, trace),
                                      media_type="text/event-stream")
         return await _unary(state, request, rid, sink, builder, len(prepared.prompt_ids))
 
@@ -312,20 +325,26 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: ChoiceBuilder, prompt_tokens: int,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, trace: Trace = NO_TRACE) -> AsyncIterator[str]:
     created = int(time.time())
     encoder = ChunkEncoder(rid, created, state.model_name, state.loaded.config.fingerprint)
     completion = 0
     done = False
     try:
-        yield encoder.chunk({"role": "assistant", "content": ""}, None, None)
+        opening = encoder.chunk({"role": "assistant", "content": ""}, None, None)
+        if sink.empty():  # the prompt is computing: the client sees its stream open now
+            yield opening
+            opening = ""
         while not done:
             # Every event that has arrived (a step's token, or several steps' when this loop fell
-            # behind) goes out in one write: a write costs the same for one chunk as for many.
+            # behind) goes out in one write: a write costs the same for one chunk as for many. A first
+            # token already here (PD decode: it came with the prefilled request) goes out with the
+            # opening chunk, in one write.
             events = [await sink.get()]
             while not sink.empty():
                 events.append(sink.get_nowait())
-            out: list[str] = []
+            out: list[str] = [opening] if opening else []
+            opening = ""
             for event in events:
                 if isinstance(event, Rejected):  # the engine died under us: say so inside the stream
                     out.append(f"data: {json.dumps(ApiError(500, event.message, type='server_error').body())}\n\n")
@@ -350,6 +369,8 @@ async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: Ch
             if done:
                 out.append("data: [DONE]\n\n")
             if out:
+                if completion and trace is not NO_TRACE:
+                    trace.mark("first_token_out")  # the first write that carries a token
                 yield "".join(out)
     finally:
         if not done:  # the client went away (or the server is stopping): free the request's pages

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from runtime.engine.engine import Engine, StepResult
 from runtime.engine.request import Request, SamplingParams
 from runtime.server.metrics import ServerMetrics
+from runtime.server.trace import NO_TRACE, Trace
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
@@ -63,6 +65,9 @@ class EngineBridge:
         self._stop = threading.Event()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._outbox: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Event]] = []
+        # Traced requests until their first token (runtime/server/trace.py); empty when nobody traces,
+        # and then the step's loop does not look at it.
+        self._traces: dict[str, Trace] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None  # set if the engine thread died
         # PD prefill (runtime/disagg/prefill.py): sees every step's result on the engine thread, before
@@ -85,19 +90,20 @@ class EngineBridge:
         return self._thread.is_alive() and self.error is None
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, *,
-               keep_pages: bool = False) -> asyncio.Queue:
+               keep_pages: bool = False, trace: Trace = NO_TRACE) -> asyncio.Queue:
         """Queue a request; its events (Accepted or Rejected first) arrive on the returned queue.
-        `keep_pages`: its pages outlive it, for the caller to free (`Engine.add_request`)."""
+        `keep_pages`: its pages outlive it, for the caller to free (`Engine.add_request`). `trace` gets
+        the engine thread's marks: accepted, its first step started, its first token."""
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", rid, prompt_ids, params, keep_pages, (asyncio.get_running_loop(), sink)))
+        self._commands.put(("add", rid, prompt_ids, params, keep_pages, (asyncio.get_running_loop(), sink), trace))
         self._wake.set()
         return sink
 
-    def submit_prefilled(self, req: Request) -> asyncio.Queue:
+    def submit_prefilled(self, req: Request, trace: Trace = NO_TRACE) -> asyncio.Queue:
         """PD decode: queue a request whose prompt KV is already in its pages and whose first token is
         in `output_ids`; its events (Accepted, then that first token) arrive on the returned queue."""
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("admit", req, (asyncio.get_running_loop(), sink)))
+        self._commands.put(("admit", req, (asyncio.get_running_loop(), sink), trace))
         self._wake.set()
         return sink
 
@@ -145,7 +151,8 @@ class EngineBridge:
                 return
             drained = True
             if command[0] == "add":
-                _, rid, prompt_ids, params, keep_pages, sink = command
+                _, rid, prompt_ids, params, keep_pages, sink, trace = command
+                trace.mark("engine_accepted")
                 self._sinks[rid] = sink
                 try:
                     self.engine.add_request(prompt_ids, params, rid=rid, keep_pages=keep_pages)
@@ -155,10 +162,12 @@ class EngineBridge:
                     continue
                 self.metrics.prompt_tokens.inc(len(prompt_ids))
                 self._send(rid, Accepted(len(prompt_ids)))
+                if trace is not NO_TRACE:
+                    self._traces[rid] = trace
             elif command[0] == "abort":
                 self.engine.abort(command[1], command[2])
             elif command[0] == "admit":
-                self._admit(command[1], command[2])
+                self._admit(*command[1:])
             elif command[0] == "call":
                 _, fn, loop, future = command
                 try:
@@ -167,7 +176,8 @@ class EngineBridge:
                     outcome, failed = exc, True
                 loop.call_soon_threadsafe(_settle, future, outcome, failed)
 
-    def _admit(self, req: Request, sink: tuple[asyncio.AbstractEventLoop, asyncio.Queue]) -> None:
+    def _admit(self, req: Request, sink: tuple[asyncio.AbstractEventLoop, asyncio.Queue], trace: Trace) -> None:
+        trace.mark("engine_accepted")
         self._sinks[req.rid] = sink
         try:
             reason = self.engine.admit_prefilled(req)
@@ -180,6 +190,7 @@ class EngineBridge:
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self._send(req.rid, Accepted(len(req.prompt_ids)))
         token = req.output_ids[0]
+        trace.mark("first_token")  # came with the request: sent now, before any step
         stop_token = reason == "stop" and isinstance(req.matched_stop, int) and (
             token == self.engine.tokenizer.eos_token_id or token in req.params.stop_token_ids)
         self._send(req.rid, TokenOut(token, req.output_logprobs[0] if req.output_logprobs else 0.0,
@@ -190,9 +201,12 @@ class EngineBridge:
             self._sinks.pop(req.rid, None)
 
     def _step(self) -> None:
+        started = time.monotonic()
         result = self.engine.step()
         if self.on_step is not None:
             self.on_step(result)
+        if self._traces:
+            self._mark_traces(result, started)
         requests = self.engine.scheduler.requests
         eos = self.engine.tokenizer.eos_token_id
         for rid, out in result.outputs.items():
@@ -216,6 +230,21 @@ class EngineBridge:
         preemptions = self.engine.scheduler.num_preemptions
         self.metrics.preemptions.inc(preemptions - self._preemptions)
         self._preemptions = preemptions
+
+    def _mark_traces(self, result: StepResult, started: float) -> None:
+        """A traced request's first scheduled step (the overlap loop reports a step's plan with its
+        outputs one step later, except the first of a burst: exact for a request alone) and its first
+        token; the trace is let go after that, or when the request ends without one."""
+        for extend in result.plan.prefill:
+            trace = self._traces.get(extend.rid)
+            if trace is not None and "step_started" not in trace.marks:
+                trace.marks["step_started"] = started
+        for rid in result.outputs:
+            trace = self._traces.pop(rid, None)
+            if trace is not None:
+                trace.mark("first_token")
+        for req in result.finished:
+            self._traces.pop(req.rid, None)
 
     def _send(self, rid: str, event: Event) -> None:
         sink = self._sinks.get(rid)

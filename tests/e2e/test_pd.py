@@ -120,6 +120,27 @@ def test_metrics_export_transfer_bytes_latency_and_pages_in_flight(servers):
         assert "dsv4_pd_staging_slots_in_use 0.0" in text and "dsv4_pd_staging_bytes_in_use 0.0" in text
 
 
+def test_a_traced_request_has_every_phase_mark_in_path_order(servers):
+    """`bench.pd_ttft --phases` reads these: every mark of the PD pair's critical path, of the decode
+    side's room-opening branch and of the colocated server's path is kept, each at or after the one
+    before it; an untraced request is kept by no server."""
+    from bench.pd_phases import COLOCATED_PATH, PD_PATH, PD_ROOM_BRANCH, PD_SENDER_DIGEST
+    from bench.pd_ttft import traced_ttft
+
+    pair, colocated = servers
+    with httpx.Client() as client:
+        for url, side, paths in ((pair.router, None, (PD_PATH, PD_ROOM_BRANCH, PD_SENDER_DIGEST)),
+                                 (colocated, "server", (COLOCATED_PATH,))):
+            _, marks = traced_ttft(client, url, 8, 0, None, side)
+            for path in paths:
+                times = [marks[mark] for mark, _ in path]  # a KeyError names a missing mark
+                assert times == sorted(times), [(mark, marks[mark]) for mark, _ in path]
+    states = (pair.prefill_state, pair.decode_state)
+    kept = [len(s.traces) for s in states]
+    answer(pair.router, body(PROMPTS[0], stream=True))
+    assert [len(s.traces) for s in states] == kept
+
+
 def test_decode_side_reuses_one_http_client(servers, monkeypatch):
     """A client per request cost the decode server a TLS context each (69% of its event loop under a
     40-session PD gate): requests after the first must make none."""
@@ -479,9 +500,9 @@ def test_the_prompt_is_computed_before_its_room_opens_and_the_answer_is_unchange
     gate = threading.Event()
     original = pair.decode_state.pd._await_kv
 
-    async def late(prefill, room, pages, staging):
+    async def late(*args):
         await asyncio.to_thread(gate.wait, 60)
-        return await original(prefill, room, pages, staging)
+        return await original(*args)
 
     monkeypatch.setattr(pair.decode_state.pd, "_await_kv", late)
     payload = body(PROMPTS[3], stream=True)
@@ -531,6 +552,35 @@ def test_the_prefill_engine_thread_neither_hashes_nor_writes_the_kv(servers, mon
     assert [answer(pair.router, payload) for payload in payloads] == expected
     assert sorted({what for what, _ in threads}) == ["digest", "write"] and len(threads) == 2 * len(payloads)
     assert [name for _, name in threads if name == "engine"] == []
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert pages_in_flight(pair.prefill) == 0 and side.pending == {}
+
+
+def test_the_sender_digest_runs_beside_the_write(servers, monkeypatch):
+    """The prefill side's KV digest and its gather + write read the same held pages on two threads:
+    the digest here waits for the write to start, which the old code (digest, then write, on one
+    thread) never did, so the request failed. The answer is unchanged and every page comes back."""
+    import threading
+
+    from runtime.disagg import prefill
+
+    pair, colocated = servers
+    side = pair.prefill_state.pd
+    writing = threading.Event()
+    digest, write = prefill.kv_digest, side.transfer.write_pages
+
+    def digest_during_the_write(*args, **kwargs):
+        assert writing.wait(10), "the write never started while the digest ran"
+        return digest(*args, **kwargs)
+
+    def write_and_signal(*args, **kwargs):
+        writing.set()
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(prefill, "kv_digest", digest_during_the_write)
+    monkeypatch.setattr(side.transfer, "write_pages", write_and_signal)
+    payload = body(PROMPTS[3])
+    assert answer(pair.router, payload) == answer(colocated, payload)
     assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
     assert pages_in_flight(pair.prefill) == 0 and side.pending == {}
 
@@ -624,7 +674,7 @@ def test_a_decode_failure_before_the_room_opens_makes_the_router_hang_up_on_the_
 
     pair, _ = servers
 
-    async def no_pages(prefill, room, pages, staging):
+    async def no_pages(*args):
         await asyncio.sleep(0.5)  # the prompt is computed and held by now
         raise ApiError(503, "decode server out of KV pages", type="server_error", code="pd_out_of_pages")
 

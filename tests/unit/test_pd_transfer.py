@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,21 @@ def test_digest_depends_on_every_position_and_not_on_page_ids():
     assert kv_digest(*moved, [5], pd_peer.PAGE, 8) == reference
     moved[1][1, 5 * pd_peer.PAGE + 7, 3] += 1  # the last position of the last layer's index key
     assert kv_digest(*moved, [5], pd_peer.PAGE, 8) != reference
+
+
+@pytest.mark.parametrize("tokens", [1, 15, 16, 17, 3 * pd_peer.PAGE - 1])
+def test_digest_is_the_crc32_of_the_positions_bytes_in_order(tokens):
+    """The definition both sides must share, against a per-position reference: the bytes of positions
+    0..tokens-1 of every layer, latent then index keys, whatever the pages (scattered, out of order,
+    a last page partly used). A CRC-32, not blake2b: 4 ms a side at 2K canary tokens on the CPU host."""
+    src = sender()
+    pages = [6, 2, 5]
+    positions = torch.arange(tokens)
+    slots = torch.tensor(pages)[positions // pd_peer.PAGE] * pd_peer.PAGE + positions % pd_peer.PAGE
+    crc = 0
+    for pool in (src.latent, src.index_keys):
+        crc = zlib.crc32(pool[:, slots].contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    assert kv_digest(src.latent, src.index_keys, pages, pd_peer.PAGE, tokens) == f"{crc:08x}"
 
 
 def test_bad_peers_are_errors_not_hangs():

@@ -1,0 +1,100 @@
+"""The phases of one request's time to first token, from the marks the servers keep for a traced
+request (runtime/server/trace.py) and the client's own two: the PD pair's critical path, the decode
+side's branch that opens the room meanwhile, and the colocated server's path (`bench.pd_ttft --phases`).
+
+A path is a list of (mark, phase): the phase ends at its mark and starts at the previous mark the
+request has (a mark missing - "kv_gathered" in direct transfer mode - merges its phase into the next).
+Marks are "side.name"; side is client, router, prefill, decode, or server (colocated).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+Path = Sequence[tuple[str, str]]
+
+PD_PATH: Path = (
+    ("client.sent", "start"),
+    ("router.received", "client -> router"),
+    ("prefill.received", "router -> prefill server"),
+    ("prefill.prepared", "prefill: parse, template, tokenize"),
+    ("prefill.engine_accepted", "prefill: to the engine thread"),
+    ("prefill.step_started", "prefill: queued for a step"),
+    ("prefill.kv_held", "prefill: prompt step (first token)"),
+    ("prefill.write_started", "prefill: KV held -> write starts (room wait, thread hop)"),
+    ("prefill.kv_gathered", "prefill: gather into the send slot"),
+    ("prefill.kv_written", "prefill: KV write (Mooncake)"),
+    ("prefill.kv_digest_awaited", "prefill: sender's digest, what is left of it after the write"),
+    ("prefill.room_completed", "prefill: back on the event loop, room completed"),
+    ("prefill.transfer_replying", "prefill: /pd/transfer handler wakes"),
+    ("decode.transfer_answered", "/pd/transfer reply reaches decode"),
+    ("decode.kv_landed", "decode: to the engine thread, scatter"),
+    ("decode.kv_checked", "decode: receiver's KV digest"),
+    ("decode.engine_accepted", "decode: digest compared, admitted"),
+    ("decode.first_token_out", "decode: first token into its stream"),
+    ("router.first_token_relayed", "decode -> router"),
+    ("client.first_token", "router -> client"),
+)
+
+# Beside PD_PATH's write: the sender's digest, on a thread of its own.
+PD_SENDER_DIGEST: Path = (
+    ("prefill.write_started", "start"),
+    ("prefill.kv_digested", "prefill: sender's KV digest (beside the gather and write)"),
+)
+
+# Runs beside PD_PATH: the decode side opens the room while the prompt computes.
+PD_ROOM_BRANCH: Path = (
+    ("router.received", "start"),
+    ("decode.received", "router -> decode server"),
+    ("decode.prepared", "decode: parse, template, tokenize"),
+    ("decode.staging_reserved", "decode: receive slot"),
+    ("decode.pages_reserved", "decode: pages (engine thread)"),
+    ("decode.transfer_requested", "decode: session"),
+    ("prefill.room_opened", "decode -> prefill: room opened"),
+)
+
+COLOCATED_PATH: Path = (
+    ("client.sent", "start"),
+    ("server.received", "client -> server"),
+    ("server.prepared", "parse, template, tokenize"),
+    ("server.engine_accepted", "to the engine thread"),
+    ("server.step_started", "queued for a step"),
+    ("server.first_token", "prompt step (first token)"),
+    ("server.first_token_out", "first token into the stream"),
+    ("client.first_token", "server -> client"),
+)
+
+
+def flatten(marks_by_side: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    return {f"{side}.{name}": t for side, marks in marks_by_side.items() for name, t in marks.items()}
+
+
+def phases(path: Path, marks: Mapping[str, float]) -> dict[str, float]:
+    """Seconds per phase of `path` for one request's flattened marks."""
+    out: dict[str, float] = {}
+    previous: float | None = None
+    for mark, phase in path:
+        if mark not in marks:
+            continue
+        if previous is not None:
+            out[phase] = marks[mark] - previous
+        previous = marks[mark]
+    return out
+
+
+def medians_ms(rows: list[dict[str, float]], path: Path) -> dict[str, float]:
+    """Each phase's median over requests, in ms, in path order."""
+    out: dict[str, float] = {}
+    for _, phase in path[1:]:
+        values = [row[phase] for row in rows if phase in row]
+        if values:
+            out[phase] = round(statistics.median(values) * 1e3, 2)
+    return out
+
+
+def room_slack_ms(marks: Mapping[str, float]) -> float | None:
+    """How long the opened room waited for the prompt's KV (negative: the KV waited for the room)."""
+    if "prefill.room_opened" in marks and "prefill.kv_held" in marks:
+        return (marks["prefill.kv_held"] - marks["prefill.room_opened"]) * 1e3
+    return None
