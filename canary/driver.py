@@ -119,6 +119,10 @@ class RunResult:
     # each failed session's failure reached `failures` (driver_pool.run_sharded concatenates them).
     session_ends: list[tuple[int, str, str]] = field(default_factory=list)
     oracle_checks: dict[str, int] = field(default_factory=dict)  # oracle -> responses it checked (summed by shards)
+    # (session, started, finished) of each non-streamed reference request that replays a streamed one:
+    # not a record (golden keys and metrics count each turn once), but server time on the session's
+    # critical path, which without them reads as the harness's time between requests.
+    replays: list[tuple[int, float, float]] = field(default_factory=list)
     # Sharded runs: seconds from spawning the driver processes to the first session's start (their
     # interpreters and imports): the harness's, so outside `wall_s`, and reported beside it.
     startup_s: float = 0.0
@@ -433,7 +437,9 @@ class SessionDriver:
         record.request = body
         if probe is not None and record.transcript is not None:
             record.transcript.scenario += f".{probe}"
-        if not replay:
+        if replay:
+            self._result.replays.append((record.session, record.started, record.finished))
+        else:
             self._result.requests.append(record)
             if self.on_request_done:
                 self.on_request_done(record)

@@ -93,6 +93,7 @@ def merge_shards(options: DriverOptions, target_name: str, results: list[RunResu
         merged.sessions_completed += result.sessions_completed
         merged.sessions_aborted += result.sessions_aborted
         merged.session_ends += result.session_ends
+        merged.replays += result.replays
         for oracle, count in result.oracle_checks.items():
             merged.oracle_checks[oracle] = merged.oracle_checks.get(oracle, 0) + count
     merged.failures.sort(key=lambda item: item[0])

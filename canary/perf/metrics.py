@@ -28,31 +28,34 @@ def run_metrics(result: RunResult) -> dict:
         "tpot_s": summarize(tpot),
         "itl_s": summarize(itl),
         "e2e_s": summarize([r.finished - r.started for r in done]),
-        "critical_path": critical_path(result.requests),
+        "critical_path": critical_path(result.requests, result.replays),
     }
 
 
-def critical_path(records) -> dict | None:
+def critical_path(records, replays=()) -> dict | None:
     """Where the run's wall time goes. A session's turns run one after the other, so the run lasts
-    as long as its longest session: its time inside its recorded requests (the server's latency) and
-    between them (the harness reading, checking and building the next turn, plus the non-streamed
-    reference request that follows each streamed one, which is not a record of its own). Also every
-    session's gaps between consecutive requests, so the harness's share shows apart from the server's."""
-    sessions: dict[int, list] = {}
+    as long as its longest session: its time inside its requests (the server's latency: its recorded
+    requests and the non-streamed reference request that replays each streamed one, `replays` as
+    (session, started, finished)) and between them (the harness reading, checking and building the
+    next turn). Also every session's gaps between consecutive requests of either kind, so the
+    harness's share shows apart from the server's."""
+    sessions: dict[int, list[tuple[float, float]]] = {}
     for r in records:
-        sessions.setdefault(r.session, []).append(r)
+        sessions.setdefault(r.session, []).append((r.started, r.finished))
+    for session, started, finished in replays:
+        sessions.setdefault(session, []).append((started, finished))
     if not sessions:
         return None
     gaps: list[float] = []
     longest = None
-    for recs in sessions.values():
-        recs.sort(key=lambda r: r.started)
-        gaps += [b.started - a.finished for a, b in zip(recs, recs[1:])]
-        span = recs[-1].finished - recs[0].started
+    for spans in sessions.values():
+        spans.sort()
+        gaps += [b_start - a_end for (_, a_end), (b_start, _) in zip(spans, spans[1:])]
+        span = spans[-1][1] - spans[0][0]
         if longest is None or span > longest[0]:
-            longest = (span, recs)
+            longest = (span, spans)
     assert longest is not None
-    span, recs = longest
-    inside = sum(r.finished - r.started for r in recs)
-    return {"longest_session_s": span, "longest_session_requests": len(recs), "longest_inside_requests_s": inside,
+    span, spans = longest
+    inside = sum(end - start for start, end in spans)
+    return {"longest_session_s": span, "longest_session_requests": len(spans), "longest_inside_requests_s": inside,
             "longest_between_requests_s": span - inside, "between_requests_s": summarize(gaps)}

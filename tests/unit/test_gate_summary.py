@@ -93,7 +93,7 @@ def test_run_metrics_count_the_prompt_tokens_of_completed_requests_only():
                                completion_tokens=completion, prompt_tokens=prompt, chunk_times=[], started=0.0,
                                finished=1.0)
 
-    result = SimpleNamespace(requests=[rec(100, 10), rec(250, 5), rec(999, 1, aborted=True)], wall_s=2.0,
+    result = SimpleNamespace(requests=[rec(100, 10), rec(250, 5), rec(999, 1, aborted=True)], wall_s=2.0, replays=[],
                              startup_s=0.0)
     assert run_metrics(result)["prompt_tokens"] == 350
 
@@ -117,6 +117,25 @@ def test_the_critical_path_is_the_longest_session_inside_and_between_its_request
     assert "driver processes started in 3.2s before it (not counted)" in text
 
 
+def test_the_critical_path_counts_reference_replays_as_server_time():
+    """A streamed request [0, 2] replayed non-streamed at [2.1, 3.0], then the next turn [3.5, 5]:
+    1 s of the session was the replay, the server's time; without it 1.5 s read as the harness's."""
+    from types import SimpleNamespace
+
+    from canary.perf.metrics import critical_path
+
+    def rec(session, started, finished):
+        return SimpleNamespace(session=session, started=started, finished=finished)
+
+    records = [rec(1, 0.0, 2.0), rec(1, 3.5, 5.0)]
+    without = critical_path(records)
+    assert abs(without["longest_between_requests_s"] - 1.5) < 1e-12  # the replay counted as harness time
+    path = critical_path(records, [(1, 2.1, 3.0)])
+    assert path["longest_session_requests"] == 3 and abs(path["longest_inside_requests_s"] - 4.4) < 1e-12
+    assert abs(path["longest_between_requests_s"] - 0.6) < 1e-12
+    assert path["between_requests_s"]["count"] == 2
+
+
 def test_engine_steps_of_the_load_phase_come_from_the_histograms_difference():
     from canary.gate import engine_steps_during
 
@@ -138,3 +157,6 @@ def test_a_sharded_runs_wall_time_is_its_sessions_not_its_process_start_up():
     merged = merge_shards(DriverOptions(), "t", [a, b])
     assert merged.started == 100.0 and merged.wall_s == 11.0
     assert merged.sessions_completed == 5 and merged.oracle_checks == {"nonce": 5, "gibberish": 2}
+    a.replays.append((0, 100.1, 100.2))
+    b.replays.append((1, 101.0, 101.5))
+    assert merge_shards(DriverOptions(), "t", [a, b]).replays == [(0, 100.1, 100.2), (1, 101.0, 101.5)]
