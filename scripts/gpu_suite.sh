@@ -65,6 +65,8 @@ want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY 
 want mma_bits && section mma_bits "${BENCH_TIMEOUT:-90}" $PY -m bench.mma_bits --out "$OUT/mma_bits.json"
 # Taller MoE tiles (prefill: an expert's weights read once per 64 rows, not per 16): same bits? time?
 want moe_tiles && section moe_tiles "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_tiles --out "$OUT/moe_tiles.json"
+want moe_prefill && section moe_prefill "${BENCH_TIMEOUT:-150}" $PY -m bench.moe_tiles --prefill-sweep \
+    --out "$OUT/moe_prefill.json"
 # Which sparse MLA launch knobs keep the deployment's bits (may follow the batch), their times, and
 # whole new deployments (MLA_CANDIDATES, H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow).
 want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free.json" --free \
@@ -87,7 +89,6 @@ want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY
 # two-pass), each one's logits checked against the pass it must equal; few decode points.
 want prefill_variants_slice && section prefill_variants_slice "${PREFILL_TIMEOUT:-240}" $PY -m bench.decode_step \
     --model dsv4-slice --batch-sizes 1,16 --iters 10 --prefill-variants --out "$OUT/prefill_variants_slice.json"
-
 # ---- the engine on the GPU (issues 7, 8): graphs + multi-stream through Engine.step(), overlap
 want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \
     --run-gpu ${ENGINE_TEST_FILES:-tests/gpu/test_engine_gpu.py tests/gpu/test_device_draw_gpu.py} -rA \
@@ -181,7 +182,7 @@ pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked 
     done
     return 1
 }
-if want pd_gpu || want pd_gpu_ttft || want gate_pd; then
+if want pd_gpu || want pd_gpu_ttft || want pd_phases || want gate_pd; then
     rm -rf /tmp/pdroot /tmp/pdlib && mkdir -p /tmp/pdroot /tmp/pdlib
     for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-pd/*.whl
@@ -196,6 +197,10 @@ want pd_gpu && section pd_gpu_tests "${PD_TEST_TIMEOUT:-360}" $PY -m pytest -q -
 # TTFT of the PD pair (two server processes on the one GPU, plus the router) against a colocated server
 # process. pd_gpu and pd_gpu_ttft each fill most of one 10-minute device call: run them in two calls.
 want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.pd_ttft --repeats 10 --words 8,400 --server-arg=--dtype=float32 --out "$OUT/pd_ttft_gpu.json"
+# Where the PD pair's first token spends its time beside the colocated server's, phase by phase (the
+# servers' x-dsv4-trace marks): PD_PHASES_REPEATS per prompt size.
+want pd_phases && section pd_phases "${PD_TTFT_TIMEOUT:-300}" $PY -m bench.pd_ttft --repeats "${PD_PHASES_REPEATS:-10}" \
+    --words 8,100,400 --phases --server-arg=--dtype=float32 --out "$OUT/pd_phases_gpu.json"
 # Issue 16: the 80-session gate against a PD pair (prefill + decode servers on the one GPU, the
 # router in front) with the H200 golden store, beside the colocated `gate` of the same call: TTFT of
 # the pair vs the colocated server on the same workload.
