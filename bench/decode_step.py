@@ -247,32 +247,26 @@ def main() -> None:
                                   "pct_roofline": 100 * roofline_ms / ms}
             print(json.dumps({"model": args.model, "prefill": results["prefill"]}), flush=True)
             if args.prefill_variants:  # the same pass with other sparse MLA launches (a default run times it once)
-                # The same pass with the sparse MLA's skip_tail the other way (on in the deployment:
-                # each row's empty trailing chunks skipped): its time, and the logits' bits (the same).
+                # The same pass with one deployed prefill choice undone at a time (each must keep the
+                # logits' bits): the sparse MLA's skip_tail (each row's empty trailing chunks skipped),
+                # the projections' GEMM kernel (pointer where the deployment runs the persistent TMA
+                # one), and who adds the TMA kernel's split partials (its ticket or _split_sum_kernel).
                 logits = bench.runner.eager(chunk).clone()
-                saved = attention.SKIP_TAIL_ROWS
-                attention.SKIP_TAIL_ROWS = 256 if saved is None else None
-                try:
-                    other_ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
-                    same = bool(torch.equal(bench.runner.eager(chunk), logits))
-                finally:
-                    attention.SKIP_TAIL_ROWS = saved
-                results["prefill_other_tail"] = {"skip_tail": saved is None, "ms": other_ms,
-                                                 "pct_roofline": 100 * roofline_ms / other_ms, "same_logits": same}
-                print(json.dumps({"model": args.model, "prefill_other_tail": results["prefill_other_tail"]}),
-                      flush=True)
-                # The same pass with the projections on the other GEMM kernel (the pointer kernel where
-                # the deployment runs the persistent TMA one): same bits required.
-                saved_tma, matmul.PREFILL_TMA = matmul.PREFILL_TMA, not matmul.PREFILL_TMA
-                try:
-                    other_ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
-                    same = bool(torch.equal(bench.runner.eager(chunk), logits))
-                finally:
-                    matmul.PREFILL_TMA = saved_tma
-                results["prefill_other_gemm"] = {"tma": not saved_tma, "ms": other_ms,
-                                                 "pct_roofline": 100 * roofline_ms / other_ms, "same_logits": same}
-                print(json.dumps({"model": args.model, "prefill_other_gemm": results["prefill_other_gemm"]}),
-                      flush=True)
+                toggles = (("prefill_other_tail", attention, "SKIP_TAIL_ROWS",
+                            256 if attention.SKIP_TAIL_ROWS is None else None, "skip_tail"),
+                           ("prefill_other_gemm", matmul, "PREFILL_TMA", not matmul.PREFILL_TMA, "tma"),
+                           ("prefill_other_ticket", matmul, "SPLIT_TICKET", not matmul.SPLIT_TICKET, "ticket"))
+                for key, module, name, value, label in toggles:
+                    saved = getattr(module, name)
+                    setattr(module, name, value)
+                    try:
+                        other_ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
+                        same = bool(torch.equal(bench.runner.eager(chunk), logits))
+                    finally:
+                        setattr(module, name, saved)
+                    results[key] = {label: value is not None and value is not False, "ms": other_ms,
+                                    "pct_roofline": 100 * roofline_ms / other_ms, "same_logits": same}
+                    print(json.dumps({"model": args.model, key: results[key]}), flush=True)
                 results.update(prefill_launches(bench, chunk, roofline_ms, logits, max(3, args.iters // 4)))
         del bench
         torch.cuda.empty_cache()
@@ -304,6 +298,7 @@ def main() -> None:
                       "step128_over_step16": results.get("step128_over_step16"),
                       "prefill": results.get("prefill"), "prefill_other_tail": results.get("prefill_other_tail"),
                       "prefill_other_gemm": results.get("prefill_other_gemm"),
+                      "prefill_other_ticket": results.get("prefill_other_ticket"),
                       "prefill_one_pass": results.get("prefill_one_pass")}),
           flush=True)
     if args.out:

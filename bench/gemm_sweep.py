@@ -44,11 +44,14 @@ def prefill_candidates():
         yield {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": stages}, fused
 
 
-def tma_candidates():
-    """The persistent TMA kernel (matmul.PREFILL_TMA), splits apart: its tiles, stages and whether the
-    tile loop is flattened (the next tile's loads pipelined under this one's store)."""
-    for (bn, stages), flatten in itertools.product(((256, 3), (256, 4), (128, 4), (128, 5)), (True, False)):
-        yield {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": stages, "flatten": flatten}
+def tma_candidates(split: int):
+    """The persistent TMA kernel (matmul.PREFILL_TMA), splits apart: its tiles, stages, whether the
+    tile loop is flattened (the next tile's loads pipelined under this one's store) and, for split
+    weights, who adds the partials (each tile's last split program, `ticket`, or `_split_sum_kernel`)."""
+    tickets = (True, False) if split > 1 else (False,)
+    for (bn, stages), flatten, ticket in itertools.product(((256, 3), (256, 4), (128, 4), (128, 5)), (True, False),
+                                                           tickets):
+        yield {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": stages, "flatten": flatten}, ticket
 
 
 def candidates(rows: int):
@@ -107,8 +110,9 @@ def sweep_shape(name: str, n: int, k: int, rows: int) -> dict:
             if fused and split == 1:
                 continue
             results.append(measure(json.dumps({**config, "fused_splits": fused}), config=config, fused_splits=fused))
-        for config in tma_candidates():
-            results.append(measure(json.dumps({**config, "tma": True}), config=config, fused_splits=False, tma=True))
+        for config, ticket in tma_candidates(split):
+            results.append(measure(json.dumps({**config, "tma": True, "ticket": ticket}), config=config,
+                                   fused_splits=False, tma=True, ticket=ticket))
     else:
         for config, bk in candidates(rows):
             results.append(measure(json.dumps({**config, "BLOCK_K": bk}), config=config, block_k=bk))

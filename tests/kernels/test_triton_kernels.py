@@ -19,6 +19,7 @@ from canary.oracles.tolerances import assert_close_to_reference
 from canary.oracles.topk_compare import wrong_topk_indices
 from runtime.kernels import cuda_torch, reference
 from runtime.kernels.triton import INTERPRETED, attention, elementwise, glue, indexer, matmul, moe
+from runtime.kernels.triton.tickets import ticket_counters
 
 pytestmark = pytest.mark.kernels
 
@@ -580,15 +581,36 @@ def test_matmul_fused_splits_give_the_split_kernels_bits(seed, rows, split, dtyp
 def test_matmul_tma_kernel_gives_the_pointer_kernels_bits(seed, rows, shape, split, dtype, magnitude):
     """The persistent TMA kernel (PREFILL_TMA) only moves loads and programs around: each output's
     k steps and split order are the pointer kernel's, so its bits must be too (K off the box size:
-    the box past K reads zeros, as the masked loads do)."""
+    the box past K reads zeros, as the masked loads do), whether its split partials are added by
+    `_split_sum_kernel` or by each tile's last split program (the ticket, SPLIT_TICKET)."""
     n, k = shape
     gen = torch.Generator().manual_seed(seed)
     x, w = randn(gen, rows, k, scale=magnitude, dtype=dtype), randn(gen, n, k, scale=k ** -0.5, dtype=dtype)
-    run = lambda tma: matmul.matmul(x, w, out=poisoned(rows, n, dtype=dtype), split_k=split,  # noqa: E731
-                                    fused_splits=False, tma=tma)
-    pointer, tma = run(False), run(True)
-    assert_close_scaled(tma, reference.linear(x.cpu(), w.cpu()), dtype)
-    assert torch.equal(pointer, tma)
+    run = lambda tma, ticket=None: matmul.matmul(x, w, out=poisoned(rows, n, dtype=dtype),  # noqa: E731
+                                                 split_k=split, fused_splits=False, tma=tma, ticket=ticket)
+    pointer, apart, ticket = run(False), run(True, ticket=False), run(True, ticket=True)
+    assert_close_scaled(ticket, reference.linear(x.cpu(), w.cpu()), dtype)
+    assert torch.equal(pointer, apart)
+    assert torch.equal(pointer, ticket)
+    # The last program re-armed every tile's counter: the next launch (a graph replay) starts from zero.
+    assert not ticket_counters(x.device, 1024).any()
+
+
+def test_matmul_tma_ticket_oracle_fails_on_a_stale_counter():
+    """Negative control: counters left armed by an earlier launch (a ticket never re-armed) let a
+    tile's sum run before its last splits stored their partials: the bits test sees it."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = randn(gen, 300, 1024, dtype=DTYPES[0]), randn(gen, 72, 1024, scale=1024 ** -0.5, dtype=DTYPES[0])
+    counters = ticket_counters(x.device, 1024)
+    try:
+        counters.fill_(2)  # two of four splits already "arrived"
+        # First: its partials' buffer must not be one that already holds this product's partials.
+        stale = matmul.matmul(x, w, split_k=4, fused_splits=False, tma=True, ticket=True)
+    finally:
+        counters.zero_()
+    good = matmul.matmul(x, w, split_k=4, fused_splits=False, tma=True, ticket=True)
+    assert torch.equal(good, matmul.matmul(x, w, split_k=4, fused_splits=False, tma=False))
+    assert not torch.equal(good, stale)
 
 
 def test_matmul_tma_oracle_fails_when_a_split_is_dropped():
@@ -611,16 +633,17 @@ def test_matmul_tma_serves_16_bit_prefill_passes_only(monkeypatch):
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the TMA bits test compiles it for real")
-@pytest.mark.parametrize("split, flatten", [(1, True), (8, False)])
+@pytest.mark.parametrize("split, flatten", [(1, True), (8, False), (8, True)])
 def test_matmul_tma_kernel_compiles_for_the_gpu_without_one(split, flatten):
     """The prefill tile (128 x 256, bf16, 8 warps) through sm_90's compiler: descriptors, the
     persistent loop and the partials' store are what the interpreter cannot vouch for."""
     from tests.kernels.test_indexer_topk import compile_for_sm90
 
     signature = {"x_desc": "tensordesc<bf16[128, 64]>", "w_desc": "tensordesc<bf16[256, 64]>", "out_ptr": "*bf16",
-                 "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_chunk": "i32", "stride_om": "i32"}
+                 "part_ptr": "*fp32", "ticket_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_chunk": "i32",
+                 "stride_om": "i32"}
     constants = dict(SPLIT_K=split, PRECISION="tf32", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, PROGRAMS=132,
-                     FLATTEN=flatten)
+                     FLATTEN=flatten, TICKET=split > 1, SUM_ROWS=32)
     done = compile_for_sm90("runtime.kernels.triton.matmul", "_matmul_tma_kernel", signature, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
+from runtime.kernels.triton.tickets import ticket_counters
 
 LOG2E = 1.4426950408889634
 # Programs that fill the device without spreading chunks; the interpreter's small value lets the
@@ -347,20 +348,6 @@ def _prefill_knobs(given: dict) -> dict:
     return knobs
 
 
-_TICKETS: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (query, head block, column block), for the in-kernel merge.
-    Each launch leaves them zero again, so they persist per (device, stream): captured graphs keep
-    the address, and older buffers stay alive for the graphs that hold them."""
-    key = (device.index or 0, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    held = _TICKETS.setdefault(key, [])
-    if not held or held[-1].numel() < count:
-        held.append(torch.zeros(triton.next_power_of_2(max(count, 1024)), dtype=torch.int32, device=device))
-    return held[-1]
-
-
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, latent_dim: int, scale: float,
                       num_splits: int | None = None, block_h: int | None = None, block_s: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, spread: bool | None = None,
@@ -417,7 +404,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         part = torch.empty(tokens, splits, heads, latent_dim, dtype=part_dtype, device=q.device)
         stats = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
     if ticket:
-        tickets = _tickets(q.device, tokens * head_blocks * v_split)
+        tickets = ticket_counters(q.device, tokens * head_blocks * v_split)
     rowsum_mma = launch["rowsum_mma"] if rowsum_mma is None else rowsum_mma
     if skip_tail is None:
         skip_tail = SKIP_TAIL_ROWS is not None and tokens > SKIP_TAIL_ROWS
