@@ -38,7 +38,13 @@ fi
 SECTIONS=${SECTIONS:-graph_tests engine_tests bench_decode_canary bench_decode_slice idle_canary idle_slice gate_record gate gate_stream_race}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
+# The device copy's .git is not this checkout's (its HEAD can be sessions old), so HEAD alone does not
+# say what ran: the tree of the files that were copied does. Compare it locally with
+# `git rev-parse COMMIT^{tree}` (a temporary index: the copy's own index is left alone).
+{ echo "head $(git rev-parse HEAD 2>/dev/null)"
+  rm -f /tmp/suite-index
+  echo "tree $(GIT_INDEX_FILE=/tmp/suite-index git add -A 2>/dev/null && GIT_INDEX_FILE=/tmp/suite-index git write-tree)"
+} > "$OUT/commit.txt"
 
 # ---- issues 7, 14: the Triton kernels vs their references (batch invariance included), CUDA-graph
 # runner, multi-stream, eager-vs-graph equivalence
