@@ -112,6 +112,12 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
 # BLOCK_H 64 with 2 column blocks loaded a third time ("bh64/w8/v2+stages1" is its 1-stage form),
 # and with 4 column blocks (251 KB, "Eighth session").
 FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout still answers it
+    # Small batches (issue 15 item 2): bs 1 at H=64 runs N chunks x 4 head blocks = 20 programs; latent
+    # column blocks multiply them (each program scores its chunk over the whole latent, averages its
+    # columns), free of bits with rowsum_mma, so a decode step with few rows could take them.
+    "spread/v4/ticket": dict(spread=True, merge="ticket", v_split=4),
+    "spread/v8/ticket": dict(spread=True, merge="ticket", v_split=8),
+    "spread/bh32/v4/ticket": dict(spread=True, merge="ticket", block_h=32, num_warps=8, v_split=4),
     "bh64/w8": dict(block_h=64, num_warps=8),
     "memory": dict(merge="memory"), "stages1": dict(num_stages=1), "stages3": dict(num_stages=3),
     "memory+stages1": dict(merge="memory", num_stages=1), "warps8": dict(num_warps=8),

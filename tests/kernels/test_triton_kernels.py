@@ -301,7 +301,9 @@ def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
 
     launches = (dict(num_warps=8), dict(block_h=32, num_warps=8), dict(block_h=64, num_warps=8),
                 dict(block_h=32, num_warps=8, v_split=2), dict(v_split=2),
-                dict(spread=True, merge="kernel", block_h=64, num_warps=8))
+                dict(spread=True, merge="kernel", block_h=64, num_warps=8),
+                # small-batch candidates: more programs per query (issue 15 item 2)
+                dict(spread=True, merge="ticket", v_split=4), dict(spread=True, merge="ticket", v_split=8))
     want = run(True)
     for launch in launches:
         assert torch.equal(run(True, **launch), want), f"rowsum_mma bits changed with {launch}"
@@ -312,9 +314,9 @@ def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
         "tl.sum row sums no longer depend on the launch: the control shows nothing"
 
 
-def test_prefill_launch_applies_above_its_row_count_only(monkeypatch):
+def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
     """PREFILL_LAUNCH: passes of more than PREFILL_LAUNCH_ROWS rows run it, shorter passes the
-    deployment's; a caller's argument wins. Its knobs keep a row's bits (the outputs stay the plain
+    deployment's; a caller's argument wins; SMALL_BATCH_LAUNCH likewise at the other end. Its knobs keep a row's bits (the outputs stay the plain
     launch's), so which launch ran is read from the kernel's launch arguments."""
     q, cache, slots, _, _ = _attention_case(2, 3, 20, 64, 16, 120, 8, 64, DTYPES[0])
     scale = 80 ** -0.5
@@ -346,6 +348,17 @@ def test_prefill_launch_applies_above_its_row_count_only(monkeypatch):
     assert launch == [(16, 1)] and torch.equal(out, want[:2]), "a 2-row pass took PREFILL_LAUNCH"
     out, launch = run(3, v_split=1)
     assert launch == [(64, 1)] and torch.equal(out, want), "the caller's arguments lost"
+    # SMALL_BATCH_LAUNCH: passes of at most SMALL_BATCH_ROWS rows, the same rules.
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH", None)
+    monkeypatch.setattr(attention, "SMALL_BATCH_LAUNCH", dict(block_h=32, v_split=4))
+    monkeypatch.setattr(attention, "SMALL_BATCH_ROWS", 2)
+    out, launch = run(2)
+    assert launch == [(32, 4)] and torch.equal(out, want[:2]), "a 2-row pass did not take SMALL_BATCH_LAUNCH"
+    out, launch = run(3)
+    assert launch == [(16, 1)] and torch.equal(out, want), "a 3-row pass took SMALL_BATCH_LAUNCH"
+    monkeypatch.setattr(attention, "SMALL_BATCH_LAUNCH", dict(block_s=32))
+    with pytest.raises(ValueError, match="reduction order"):  # BLOCK_S sets the chunking: never per batch
+        run(2)
 
 
 @pytest.mark.parametrize("launch, match", [(dict(block_s=32), "block_s"), (dict(num_splits=2), "num_splits"),

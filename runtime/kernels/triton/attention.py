@@ -49,8 +49,15 @@ SKIP_TAIL_ROWS: int | None = 256
 # passes run with rowsum_mma too, or a prompt's bits would follow the size of its prefill chunk.
 PREFILL_LAUNCH: dict | None = None
 PREFILL_LAUNCH_ROWS = 256
-_PREFILL_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge", "v_split", "skip_tail",
-                            "rowsum_mma"})
+# Passes of at most SMALL_BATCH_ROWS rows (decode steps whose few queries leave most SMs idle: bs 1 at
+# H=64 is N chunks x 4 head blocks = 20 programs) take these knobs, under PREFILL_LAUNCH's rules; None:
+# never. Candidates (more programs per query: latent-column blocks in the spread mode) are timed by
+# `bench.mla_sweep --free` ("spread/v4/ticket", "spread/v8/ticket"); none is measured yet.
+SMALL_BATCH_LAUNCH: dict | None = None
+SMALL_BATCH_ROWS = 8
+# The knobs those launches may set: the ones that left a row's bits alone under MMA row sums.
+_FREE_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge", "v_split", "skip_tail",
+                         "rowsum_mma"})
 
 
 def default_launch(num_selected: int, num_heads: int) -> dict:
@@ -334,17 +341,25 @@ def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, stride_ot, stride_oh,
              out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _prefill_knobs(given: dict) -> dict:
-    """PREFILL_LAUNCH under the caller's own (non-None) arguments, checked."""
-    assert PREFILL_LAUNCH is not None
-    other = set(PREFILL_LAUNCH) - _PREFILL_KNOBS
+def _rows_launch(tokens: int) -> tuple[str, dict] | None:
+    """The launch table a pass of `tokens` rows takes over default_launch's, with its name, if any."""
+    if PREFILL_LAUNCH is not None and tokens > PREFILL_LAUNCH_ROWS:
+        return "PREFILL_LAUNCH", PREFILL_LAUNCH
+    if SMALL_BATCH_LAUNCH is not None and tokens <= SMALL_BATCH_ROWS:
+        return "SMALL_BATCH_LAUNCH", SMALL_BATCH_LAUNCH
+    return None
+
+
+def _free_knobs(name: str, table: dict, given: dict) -> dict:
+    """A row-count launch table (`name`) under the caller's own (non-None) arguments, checked."""
+    other = set(table) - _FREE_KNOBS
     if other:
-        raise ValueError(f"PREFILL_LAUNCH sets {sorted(other)}: they change a row's reduction order, so a "
-                         "prompt's bits would follow the size of its prefill chunk")
-    knobs = {**dict.fromkeys(_PREFILL_KNOBS), **PREFILL_LAUNCH, **{k: v for k, v in given.items() if v is not None}}
+        raise ValueError(f"{name} sets {sorted(other)}: they change a row's reduction order, so a row's bits "
+                         "would follow the size of its pass")
+    knobs = {**dict.fromkeys(_FREE_KNOBS), **table, **{k: v for k, v in given.items() if v is not None}}
     if not knobs["rowsum_mma"]:
-        raise ValueError("PREFILL_LAUNCH needs rowsum_mma=True: with tl.sum's row sums the launch shape changes "
-                         "a row's bits")
+        raise ValueError(f"{name} needs rowsum_mma=True: with tl.sum's row sums the launch shape changes a row's "
+                         "bits")
     return knobs
 
 
@@ -370,16 +385,18 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     more than SKIP_TAIL_ROWS rows (prefill), where such rows are common. rowsum_mma: the softmax
     row sums as an MMA over the 16-bit probabilities (other bits than tl.sum's, the same for every
     BLOCK_H and warp count; default_launch's: on for H >= 64).
-    Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set."""
+    Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set, passes
+    of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
         out = torch.empty(tokens, heads, latent_dim, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
-    if PREFILL_LAUNCH is not None and tokens > PREFILL_LAUNCH_ROWS:
-        p = _prefill_knobs(dict(block_h=block_h, num_warps=num_warps, num_stages=num_stages, spread=spread,
-                                merge=merge, v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma))
+    rows_launch = _rows_launch(tokens)
+    if rows_launch is not None:
+        p = _free_knobs(*rows_launch, dict(block_h=block_h, num_warps=num_warps, num_stages=num_stages, spread=spread,
+                                           merge=merge, v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma))
         block_h, num_warps, num_stages, spread = p["block_h"], p["num_warps"], p["num_stages"], p["spread"]
         merge, v_split, skip_tail, rowsum_mma = p["merge"], p["v_split"], p["skip_tail"], p["rowsum_mma"]
     launch = default_launch(selected, heads)
