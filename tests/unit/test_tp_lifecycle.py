@@ -86,3 +86,26 @@ def test_clean_run_exits_zero_and_leaves_nothing():
     assert proc.returncode == 0, stderr[-2000:]
     assert '"pages_in_use": 0' in stdout
     assert_all_exit(workers)
+
+
+@pytest.mark.parametrize("moment", ["importing", "worker_starting"])
+def test_ctrl_c_during_start_up_stops_everything(moment):
+    """Ctrl-C before the run is under way: while the driver still imports (Python's own KeyboardInterrupt
+    then ends it, killed by SIGINT) or the moment its first worker rank exists (the TP group still
+    forming: rank 0 waits in the rendezvous). Either way the driver ends as interrupted, soon, and no
+    worker outlives it: a start-up window that swallowed the signal would run the whole job (rc 0)."""
+    proc = start_generate("--requests", "64", "--max-tokens", "400", "--ignore-eos")
+    workers: set[int] = set()
+    if moment == "importing":
+        time.sleep(0.5)
+    else:
+        for _ in range(600):
+            workers = descendants(proc.pid)
+            if workers or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    assert proc.poll() is None, "the driver ended before the signal"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in (128 + signal.SIGINT, -signal.SIGINT), (proc.returncode, stderr[-2000:])
+    assert_all_exit(workers | descendants(proc.pid))
