@@ -160,6 +160,11 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
         preempted = summary["preemptions"]
         lines.append("  preemptions: " + ("not counted (no dsv4_preemptions_total in /metrics)" if preempted is None
                                           else f"{preempted:.0f} requests preempted and recomputed"))
+    if summary.get("prefix_cache"):
+        cache = summary["prefix_cache"]
+        share = cache["hit_tokens"] / cache["lookup_tokens"] if cache["lookup_tokens"] else 0.0
+        lines.append(f"  prefix cache: {cache['hit_tokens']:.0f} of {cache['lookup_tokens']:.0f} prefill tokens "
+                     f"from cached pages ({share:.1%})")
     lines.append(f"  report: {report_path if report_path else 'none written (pass --report-dir)'}")
     if failures:
         lines.append("  failures:")

@@ -88,6 +88,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, SampleOutput]:
         for rid in plan.aborted + plan.preempted:
             self.release(rid)
+        if plan.copies:  # prefix-cache hits, before any row reads (or a new owner overwrites) the cached pages
+            self.kv.copy_pages(plan.copies, self.page_size)
         if plan.empty:
             return {}
         batch = self.build_batch(plan, requests)
