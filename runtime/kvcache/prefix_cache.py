@@ -41,7 +41,7 @@ class PrefixCache:
         self.page_size = pool.page_size
         self._by_key: dict[tuple[int, tuple[int, ...]], CachedPage] = {}
         self._by_node: dict[int, CachedPage] = {}
-        self._pinned: set[int] = set()
+        self._pinned: dict[int, int] = {}  # node -> matches in the step being planned
         self._next_node = ROOT + 1
         self._clock = 0
         self.hit_tokens = 0  # prompt tokens admitted with their KV copied from the cache
@@ -54,7 +54,7 @@ class PrefixCache:
 
     def match(self, ids: list[int], max_pages: int) -> list[CachedPage]:
         """The longest chain of cached pages that `ids` starts with, at most `max_pages`, pinned until
-        `unpin()` (so making room for this very request cannot evict them)."""
+        `release(chain)` or `unpin()` (so making room for this very request cannot evict them)."""
         self._clock += 1
         size, chain, parent = self.page_size, [], ROOT
         for i in range(max_pages):
@@ -62,10 +62,17 @@ class PrefixCache:
             if entry is None:
                 break
             entry.last_used = self._clock
-            self._pinned.add(entry.node)
+            self._pinned[entry.node] = self._pinned.get(entry.node, 0) + 1
             chain.append(entry)
             parent = entry.node
         return chain
+
+    def release(self, chain: list[CachedPage]) -> None:
+        """Give up a match that will not be used (its pages may be evicted again)."""
+        for entry in chain:
+            self._pinned[entry.node] -= 1
+            if not self._pinned[entry.node]:
+                del self._pinned[entry.node]
 
     def unpin(self) -> None:
         self._pinned.clear()

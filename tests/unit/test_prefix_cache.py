@@ -192,6 +192,21 @@ def test_kv_of_a_hit_equals_the_full_prefill(tiny):
     assert all(torch.equal(a, b) for a, b in zip(kv[True], kv[False]))
 
 
+def test_a_match_that_cannot_fit_beside_its_own_pages_is_given_up(tiny):
+    """A follow-up whose own pages and its matched cached pages exceed the pool (a long conversation in
+    a small pool: the copy needs both at once) is admitted without its match, not left waiting forever."""
+    prompt = torch.randint(0, 200, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = {}
+    for cached in (True, False):
+        engine = make_engine(tiny, cached, num_pages=24)
+        first = engine.generate([prompt], GREEDY)[0]
+        follow_up = engine.scheduler.requests[engine.add_request(prompt + first.output_ids + [1, 2, 3], GREEDY)]
+        engine.run_until_done(max_steps=100)
+        runs[cached] = transcript(follow_up)
+        assert_idle(engine)
+    assert runs[True] == runs[False]
+
+
 def test_without_eviction_the_full_cache_starves_or_preempts(tiny, monkeypatch):
     """Negative control for the test above: a cache that never gives pages back (eviction planted
     off) makes the same requests preempt or never fit."""
