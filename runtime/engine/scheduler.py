@@ -184,11 +184,11 @@ class Scheduler:
             total = req.total_len  # after a preemption the whole sequence is recomputed
             pages = self.pool.pages_for_tokens(total)
             matched = self._match_prefix(req)
-            if matched and not self._make_room(pages):
+            while matched and not self._make_room(pages):
                 # Its own pages and the matched ones (pinned until their copies ran) do not fit together
-                # (a long context in a small pool): give the match up, so eviction may take those pages too.
-                self.prefix_cache.release(matched)
-                matched = []
+                # (a long context in a small pool): shorten the match, so eviction may take its tail too.
+                self.prefix_cache.release(matched[-1:])
+                matched.pop()
             start = len(matched) * self.pool.page_size
             if total - start > budget or not self._make_room(pages):
                 break
