@@ -117,7 +117,9 @@ class DSV4Mini:
         out = torch.full((T, self.num_heads, C), float("nan"), dtype=self.dtype)
 
         def attend() -> None:
-            out[:] = self._cast(self._attend(layer, q, batch, kv))
+            # A raced read (stream-race) may find no selection for this batch's rows: they stay NaN.
+            if ws.selected_slots is not None and ws.selected_slots.shape[0] == T:
+                out[:] = self._cast(self._attend(layer, q, batch, kv))
 
         # The `stream-race` fault drops this join: attention may then read the selection before the
         # indexer wrote it (the production bug); the step-end synchronize still drains the stream.
