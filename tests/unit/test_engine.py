@@ -273,7 +273,9 @@ def prefill_in_segments(model, prompt, cuts, page_size=8):
     logits = []
     bounds = [0, *cuts, len(prompt)]
     for step, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        ext = Extend("r", start, end - start, 0, pages) if start == 0 else Extend("r", start, end - start, len(pages), ())
+        # The first piece carries every page; later ones continue the table.
+        first_page, new_pages = (0, pages) if start == 0 else (len(pages), ())
+        ext = Extend("r", start, end - start, first_page, new_pages)
         logits.append(net.forward(runner.build_batch(StepPlan(step, (ext,), ()), requests), runner.kv,
                                   runner.streams)[0])
     slots = runner.slots_for(runner.tables.pages("r"), 0, len(prompt))
