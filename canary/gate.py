@@ -278,8 +278,11 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     # or a proxy in front of one); one without it gets a note saying the check did not run.
     _check_pages_idle(target, outcome)
     after = target.metrics(PREEMPTIONS, *PREFIX_TOKENS)
-    during = {name: None if before[name] is None or after[name] is None else after[name] - before[name]
-              for name in after}
+    def grew(name: str) -> float | None:
+        start, end = before[name], after[name]
+        return None if start is None or end is None else end - start
+
+    during = {name: grew(name) for name in after}
     outcome.summary["preemptions"] = during[PREEMPTIONS]
     if during[PREFIX_TOKENS[1]] is not None:  # a server with the prefix cache's counters
         outcome.summary["prefix_cache"] = {"hit_tokens": during[PREFIX_TOKENS[0]],

@@ -162,9 +162,11 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
                                           else f"{preempted:.0f} requests preempted and recomputed"))
     if summary.get("prefix_cache"):
         cache = summary["prefix_cache"]
-        share = cache["hit_tokens"] / cache["lookup_tokens"] if cache["lookup_tokens"] else 0.0
-        lines.append(f"  prefix cache: {cache['hit_tokens']:.0f} of {cache['lookup_tokens']:.0f} prefill tokens "
-                     f"from cached pages ({share:.1%})")
+        if not cache["lookup_tokens"]:
+            lines.append("  prefix cache: no prefill looked up (off)")
+        else:
+            lines.append(f"  prefix cache: {cache['hit_tokens']:.0f} of {cache['lookup_tokens']:.0f} prefill tokens "
+                         f"from cached pages ({cache['hit_tokens'] / cache['lookup_tokens']:.1%})")
     lines.append(f"  report: {report_path if report_path else 'none written (pass --report-dir)'}")
     if failures:
         lines.append("  failures:")

@@ -184,7 +184,7 @@ class Scheduler:
             total = req.total_len  # after a preemption the whole sequence is recomputed
             pages = self.pool.pages_for_tokens(total)
             matched = self._match_prefix(req)
-            while matched and not self._make_room(pages):
+            while matched and self.prefix_cache is not None and not self._make_room(pages):
                 # Its own pages and the matched ones (pinned until their copies ran) do not fit together
                 # (a long context in a small pool): shorten the match, so eviction may take its tail too.
                 self.prefix_cache.release(matched[-1:])
