@@ -29,6 +29,8 @@ from canary.targets import Target
 GOLDEN_DIR = Path("golden/transcripts")
 PERF_WORKLOAD = TrialWorkload()  # the perf verdict's trial workload (canary/perf/trial_load.py)
 PREEMPTIONS = "dsv4_preemptions_total"  # the runtime's counter (runtime/server/metrics.py)
+# The runtime's prefix-cache counters (runtime/server/metrics.py): prefill tokens served from the cache, of all.
+PREFIX_TOKENS = ("dsv4_prefix_cache_hit_tokens_total", "dsv4_prefix_cache_lookup_tokens_total")
 # The runtime's step-time histogram's sum and count (runtime/server/metrics.py).
 STEP_SECONDS = ("dsv4_engine_step_seconds_sum", "dsv4_engine_step_seconds_count")
 BASELINE_DIR = Path("golden/baselines")
@@ -249,7 +251,7 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     info = target.server_info()
     exact = target.embedded if deterministic is None else deterministic
     options, solo = _solo_first(target, options, calibrate, progress)
-    before = target.metrics(PREEMPTIONS, *STEP_SECONDS)
+    before = target.metrics(PREEMPTIONS, *STEP_SECONDS, *PREFIX_TOKENS)
     result = run_driver(target, options, progress, on_request_done)
     outcome.summary["engine_steps"] = engine_steps_during(engine_steps(before),
                                                           engine_steps(target.metrics(*STEP_SECONDS)), result.wall_s)
@@ -275,10 +277,16 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
     # Any server that exports the gauge gets the leak check (a staging deployment of this runtime,
     # or a proxy in front of one); one without it gets a note saying the check did not run.
     _check_pages_idle(target, outcome)
-    preemptions_after = target.metric(PREEMPTIONS)
-    preemptions_before = before[PREEMPTIONS]
-    outcome.summary["preemptions"] = (None if preemptions_before is None or preemptions_after is None
-                                      else preemptions_after - preemptions_before)
+    after = target.metrics(PREEMPTIONS, *PREFIX_TOKENS)
+    def grew(name: str) -> float | None:
+        start, end = before[name], after[name]
+        return None if start is None or end is None else end - start
+
+    during = {name: grew(name) for name in after}
+    outcome.summary["preemptions"] = during[PREEMPTIONS]
+    if during[PREFIX_TOKENS[1]] is not None:  # a server with the prefix cache's counters
+        outcome.summary["prefix_cache"] = {"hit_tokens": during[PREFIX_TOKENS[0]],
+                                           "lookup_tokens": during[PREFIX_TOKENS[1]]}
     if not perf_gate:
         outcome.notes.append(f"perf not gated for {target.name}: its workload is not the baseline's")
         outcome.summary.update(_run_facts(target, options, result, metadata, metrics, outcome))

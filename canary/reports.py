@@ -160,6 +160,13 @@ def summary_lines(summary: dict[str, Any], failures: list[str], report_path: Pat
         preempted = summary["preemptions"]
         lines.append("  preemptions: " + ("not counted (no dsv4_preemptions_total in /metrics)" if preempted is None
                                           else f"{preempted:.0f} requests preempted and recomputed"))
+    if summary.get("prefix_cache"):
+        cache = summary["prefix_cache"]
+        if not cache["lookup_tokens"]:
+            lines.append("  prefix cache: no prefill looked up (off)")
+        else:
+            lines.append(f"  prefix cache: {cache['hit_tokens']:.0f} of {cache['lookup_tokens']:.0f} prefill tokens "
+                         f"from cached pages ({cache['hit_tokens'] / cache['lookup_tokens']:.1%})")
     lines.append(f"  report: {report_path if report_path else 'none written (pass --report-dir)'}")
     if failures:
         lines.append("  failures:")

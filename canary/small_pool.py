@@ -29,7 +29,7 @@ def small_pool_gate(options: CanaryOptions, model: str, server_args: list[str], 
     pages = options.small_pool_pages
     with embedded_server(model, server_args, num_pages=pages, faults=options.faults, log_dir=log_dir) as target:
         # Exact mode (the embedded runtime's default): a preempted request's recompute must give the
-        # bits of its solo run, top-k logprobs included (runtime/engine/model_runner.py extend_pieces).
+        # bits of its solo run, top-k logprobs included (segment invariance: runtime/kernels/cpu.py).
         outcome = run_gate(target, driver, perf_gate=False, near_tie=0.05, progress=False,
                            differential_sample=min(options.differential_sample, SMALL_POOL_REPLAYS))
     preempted = outcome.summary.get("preemptions")

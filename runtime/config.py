@@ -162,6 +162,10 @@ class EngineConfig:
     # Each kernel choice is a different numerics, so a golden store belongs to one combination
     # (EngineConfig is in its fingerprint).
     attention_kernel: str = "auto"
+    # Prefix cache (runtime/kvcache/prefix_cache.py): None = on where its hits are proven exact (the
+    # eager runner with the fast CPU kernels, no TP, no PD), off elsewhere; True where it cannot be
+    # proven is refused (Engine, runtime/serve.py).
+    prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "max_running_requests", "max_prefill_tokens", "max_model_len",
@@ -177,6 +181,9 @@ class EngineConfig:
                 object.__setattr__(self, name, "torch" if self.device == "cpu" else "triton")
         if self.runner not in ("auto", "eager", "static"):
             raise ValueError(f"EngineConfig.runner must be auto, eager or static, got {self.runner!r}")
+        if self.prefix_cache and self.static_runner:
+            raise ValueError("EngineConfig.prefix_cache: hits are exact only on the eager CPU runner (a row's bits "
+                             "do not depend on where its prefill starts); the static runner is not proven")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"EngineConfig.device must be cpu or cuda[:N], got {self.device!r}")
 

@@ -35,6 +35,8 @@ REGISTRY: dict[str, FaultSpec] = {
         FaultSpec("shared-sampling-generator", "one generator draws for the whole batch (eager runner): a seeded "
                   "request is reproducible only alone"),
         FaultSpec("slow-step", "every engine step takes extra wall time (throughput regression)"),
+        FaultSpec("prefix-cache-stale-page", "a prefix-cache hit copies one matched page's KV from the wrong "
+                  "cache entry (the page before it in the chain)"),
     )
 }
 

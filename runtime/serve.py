@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="PD staged transfer: the staging arena's size (default: a decode server twice its "
                              "pool's KV, at most 8 GiB; a prefill server 64 MiB; either at least one prompt of "
                              "--max-model-len tokens)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse finished requests' KV pages for prompts that start alike (default: on where hits "
+                             "are proven bit-exact: the eager CPU runner without --tp or PD; asking for it elsewhere "
+                             "is an error)")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -89,6 +93,17 @@ def resolve_device(name: str) -> str:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: no CUDA device is visible")
     return name
+
+
+def prefix_cache(args: argparse.Namespace) -> bool | None:
+    """--prefix-cache as EngineConfig takes it: off under PD (the decode side allocates pages the cache
+    could hold; neither side is proven) and TP (not proven); asked for there, an error."""
+    if args.disaggregation_mode or args.tp > 1:
+        if args.prefix_cache:
+            raise ValueError("--prefix-cache is not supported with --disaggregation-mode or --tp > 1 "
+                             "(its hits are proven exact only on the eager CPU runner of a colocated server)")
+        return False
+    return args.prefix_cache
 
 
 def build_state(args: argparse.Namespace):
@@ -108,7 +123,8 @@ def build_state(args: argparse.Namespace):
                        num_pages=args.num_pages,
                        page_size=args.page_size, max_running_requests=args.max_running,
                        max_model_len=args.max_model_len,
-                       max_prefill_tokens=max(EngineConfig.max_prefill_tokens, args.max_model_len))
+                       max_prefill_tokens=max(EngineConfig.max_prefill_tokens, args.max_model_len),
+                       prefix_cache=prefix_cache(args))
     if args.overlap and args.disable_overlap:
         raise ValueError("--overlap and --disable-overlap contradict each other")
     overlap = args.overlap or (device != "cpu" and not args.disable_overlap)

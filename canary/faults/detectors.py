@@ -117,6 +117,8 @@ DETECTORS: dict[str, tuple[Detector, ...]] = {
     "stop-string-kept": (CANARY_GATE.expecting("[stop-string]"),),
     "shared-sampling-generator": (CANARY_GATE.expecting("[load-vs-solo]", "[golden]"),),
     "indexer-window-off-by-one": (CANARY_GATE.expecting("[golden-logprob]"),),
+    # A turn's prompt starts with its session's earlier turns: their cached pages are copied, one wrongly.
+    "prefix-cache-stale-page": (CANARY_GATE.expecting("[golden]", "[golden-logprob]", "[load-vs-solo]"),),
     # runtime/faults.py PD_REGISTRY: a prefill/decode pair, each side restarted in turn.
     "pd-stale-bootstrap": (PD_RESTART_GATE.expecting("[pd-restart]"),),
     "pd-abort-leak": (PD_RESTART_GATE.expecting("[pd-kv-leak]"),),

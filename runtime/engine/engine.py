@@ -39,6 +39,7 @@ from runtime.engine.slow_step import SlowStep
 from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import PagePool
+from runtime.kvcache.prefix_cache import CACHE_OWNER, PrefixCache
 from runtime.models.loader import LoadedModel
 from runtime.streams.tasks import StreamExecutor
 
@@ -99,9 +100,20 @@ class Engine:
         self.runner = build_runner(loaded.config, weights, self.cfg, self.pool, self.faults, self.env,
                                    all_reduce=all_reduce, streams=streams, overlap=overlap)
         self.model, self.kv, self.streams = self.runner.model, self.runner.kv, self.runner.streams
-        self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer, self.faults)
+        self.prefix_cache = PrefixCache(self.pool) if self._use_prefix_cache() else None
+        self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer, self.faults, self.prefix_cache)
         self._ids = itertools.count()
         self.slow_step = SlowStep(self.env.slow_step_ms, self.env.slow_step_pct, self.cfg.device)
+
+    def _use_prefix_cache(self) -> bool:
+        """The config's choice, or (None) on where hits are proven bit-exact: the eager runner with the
+        fast CPU kernels (segment-invariant), without TP. Refused where it is asked for and not proven."""
+        proven = (self.cfg.device == "cpu" and not self.cfg.static_runner and self.tp is None
+                  and not self.env.reference_kernels)
+        if self.cfg.prefix_cache and not proven:
+            raise ValueError("prefix cache: hits are proven exact only on the eager CPU runner with the fast "
+                             "kernels and without tensor parallelism")
+        return proven if self.cfg.prefix_cache is None else self.cfg.prefix_cache
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, *,
@@ -120,6 +132,8 @@ class Engine:
     def admit_prefilled(self, req: Request) -> str | None:
         """PD decode: take over a request prefilled elsewhere (KV in `req.pages`, first token in
         `output_ids`); returns its finish reason when that token already ended it."""
+        if self.prefix_cache is not None:  # PD decode allocates pages itself: no cache may hold them
+            raise RuntimeError("PD decode runs without the prefix cache (runtime.serve turns it off)")
         if self.runner.future is not None:
             self.scheduler.on_promote = self._seed_future
         reason = self.scheduler.admit_prefilled(req)
@@ -141,7 +155,12 @@ class Engine:
 
     @property
     def pages_in_use(self) -> int:
-        return self.pool.pages_in_use
+        """Pages held by requests: idle at 0. The prefix cache's pages are `pages_cached`."""
+        return self.pool.pages_in_use - self.pool.pages_held(CACHE_OWNER)
+
+    @property
+    def pages_cached(self) -> int:
+        return self.pool.pages_held(CACHE_OWNER)
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> StepResult:

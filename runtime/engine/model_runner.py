@@ -37,25 +37,6 @@ def checked_input_ids(ext: Extend, req: Request, pool: PagePool, page_size: int,
     return ids
 
 
-def extend_pieces(start: int, end: int, prompt_len: int) -> list[tuple[int, int]]:
-    """Split positions [start, end) of one extend into the segments the forward runs: the prompt
-    part as one segment, every generated position as a segment of its own.
-
-    Why: attention runs per segment over the segment's whole context (positions 0..end-1, later
-    positions masked), and its softmax sum and probs @ latent reduce over that length: the masked
-    zeros change where the SIMD tail and the BLAS blocking fall, so a row's last bits depend on the
-    segment's end, not only on the row. A request computes its prompt as one prefill segment and
-    each generated token as a one-row decode over its own context; a preemption recompute covers
-    prompt and output in one extend, and run as one segment it gave every generated position (and
-    so every later token) slightly different bits. Cut like this, every row reduces over the same
-    lengths as the first time, so the recompute is exact (checked: attention alone, per row over
-    its own causal length, removes the difference too; per row over the segment's length does not).
-    Normal prefills (the prompt) and decodes (one generated row) are one piece, unchanged."""
-    pieces = [(start, min(end, prompt_len))] if start < prompt_len else []
-    pieces += [(pos, pos + 1) for pos in range(max(start, prompt_len), end)]
-    return pieces
-
-
 class ModelRunner:
     def __init__(self, model: DSV4Mini, kv: KVCache, pool: PagePool, streams: StreamExecutor,
                  faults: FaultSet = NO_FAULTS, *, max_pages: int | None = None, max_rows: int = 64) -> None:
@@ -98,17 +79,17 @@ class ModelRunner:
             positions.append(torch.arange(ext.start, end))
             context = self.slots_for(self.tables.pages(ext.rid), 0, end)
             slots.append(context[ext.start:end])
-            # Every piece but the last only writes KV: the extend's logits are its last row's.
-            pieces = extend_pieces(ext.start, end, len(requests[ext.rid].prompt_ids))
-            for piece_start, piece_end in pieces:
-                segments.append(Segment(row + piece_start - ext.start, row + piece_end - ext.start,
-                                        context[:piece_end], emits_logits=piece_end == end))
+            # One segment per extend, whatever it covers (a prompt, part of one after a prefix-cache hit,
+            # a preemption's prompt + output): a row's bits do not depend on its segment (kernels/cpu.py).
+            segments.append(Segment(row, row + ext.num_new, context))
             row += ext.num_new
         return ForwardBatch(torch.cat(token_ids), torch.cat(positions), torch.cat(slots), tuple(segments))
 
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> dict[str, SampleOutput]:
         for rid in plan.aborted + plan.preempted:
             self.release(rid)
+        if plan.copies:  # prefix-cache hits, before any row reads (or a new owner overwrites) the cached pages
+            self.kv.copy_pages(plan.copies, self.page_size)
         if plan.empty:
             return {}
         batch = self.build_batch(plan, requests)

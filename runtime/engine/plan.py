@@ -38,6 +38,9 @@ class StepPlan:
     decode: tuple[Extend, ...]
     aborted: tuple[str, ...] = ()
     preempted: tuple[str, ...] = ()
+    # Prefix-cache hits (runtime/kvcache/prefix_cache.py): (cached page, request page) pairs whose KV
+    # the runner copies before the step's forward, every layer's latent and index keys.
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def extends(self) -> tuple[Extend, ...]:

@@ -15,6 +15,7 @@ from runtime.engine.request import Request, Status
 from runtime.engine.sampler import SampleOutput
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.kvcache.page_pool import PagePool
+from runtime.kvcache.prefix_cache import PrefixCache
 from runtime.tokenizer import Tokenizer
 
 
@@ -23,9 +24,12 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, pool: PagePool, tokenizer: Tokenizer, faults: FaultSet = NO_FAULTS) -> None:
+    def __init__(self, cfg: EngineConfig, pool: PagePool, tokenizer: Tokenizer, faults: FaultSet = NO_FAULTS,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
+        # Finished requests' KV pages for later prompts with the same start (None: off; Engine decides).
+        self.prefix_cache = prefix_cache
         self.faults = faults
         self.tokenizer = tokenizer
         self.waiting: deque[Request] = deque()
@@ -46,6 +50,7 @@ class Scheduler:
         # Preempted since the last plan: the next plan lists them, so every runner (and TP rank)
         # drops their page tables, whether the preemption made room in `schedule` or came between steps.
         self._preempted: list[str] = []
+        self._copies: list[tuple[int, int]] = []  # this plan's (cached page, request page) KV copies
         self._arrivals = 0
 
     # ---- intake -------------------------------------------------------------------------------
@@ -116,7 +121,16 @@ class Scheduler:
         for ext in decode + prefill:
             self.in_flight[ext.rid] = self.in_flight.get(ext.rid, 0) + 1
         preempted, self._preempted = self._preempted, []
-        return StepPlan(self.step, tuple(prefill), tuple(decode), tuple(aborted), tuple(preempted))
+        copies, self._copies = self._copies, []
+        if self.prefix_cache is not None:
+            self.prefix_cache.unpin()  # the plan's copies read the matched pages before anything else runs
+        return StepPlan(self.step, tuple(prefill), tuple(decode), tuple(aborted), tuple(preempted), tuple(copies))
+
+    def _make_room(self, num_pages: int) -> bool:
+        """Whether `num_pages` can be allocated, evicting cached pages first if that makes room."""
+        if self.pool.can_allocate(num_pages):
+            return True
+        return self.prefix_cache is not None and self.prefix_cache.make_room(num_pages)
 
     def _apply_aborts(self) -> list[str]:
         aborted = []
@@ -147,7 +161,7 @@ class Scheduler:
                 continue  # the in-flight token finishes it by length: no extra decode
             needed = -(-length // page_size) - len(req.pages)
             if needed > 0:
-                while not self.pool.can_allocate(needed):
+                while not self._make_room(needed):
                     victim = self.running[-1]
                     self._preempt(victim)
                     if victim is req:
@@ -167,19 +181,45 @@ class Scheduler:
             req = self.waiting[0]
             if self.in_flight.get(req.rid):
                 break  # preempted with a token in flight: recompute once that token has landed
-            num_new = req.total_len  # after a preemption the whole sequence is recomputed
-            pages = self.pool.pages_for_tokens(num_new)
-            if num_new > budget or not self.pool.can_allocate(pages):
+            total = req.total_len  # after a preemption the whole sequence is recomputed
+            pages = self.pool.pages_for_tokens(total)
+            matched = self._match_prefix(req)
+            while matched and self.prefix_cache is not None and not self._make_room(pages):
+                # Its own pages and the matched ones (pinned until their copies ran) do not fit together
+                # (a long context in a small pool): shorten the match, so eviction may take its tail too.
+                self.prefix_cache.release(matched[-1:])
+                matched.pop()
+            start = len(matched) * self.pool.page_size
+            if total - start > budget or not self._make_room(pages):
                 break
             self.waiting.popleft()
             req.pages = self.pool.allocate(req.rid, pages)
             req.status = Status.RUNNING
             req.num_computed = 0
             self.running.append(req)
-            budget -= num_new
-            prefill.append(Extend(req.rid, 0, num_new, 0, tuple(req.pages)))
+            budget -= total - start
+            if self.prefix_cache is not None:
+                self._copies += self._copy_matched(matched, req.pages)
+                self.prefix_cache.hit_tokens += start
+                self.prefix_cache.lookup_tokens += total
+            prefill.append(Extend(req.rid, start, total - start, 0, tuple(req.pages)))
             req.pages_planned = len(req.pages)
         return prefill
+
+    def _match_prefix(self, req: Request) -> list:
+        """The cached pages a waiting request's ids start with, leaving at least one token to compute
+        (its logits are the next token's)."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(req.all_ids, (req.total_len - 1) // self.pool.page_size)
+
+    def _copy_matched(self, matched: list, pages: list[int]) -> list[tuple[int, int]]:
+        copies = [(entry.page, page) for entry, page in zip(matched, pages)]
+        if len(copies) > 1 and self.faults.enabled("prefix-cache-stale-page"):
+            # The bug: the last matched page's KV is copied from the page before it (an off-by-one
+            # walk of the chain), so the request attends over the wrong tokens' KV there.
+            copies[-1] = (copies[-2][0], copies[-1][1])
+        return copies
 
     def _preempt(self, req: Request) -> None:
         """Retract a running request: free its pages and queue it first for recomputation."""
@@ -250,6 +290,12 @@ class Scheduler:
             self.waiting.remove(req)
         if req.keep_pages and reason != "abort" and req.status is Status.RUNNING:
             pass  # PD prefill: the pages stay the request's (with its KV) until its owner frees them
+        elif (self.prefix_cache is not None and reason != "abort" and req.status is Status.RUNNING
+              and self.pool.pages_held(req.rid) == len(req.pages)):  # (not under the kv-slot-reuse fault's aliases)
+            # Its full pages with final KV (positions [0, num_computed): not the last sampled token) go
+            # to the cache; the rest (the partial last page, pages the cache already holds) are freed.
+            self.pool.free(req.rid, self.prefix_cache.insert(req.rid, req.all_ids[:req.num_computed], req.pages))
+            req.pages = []
         else:
             # The `abort-leak` fault forgets an aborted request's pages: the pool never gets them back.
             if req.pages and not (reason == "abort" and self.faults.enabled("abort-leak")):

@@ -4,8 +4,15 @@ Batch invariance (a row's result never depends on which rows share the batch) is
 batched-vs-solo, eager-vs-graph and concurrent-vs-alone comparisons exact. BLAS picks different
 blocking for different row counts, so a plain `x @ w.T` changes a row's last bits when the batch
 grows. Here every matmul runs on fixed-size row tiles, so each row always goes through a call of
-the same shape; attention and the indexer run per request, whose shapes depend only on that
-request. Shapes as in reference.py.
+the same shape.
+
+Segment invariance is the same property along the sequence: a row's bits never depend on which
+segment of its request computed it (a prompt prefilled in one extend or in several, a preemption
+recompute, a prefix-cache hit that starts the prefill mid-prompt). So no reduction may run over
+"the segment's context": each indexer score is one element of a matmul of one fixed shape (row
+and key tiles), and attention runs over a fixed width of gathered positions (window + top-k),
+never over the context length with later positions masked (whose padding moved the softmax sum's
+and probs @ latent's last bits with the segment's end). Shapes as in reference.py.
 """
 
 from __future__ import annotations
@@ -79,10 +86,42 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    # q: [T, HI, DI], head_weights: [T, HI], keys: [L, DI] -> [T, L]
-    per_head = torch.relu(torch.einsum("thd,ld->thl", q, keys))
-    return (per_head * head_weights[:, :, None]).sum(1)
+# Indexer tiles: every score is one element of an [INDEX_ROW_TILE * HI, DI] @ [DI, KEY_TILE] matmul
+# whose keys start at a multiple of KEY_TILE, whatever the segment (the last tiles zero-padded).
+INDEX_ROW_TILE = 8
+KEY_TILE = 256
+
+
+def indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    # q: [T, HI, DI], head_weights: [T, HI], keys: [L, DI], positions: [T] -> [T, L]
+    """score[i, t] = sum_h w[i, h] * relu(q[i, h] . k[t]) for t <= positions[i]; later columns are 0
+    (never read: selection ranks only positions <= p - window). Tiled so each score's bits depend on
+    its query and key only: one fixed-shape matmul call per (row tile, key tile), the head sum
+    elementwise in head order (a reduction kernel could pick its order by the tensor's shape)."""
+    num_queries, heads, dim = q.shape
+    length = keys.shape[0]
+    rows = -(-num_queries // INDEX_ROW_TILE) * INDEX_ROW_TILE
+    cols = -(-length // KEY_TILE) * KEY_TILE
+    # Fresh padded buffers: every tile starts at the same alignment, whatever slice the caller passed.
+    q_tiles = q.new_zeros(rows, heads, dim)
+    q_tiles[:num_queries] = q
+    w_tiles = head_weights.new_zeros(rows, heads)
+    w_tiles[:num_queries] = head_weights
+    key_tiles = keys.new_zeros(cols, dim)
+    key_tiles[:length] = keys
+    out = q.new_zeros(rows, cols)
+    for r in range(0, num_queries, INDEX_ROW_TILE):
+        q_rows = q_tiles[r:r + INDEX_ROW_TILE].view(INDEX_ROW_TILE * heads, dim)
+        w_rows = w_tiles[r:r + INDEX_ROW_TILE]
+        needed = int(positions[r:r + INDEX_ROW_TILE].max()) + 1
+        for c in range(0, needed, KEY_TILE):
+            per_head = torch.relu(torch.mm(q_rows, key_tiles[c:c + KEY_TILE].t())).view(INDEX_ROW_TILE, heads, KEY_TILE)
+            score = per_head[:, 0] * w_rows[:, 0:1]
+            for h in range(1, heads):
+                score = score + per_head[:, h] * w_rows[:, h:h + 1]
+            out[r:r + INDEX_ROW_TILE, c:c + KEY_TILE] = score
+    return out[:num_queries, :length]
 
 
 def selection_mask(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int) -> torch.Tensor:
@@ -108,13 +147,26 @@ def selection_mask(scores: torch.Tensor, positions: torch.Tensor, window: int, t
     return in_window | above | earliest_tied
 
 
-def sparse_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, latent_dim: int,
-                     scale: float) -> torch.Tensor:
-    # q: [T, H, C+R], kv: [L, C+R], mask: [T, L] -> [T, H, C]
-    scores = torch.einsum("thd,ld->thl", q, kv) * scale
-    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("thl,lc->thc", probs, kv[:, :latent_dim])
+def gathered_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, latent_dim: int,
+                       scale: float) -> torch.Tensor:
+    # q: [T, H, C+R], kv: [T, W, C+R] each row's selected positions gathered (W = window + top-k),
+    # valid: [T, W] -> [T, H, C]
+    """Latent MQA over gathered positions: softmax and probs @ latent reduce over the fixed width W
+    (invalid columns at -inf), in batched matmuls of ROW_TILE rows, so a row's bits depend only on
+    its query and its selected KV, never on its batch or segment."""
+    num_rows = q.shape[0]
+    padded = -(-num_rows // ROW_TILE) * ROW_TILE
+    out = q.new_empty(padded, q.shape[1], latent_dim)
+    if padded != num_rows:  # padded rows are all invalid: NaN rows, cut off below
+        q = torch.cat([q, q.new_zeros(padded - num_rows, *q.shape[1:])])
+        kv = torch.cat([kv, kv.new_zeros(padded - num_rows, *kv.shape[1:])])
+        valid = torch.cat([valid, valid.new_zeros(padded - num_rows, valid.shape[1])])
+    for r in range(0, padded, ROW_TILE):
+        rows_kv = kv[r:r + ROW_TILE]
+        scores = torch.bmm(q[r:r + ROW_TILE], rows_kv.transpose(1, 2)) * scale  # [ROW_TILE, H, W]
+        scores = scores.masked_fill(~valid[r:r + ROW_TILE, None, :], float("-inf"))
+        torch.bmm(torch.softmax(scores, dim=-1), rows_kv[:, :, :latent_dim], out=out[r:r + ROW_TILE])
+    return out[:num_rows]
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,

@@ -38,8 +38,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """score[i, t] = sum_h w[i, h] * relu(q[i, h] . k[t]). q: [T, HI, DI], w: [T, HI], keys: [L, DI]."""
+def indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+    """score[i, t] = sum_h w[i, h] * relu(q[i, h] . k[t]). q: [T, HI, DI], w: [T, HI], keys: [L, DI].
+    Every column is scored (`positions`, the queries' positions, bounds what the fast path scores)."""
     q, w, k = q.to(F64), head_weights.to(F64), keys.to(F64)
     out = torch.zeros(q.shape[0], k.shape[0], dtype=F64)
     for i in range(q.shape[0]):
@@ -78,6 +80,19 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, late
     out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=F64)
     for i in range(q.shape[0]):
         keys = kv[mask[i]]  # [S, C+R]
+        probs = torch.softmax(q[i] @ keys.T * scale, dim=-1)  # [H, S]
+        out[i] = probs @ keys[:, :latent_dim]
+    return out
+
+
+def gathered_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, latent_dim: int,
+                       scale: float) -> torch.Tensor:
+    """sparse_attention over each row's selected tokens gathered: q: [T, H, C+R], kv: [T, W, C+R],
+    valid: [T, W] (which gathered columns are selected tokens). Returns [T, H, C]."""
+    q, kv = q.to(F64), kv.to(F64)
+    out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=F64)
+    for i in range(q.shape[0]):
+        keys = kv[i][valid[i]]  # [S, C+R]
         probs = torch.softmax(q[i] @ keys.T * scale, dim=-1)  # [H, S]
         out[i] = probs @ keys[:, :latent_dim]
     return out

@@ -28,3 +28,11 @@ class KVCache:
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.latent[layer, slots], self.index_keys[layer, slots]
+
+    def copy_pages(self, copies: tuple[tuple[int, int], ...], page_size: int) -> None:
+        """KV of each (source page, destination page) pair, every layer: a prefix-cache hit's pages."""
+        offsets = torch.arange(page_size, device=self.latent.device)
+        src = torch.cat([page * page_size + offsets for page, _ in copies])
+        dst = torch.cat([page * page_size + offsets for _, page in copies])
+        self.latent[:, dst] = self.latent[:, src]
+        self.index_keys[:, dst] = self.index_keys[:, src]

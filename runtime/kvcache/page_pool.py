@@ -1,6 +1,7 @@
 """Page allocator with exact accounting and ownership.
 
-Every page is either free or owned by exactly one request. Freeing a page the caller does not own
+Every page is either free or owned by exactly one request (or by the prefix cache, whose owner
+id is `runtime/kvcache/prefix_cache.py`'s CACHE_OWNER). Freeing a page the caller does not own
 (double free) and touching pages after they were freed (use after free) raise instead of silently
 corrupting another request's KV. `pages_in_use` must return to its idle level after every request
 finishes or aborts; tests and the harness check that.
@@ -94,6 +95,24 @@ class PagePool:
             self._aliased.pop(owner, None)
         if not self._held.get(owner, True):
             del self._held[owner]
+
+    def transfer(self, owner: str, new_owner: str, pages: list[int]) -> None:
+        """Hand `owner`'s pages to `new_owner` (a finished request's KV to the prefix cache)."""
+        for page in pages:
+            if self._owner.get(page) != owner:
+                raise UseAfterFreeError(f"{owner} handed over page {page} owned by {self._owner.get(page)!r}")
+        held = self._held.setdefault(new_owner, set())
+        for page in pages:
+            self._owner[page] = new_owner
+            self._held[owner].discard(page)
+            held.add(page)
+        if not self._held.get(owner, True):
+            del self._held[owner]
+        if not held:
+            del self._held[new_owner]
+
+    def pages_held(self, owner: str) -> int:
+        return len(self._held.get(owner, ()))
 
     def check_owned(self, owner: str, pages: Collection[int]) -> None:
         held = self._held.get(owner)

@@ -14,9 +14,6 @@ class Segment:
     start: int
     end: int
     context_slots: torch.Tensor  # [L] KV slots of positions 0..L-1; L = last new position + 1
-    # Whether the forward returns logits for this segment's last row: False for the leading pieces
-    # of a preemption recompute (runtime/engine/model_runner.py `extend_pieces`).
-    emits_logits: bool = True
 
 
 @dataclass(frozen=True)
@@ -33,4 +30,4 @@ class ForwardBatch:
 
     @property
     def last_rows(self) -> torch.Tensor:
-        return torch.tensor([s.end - 1 for s in self.segments if s.emits_logits], dtype=torch.long)
+        return torch.tensor([s.end - 1 for s in self.segments], dtype=torch.long)

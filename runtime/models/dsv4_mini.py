@@ -33,6 +33,22 @@ class Workspace:
     def __init__(self) -> None:
         self.hidden: torch.Tensor | None = None  # [T, D] normed input of the current layer
         self.selection: list[torch.Tensor] = []  # per segment [n_new, L] bool
+        # Every row's selected tokens for attention: KV slots [T, W] (W = window + top-k, ascending
+        # positions; columns past a row's count hold position 0's slot) and which are selected [T, W].
+        self.selected_slots: torch.Tensor | None = None
+        self.selected_valid: torch.Tensor | None = None
+
+
+def gathered_positions(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A selection mask [T, L] as each row's selected positions in ascending order, [T, width] (0, the
+    always-written first position, past the row's count), and which of them are selected, [T, width]."""
+    counts = mask.sum(-1)
+    assert mask.shape[0] == 0 or int(counts.max()) <= width, "a row selected more tokens than window + top-k"
+    rows, cols = mask.nonzero(as_tuple=True)
+    rank = mask.cumsum(-1)[rows, cols] - 1
+    positions = torch.zeros(mask.shape[0], width, dtype=torch.long)
+    positions[rows, rank] = cols
+    return positions, torch.arange(width)[None, :] < counts[:, None]
 
 
 class DSV4Mini:
@@ -67,8 +83,7 @@ class DSV4Mini:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache, streams: StreamExecutor) -> torch.Tensor:
-        """Writes the new tokens' KV and returns float32 logits [S, V] of the last token of each segment that
-        emits logits (`Segment.emits_logits`)."""
+        """Writes the new tokens' KV and returns float32 logits [S, V] of the last token of each segment."""
         x = self.w["embed.weight"][batch.token_ids]
         for layer in range(self.model_cfg.num_layers):
             x = x + self._attention(layer, x, batch, kv, streams)
@@ -102,10 +117,9 @@ class DSV4Mini:
         out = torch.full((T, self.num_heads, C), float("nan"), dtype=self.dtype)
 
         def attend() -> None:
-            for seg, mask in zip(batch.segments, ws.selection):
-                context = kv.latent[layer, seg.context_slots]
-                out[seg.start:seg.end] = self._cast(
-                    k.sparse_attention(q[seg.start:seg.end], context, mask, C, model_cfg.softmax_scale))
+            # A raced read (stream-race) may find no selection for this batch's rows: they stay NaN.
+            if ws.selected_slots is not None and ws.selected_slots.shape[0] == T:
+                out[:] = self._cast(self._attend(layer, q, batch, kv))
 
         # The `stream-race` fault drops this join: attention may then read the selection before the
         # indexer wrote it (the production bug); the step-end synchronize still drains the stream.
@@ -115,6 +129,12 @@ class DSV4Mini:
                             writes=("attn_out",), fn=attend))
         partial = self._cast(k.linear(out.view(T, self.num_heads * C), self.w[p + "attn.wo.weight"]))
         return self.all_reduce(partial)
+
+    def _attend(self, layer: int, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Every row over its selected tokens, gathered: a fixed width whatever its segment (kernels/cpu.py)."""
+        ws = self.workspace
+        return self.k.gathered_attention(q, kv.latent[layer][ws.selected_slots], ws.selected_valid,
+                                         self.model_cfg.kv_latent_dim, self.model_cfg.softmax_scale)
 
     def _indexer(self, layer: int, batch: ForwardBatch, kv: KVCache) -> None:
         """Lightning indexer: score every earlier token, keep the window plus the top-k."""
@@ -131,13 +151,18 @@ class DSV4Mini:
         # The `indexer-window-off-by-one` fault widens the window by one (`>= pos - window` for `>`):
         # a token too many in every long context, a logit shift too small to flip the greedy token.
         window = model_cfg.sliding_window + self.faults.enabled("indexer-window-off-by-one")
-        selection = []
+        selection, slots, valid = [], [], []
         for seg in batch.segments:
             keys = kv.index_keys[layer, seg.context_slots]
             rows = slice(seg.start, seg.end)
-            scores = k.indexer_scores(q[rows], head_weights[rows], keys)
-            selection.append(k.selection_mask(scores, batch.positions[rows], window, model_cfg.index_topk))
+            scores = k.indexer_scores(q[rows], head_weights[rows], keys, batch.positions[rows])
+            mask = k.selection_mask(scores, batch.positions[rows], window, model_cfg.index_topk)
+            positions, selected = gathered_positions(mask, window + model_cfg.index_topk)
+            selection.append(mask)
+            slots.append(seg.context_slots[positions])
+            valid.append(selected)
         ws.selection = selection
+        ws.selected_slots, ws.selected_valid = torch.cat(slots), torch.cat(valid)
 
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         model_cfg = self.model_cfg

@@ -74,6 +74,7 @@ class EngineBridge:
         # the next step is planned (its requests' KV pages are kept: `submit(keep_pages=True)`).
         self.on_step: Callable[[StepResult], None] | None = None
         self._preemptions = 0  # the scheduler's count the counter last caught up with
+        self._hit_tokens = self._lookup_tokens = 0  # the prefix cache's counts the counters caught up with
         metrics.kv_pages_total.set(engine.pool.num_pages)
 
     # ---- event-loop side ------------------------------------------------------------------------
@@ -227,9 +228,19 @@ class EngineBridge:
         self.metrics.running.set(len(self.engine.scheduler.running))
         self.metrics.waiting.set(len(self.engine.scheduler.waiting))
         self.metrics.kv_pages.set(self.engine.pages_in_use)
+        self._cache_metrics()
         preemptions = self.engine.scheduler.num_preemptions
         self.metrics.preemptions.inc(preemptions - self._preemptions)
         self._preemptions = preemptions
+
+    def _cache_metrics(self) -> None:
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return
+        self.metrics.kv_pages_cached.set(cache.num_pages)
+        self.metrics.prefix_hit_tokens.inc(cache.hit_tokens - self._hit_tokens)
+        self.metrics.prefix_lookup_tokens.inc(cache.lookup_tokens - self._lookup_tokens)
+        self._hit_tokens, self._lookup_tokens = cache.hit_tokens, cache.lookup_tokens
 
     def _mark_traces(self, result: StepResult, started: float) -> None:
         """A traced request's first scheduled step (the overlap loop reports a step's plan with its

@@ -21,7 +21,15 @@ class ServerMetrics:
         self.in_flight = Gauge("dsv4_http_requests_in_flight", "Generation requests holding a concurrency slot",
                                registry=r)
         self.waiting = Gauge("dsv4_waiting_requests", "Requests queued for admission", registry=r)
+        # Held by requests: 0 when idle, what the gate's leak check reads. The prefix cache's pages are
+        # kv_pages_cached (reclaimable: evicted before any allocation fails).
         self.kv_pages = Gauge("dsv4_kv_pages_in_use", "KV-cache pages held by requests", registry=r)
+        self.kv_pages_cached = Gauge("dsv4_kv_pages_cached", "KV-cache pages held by the prefix cache", registry=r)
+        self.prefix_hit_tokens = Counter("dsv4_prefix_cache_hit_tokens",
+                                         "Prefill tokens whose KV was copied from the prefix cache", registry=r)
+        self.prefix_lookup_tokens = Counter("dsv4_prefix_cache_lookup_tokens",
+                                            "Prefill tokens of admitted requests looked up in the prefix cache",
+                                            registry=r)
         self.kv_pages_total = Gauge("dsv4_kv_pages_total", "KV-cache pages in the pool", registry=r)
         # The canary gate reports how often its small-pool run really preempted (canary/workload.py).
         self.preemptions = Counter("dsv4_preemptions", "Running requests preempted to free KV pages", registry=r)

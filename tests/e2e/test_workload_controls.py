@@ -5,6 +5,7 @@ the check that would have missed it is shown missing it.
 - indexer-window-off-by-one keeps every token and moves logprobs: the golden store's logprob check
   fails it while its token comparison (the oracle before this check) passes every request;
 - abort-leak: client aborts leave KV pages behind, and the gate's leak check fails;
+- prefix-cache-stale-page: a cache hit copies one page's KV from the wrong entry; the golden store fails it;
 - a small pool that does not preempt fails `[preemption]`, one that does passes with a count.
 The probes run on every session here (ratios 1.0); their golden keys do not depend on the ratios.
 stop-string-kept ([stop-string]) and shared-sampling-generator ([load-vs-solo] on the seeded probes)
@@ -51,6 +52,14 @@ def test_indexer_off_by_one_fails_on_logprobs_and_passes_on_tokens(tmp_path):
     # The negative control: every token still matches, so the token-only golden check (and every
     # other oracle) passes this run; only the logprob comparison fails it.
     assert tags(outcome.failures) == {"[golden-logprob]"}, outcome.failures
+
+
+def test_prefix_cache_stale_page_fails_the_golden_check(tmp_path):
+    """A later turn's prompt starts with its session's earlier turns, whose cached pages it copies:
+    one of them copied from the wrong cache entry must move the golden transcripts."""
+    outcome = gate(tmp_path, ["prefix-cache-stale-page"], differential_sample=0)
+    assert {"[golden]", "[golden-logprob]"} & tags(outcome.failures), outcome.failures
+    assert outcome.summary["prefix_cache"]["hit_tokens"] > 0
 
 
 def test_abort_leak_fails_the_kv_leak_check_and_aborted_sessions_are_counted(tmp_path):

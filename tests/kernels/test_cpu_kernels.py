@@ -91,9 +91,11 @@ def _indexer_case(seed, length, queries, heads, dim, dup_every):
        topk=st.sampled_from([0, 1, 8, 24]), dup_every=st.sampled_from([0, 3]))
 def test_indexer_selection_matches_reference_tie_aware(seed, length, queries, heads, dim, window, topk, dup_every):
     q, w, keys, positions = _indexer_case(seed, length, queries, heads, dim, dup_every)
-    fast_scores = cpu.indexer_scores(q, w, keys)
+    fast_scores = cpu.indexer_scores(q, w, keys, positions)
     ref_scores = reference.indexer_scores(q, w, keys)
-    assert_close_to_reference(fast_scores, ref_scores, torch.float32, scale=dim ** 0.5 * heads)
+    scored = torch.arange(length)[None, :] <= positions[:, None]  # the fast path scores only these
+    assert_close_to_reference(torch.where(scored, fast_scores, 0), torch.where(scored, ref_scores, 0).float(),
+                              torch.float32, scale=dim ** 0.5 * heads)
     mask = cpu.selection_mask(fast_scores, positions, window, topk)
     cols = torch.arange(length)
     for i, p in enumerate(positions.tolist()):
@@ -116,10 +118,12 @@ def test_selection_breaks_ties_toward_earlier_positions(seed, length, window, to
     assert mask.tolist() == reference.selection_mask(scores.double(), positions, window, topk).tolist()
 
 
-@given(seed=SEEDS, length=st.sampled_from([1, 16, 17, 90]), queries=st.sampled_from([1, 3]),
+@given(seed=SEEDS, length=st.sampled_from([1, 16, 17, 90]), queries=st.sampled_from([1, 3, ROW_TILE + 1]),
        heads=st.sampled_from([1, 4]), latent=st.sampled_from([8, 32]), rope_dim=st.sampled_from([2, 16]),
        scale=st.sampled_from([1.0, 8.0]))
-def test_sparse_attention_matches_reference(seed, length, queries, heads, latent, rope_dim, scale):
+def test_gathered_attention_matches_reference(seed, length, queries, heads, latent, rope_dim, scale):
+    from runtime.models.dsv4_mini import gathered_positions
+
     gen = torch.Generator().manual_seed(seed)
     q = randn(gen, queries, heads, latent + rope_dim, scale=scale)
     kv = randn(gen, length, latent + rope_dim)
@@ -127,10 +131,31 @@ def test_sparse_attention_matches_reference(seed, length, queries, heads, latent
     scores = reference.indexer_scores(randn(gen, queries, 2, 8), randn(gen, queries, 2), randn(gen, length, 8))
     mask = reference.selection_mask(scores, positions, 4, 5)
     softmax_scale = (latent + rope_dim) ** -0.5
-    out = cpu.sparse_attention(q, kv, mask, latent, softmax_scale)
+    selected, valid = gathered_positions(mask, 9)
+    out = cpu.gathered_attention(q, kv[selected], valid, latent, softmax_scale)
     assert out.shape == (queries, heads, latent)
     assert_close_to_reference(out, reference.sparse_attention(q, kv, mask, latent, softmax_scale), torch.float32,
                               scale=scale * 4)
+    assert_batch_invariant(lambda rows: cpu.gathered_attention(q[rows], kv[selected[rows]], valid[rows], latent,
+                                                               softmax_scale), torch.arange(queries))
+
+
+@given(seed=SEEDS, length=st.integers(1, 700), data=st.data())
+def test_indexer_scores_do_not_depend_on_the_segment(seed, length, data):
+    """A query's scores are the same bits whichever segment of the context computed them (the rows
+    before it, the keys after it): one query scored alone over its own causal context, or inside
+    any segment that ends at or after it."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, dim = 4, 32
+    keys = randn(gen, length, dim)
+    q, w = randn(gen, length, heads, dim), randn(gen, length, heads)
+    start = data.draw(st.integers(0, length - 1))
+    end = data.draw(st.integers(start + 1, length))
+    rows = torch.arange(start, end)
+    segment = cpu.indexer_scores(q[start:end], w[start:end], keys[:end], rows)
+    for i in sorted({start, (start + end) // 2, end - 1}):
+        alone = cpu.indexer_scores(q[i:i + 1], w[i:i + 1], keys[:i + 1], torch.tensor([i]))
+        assert torch.equal(segment[i - start, :i + 1], alone[0]), f"query {i} of segment [{start}, {end})"
 
 
 def _moe_case(seed, tokens, hidden, experts, top_k, inter, shared):
@@ -198,3 +223,21 @@ def test_tie_aware_topk_oracle_flags_a_wrong_index():
     worse = torch.tensor([True, False, False, True])
     assert wrong_topk_indices(tie, scores, candidates, 2, tie_tol=1e-6) == []
     assert wrong_topk_indices(worse, scores, candidates, 2, tie_tol=1e-6) == [3]
+
+
+def test_einsum_indexer_scores_depend_on_the_segment():
+    """Negative control for the check above: the indexer before its tiles (one einsum over the
+    segment's rows and context keys, a head-sum reduction) gives some query other bits inside a
+    segment than alone, on hosts whose BLAS blocks by the matrix's size."""
+    def einsum_scores(q, w, keys):
+        return (torch.relu(torch.einsum("thd,ld->thl", q, keys)) * w[:, :, None]).sum(1)
+
+    gen = torch.Generator().manual_seed(0)
+    length = 700
+    keys, q, w = randn(gen, length, 32), randn(gen, length, 4, 32), randn(gen, length, 4)
+    segment = einsum_scores(q, w, keys)
+    differ = [i for i in range(0, length, 7)
+              if not torch.equal(segment[i, :i + 1], einsum_scores(q[i:i + 1], w[i:i + 1], keys[:i + 1])[0])]
+    if not differ:
+        pytest.skip("this host's einsum scores a query alike in any segment")
+    assert differ

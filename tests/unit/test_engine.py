@@ -6,6 +6,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
@@ -157,14 +159,29 @@ def test_preemption_recompute_is_exact(tiny, params):
     assert differing == [], f"preempted requests {differing} differ from their solo runs"
 
 
+def masked_sparse_attention(q, kv, mask, latent_dim, scale):
+    """The attention before the gathered kernel (the negative controls' bug): every row over its
+    segment's whole context [L], later positions masked. Its softmax sum and probs @ latent reduce
+    over L, so a row's last bits depend on where its segment ends (BLAS blocking, SIMD tails).
+    q: [T, H, C+R], kv: [L, C+R], mask: [T, L] -> [T, H, C]."""
+    scores = torch.einsum("thd,ld->thl", q, kv) * scale
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.einsum("thl,lc->thc", torch.softmax(scores, dim=-1), kv[:, :latent_dim])
+
+
+def masked_per_segment_attend(self, layer, q, batch, kv):
+    """`DSV4Mini._attend` as it was: each segment over its context, masked (patched in by the controls)."""
+    C, scale = self.model_cfg.kv_latent_dim, self.model_cfg.softmax_scale
+    return torch.cat([masked_sparse_attention(q[seg.start:seg.end], kv.latent[layer, seg.context_slots], mask, C, scale)
+                      for seg, mask in zip(batch.segments, self.workspace.selection)])
+
+
 def padding_moves_attention(config, lengths, pads=range(1, 49)) -> list[int]:
-    """The context lengths (of `lengths`) at which this CPU's attention gives a row other bits when its
-    context is padded with masked positions: the mechanism of the one-segment recompute bug. It is
-    the host's BLAS blocking and SIMD tail: earlier hosts (and CI runners) showed the bug at 6-40 and
+    """The context lengths (of `lengths`) at which this CPU's masked attention gives a row other bits when
+    its context is padded with masked positions: the mechanism of the segment-length bug. It is the
+    host's BLAS blocking and SIMD tail: earlier hosts (and CI runners) showed the bug at 6-40 and
     at 420-700 positions, the 2026-12-02 AMD EPYC host only between ~200 and ~300 (none at 20-120 or
     420-700), so a control planting that bug can only be expected to fail where this probe finds it."""
-    from runtime.kernels import cpu
-
     gen = torch.Generator().manual_seed(0)
     width = config.kv_latent_dim + config.rope_dim
     found = []
@@ -173,25 +190,23 @@ def padding_moves_attention(config, lengths, pads=range(1, 49)) -> list[int]:
         kv = torch.randn(n + max(pads), width, generator=gen)
         mask = torch.rand(1, n, generator=gen) < 0.5
         mask[0, -1] = True
-        want = cpu.sparse_attention(q, kv[:n], mask, config.kv_latent_dim, config.softmax_scale)
+        want = masked_sparse_attention(q, kv[:n], mask, config.kv_latent_dim, config.softmax_scale)
         for pad in pads:
             padded = torch.cat([mask, torch.zeros(1, pad, dtype=torch.bool)], dim=1)
-            if not torch.equal(cpu.sparse_attention(q, kv[:n + pad], padded, config.kv_latent_dim,
-                                                    config.softmax_scale), want):
+            if not torch.equal(masked_sparse_attention(q, kv[:n + pad], padded, config.kv_latent_dim,
+                                                       config.softmax_scale), want):
                 found.append(n)
                 break
     return found
 
 
 def test_one_segment_recompute_is_caught(tiny, monkeypatch):
-    """Negative control: the recompute run as one segment (the bug before extend_pieces: generated
-    positions then attend over the whole recomputed context, rounded differently) must be caught
-    where this host's attention rounds by the padded length at the context lengths these recomputes
-    use (else the bug is not one here; the canary-model control below covers the oracle at longer
-    contexts)."""
-    import runtime.engine.model_runner as model_runner
-
-    monkeypatch.setattr(model_runner, "extend_pieces", lambda start, end, prompt_len: [(start, end)])
+    """Negative control: the recompute (one segment: prompt + output) with the masked per-segment
+    attention (generated positions then reduce over the whole recomputed context, rounded
+    differently) must be caught where this host's attention rounds by the padded length at the
+    context lengths these recomputes use (else the bug is not one here; the canary-model control
+    below covers the oracle at longer contexts)."""
+    monkeypatch.setattr(DSV4Mini, "_attend", masked_per_segment_attend)
     pairs, _ = preempted_and_solo(tiny, SamplingParams(**RECOMPUTE_PARAMS[0]))
     # A generated row at position p has p + 1 positions of context, padded up to the segment's end.
     lengths = sorted({n for r, _ in pairs for n in range(len(r.prompt_ids) + 1, len(r.prompt_ids) + len(r.output_ids))})
@@ -215,39 +230,105 @@ def forced_preemption_vs_solo(model, prompt, params, preempt_at=(20, 40)):
     return req, solo
 
 
-@pytest.mark.parametrize("one_segment", [False, True], ids=["exact", "one-segment-bug"])
-def test_canary_model_recompute_of_a_long_context_is_exact(canary_model, monkeypatch, one_segment):
+@pytest.mark.parametrize("masked", [False, True], ids=["exact", "masked-attention-bug"])
+def test_canary_model_recompute_of_a_long_context_is_exact(canary_model, monkeypatch, masked):
     """The gate's finding (docs/results.md): on the canary model a preempted request recomputed as one
-    segment moved its logprobs by ~1e-5 once its context passed ~256 tokens (attention reduces over
-    the segment's whole context). Exact with extend_pieces at every length; the one-segment bug is the
-    negative control, caught at a length where this host's attention rounds by the padded length."""
-    import runtime.engine.model_runner as model_runner
+    segment moved its logprobs by ~1e-5 once its context passed ~256 tokens (masked attention reduced
+    over the segment's whole context). Exact with the gathered attention at every length; the masked
+    attention is the negative control, caught at a length where this host's attention rounds by the
+    padded length."""
     from runtime.models.loader import load_model
 
     model = load_model(canary_model)
     lengths = (256, 420, 700)
-    if one_segment:
+    if masked:
         if not padding_moves_attention(model.config, lengths):
             pytest.skip(f"this CPU's attention rounds a row alike however far its context is padded at {lengths}: "
                         "the one-segment recompute is exact here (padding_moves_attention)")
-        monkeypatch.setattr(model_runner, "extend_pieces", lambda start, end, prompt_len: [(start, end)])
+        monkeypatch.setattr(DSV4Mini, "_attend", masked_per_segment_attend)
     context = sum(draw_prompts(model.config, 12, seed=3), [])
     assert len(context) >= max(lengths)
     params = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=True, top_logprobs=5)
     differ = [n for n in lengths if bits_differ(*forced_preemption_vs_solo(model, context[:n], params))]
-    if one_segment:
-        assert differ, "the one-segment recompute went unnoticed at every length"
+    if masked:
+        assert differ, "the masked attention's recompute went unnoticed at every length"
     else:
         assert differ == [], differ
 
 
-def test_extend_pieces_cut_at_the_prompt_and_every_generated_position():
-    from runtime.engine.model_runner import extend_pieces
+def prefill_in_segments(model, prompt, cuts, page_size=8):
+    """Prefill `prompt` through the eager runner in one extend per piece between `cuts`; returns the logits
+    of each piece's last row and every layer's latent and index-key rows of the prompt, in position order."""
+    from runtime.engine.model_runner import ModelRunner
+    from runtime.engine.plan import Extend, StepPlan
+    from runtime.engine.request import Request
+    from runtime.kvcache.page_pool import PagePool
 
-    assert extend_pieces(0, 6, 6) == [(0, 6)]  # a prefill: one segment
-    assert extend_pieces(8, 9, 6) == [(8, 9)]  # a decode: one row
-    assert extend_pieces(0, 9, 6) == [(0, 6), (6, 7), (7, 8), (8, 9)]  # a recompute
-    assert extend_pieces(0, 7, 6) == [(0, 6), (6, 7)]  # preempted right after its prefill
+    cfg = EngineConfig(num_pages=-(-len(prompt) // page_size), page_size=page_size)
+    pool = PagePool(cfg.num_pages, cfg.page_size)
+    net = DSV4Mini(model.config, model.weights, cpu)
+    runner = ModelRunner(net, KVCache(model.config, cfg, torch.float32), pool, InOrderExecutor())
+    pages = tuple(pool.allocate("r", cfg.num_pages))
+    requests = {"r": Request("r", prompt, SamplingParams())}
+    logits = []
+    bounds = [0, *cuts, len(prompt)]
+    for step, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        # The first piece carries every page; later ones continue the table.
+        first_page, new_pages = (0, pages) if start == 0 else (len(pages), ())
+        ext = Extend("r", start, end - start, first_page, new_pages)
+        logits.append(net.forward(runner.build_batch(StepPlan(step, (ext,), ()), requests), runner.kv,
+                                  runner.streams)[0])
+    slots = runner.slots_for(runner.tables.pages("r"), 0, len(prompt))
+    return logits, runner.kv.latent[:, slots], runner.kv.index_keys[:, slots]
+
+
+def segment_bits_differ(model, prompt, cuts) -> list[str]:
+    """Where `prompt` prefilled in pieces at `cuts` differs from the one-extend prefills of each piece's prefix."""
+    logits, latent, index_keys = prefill_in_segments(model, prompt, cuts)
+    whole_logits, whole_latent, whole_index_keys = prefill_in_segments(model, prompt, [])
+    differ = [f"KV {name}" for name, a, b in (("latent", latent, whole_latent), ("index keys", index_keys,
+                                                                                  whole_index_keys))
+              if not torch.equal(a, b)]
+    for end, got in zip([*cuts, len(prompt)], logits):
+        want = whole_logits[0] if end == len(prompt) else prefill_in_segments(model, prompt[:end], [])[0][0]
+        if not torch.equal(got, want):
+            differ.append(f"logits at {end}")
+    return differ
+
+
+@st.composite
+def prompt_and_cuts(draw, vocab_size):
+    length = draw(st.integers(2, 320))
+    cuts = draw(st.lists(st.integers(1, length - 1), min_size=1, max_size=5, unique=True))
+    seed = draw(st.integers(0, 2 ** 16))
+    prompt = torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return prompt, sorted(cuts)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=prompt_and_cuts(vocab_size=320))
+@example(case=(list(range(1, 301)), [1, 150, 299]))
+def test_prefill_split_anywhere_equals_one_extend_bit_for_bit(tiny, case):
+    """Segment invariance: a prompt prefilled in one extend or in several (a prefix-cache hit starts the
+    prefill mid-prompt, a preemption recompute covers prompt + output) gives every position the same
+    KV (every layer's latent and index keys) and every piece's last row the same logits, bit for bit."""
+    prompt, cuts = case
+    assert segment_bits_differ(tiny, prompt, cuts) == []
+
+
+def test_masked_per_segment_attention_fails_the_split_prefill_check(tiny, canary_model, monkeypatch):
+    """Negative control: the masked per-segment attention (a row reduces over its segment's whole
+    context) must break the split-prefill equality at a length where this host's masked attention
+    rounds by the padded length."""
+    from runtime.models.loader import load_model
+
+    monkeypatch.setattr(DSV4Mini, "_attend", masked_per_segment_attend)
+    model = load_model(canary_model)
+    context = sum(draw_prompts(model.config, 12, seed=3), [])
+    lengths = [n for n in (256, 300, 420, 700) if padding_moves_attention(model.config, [n - 64], pads=range(1, 65))]
+    if not lengths:
+        pytest.skip("this CPU's masked attention rounds a row alike however far its context is padded")
+    assert any(segment_bits_differ(model, context[:n], [n - 64]) for n in lengths)
 
 
 def test_requests_that_can_never_fit_are_rejected(tiny):

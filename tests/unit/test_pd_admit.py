@@ -22,8 +22,9 @@ PAGE = 4
 
 
 def engine(tiny, overlap: bool, **cfg) -> Engine:
-    return Engine(tiny, EngineConfig(page_size=PAGE, num_pages=128, **cfg), faults=FaultSet(), env=Env(),
-                  overlap=overlap)
+    # Without the prefix cache, as runtime.serve runs both PD sides (Engine.admit_prefilled refuses it).
+    return Engine(tiny, EngineConfig(page_size=PAGE, num_pages=128, prefix_cache=False, **cfg), faults=FaultSet(),
+                  env=Env(), overlap=overlap)
 
 
 def handed_over(prefill: Engine, decode: Engine, prompt: list[int], params: SamplingParams, rid: str,

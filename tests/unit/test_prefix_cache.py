@@ -1,0 +1,239 @@
+"""The prefix cache: hits give the bits of a full prefill, evict before preempting, and leak nothing.
+
+Each check has its negative control: the `prefix-cache-stale-page` fault (one matched page copied
+from the wrong cache entry) must break the on-vs-off equality.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from runtime.config import EngineConfig
+from runtime.engine.engine import Engine
+from runtime.engine.request import SamplingParams
+from runtime.env import Env
+from runtime.faults import FaultSet
+from runtime.kvcache.prefix_cache import CACHE_OWNER
+from runtime.workload import draw_prompts
+
+pytestmark = pytest.mark.unit
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
+
+
+def make_engine(model, prefix_cache, faults=(), overlap=False, **cfg) -> Engine:
+    cfg = {"page_size": 4, "num_pages": 256, **cfg}
+    return Engine(model, EngineConfig(prefix_cache=prefix_cache, **cfg), faults=FaultSet(faults), env=Env(),
+                  overlap=overlap)
+
+
+def transcript(req):
+    return req.output_ids, req.output_logprobs, req.output_top_logprobs
+
+
+def converse(engine: Engine, sessions: int = 4, turns: int = 4, seed: int = 5, aborts: dict | None = None):
+    """Multi-turn sessions, all sessions' turn t batched together: each turn's prompt is the session's
+    whole conversation so far (earlier prompts and replies) plus a new user message. `aborts` maps
+    (session, turn) to the step count after which that request is aborted."""
+    config = engine.loaded.config
+    messages = draw_prompts(config, sessions * turns, seed=seed, token_limit=60)
+    history = [[] for _ in range(sessions)]
+    results = []
+    for turn in range(turns):
+        prompts = [history[s] + messages[s * turns + turn] for s in range(sessions)]
+        params = [SamplingParams(**{**GREEDY.__dict__, "temperature": float(s % 2), "seed": 100 * s + turn})
+                  for s in range(sessions)]
+        rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+            for (s, t), at in (aborts or {}).items():
+                if t == turn and steps == at:
+                    engine.abort(rids[s])
+        reqs = [engine.scheduler.requests[rid] for rid in rids]
+        results.append([transcript(r) for r in reqs])
+        for s, req in enumerate(reqs):
+            history[s] = prompts[s] + req.output_ids
+    return results
+
+
+def assert_idle(engine: Engine) -> None:
+    assert engine.pages_in_use == 0, "request-held pages left after the run"
+    cache = engine.prefix_cache
+    cached = cache.num_pages if cache is not None else 0
+    assert engine.pool.pages_held(CACHE_OWNER) == cached == engine.pages_cached
+    assert engine.pool.free_pages + cached == engine.pool.num_pages
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_multi_turn_with_cache_equals_without_bit_for_bit(tiny, overlap):
+    on = make_engine(tiny, True, overlap=overlap)
+    with_cache = converse(on)
+    off = make_engine(tiny, False, overlap=overlap)
+    assert off.prefix_cache is None
+    assert with_cache == converse(off), "a prefix-cache hit changed a token or logprob"
+    cache = on.prefix_cache
+    assert cache.hit_tokens > cache.lookup_tokens / 3, (cache.hit_tokens, cache.lookup_tokens)
+    assert_idle(on)
+    assert_idle(off)
+
+
+def test_stale_page_fault_breaks_the_equality(tiny):
+    """Negative control: one matched page copied from the entry before it must be caught."""
+    faulty = converse(make_engine(tiny, True, faults=["prefix-cache-stale-page"]))
+    assert faulty != converse(make_engine(tiny, False))
+
+
+def test_cache_is_on_by_default_only_where_proven(tiny):
+    assert Engine(tiny, EngineConfig(), env=Env()).prefix_cache is not None  # the eager CPU runner
+    assert Engine(tiny, EngineConfig(runner="static"), env=Env()).prefix_cache is None
+    assert Engine(tiny, EngineConfig(), env=Env(reference_kernels=True)).prefix_cache is None
+    with pytest.raises(ValueError, match="prefix_cache"):
+        EngineConfig(runner="static", prefix_cache=True)
+    with pytest.raises(ValueError, match="prefix cache"):
+        Engine(tiny, EngineConfig(prefix_cache=True), env=Env(reference_kernels=True))
+
+
+def test_serve_turns_the_cache_off_under_pd_and_tp_and_refuses_it_there():
+    from runtime.serve import prefix_cache
+
+    def args(**kw):
+        return argparse.Namespace(**{"disaggregation_mode": None, "tp": 1, "prefix_cache": None, **kw})
+
+    assert prefix_cache(args()) is None  # the engine decides: on for the eager CPU runner
+    assert prefix_cache(args(prefix_cache=False)) is False
+    for mode in ({"disaggregation_mode": "decode"}, {"disaggregation_mode": "prefill"}, {"tp": 2}):
+        assert prefix_cache(args(**mode)) is False
+        with pytest.raises(ValueError, match="--prefix-cache"):
+            prefix_cache(args(prefix_cache=True, **mode))
+
+
+def test_eviction_under_a_small_pool_completes_frees_and_evicts_before_preempting(tiny):
+    """A pool far smaller than the conversations' pages: cached pages are reclaimed as new requests
+    need them, every request completes with the bits of the cache-off run, nothing leaks."""
+    small = make_engine(tiny, True, num_pages=100, max_running_requests=4)
+    got = converse(small, sessions=4, turns=5)
+    assert got == converse(make_engine(tiny, False, num_pages=100, max_running_requests=4), sessions=4, turns=5)
+    cache = small.prefix_cache
+    assert cache.evicted_pages > 0, "the pool must be small enough to evict"
+    assert cache.hit_tokens > 0
+    assert_idle(small)
+
+
+def test_a_full_cache_is_evicted_not_a_running_request(tiny):
+    """With every free page cached, a new request's pages come from the cache, not from preempting."""
+    engine = make_engine(tiny, True, num_pages=32, max_running_requests=8)
+    prompts = draw_prompts(tiny.config, 12, seed=9, token_limit=40)
+    for prompt in prompts:  # one at a time: each finished request leaves its pages cached
+        engine.generate([prompt], GREEDY)
+    assert engine.pool.free_pages < 8, "the cache must hold most of the pool"
+    running = engine.scheduler.requests[engine.add_request(prompts[0][:10] * 3, GREEDY)]
+    engine.step()
+    other = engine.add_request(draw_prompts(tiny.config, 1, seed=10, token_limit=40)[0], GREEDY)
+    engine.run_until_done()
+    assert engine.scheduler.num_preemptions == 0 and running.num_preemptions == 0
+    assert engine.scheduler.requests[other].finish_reason == "length"
+    assert engine.prefix_cache.evicted_pages > 0
+    assert_idle(engine)
+
+
+def test_abort_of_requests_with_cache_hits_frees_everything(tiny):
+    engine = make_engine(tiny, True)
+    results = converse(engine, sessions=4, turns=3, aborts={(0, 1): 1, (1, 1): 3, (2, 2): 2, (3, 2): 5})
+    assert engine.prefix_cache.hit_tokens > 0
+    aborted = [r for r in engine.scheduler.requests.values() if r.finish_reason == "abort"]
+    assert len(aborted) == 4
+    assert all(r.pages == [] for r in aborted)
+    assert_idle(engine)
+    assert results  # the sessions went on after their aborted turns
+
+
+def test_preempted_cache_hit_recomputes_exactly_and_frees(tiny):
+    """A request admitted with a cache hit, preempted mid-decode, recomputed (with a hit again), gives
+    the bits of the same request on a cache-off engine."""
+    prompt = draw_prompts(tiny.config, 1, seed=4, token_limit=60)[0]
+    follow_up = prompt + [7, 8, 9, 10, 11]
+    runs = {}
+    for cached in (True, False):
+        engine = make_engine(tiny, cached)
+        first = engine.generate([prompt], GREEDY)[0]
+        req = engine.scheduler.requests[engine.add_request(follow_up + first.output_ids, GREEDY)]
+        while engine.has_work:
+            engine.step()
+            if len(req.output_ids) in (3, 7) and req in engine.scheduler.running:
+                engine.scheduler._preempt(req)
+        assert req.num_preemptions == 2
+        runs[cached] = transcript(req)
+        assert_idle(engine)
+        if cached:
+            assert engine.prefix_cache.hit_tokens >= 3 * (len(prompt) // 4) * 4 - 8
+    assert runs[True] == runs[False]
+
+
+def test_kv_of_a_hit_equals_the_full_prefill(tiny):
+    """The copied pages hold every layer's latent and index keys of the cached request, bit for bit:
+    after a hit, the request's KV equals a cache-off engine's."""
+    prompt = draw_prompts(tiny.config, 1, seed=8, token_limit=60)[0]
+    kv = {}
+    for cached in (True, False):
+        engine = make_engine(tiny, cached)
+        engine.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))
+        req = engine.scheduler.requests[engine.add_request(prompt + [3, 4, 5], SamplingParams(max_tokens=2))]
+        engine.step()  # its prefill
+        slots = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in req.pages])[:len(req.prompt_ids)]
+        kv[cached] = (engine.kv.latent[:, slots].clone(), engine.kv.index_keys[:, slots].clone())
+        if cached:
+            assert engine.prefix_cache.hit_tokens > 0
+        engine.run_until_done()
+    assert all(torch.equal(a, b) for a, b in zip(kv[True], kv[False]))
+
+
+def test_a_match_that_cannot_fit_beside_its_own_pages_is_given_up(tiny):
+    """A follow-up whose own pages and its matched cached pages exceed the pool (a long conversation in
+    a small pool: the copy needs both at once) is admitted with a shorter match, not left waiting forever."""
+    prompt = torch.randint(0, 200, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = {}
+    for cached in (True, False):
+        engine = make_engine(tiny, cached, num_pages=24)
+        first = engine.generate([prompt], GREEDY)[0]
+        follow_up = engine.scheduler.requests[engine.add_request(prompt + first.output_ids + [1, 2, 3], GREEDY)]
+        engine.run_until_done(max_steps=100)
+        runs[cached] = transcript(follow_up)
+        assert_idle(engine)
+        if cached:
+            assert 0 < engine.prefix_cache.hit_tokens < len(prompt), "the match is shortened, not dropped"
+    assert runs[True] == runs[False]
+
+
+def test_without_eviction_the_full_cache_starves_or_preempts(tiny, monkeypatch):
+    """Negative control for the test above: a cache that never gives pages back (eviction planted
+    off) makes the same requests preempt or never fit."""
+    from runtime.kvcache.prefix_cache import PrefixCache
+
+    monkeypatch.setattr(PrefixCache, "make_room", lambda self, num_pages: self.pool.can_allocate(num_pages))
+    engine = make_engine(tiny, True, num_pages=32, max_running_requests=8)
+    prompts = draw_prompts(tiny.config, 12, seed=9, token_limit=40)
+    try:
+        for prompt in prompts:
+            engine.generate([prompt], GREEDY)
+        engine.add_request(prompts[0][:10] * 3, GREEDY)
+        engine.add_request(draw_prompts(tiny.config, 1, seed=10, token_limit=40)[0], GREEDY)
+        engine.run_until_done(max_steps=200)
+    except RuntimeError as err:  # a request that never fits: the engine spins
+        assert "still busy" in str(err)
+    else:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_abort_leak_with_cache_hits_is_seen_by_the_idle_check(tiny):
+    """Negative control: request-held pages an aborted request keeps (abort-leak) stay visible in
+    `pages_in_use` beside the cache's pages."""
+    engine = make_engine(tiny, True, faults=["abort-leak"])
+    converse(engine, sessions=4, turns=3, aborts={(0, 1): 1, (1, 1): 3, (2, 2): 2, (3, 2): 5})
+    assert engine.prefix_cache.hit_tokens > 0
+    with pytest.raises(AssertionError, match="request-held pages"):
+        assert_idle(engine)
