@@ -316,8 +316,9 @@ def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
 
 def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
     """PREFILL_LAUNCH: passes of more than PREFILL_LAUNCH_ROWS rows run it, shorter passes the
-    deployment's; a caller's argument wins; SMALL_BATCH_LAUNCH likewise at the other end. Its knobs keep a row's bits (the outputs stay the plain
-    launch's), so which launch ran is read from the kernel's launch arguments."""
+    deployment's; a caller's argument wins; SMALL_BATCH_LAUNCH likewise at the other end. Their knobs
+    keep a row's bits (the outputs stay the plain launch's), so which launch ran is read from the
+    kernel's launch arguments."""
     q, cache, slots, _, _ = _attention_case(2, 3, 20, 64, 16, 120, 8, 64, DTYPES[0])
     scale = 80 ** -0.5
     base = dict(num_splits=3, block_s=16, spread=False, merge="registers", rowsum_mma=True)
