@@ -17,13 +17,12 @@ import sys
 import time
 
 # Ctrl-C while the modules below import (torch alone takes a second or more) must still stop the run,
-# but some import on that path swallows a KeyboardInterrupt raised inside it: a `--tp 2` run interrupted
-# 0.6 s after its start ran to the end with rc 0 (tests/unit/test_tp_lifecycle.py). So while they import
-# the interrupt is only noted; `main` delivers it. Only as a program: an importer keeps its own handler.
-_INTERRUPTED: list[int] = []
-_DEFERRING = __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-if _DEFERRING:
-    signal.signal(signal.SIGINT, lambda signum, frame: _INTERRUPTED.append(signum))
+# but importing torch swallows a KeyboardInterrupt raised inside it (runtime/interrupts.py): as a
+# program, the interrupt is only noted while they import, and `main` ends the run if one came. An
+# importer (a test) keeps its own handler.
+from runtime.interrupts import INTERRUPTED_RC, InterruptLatch
+
+_LATCH = InterruptLatch.hold() if __name__ == "__main__" else None
 
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.distributed.tp_engine import start_engine  # noqa: E402
@@ -105,10 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if _DEFERRING:  # the imports are in: Ctrl-C raises again, and one noted meanwhile ends the run now
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if _INTERRUPTED:
-            return 128 + signal.SIGINT
+    if _LATCH is not None and _LATCH.release():  # the imports are in: Ctrl-C raises again
+        return INTERRUPTED_RC
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C does, so the engine's shutdown stops the worker ranks.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

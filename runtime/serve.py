@@ -16,8 +16,15 @@ import logging
 import sys
 from pathlib import Path
 
-from runtime.config import EngineConfig
-from runtime.faults import KNOWN_FAULTS, FaultSet, UnknownFaultError
+from runtime.interrupts import INTERRUPTED_RC, InterruptLatch
+
+# Ctrl-C while torch and the server import is noted, not lost (runtime/interrupts.py): a signal that
+# landed in torch's import of numpy was swallowed, and the server started and served on. As a program,
+# the latch holds from here until `main` has every module in.
+_LATCH = InterruptLatch.hold() if __name__ == "__main__" else None
+
+from runtime.config import EngineConfig  # noqa: E402
+from runtime.faults import KNOWN_FAULTS, FaultSet, UnknownFaultError  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from other machines only when asked for
 
@@ -145,17 +152,22 @@ def build_state(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    latch = _LATCH if _LATCH is not None else InterruptLatch.hold()
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    import runtime.distributed.tp_engine  # noqa: F401  (build_state's imports: torch and the engine)
+    import runtime.models.loader  # noqa: F401
+    from runtime.server.app import create_app
+
+    if latch.release():
+        return INTERRUPTED_RC
     try:
         state = build_state(args)
     except (ValueError, FileNotFoundError, UnknownFaultError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    import uvicorn
-
-    from runtime.server.app import create_app
-
     try:
         uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5,
