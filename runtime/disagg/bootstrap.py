@@ -23,26 +23,9 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
+from runtime.disagg.protocol import BootstrapError, BootstrapTimeout, RoomFailed, StaleSessionError
 from runtime.disagg.transfer import PoolDescriptor
 from runtime.faults import NO_FAULTS, FaultSet
-
-
-class BootstrapError(RuntimeError):
-    """A room or session problem, reported to the client (code names the kind)."""
-
-    code = "pd_bootstrap_error"
-
-
-class StaleSessionError(BootstrapError):
-    code = "pd_stale_session"
-
-
-class BootstrapTimeout(BootstrapError):
-    code = "pd_timeout"
-
-
-class RoomFailed(BootstrapError):
-    code = "pd_transfer_failed"
 
 
 @dataclass(frozen=True)
