@@ -208,8 +208,8 @@ class StaticModelRunner:
     def execute(self, plan: StepPlan, requests: dict[str, Request]) -> Mapping[str, SampleOutput]:
         for rid in plan.aborted + plan.preempted:
             self.release(rid)
-        # Its rows' bits are not proven independent of where a prefill starts: Engine never gives it a cache.
-        assert not plan.copies, "the static runner runs without the prefix cache"
+        if plan.copies:  # prefix-cache hits, queued before any row reads (or a new owner overwrites) the cached pages
+            self.kv.copy_pages(plan.copies, self.page_size)
         if plan.empty:
             return {}
         # plan.extends order: prefill rows first, then decode rows (their requests are disjoint), all

@@ -31,8 +31,10 @@ class KVCache:
 
     def copy_pages(self, copies: tuple[tuple[int, int], ...], page_size: int) -> None:
         """KV of each (source page, destination page) pair, every layer: a prefix-cache hit's pages."""
-        offsets = torch.arange(page_size, device=self.latent.device)
-        src = torch.cat([page * page_size + offsets for page, _ in copies])
-        dst = torch.cat([page * page_size + offsets for _, page in copies])
+        # Slots built on the host and moved in one copy: per-page arithmetic on a GPU pool would be a
+        # handful of tiny launches per page on the step's critical path.
+        slots = torch.tensor(copies, dtype=torch.long)[:, :, None] * page_size + torch.arange(page_size)
+        slots = slots.to(self.latent.device)
+        src, dst = slots[:, 0].reshape(-1), slots[:, 1].reshape(-1)
         self.latent[:, dst] = self.latent[:, src]
         self.index_keys[:, dst] = self.index_keys[:, src]
