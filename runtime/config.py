@@ -163,8 +163,8 @@ class EngineConfig:
     # (EngineConfig is in its fingerprint).
     attention_kernel: str = "auto"
     # Prefix cache (runtime/kvcache/prefix_cache.py): None = on where its hits are proven exact (the
-    # eager runner with the fast CPU kernels, no TP, no PD), off elsewhere; True where it cannot be
-    # proven is refused (Engine, runtime/serve.py).
+    # eager runner with the fast CPU kernels; the GPU runner with the Triton kernels; no TP, no PD),
+    # off elsewhere; True where it cannot be proven is refused (Engine, runtime/serve.py).
     prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
@@ -181,9 +181,6 @@ class EngineConfig:
                 object.__setattr__(self, name, "torch" if self.device == "cpu" else "triton")
         if self.runner not in ("auto", "eager", "static"):
             raise ValueError(f"EngineConfig.runner must be auto, eager or static, got {self.runner!r}")
-        if self.prefix_cache and self.static_runner:
-            raise ValueError("EngineConfig.prefix_cache: hits are exact only on the eager CPU runner (a row's bits "
-                             "do not depend on where its prefill starts); the static runner is not proven")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"EngineConfig.device must be cpu or cuda[:N], got {self.device!r}")
 

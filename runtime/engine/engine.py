@@ -106,13 +106,17 @@ class Engine:
         self.slow_step = SlowStep(self.env.slow_step_ms, self.env.slow_step_pct, self.cfg.device)
 
     def _use_prefix_cache(self) -> bool:
-        """The config's choice, or (None) on where hits are proven bit-exact: the eager runner with the
-        fast CPU kernels (segment-invariant), without TP. Refused where it is asked for and not proven."""
-        proven = (self.cfg.device == "cpu" and not self.cfg.static_runner and self.tp is None
-                  and not self.env.reference_kernels)
+        """The config's choice, or (None) on where hits are proven bit-exact, without TP: the eager CPU
+        runner with the fast kernels (segment-invariant: tests/unit/test_prefix_cache.py) and the GPU
+        runner with the Triton kernels (a prompt token's bits do not depend on its prefill chunk:
+        tests/gpu/test_prefix_cache_gpu.py). Refused where it is asked for and not proven."""
+        cpu_proven = self.cfg.device == "cpu" and not self.cfg.static_runner and not self.env.reference_kernels
+        gpu_proven = (self.cfg.device != "cpu" and self.cfg.static_runner
+                      and self.cfg.moe_kernel == self.cfg.attention_kernel == "triton")
+        proven = (cpu_proven or gpu_proven) and self.tp is None
         if self.cfg.prefix_cache and not proven:
             raise ValueError("prefix cache: hits are proven exact only on the eager CPU runner with the fast "
-                             "kernels and without tensor parallelism")
+                             "kernels and on the GPU runner with the Triton kernels, without tensor parallelism")
         return proven if self.cfg.prefix_cache is None else self.cfg.prefix_cache
 
     # ---- requests -----------------------------------------------------------------------------

@@ -611,18 +611,23 @@ def test_matmul_tma_kernel_gives_the_pointer_kernels_bits(seed, rows, shape, spl
 
 
 def test_matmul_tma_ticket_oracle_fails_on_a_stale_counter():
-    """Negative control: counters left armed by an earlier launch (a ticket never re-armed) let a
-    tile's sum run before its last splits stored their partials: the bits test sees it."""
+    """Negative control: counters left armed by an earlier launch (a ticket never re-armed, e.g. after
+    a launch with another split count) mean no program of a tile draws the last ticket, so no one adds
+    its partials: the poisoned output stays and the bits test sees it. (A counter armed only part way,
+    two of four, was caught on the interpreter but not on the H200, where a tile's splits run at once
+    and the early "last" program usually found every partial already stored: a control must not hang
+    on a race.)"""
     gen = torch.Generator().manual_seed(3)
     x, w = randn(gen, 300, 1024, dtype=DTYPES[0]), randn(gen, 72, 1024, scale=1024 ** -0.5, dtype=DTYPES[0])
     counters = ticket_counters(x.device, 1024)
     try:
-        counters.fill_(2)  # two of four splits already "arrived"
-        # First: its partials' buffer must not be one that already holds this product's partials.
-        stale = matmul.matmul(x, w, split_k=4, fused_splits=False, tma=True, ticket=True)
+        counters.fill_(1000)  # far past any split count: no program's ticket is the last one
+        stale = matmul.matmul(x, w, out=poisoned(300, 72, dtype=DTYPES[0]), split_k=4, fused_splits=False,
+                              tma=True, ticket=True)
     finally:
         counters.zero_()
-    good = matmul.matmul(x, w, split_k=4, fused_splits=False, tma=True, ticket=True)
+    good = matmul.matmul(x, w, out=poisoned(300, 72, dtype=DTYPES[0]), split_k=4, fused_splits=False, tma=True,
+                         ticket=True)
     assert torch.equal(good, matmul.matmul(x, w, split_k=4, fused_splits=False, tma=False))
     assert not torch.equal(good, stale)
 

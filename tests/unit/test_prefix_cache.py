@@ -92,8 +92,8 @@ def test_cache_is_on_by_default_only_where_proven(tiny):
     assert Engine(tiny, EngineConfig(), env=Env()).prefix_cache is not None  # the eager CPU runner
     assert Engine(tiny, EngineConfig(runner="static"), env=Env()).prefix_cache is None
     assert Engine(tiny, EngineConfig(), env=Env(reference_kernels=True)).prefix_cache is None
-    with pytest.raises(ValueError, match="prefix_cache"):
-        EngineConfig(runner="static", prefix_cache=True)
+    with pytest.raises(ValueError, match="prefix cache"):
+        Engine(tiny, EngineConfig(runner="static", prefix_cache=True), env=Env())
     with pytest.raises(ValueError, match="prefix cache"):
         Engine(tiny, EngineConfig(prefix_cache=True), env=Env(reference_kernels=True))
 
