@@ -10,13 +10,18 @@ On admission the scheduler matches the longest chain of cached pages a request's
 copies their KV (every layer's latent and index keys) into the request's own pages (`StepPlan.copies`,
 run before the step's forward) and prefills from there. Exact only where a row's bits do not depend
 on where its segment starts (the eager CPU runner: runtime/kernels/cpu.py); `Engine` enables it only
-there. Eviction: least recently used leaf pages first, whenever an allocation would fail, before any
-preemption; pages matched in the step being planned are pinned until the plan is built (its copies
-read them first thing when it runs).
+there (`Engine.prefix_cache_refusal`: colocated or on a PD prefill server, whose finished prompts'
+pages come here once their KV is sent). Eviction: least recently used leaf pages first, whenever an
+allocation would fail, before any preemption; pages matched in the step being planned are pinned
+until the plan is built (its copies read them first thing when it runs). The leaves wait in a heap by
+(last use, node), pushed when a node becomes a leaf or a leaf is used again, so evicting a page is
+O(log N), not a scan of every cached page (quadratic when a big request evicts many); an entry whose
+node has since been used again, grown a child or gone is stale and dropped when it surfaces.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from runtime.kvcache.page_pool import PagePool
@@ -42,6 +47,7 @@ class PrefixCache:
         self._by_key: dict[tuple[int, tuple[int, ...]], CachedPage] = {}
         self._by_node: dict[int, CachedPage] = {}
         self._pinned: dict[int, int] = {}  # node -> matches in the step being planned
+        self._leaves: list[tuple[int, int]] = []  # heap of (last_used, node): eviction candidates, some stale
         self._next_node = ROOT + 1
         self._clock = 0
         self.hit_tokens = 0  # prompt tokens admitted with their KV copied from the cache
@@ -65,6 +71,8 @@ class PrefixCache:
             self._pinned[entry.node] = self._pinned.get(entry.node, 0) + 1
             chain.append(entry)
             parent = entry.node
+        if chain:  # every entry but the chain's last has a child (the next one): only the last may be a leaf
+            self._push_leaf(chain[-1])
         return chain
 
     def release(self, chain: list[CachedPage]) -> None:
@@ -81,7 +89,7 @@ class PrefixCache:
         """Take over `owner`'s full pages of `ids` (KV final) that the cache does not hold yet; returns
         the pages left for the caller to free (the partial last page, pages already cached)."""
         self._clock += 1
-        size, parent, taken = self.page_size, ROOT, []
+        size, parent, taken, entry = self.page_size, ROOT, [], None
         for i in range(len(ids) // size):
             key = (parent, tuple(ids[i * size:(i + 1) * size]))
             entry = self._by_key.get(key)
@@ -95,23 +103,53 @@ class PrefixCache:
                 taken.append(pages[i])
             entry.last_used = self._clock
             parent = entry.node
+        if entry is not None:  # as in `match`: only the chain's last entry may be a leaf
+            self._push_leaf(entry)
         self.pool.transfer(owner, CACHE_OWNER, taken)
         kept = set(taken)
         return [page for page in pages if page not in kept]
 
     def make_room(self, num_pages: int) -> bool:
         """Evict least recently used unpinned leaf pages until the pool can allocate `num_pages`."""
-        while not self.pool.can_allocate(num_pages):
-            leaves = [e for e in self._by_node.values() if not e.children and e.node not in self._pinned]
-            if not leaves:
-                return False
-            self._evict(min(leaves, key=lambda e: e.last_used))
-        return True
+        pinned: list[tuple[int, int]] = []  # pinned leaves met on the way: candidates again after this plan
+        try:
+            while not self.pool.can_allocate(num_pages):
+                entry = self._pop_leaf(pinned)
+                if entry is None:
+                    return False
+                self._evict(entry)
+            return True
+        finally:
+            for item in pinned:
+                heapq.heappush(self._leaves, item)
+
+    def _push_leaf(self, entry: CachedPage) -> None:
+        if entry.children:
+            return
+        heapq.heappush(self._leaves, (entry.last_used, entry.node))
+        if len(self._leaves) > 2 * len(self._by_node) + 64:  # mostly stale: rebuild from the live leaves
+            self._leaves = [(e.last_used, e.node) for e in self._by_node.values() if not e.children]
+            heapq.heapify(self._leaves)
+
+    def _pop_leaf(self, pinned: list[tuple[int, int]]) -> CachedPage | None:
+        """The least recently used unpinned leaf, off the heap (stale entries dropped, pinned ones set aside)."""
+        while self._leaves:
+            item = heapq.heappop(self._leaves)
+            entry = self._by_node.get(item[1])
+            if entry is None or entry.last_used != item[0] or entry.children:
+                continue  # evicted, used again since (a newer entry is in the heap), or no longer a leaf
+            if entry.node in self._pinned:
+                pinned.append(item)
+                continue
+            return entry
+        return None
 
     def _evict(self, entry: CachedPage) -> None:
         del self._by_key[(entry.parent, entry.ids)]
         del self._by_node[entry.node]
         if entry.parent != ROOT:
-            self._by_node[entry.parent].children -= 1
+            parent = self._by_node[entry.parent]
+            parent.children -= 1
+            self._push_leaf(parent)  # its last child gone: a leaf now (a no-op while it has others)
         self.pool.free(CACHE_OWNER, [entry.page])
         self.evicted_pages += 1
