@@ -162,9 +162,10 @@ class EngineConfig:
     # Each kernel choice is a different numerics, so a golden store belongs to one combination
     # (EngineConfig is in its fingerprint).
     attention_kernel: str = "auto"
-    # Prefix cache (runtime/kvcache/prefix_cache.py): None = on where its hits are proven exact (the
-    # eager runner with the fast CPU kernels; the GPU runner with the Triton kernels; no TP, no PD),
-    # off elsewhere; True where it cannot be proven is refused (Engine, runtime/serve.py).
+    # Prefix cache (runtime/kvcache/prefix_cache.py): None = on where it is allowed (hits proven exact:
+    # the eager runner with the fast CPU kernels, the GPU runner with the Triton kernels; no TP; not a
+    # PD decode server: `Engine.prefix_cache_refusal`), off elsewhere; True where it is not allowed is
+    # refused (`Engine.use_prefix_cache`).
     prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:

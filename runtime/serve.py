@@ -86,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "--max-model-len tokens)")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse finished requests' KV pages for prompts that start alike (default: on where hits "
-                             "are proven bit-exact: the eager CPU runner without --tp or PD; asking for it elsewhere "
-                             "is an error)")
+                             "are proven bit-exact - the eager CPU runner, the GPU runner with the Triton kernels - "
+                             "without --tp, colocated or --disaggregation-mode prefill; asking for it elsewhere, a "
+                             "decode server included, is an error)")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -102,19 +103,9 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def prefix_cache(args: argparse.Namespace) -> bool | None:
-    """--prefix-cache as EngineConfig takes it: off under PD (the decode side allocates pages the cache
-    could hold; neither side is proven) and TP (not proven); asked for there, an error."""
-    if args.disaggregation_mode or args.tp > 1:
-        if args.prefix_cache:
-            raise ValueError("--prefix-cache is not supported with --disaggregation-mode or --tp > 1 "
-                             "(its hits are proven exact only on the eager CPU runner of a colocated server)")
-        return False
-    return args.prefix_cache
-
-
 def build_state(args: argparse.Namespace):
     from runtime.distributed.tp_engine import start_engine
+    from runtime.engine.engine import Engine
     from runtime.env import Env
     from runtime.models.loader import load_model
     from runtime.server.app import ServerState
@@ -131,7 +122,9 @@ def build_state(args: argparse.Namespace):
                        page_size=args.page_size, max_running_requests=args.max_running,
                        max_model_len=args.max_model_len,
                        max_prefill_tokens=max(EngineConfig.max_prefill_tokens, args.max_model_len),
-                       prefix_cache=prefix_cache(args))
+                       prefix_cache=args.prefix_cache)
+    # Refused where it is asked for and not allowed (the rule is the Engine's), before any worker rank starts.
+    Engine.use_prefix_cache(cfg, env, tensor_parallel=args.tp > 1, disaggregation=args.disaggregation_mode)
     if args.overlap and args.disable_overlap:
         raise ValueError("--overlap and --disable-overlap contradict each other")
     overlap = args.overlap or (device != "cpu" and not args.disable_overlap)
@@ -140,7 +133,7 @@ def build_state(args: argparse.Namespace):
 
         transfer_mode(args, device)
     engine = start_engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=overlap,
-                          tp=args.tp)
+                          tp=args.tp, disaggregation=args.disaggregation_mode)
     template = ChatTemplate.for_model(Path(loaded.path) if loaded.path else None)
     pd = None
     if args.disaggregation_mode:

@@ -80,8 +80,9 @@ class StepResult:
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig | None = None, faults: FaultSet | None = None,
                  env: Env | None = None, streams: StreamExecutor | None = None, *, overlap: bool = False,
-                 tp_group: TPGroup | None = None) -> None:
+                 tp_group: TPGroup | None = None, disaggregation: str | None = None) -> None:
         self.env = env or Env.load()
+        self.disaggregation = disaggregation  # PD: "prefill" or "decode" (runtime/disagg); None = colocated
         self.cfg = cfg or EngineConfig()
         self.faults = faults if faults is not None else FaultSet.from_env(self.env)
         self.loaded = loaded
@@ -100,24 +101,47 @@ class Engine:
         self.runner = build_runner(loaded.config, weights, self.cfg, self.pool, self.faults, self.env,
                                    all_reduce=all_reduce, streams=streams, overlap=overlap)
         self.model, self.kv, self.streams = self.runner.model, self.runner.kv, self.runner.streams
-        self.prefix_cache = PrefixCache(self.pool) if self._use_prefix_cache() else None
+        use_cache = self.use_prefix_cache(self.cfg, self.env, tensor_parallel=tp_group is not None,
+                                          disaggregation=disaggregation)
+        self.prefix_cache = PrefixCache(self.pool) if use_cache else None
         self.scheduler = Scheduler(self.cfg, self.pool, self.tokenizer, self.faults, self.prefix_cache)
         self._ids = itertools.count()
         self.slow_step = SlowStep(self.env.slow_step_ms, self.env.slow_step_pct, self.cfg.device)
 
-    def _use_prefix_cache(self) -> bool:
-        """The config's choice, or (None) on where hits are proven bit-exact, without TP: the eager CPU
-        runner with the fast kernels (segment-invariant: tests/unit/test_prefix_cache.py) and the GPU
-        runner with the Triton kernels (a prompt token's bits do not depend on its prefill chunk:
-        tests/gpu/test_prefix_cache_gpu.py). Refused where it is asked for and not proven."""
-        cpu_proven = self.cfg.device == "cpu" and not self.cfg.static_runner and not self.env.reference_kernels
-        gpu_proven = (self.cfg.device != "cpu" and self.cfg.static_runner
-                      and self.cfg.moe_kernel == self.cfg.attention_kernel == "triton")
-        proven = (cpu_proven or gpu_proven) and self.tp is None
-        if self.cfg.prefix_cache and not proven:
-            raise ValueError("prefix cache: hits are proven exact only on the eager CPU runner with the fast "
-                             "kernels and on the GPU runner with the Triton kernels, without tensor parallelism")
-        return proven if self.cfg.prefix_cache is None else self.cfg.prefix_cache
+    @staticmethod
+    def prefix_cache_refusal(cfg: EngineConfig, env: Env, *, tensor_parallel: bool = False,
+                             disaggregation: str | None = None) -> str | None:
+        """Why the prefix cache may not run on such an engine; None where its hits are proven bit-exact,
+        colocated or on a PD prefill server, without TP: the eager CPU runner with the fast kernels
+        (segment-invariant: tests/unit/test_prefix_cache.py) and the GPU runner with the Triton kernels
+        (a prompt token's bits do not depend on its prefill chunk: tests/gpu/test_prefix_cache_gpu.py).
+        The one place this rule lives (`use_prefix_cache`, runtime.serve and `admit_prefilled` ask it)."""
+        if disaggregation == "decode":
+            return ("a PD decode server (--disaggregation-mode decode) allocates the pages of the KV it receives "
+                    "itself; no cache may hold them")
+        if tensor_parallel:
+            return "hits are not proven exact under tensor parallelism (--tp > 1)"
+        if cfg.device == "cpu":
+            if cfg.static_runner:
+                return "hits are proven exact on the CPU only with the eager runner (this engine runs the static one)"
+            if env.reference_kernels:
+                return "hits are proven exact on the CPU only with the fast kernels (DSV4_REFERENCE_KERNELS is set)"
+            return None
+        if not cfg.static_runner or not cfg.moe_kernel == cfg.attention_kernel == "triton":
+            runner = "static" if cfg.static_runner else "eager"
+            return (f"hits are proven exact on a GPU only with the static runner and the Triton kernels (this engine: "
+                    f"the {runner} runner, --moe-kernel {cfg.moe_kernel}, --attention-kernel {cfg.attention_kernel})")
+        return None
+
+    @classmethod
+    def use_prefix_cache(cls, cfg: EngineConfig, env: Env, *, tensor_parallel: bool = False,
+                         disaggregation: str | None = None) -> bool:
+        """`cfg.prefix_cache` resolved: None = on where allowed (`prefix_cache_refusal`), False = off,
+        True = on, a ValueError naming the reason where it is not allowed."""
+        refusal = cls.prefix_cache_refusal(cfg, env, tensor_parallel=tensor_parallel, disaggregation=disaggregation)
+        if cfg.prefix_cache and refusal is not None:
+            raise ValueError(f"the prefix cache (--prefix-cache) is refused here: {refusal}")
+        return refusal is None if cfg.prefix_cache is None else cfg.prefix_cache
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, *,
@@ -136,8 +160,9 @@ class Engine:
     def admit_prefilled(self, req: Request) -> str | None:
         """PD decode: take over a request prefilled elsewhere (KV in `req.pages`, first token in
         `output_ids`); returns its finish reason when that token already ended it."""
-        if self.prefix_cache is not None:  # PD decode allocates pages itself: no cache may hold them
-            raise RuntimeError("PD decode runs without the prefix cache (runtime.serve turns it off)")
+        if self.prefix_cache is not None:  # an engine built for decode (`disaggregation="decode"`) has none
+            refusal = self.prefix_cache_refusal(self.cfg, self.env, disaggregation="decode")
+            raise RuntimeError(f"PD decode runs without the prefix cache: {refusal}")
         if self.runner.future is not None:
             self.scheduler.on_promote = self._seed_future
         reason = self.scheduler.admit_prefilled(req)

@@ -6,8 +6,6 @@ from the wrong cache entry) must break the on-vs-off equality.
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
@@ -98,18 +96,46 @@ def test_cache_is_on_by_default_only_where_proven(tiny):
         Engine(tiny, EngineConfig(prefix_cache=True), env=Env(reference_kernels=True))
 
 
-def test_serve_turns_the_cache_off_under_pd_and_tp_and_refuses_it_there():
-    from runtime.serve import prefix_cache
+def test_one_rule_allows_the_cache_on_pd_prefill_and_refuses_it_on_decode_and_tp(tiny):
+    """`Engine.use_prefix_cache` is the rule runtime.serve and the engine both apply: on by default for the
+    eager CPU runner colocated or as a PD prefill server; off by default, and refused by name when asked
+    for, on a PD decode server and under TP."""
+    env = Env()
+    assert Engine.use_prefix_cache(EngineConfig(), env) is True
+    assert Engine.use_prefix_cache(EngineConfig(), env, disaggregation="prefill") is True
+    assert Engine.use_prefix_cache(EngineConfig(prefix_cache=True), env, disaggregation="prefill") is True
+    assert Engine.use_prefix_cache(EngineConfig(prefix_cache=False), env, disaggregation="prefill") is False
+    for where, match in (({"disaggregation": "decode"}, "PD decode server"),
+                         ({"tensor_parallel": True}, "tensor parallelism")):
+        assert Engine.use_prefix_cache(EngineConfig(), env, **where) is False
+        assert Engine.use_prefix_cache(EngineConfig(prefix_cache=False), env, **where) is False
+        with pytest.raises(ValueError, match=f"prefix cache.*refused.*{match}"):
+            Engine.use_prefix_cache(EngineConfig(prefix_cache=True), env, **where)
+    assert Engine(tiny, EngineConfig(), env=env, disaggregation="prefill").prefix_cache is not None
+    assert Engine(tiny, EngineConfig(), env=env, disaggregation="decode").prefix_cache is None
+    with pytest.raises(ValueError, match="PD decode server"):
+        Engine(tiny, EngineConfig(prefix_cache=True), env=env, disaggregation="decode")
 
-    def args(**kw):
-        return argparse.Namespace(**{"disaggregation_mode": None, "tp": 1, "prefix_cache": None, **kw})
 
-    assert prefix_cache(args()) is None  # the engine decides: on for the eager CPU runner
-    assert prefix_cache(args(prefix_cache=False)) is False
-    for mode in ({"disaggregation_mode": "decode"}, {"disaggregation_mode": "prefill"}, {"tp": 2}):
-        assert prefix_cache(args(**mode)) is False
-        with pytest.raises(ValueError, match="--prefix-cache"):
-            prefix_cache(args(prefix_cache=True, **mode))
+def test_serve_refuses_the_cache_on_a_decode_server_by_name(capsys):
+    from runtime.serve import main
+
+    assert main(["--model", "tiny-random", "--disaggregation-mode", "decode", "--prefix-cache"]) == 2
+    error = capsys.readouterr().err
+    assert "--prefix-cache" in error and "PD decode server" in error, error
+    assert main(["--model", "tiny-random", "--tp", "2", "--prefix-cache"]) == 2
+    assert "tensor parallelism" in capsys.readouterr().err
+
+
+def test_admit_prefilled_refuses_an_engine_with_a_cache(tiny):
+    """Negative control of the decode side's guard: an engine built with a cache (not for decode)."""
+    from runtime.engine.request import Request
+
+    engine = make_engine(tiny, True)
+    req = Request("pd", list(range(3, 13)), SamplingParams(max_tokens=3))
+    req.pages, req.output_ids = engine.pool.allocate("pd", 3), [5]
+    with pytest.raises(RuntimeError, match="PD decode server"):
+        engine.admit_prefilled(req)
 
 
 def test_eviction_under_a_small_pool_completes_frees_and_evicts_before_preempting(tiny):
