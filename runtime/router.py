@@ -31,9 +31,13 @@ from runtime.server.trace import NO_TRACE, TRACE_HEADER, Trace, TraceLog
 
 FORWARDED_HEADERS = ("authorization", "content-type", TRACE_HEADER)
 # Upstream samples the router's /metrics sums over the pair (the gate's page-leak and preemption
-# checks read them off the one URL they know), each with the per-upstream series it is listed under.
+# checks and its prefix-cache summary read them off the one URL they know), each with the per-upstream
+# series it is listed under.
 PAIR_SUMS = {"dsv4_kv_pages_in_use": "dsv4_pd_upstream_kv_pages_in_use",
-             "dsv4_preemptions_total": "dsv4_pd_upstream_preemptions_total"}
+             "dsv4_kv_pages_cached": "dsv4_pd_upstream_kv_pages_cached",
+             "dsv4_preemptions_total": "dsv4_pd_upstream_preemptions_total",
+             "dsv4_prefix_cache_hit_tokens_total": "dsv4_pd_upstream_prefix_cache_hit_tokens_total",
+             "dsv4_prefix_cache_lookup_tokens_total": "dsv4_pd_upstream_prefix_cache_lookup_tokens_total"}
 
 
 def _kind(name: str) -> str:
@@ -89,8 +93,9 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """The pair's figures that a gate reads off one server (PAIR_SUMS: KV pages in use, 0 when
-        nothing leaked on either side; preemptions), summed over the upstreams, then each upstream's
-        figure by role; each server's own /metrics has its transfer metrics."""
+        nothing leaked on either side; pages cached; preemptions; prefix-cache hit and lookup tokens),
+        summed over the upstreams, then each upstream's figure by role; each server's own /metrics has
+        its transfer metrics."""
         sums = dict.fromkeys(PAIR_SUMS, 0.0)
         lines: list[str] = []
         for role, urls in (("prefill", prefill), ("decode", decode)):

@@ -5,17 +5,20 @@ server's pool.
 The prompt is computed as soon as the request arrives, whether or not its decode server has opened
 the room yet (its page reservation and the HTTP call that opens the room run meanwhile, off the
 critical path). The engine keeps the finished request's pages (`keep_pages`), so they hold exactly
-this prompt's KV until this side frees them:
+this prompt's KV until this side gives them back - to the prefix cache when it is on (the KV is the
+prompt's, complete and final: a later prompt that starts alike copies it instead of recomputing it; in
+the 80-session PD gate each turn re-sends its whole conversation), else to the pool:
 
 - the pages of a finished prompt are *held* (`Pending.held`, counted in `dsv4_pd_pages_in_flight`)
   and written by a worker thread as soon as its room is open - at once when it already is - then
-  freed on the engine thread. Owned pages: no step can touch them meanwhile, so the engine thread
-  goes on to its next step instead of hashing and writing the KV (on a busy prefill server that
-  thread is the bottleneck of the pair);
+  given back on the engine thread (`_give_back`). Owned pages: no step can touch them meanwhile (nor
+  can eviction: they are not the cache's yet), so the engine thread goes on to its next step instead of
+  hashing and writing the KV (on a busy prefill server that thread is the bottleneck of the pair);
 - the room never opens (deadline), fails, or the caller goes away (timeout, disconnect, cancel):
-  `_release` aborts the prompt if it is still queued or computing, or frees the held pages. Every
-  path ends with the pages back in the pool, whichever of the event loop and the engine thread gets
-  to the request first (`_lock`).
+  `_release` aborts the prompt if it is still queued or computing (the scheduler frees an aborted
+  prompt's pages: its KV may be partial), or gives the held pages back (their KV is complete: they may
+  go to the cache). Every path ends with the pages back in the pool or the cache, whichever of the
+  event loop and the engine thread gets to the request first (`_lock`).
 """
 
 from __future__ import annotations
@@ -49,10 +52,17 @@ log = logging.getLogger(__name__)
 class Held:
     """A finished prompt's KV, kept in its pages until its room opens."""
 
-    pages: list[int]  # the request's pages, owned by it in the pool until freed
-    num_tokens: int  # the prompt's: its KV fills the first pages_for_tokens(num_tokens) pages
+    pages: list[int]  # the request's pages, owned by it in the pool until given back
+    # The ids whose KV the pages hold, final (`all_ids[:num_computed]` as the request finished: the
+    # prompt; the first token has no KV): what keys the pages in the prefix cache.
+    ids: list[int]
     outcome: dict  # what the decode side needs besides the KV and its digest (first token, sampler state)
     trace: Trace = NO_TRACE  # its request's, for the write's marks
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt's: its KV fills the first pages_for_tokens(num_tokens) pages."""
+        return len(self.ids)
 
 
 @dataclass
@@ -205,38 +215,42 @@ class PrefillSide:
             self.registry.complete(room.room, outcome)
             held.trace.mark("room_completed")
         finally:
-            self._free_held(state, rid, held)
+            self._give_back(state, rid, held)
 
     def _release(self, state, rid: str) -> None:
         """Give request `rid` up (idempotent): abort its prompt if it is still queued or computing (the
-        scheduler frees its pages, or `on_step` does if it finishes first), or free its held KV pages."""
+        scheduler frees its pages, or `on_step` gives them back if it finishes first), or give its held
+        KV pages back."""
         with self._lock:
             entry = self.pending.pop(rid, None)
-        if entry is None:  # done already, or its held KV is being written (that write frees the pages)
+        if entry is None:  # done already, or its held KV is being written (that write gives the pages back)
             return
         if entry.held is None:
             state.bridge.abort(rid)
         elif not self.faults.enabled("pd-abort-leak"):  # the fault: a given-up request's held pages leak
-            self._free_held(state, rid, entry.held)
+            self._give_back(state, rid, entry.held)
 
-    def _free_held(self, state, rid: str, held: Held) -> None:
-        def free(engine: Engine) -> None:
-            engine.pool.free(rid, held.pages)
+    def _give_back(self, state, rid: str, held: Held) -> None:
+        """Hand the held pages back on the engine thread (the pool and the cache are its state): their
+        full pages to the prefix cache when it is on (the KV is final whether or not it was sent: no
+        step writes a held page, a failed write only touches the decode side's), the rest freed."""
+        def give_back(engine: Engine) -> None:
+            engine.scheduler.release_pages(rid, held.pages, held.ids)
             self.metrics.pages_in_flight.dec(len(held.pages))
 
-        state.bridge.call(free).add_done_callback(_log_failure)
+        state.bridge.call(give_back).add_done_callback(_log_failure)
 
     # ---- engine thread -----------------------------------------------------------------------------
     def on_step(self, result: StepResult) -> None:
-        """Keep each finished prompt's pages for its room (the write happens off this thread), or free
-        them when nobody will take them."""
+        """Keep each finished prompt's pages for its room (the write happens off this thread), or give
+        them back when nobody will take them."""
         for req in result.finished:
             if not req.keep_pages:
                 continue
             rid = req.rid
             held = None
-            if req.finish_reason != "abort" and req.pages:
-                held = Held(list(req.pages), len(req.prompt_ids), self._outcome(req))
+            if req.finish_reason != "abort" and req.pages:  # finished normally: the scheduler kept the pages
+                held = Held(list(req.pages), req.all_ids[:req.num_computed], self._outcome(req))
             with self._lock:
                 entry = self.pending.get(rid)
                 room = entry.room if entry is not None else None
@@ -249,9 +263,9 @@ class PrefillSide:
                     entry.held = held  # the room is not open yet: keep the KV for it
                 if entry is not None and held is not None:
                     self.metrics.pages_in_flight.inc(len(held.pages))
-            if entry is None:  # given up while it computed: nobody will write its KV
+            if entry is None:  # given up while it computed: nobody will write its KV (complete: it may be cached)
                 if held is not None and not self.faults.enabled("pd-abort-leak"):
-                    self.engine.pool.free(rid, held.pages)
+                    self.engine.scheduler.release_pages(rid, held.pages, held.ids)
             elif held is None:  # aborted, or preempted with its prefill in flight (no KV kept)
                 self.metrics.transfers.labels("failed").inc()
                 error = RoomFailed(f"room {entry.room_id}: the prompt was aborted on the prefill server")
@@ -303,4 +317,4 @@ class PrefillSide:
 
 def _log_failure(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is not None:
-        log.error("freeing held PD pages failed", exc_info=future.exception())
+        log.error("giving back held PD pages failed", exc_info=future.exception())

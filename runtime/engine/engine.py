@@ -147,7 +147,7 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None, *,
                     keep_pages: bool = False) -> str:
         """Queue a request. With `keep_pages` its pages outlive it (`Request.keep_pages`): the caller
-        frees them with `pool.free(rid, req.pages)` once it has used the KV they hold."""
+        gives them back with `scheduler.release_pages(rid, req.pages, ...)` once it has used the KV they hold."""
         if any(not 0 <= t < self.loaded.config.vocab_size for t in prompt_ids):
             raise ValueError("prompt contains token ids outside the vocabulary")
         rid = rid if rid is not None else f"req-{next(self._ids)}"

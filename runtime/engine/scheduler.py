@@ -221,6 +221,16 @@ class Scheduler:
             copies[-1] = (copies[-2][0], copies[-1][1])
         return copies
 
+    def release_pages(self, rid: str, pages: list[int], final_ids: list[int] | None) -> None:
+        """Give back request `rid`'s pages. With `final_ids` (the ids whose KV the pages hold, final: a
+        request that finished normally, `all_ids[:num_computed]` - not its last sampled token, which has
+        no KV) its full pages go to the prefix cache when it is on, and the rest (the partial last page,
+        pages the cache already holds) are freed. None (an abort: the KV may be partial): all freed."""
+        if (final_ids is not None and self.prefix_cache is not None
+                and self.pool.pages_held(rid) == len(pages)):  # (not under the kv-slot-reuse fault's aliases)
+            pages = self.prefix_cache.insert(rid, final_ids, pages)
+        self.pool.free(rid, pages)
+
     def _preempt(self, req: Request) -> None:
         """Retract a running request: free its pages and queue it first for recomputation."""
         self.running.remove(req)
@@ -288,18 +298,13 @@ class Scheduler:
             self.prefilled.remove(req)
         elif req.status is Status.WAITING:  # queued, or preempted while its last token was in flight
             self.waiting.remove(req)
-        if req.keep_pages and reason != "abort" and req.status is Status.RUNNING:
-            pass  # PD prefill: the pages stay the request's (with its KV) until its owner frees them
-        elif (self.prefix_cache is not None and reason != "abort" and req.status is Status.RUNNING
-              and self.pool.pages_held(req.rid) == len(req.pages)):  # (not under the kv-slot-reuse fault's aliases)
-            # Its full pages with final KV (positions [0, num_computed): not the last sampled token) go
-            # to the cache; the rest (the partial last page, pages the cache already holds) are freed.
-            self.pool.free(req.rid, self.prefix_cache.insert(req.rid, req.all_ids[:req.num_computed], req.pages))
-            req.pages = []
+        final = reason != "abort" and req.status is Status.RUNNING  # its KV is complete for [0, num_computed)
+        if req.keep_pages and final:
+            pass  # PD prefill: the pages stay the request's (with its KV) until its owner gives them back
         else:
             # The `abort-leak` fault forgets an aborted request's pages: the pool never gets them back.
             if req.pages and not (reason == "abort" and self.faults.enabled("abort-leak")):
-                self.pool.free(req.rid, req.pages)
+                self.release_pages(req.rid, req.pages, req.all_ids[:req.num_computed] if final else None)
             req.pages = []
         req.pages_planned = 0
         req.status = Status.FINISHED

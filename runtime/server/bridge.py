@@ -147,8 +147,9 @@ class EngineBridge:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                if drained:  # PD commands allocate and free pages outside any step: keep the gauge true
+                if drained:  # PD commands allocate and free (or cache) pages outside any step: keep the gauges true
                     self.metrics.kv_pages.set(self.engine.pages_in_use)
+                    self._cache_metrics()
                 return
             drained = True
             if command[0] == "add":

@@ -162,8 +162,11 @@ def test_decode_side_reuses_one_http_client(servers, monkeypatch):
 
 
 def test_router_metrics_sum_the_pairs_pages_and_preemptions(servers):
-    """The gate reads KV pages and preemptions off the one URL it knows: through the router they
-    must be the pair's sums (an 80-session PD gate once printed "preemptions: not counted")."""
+    """The gate reads KV pages, preemptions and prefix-cache tokens off the one URL it knows: through the
+    router they must be the pair's sums (an 80-session PD gate once printed "preemptions: not counted",
+    and had no "prefix cache" line)."""
+    from runtime.router import PAIR_SUMS
+
     pair, _ = servers
     answer(pair.router, body(PROMPTS[1]))
     wait_pages_free(pair.prefill_state, pair.decode_state)
@@ -173,7 +176,8 @@ def test_router_metrics_sum_the_pairs_pages_and_preemptions(servers):
         assert len(lines) == 1, f"{url}/metrics has {len(lines)} samples of {name}"
         return float(lines[0].split()[1])
 
-    for name in ("dsv4_kv_pages_in_use", "dsv4_preemptions_total"):
+    assert {"dsv4_prefix_cache_hit_tokens_total", "dsv4_prefix_cache_lookup_tokens_total"} <= PAIR_SUMS.keys()
+    for name in PAIR_SUMS:
         assert sample(pair.router, name) == sample(pair.prefill, name) + sample(pair.decode, name)
 
 
@@ -695,3 +699,117 @@ def test_server_shutdown_closes_the_decode_sides_http_client():
         client = pair.decode_state.pd._client[1]
         assert not client.is_closed
     assert client.is_closed and pair.decode_state.pd._client is None
+
+
+# ---- the prefix cache on the prefill server -----------------------------------------------------------
+
+# Two turns of one conversation: the second re-sends the first (prompt and answer) and asks more, as the
+# 80-session gate's turns do. The first turn is long enough that their shared start spans several pages.
+OPENING = "Tell me about the lighthouse keeper and the storm, slowly and in detail. " * 4
+
+
+def conversation(url: str, opening: str = OPENING) -> list[dict]:
+    """Both turns' answers (streamed second turn), the second sent with the first's answer in it."""
+    first = answer(url, body(opening))
+    messages = [{"role": "user", "content": opening}, {"role": "assistant", "content": first["text"]},
+                {"role": "user", "content": "And what happened next?"}]
+    return [first, answer(url, {**body(""), "messages": messages, "stream": True})]
+
+
+def metric(url: str, name: str) -> float:
+    lines = [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(name + " ")]
+    assert len(lines) == 1, f"{url}/metrics has {len(lines)} samples of {name}"
+    return float(lines[0].split()[1])
+
+
+def pages_accounted(state) -> bool:
+    """Every page of the server's pool is free, held by a request or cached: none lost."""
+    engine = state.engine
+    return engine.pool.free_pages + engine.pages_in_use + engine.pages_cached == engine.pool.num_pages
+
+
+def test_a_shared_prefix_hits_the_prefill_servers_cache_and_answers_as_the_colocated_server(servers):
+    pair, colocated = servers
+    assert pair.prefill_state.engine.prefix_cache is not None  # on by default on a prefill server
+    assert pair.decode_state.engine.prefix_cache is None  # never on a decode server
+    hits = "dsv4_prefix_cache_hit_tokens_total"
+    before = metric(pair.prefill, hits), metric(pair.router, hits)
+    got = conversation(pair.router, OPENING + "(pd)")
+    assert metric(pair.prefill, hits) > before[0], "the second turn did not hit the prefill server's cache"
+    assert metric(pair.router, hits) - before[1] == metric(pair.prefill, hits) - before[0]  # the pair's sum
+    assert metric(pair.decode, hits) == 0
+    assert got == conversation(colocated, OPENING + "(pd)")
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert metric(pair.prefill, "dsv4_kv_pages_cached") == pair.prefill_state.engine.pages_cached > 0
+    assert all(pages_accounted(s) for s in (pair.prefill_state, pair.decode_state))
+
+
+def test_a_stale_page_on_the_prefill_servers_cache_is_caught_by_the_equality(servers):
+    """Negative control: with prefix-cache-stale-page on the prefill server (a hit copies one page's KV
+    from the wrong entry) the second turn hits the cache and no longer answers as the colocated server."""
+    _, colocated = servers
+    with pd_pair(prefill_args=("--inject-fault", "prefix-cache-stale-page")) as pair:
+        got = conversation(pair.router, OPENING + "(stale)")
+        assert pair.prefill_state.engine.prefix_cache.hit_tokens > 2 * pair.prefill_state.engine.pool.page_size
+        assert got[0] == conversation(colocated, OPENING + "(stale)")[0]  # the first turn had no hit
+        assert got[1] != conversation(colocated, OPENING + "(stale)")[1]
+
+
+def test_the_decode_server_refuses_the_prefix_cache_by_name():
+    with pytest.raises(ValueError, match=r"--prefix-cache.*refused.*PD decode server"):
+        server_state("--disaggregation-mode", "decode", "--prefix-cache")
+    state = server_state("--disaggregation-mode", "prefill", "--prefix-cache")  # control: allowed on prefill
+    try:
+        assert state.engine.prefix_cache is not None
+    finally:
+        state.engine.shutdown()
+        state.pd.transfer.close()
+
+
+def test_aborts_with_the_cache_on_leave_no_page_on_either_side(servers):
+    """Conversations sharing prefixes, some streams abandoned while decoding, all at once: afterwards no
+    request holds a page on either side (the gate's gauge through the router reads 0), every page is
+    free or cached, and the cache was used."""
+    pair, colocated = servers
+    hits = metric(pair.prefill, "dsv4_prefix_cache_hit_tokens_total")
+
+    def abandoned(prompt: str) -> None:
+        with httpx.stream("POST", f"{pair.router}/v1/chat/completions",
+                          json=body(prompt, stream=True, max_tokens=300), timeout=60) as reply:
+            for n, _line in enumerate(reply.iter_lines()):
+                if n > 3:
+                    break
+
+    async def all_at_once():
+        jobs = [asyncio.to_thread(conversation, pair.router, OPENING + f"(abort {i})") for i in range(3)]
+        jobs += [asyncio.to_thread(abandoned, OPENING + f"(abort {i}) and more") for i in range(3)]
+        return await asyncio.gather(*jobs)
+
+    done = asyncio.run(all_at_once())
+    assert done[0] == conversation(colocated, OPENING + "(abort 0)")
+    assert metric(pair.prefill, "dsv4_prefix_cache_hit_tokens_total") > hits
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert metric(pair.router, "dsv4_kv_pages_in_use") == 0
+    assert all(pages_accounted(s) for s in (pair.prefill_state, pair.decode_state))
+
+
+@pytest.mark.parametrize("faults", [(), ("--inject-fault", "pd-abort-leak")], ids=["clean", "pd-abort-leak"])
+def test_a_given_up_prompts_held_kv_goes_to_the_cache_and_leaks_nothing(faults):
+    """The caller hangs up while a finished prompt's KV is held (no room opened): its KV is complete, so
+    its pages go to the cache, and the same prompt sent again hits it; no page is left held. Negative
+    control: with pd-abort-leak the given-up request's held pages are never given back (seen by the same
+    gauge, beside the cached pages)."""
+    state = server_state("--disaggregation-mode", "prefill", "--disaggregation-timeout", "20", *faults)
+    with serve_state(state) as url:
+        for attempt in range(2):
+            sock = raw_post(url, f"room-held-{attempt}", body(PROMPTS[3]))
+            try:
+                wait_until(lambda: held_requests(state) == 1, what="the prompt's KV held")
+            finally:
+                sock.close()
+            if faults:
+                assert wait_pages_free(state, timeout_s=3) != [0]
+                return
+            assert wait_pages_free(state, timeout_s=10) == [0] and pages_accounted(state)
+            assert state.engine.pages_cached > 0
+        assert state.engine.prefix_cache.hit_tokens > 0  # the second time the prompt came from the cache

@@ -265,6 +265,96 @@ def test_abort_leak_with_cache_hits_is_seen_by_the_idle_check(tiny):
         assert_idle(engine)
 
 
+# ---- PD prefill: a kept request's pages given back to the cache (runtime/disagg/prefill.py) ----------
+
+def prefill_side(engine: Engine):
+    from runtime.disagg.bootstrap import BootstrapRegistry
+    from runtime.disagg.metrics import PDMetrics
+    from runtime.disagg.prefill import PrefillSide
+
+    return PrefillSide(engine, transfer=None, registry=BootstrapRegistry(engine.faults), metrics=PDMetrics(),
+                       timeout_s=5.0)
+
+
+def prefill_kept(engine: Engine, prompt: list[int], rid: str, side=None):
+    """A PD prefill request (one token, pages kept) run to its end; `side` sees every step (`on_step`,
+    with no room waiting for the request: it was given up while it computed)."""
+    engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True), rid=rid, keep_pages=True)
+    while engine.has_work:
+        result = engine.step()
+        if side is not None:
+            side.on_step(result)
+    return engine.scheduler.requests.pop(rid)
+
+
+def follow_up_after_pd_prefill(tiny, cached: bool, length: int):
+    """A PD prefill request of `length` tokens whose KV the prefill side gives back (`on_step`), then a
+    follow-up starting with its prompt and first token: (the follow-up's transcript, the engine)."""
+    prompt = torch.randint(0, 200, (length,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine = make_engine(tiny, cached)
+    done = prefill_kept(engine, prompt, "pd-0", prefill_side(engine))
+    assert done.finish_reason == "length" and done.num_computed == length
+    assert engine.pages_in_use == 0
+    follow_up = engine.scheduler.requests[engine.add_request(prompt + done.output_ids + [9, 8, 7], GREEDY)]
+    engine.run_until_done()
+    assert_idle(engine)
+    return transcript(follow_up), engine
+
+
+@pytest.mark.parametrize("length", [20, 23], ids=["page-aligned", "a-token-short-of-a-page"])
+def test_pd_prefill_caches_the_prompt_pages_only(tiny, length):
+    """A prefill request's KV covers its prompt (num_computed), not its first token: the prefill side
+    caches its pages under the prompt's ids (its full pages), and a follow-up that starts with the prompt
+    and that token hits exactly those pages, with the bits of a cache-off engine. 23 tokens: the first
+    token would complete the last page, whose last slot has no KV."""
+    with_cache, engine = follow_up_after_pd_prefill(tiny, True, length)
+    assert engine.prefix_cache.hit_tokens == length // 4 * 4
+    assert with_cache == follow_up_after_pd_prefill(tiny, False, length)[0]
+
+
+def test_caching_the_first_tokens_uncomputed_kv_is_caught(tiny, monkeypatch):
+    """Negative control of the test above: the prefill side keying the pages by the prompt and its first
+    token (whose KV is never computed there) caches a page with one slot of no KV; the hit on it changes
+    the follow-up's tokens or logprobs."""
+    from runtime.disagg.prefill import Held
+
+    keyed = Held.__init__
+
+    def with_the_first_token(self, pages, ids, outcome, *rest):
+        keyed(self, pages, ids + [outcome["token"]], outcome, *rest)
+
+    monkeypatch.setattr(Held, "__init__", with_the_first_token)
+    with_cache, engine = follow_up_after_pd_prefill(tiny, True, 23)
+    assert engine.prefix_cache.hit_tokens == 24
+    assert with_cache != follow_up_after_pd_prefill(tiny, False, 23)[0]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_pd_prefill_side_caches_a_given_up_requests_complete_kv_and_frees_an_aborted_ones(tiny, overlap):
+    """`PrefillSide.on_step` for requests given up while they computed (no room will take their KV): one
+    aborted before its prefill landed (overlap: with its prefill step in flight, pages taken) is freed
+    by the scheduler, nothing of it cached (its KV may be partial); one that finished has complete KV,
+    which goes to the cache (the control: the same check sees pages cached). Every page is back."""
+    prompt = draw_prompts(tiny.config, 1, seed=11, token_limit=60)[0]
+    engine = make_engine(tiny, True, overlap=overlap)
+    side = prefill_side(engine)
+    engine.add_request(prompt, SamplingParams(max_tokens=1), rid="pd-abort", keep_pages=True)
+    if overlap:
+        side.on_step(engine.step())  # its prefill launched, not processed
+        assert engine.pages_in_use > 0
+    engine.abort("pd-abort")
+    while engine.has_work:
+        side.on_step(engine.step())
+    assert engine.scheduler.requests["pd-abort"].finish_reason == "abort"
+    assert engine.prefix_cache.num_pages == 0 and engine.pages_in_use == 0
+    prefill_kept(engine, prompt, "pd-done", side)
+    assert engine.prefix_cache.num_pages == len(prompt) // 4 > 0
+    assert_idle(engine)
+    prefill_kept(engine, prompt + [1, 2, 3, 4, 5], "pd-again", side)
+    assert engine.prefix_cache.hit_tokens == len(prompt) // 4 * 4
+    assert_idle(engine)
+
+
 # ---- eviction order: the leaf heap evicts exactly what the old scan of every page did ----------------
 
 class ScanEviction:
