@@ -12,7 +12,7 @@ import torch
 from runtime.disagg.transfer import KVTransfer, TransferUnavailable, kv_digest, unavailable_reason
 from runtime.faults import NO_FAULTS, FaultSet
 from tests.e2e.pd_pair import pd_pair, serve_state, server_state
-from tests.e2e.test_pd import PROMPTS, answer, body, wait_pages_free, wait_staging_free
+from tests.e2e.test_pd import OPENING, PROMPTS, answer, body, conversation, metric, wait_pages_free, wait_staging_free
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
@@ -91,3 +91,27 @@ def test_pd_pair_of_gpu_servers_catches_kv_corrupt():
         assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_kv_corrupt", reply.text
         assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
         assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def test_a_shared_prefix_hits_the_gpu_prefill_servers_cache_and_answers_as_the_colocated_gpu_server(gpu_servers):
+    """The prefix cache on a GPU prefill server (static runner, Triton kernels: on by default there): a
+    conversation's second turn copies the first turn's pages from it and still answers as the colocated
+    GPU server, bit for bit."""
+    pair, colocated = gpu_servers
+    assert pair.prefill_state.engine.prefix_cache is not None and pair.decode_state.engine.prefix_cache is None
+    hits = metric(pair.prefill, "dsv4_prefix_cache_hit_tokens_total")
+    got = conversation(pair.router, OPENING + "(gpu)")
+    assert metric(pair.prefill, "dsv4_prefix_cache_hit_tokens_total") > hits
+    assert got == conversation(colocated, OPENING + "(gpu)")
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def test_a_stale_page_on_the_gpu_prefill_servers_cache_is_caught(gpu_servers):
+    """Negative control of the test above: prefix-cache-stale-page on the GPU prefill server."""
+    _, colocated = gpu_servers
+    with pd_pair(prefill_args=(*GPU_SERVER, "--inject-fault", "prefix-cache-stale-page"),
+                 decode_args=GPU_SERVER) as pair:
+        got = conversation(pair.router, OPENING + "(gpu stale)")
+        assert pair.prefill_state.engine.prefix_cache.hit_tokens > 2 * pair.prefill_state.engine.pool.page_size
+        assert got[1] != conversation(colocated, OPENING + "(gpu stale)")[1]
