@@ -32,9 +32,11 @@ class KVCache:
     def copy_pages(self, copies: tuple[tuple[int, int], ...], page_size: int) -> None:
         """KV of each (source page, destination page) pair, every layer: a prefix-cache hit's pages."""
         # Slots built on the host and moved in one copy: per-page arithmetic on a GPU pool would be a
-        # handful of tiny launches per page on the step's critical path.
+        # handful of tiny launches per page on the step's critical path. Pinned, so the copy does not
+        # make the host wait for the GPU's queued work (the overlap loop plans ahead of it).
         slots = torch.tensor(copies, dtype=torch.long)[:, :, None] * page_size + torch.arange(page_size)
-        slots = slots.to(self.latent.device)
+        if self.latent.device.type == "cuda":
+            slots = slots.pin_memory().to(self.latent.device, non_blocking=True)
         src, dst = slots[:, 0].reshape(-1), slots[:, 1].reshape(-1)
         self.latent[:, dst] = self.latent[:, src]
         self.index_keys[:, dst] = self.index_keys[:, src]
