@@ -162,10 +162,11 @@ class EngineConfig:
     # Each kernel choice is a different numerics, so a golden store belongs to one combination
     # (EngineConfig is in its fingerprint).
     attention_kernel: str = "auto"
-    # Prefix cache (runtime/kvcache/prefix_cache.py): None = on where it is allowed (hits proven exact:
-    # the eager runner with the fast CPU kernels, the GPU runner with the Triton kernels; no TP; not a
-    # PD decode server: `Engine.prefix_cache_refusal`), off elsewhere; True where it is not allowed is
-    # refused (`Engine.use_prefix_cache`).
+    # Prefix cache (runtime/kvcache/prefix_cache.py): allowed where hits are proven exact (the eager
+    # runner with the fast CPU kernels, the GPU runner with the Triton kernels; no TP; not a PD decode
+    # server: `Engine.prefix_cache_refusal`). None = on where allowed on the CPU, where it pays; off on
+    # a GPU unless True (measured slower there on the canary: `Engine.use_prefix_cache`). True where it
+    # is not allowed is refused.
     prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:

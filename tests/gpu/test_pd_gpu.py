@@ -19,6 +19,8 @@ pytestmark = [pytest.mark.gpu,
 
 LAYERS, SLOTS, LATENT, INDEX, PAGE = 3, 256, 80, 32, 16
 GPU_SERVER = ("--device", "cuda", "--dtype", "float32")  # the numerics the GPU gate records
+# The prefix cache is exact on a GPU but off by default there (Engine.use_prefix_cache): asked for.
+GPU_PREFILL = (*GPU_SERVER, "--prefix-cache")
 
 
 def cuda_pool(faults: FaultSet = NO_FAULTS, fill: float | None = None) -> KVTransfer:
@@ -65,7 +67,7 @@ def test_direct_transfer_is_refused_on_cuda_pools():
 
 @pytest.fixture(scope="module")
 def gpu_servers():
-    with pd_pair(prefill_args=GPU_SERVER, decode_args=GPU_SERVER) as pair, \
+    with pd_pair(prefill_args=GPU_PREFILL, decode_args=GPU_SERVER) as pair, \
             serve_state(server_state(*GPU_SERVER)) as colocated:
         yield pair, colocated
 
@@ -94,7 +96,7 @@ def test_pd_pair_of_gpu_servers_catches_kv_corrupt():
 
 
 def test_a_shared_prefix_hits_the_gpu_prefill_servers_cache_and_answers_as_the_colocated_gpu_server(gpu_servers):
-    """The prefix cache on a GPU prefill server (static runner, Triton kernels: on by default there): a
+    """The prefix cache on a GPU prefill server (static runner, Triton kernels: asked for there): a
     conversation's second turn copies the first turn's pages from it and still answers as the colocated
     GPU server, bit for bit."""
     pair, colocated = gpu_servers
@@ -110,7 +112,7 @@ def test_a_shared_prefix_hits_the_gpu_prefill_servers_cache_and_answers_as_the_c
 def test_a_stale_page_on_the_gpu_prefill_servers_cache_is_caught(gpu_servers):
     """Negative control of the test above: prefix-cache-stale-page on the GPU prefill server."""
     _, colocated = gpu_servers
-    with pd_pair(prefill_args=(*GPU_SERVER, "--inject-fault", "prefix-cache-stale-page"),
+    with pd_pair(prefill_args=(*GPU_PREFILL, "--inject-fault", "prefix-cache-stale-page"),
                  decode_args=GPU_SERVER) as pair:
         got = conversation(pair.router, OPENING + "(gpu stale)")
         assert pair.prefill_state.engine.prefix_cache.hit_tokens > 2 * pair.prefill_state.engine.pool.page_size

@@ -6,6 +6,8 @@ from the wrong cache entry) must break the on-vs-off equality.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,8 +113,10 @@ def test_one_rule_allows_the_cache_on_pd_prefill_and_refuses_it_on_decode_and_tp
         assert Engine.use_prefix_cache(EngineConfig(prefix_cache=False), env, **where) is False
         with pytest.raises(ValueError, match=f"prefix cache.*refused.*{match}"):
             Engine.use_prefix_cache(EngineConfig(prefix_cache=True), env, **where)
-    gpu = EngineConfig(device="cuda")  # the static runner with the Triton kernels: proven (tests/gpu)
-    assert Engine.use_prefix_cache(gpu, env, disaggregation="prefill") is True
+    gpu = EngineConfig(device="cuda")  # the static runner with the Triton kernels: proven (tests/gpu), off by default
+    assert Engine.use_prefix_cache(gpu, env) is False
+    assert Engine.use_prefix_cache(gpu, env, disaggregation="prefill") is False
+    assert Engine.use_prefix_cache(dataclasses.replace(gpu, prefix_cache=True), env, disaggregation="prefill") is True
     assert Engine.use_prefix_cache(gpu, env, disaggregation="decode") is False
     with pytest.raises(ValueError, match="refused.*Triton kernels.*--moe-kernel torch"):
         Engine.use_prefix_cache(EngineConfig(device="cuda", moe_kernel="torch", prefix_cache=True), env,
