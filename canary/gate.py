@@ -167,6 +167,14 @@ def trials_fingerprint(target: Target, info: dict, workload: TrialWorkload) -> d
     # only off the default, so the baselines recorded before the key existed keep their names.
     if engine.get("dtype", "float32") != "float32":
         fp["dtype"] = engine["dtype"]
+    # Likewise a server with the prefix cache on, and a PD pair (the router answers with its decode
+    # server's info): each is another speed, never judged against a colocated baseline without the
+    # cache (on the H200 a PD pair read "+86% TTFT, slower" against one). A PD key does not say
+    # whether the pair's prefill server caches: the decode side's info cannot.
+    if info.get("prefix_cache"):
+        fp["prefix_cache"] = True
+    if info.get("disaggregation"):
+        fp["serving"] = "pd"
     return fp
 
 

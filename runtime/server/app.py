@@ -131,6 +131,10 @@ def create_app(state: ServerState) -> FastAPI:
         return {"model": state.model_name, "model_hash": state.model_hash,
                 "config_fingerprint": state.loaded.config.fingerprint,
                 "model_config": state.loaded.config.to_dict(), "engine_config": asdict(state.engine.cfg),
+                # What the config leaves to the engine, and another speed each (the gate's perf key):
+                # the prefix cache as resolved, and the server's PD role (None: colocated).
+                "prefix_cache": getattr(state.engine, "prefix_cache", None) is not None,
+                "disaggregation": getattr(state.engine, "disaggregation", None),
                 "faults": list(state.engine.faults.names), "chat_template": state.template.origin,
                 "device_name": (torch.cuda.get_device_name(state.engine.cfg.device)
                                 if state.engine.cfg.device != "cpu" else "cpu"),

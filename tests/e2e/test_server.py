@@ -53,6 +53,8 @@ def test_models_health_info(server):
     assert httpx.get(server.url_for("health")).status_code == 200
     info = server.server_info()
     assert info["model"] == "tiny-random" and info["config_fingerprint"] and "torch" in info["versions"]
+    # Resolved by the engine, not the config (the gate's perf key reads them): the CPU default is on.
+    assert info["prefix_cache"] is True and info["disaggregation"] is None
 
 
 BAD = [

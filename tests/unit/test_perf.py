@@ -59,6 +59,27 @@ def test_a_baseline_belongs_to_its_kernels_and_its_trial_workload():
     float32 = trials_fingerprint(target, {"model": "m", "engine_config": {"dtype": "float32"}}, workload)
     bf16 = trials_fingerprint(target, {"model": "m", "engine_config": {"dtype": "bfloat16"}}, workload)
     assert fingerprint(float32) == fingerprint(older) != fingerprint(bf16)
+    # The prefix cache and a PD pair are other speeds too; off and colocated keep the old keys (the
+    # stored H200 baselines were recorded without the cache, colocated).
+    plain = trials_fingerprint(target, {"model": "m", "prefix_cache": False, "disaggregation": None}, workload)
+    cached = trials_fingerprint(target, {"model": "m", "prefix_cache": True}, workload)
+    pair = trials_fingerprint(target, {"model": "m", "disaggregation": "decode"}, workload)
+    assert fingerprint(plain) == fingerprint(older)
+    assert len({fingerprint(plain), fingerprint(cached), fingerprint(pair)}) == 3
+
+
+def test_the_stored_baselines_are_filed_under_their_own_keys():
+    """Control for the rule above: each stored baseline's file name is the fingerprint of the key it
+    holds, so a key that grew a field for servers that have it still finds the old files."""
+    import json
+    from pathlib import Path
+
+    from canary.provenance import fingerprint
+
+    files = sorted((Path(__file__).resolve().parents[2] / "golden" / "baselines").glob("*.json"))
+    assert files
+    for path in files:
+        assert fingerprint(json.loads(path.read_text())["fingerprint"]) == path.stem, path.name
 
 
 def test_the_error_rate_bench_takes_the_gates_workload_json():
