@@ -560,6 +560,30 @@ def test_the_prefill_engine_thread_neither_hashes_nor_writes_the_kv(servers, mon
     assert pages_in_flight(pair.prefill) == 0 and side.pending == {}
 
 
+def test_the_decode_engine_thread_does_not_hash_the_received_kv(servers, monkeypatch):
+    """The receiver's KV digest runs on a worker thread (the engine thread only lands the staged KV):
+    the engine thread is the busy decode server's bottleneck. The old code hashed on the engine thread
+    and fails this. The answer is unchanged and every page comes back."""
+    import threading
+
+    from runtime.disagg import decode
+
+    pair, colocated = servers
+    threads: list[str] = []
+    digest = decode.kv_digest
+
+    def hashing(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return digest(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "kv_digest", hashing)
+    payloads = [body(p, stream=s) for p in PROMPTS[:2] for s in (False, True)]
+    expected = [answer(colocated, payload) for payload in payloads]
+    assert [answer(pair.router, payload) for payload in payloads] == expected
+    assert len(threads) == len(payloads) and all(name.startswith("pd-digest") for name in threads), threads
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
 def test_the_sender_digest_runs_beside_the_write(servers, monkeypatch):
     """The prefill side's KV digest and its gather + write read the same held pages on two threads:
     the digest here waits for the write to start, which the old code (digest, then write, on one
