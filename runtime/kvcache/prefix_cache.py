@@ -9,9 +9,11 @@ pages' ids, whose dict lookups also compare the ids: no collision can match a wr
 On admission the scheduler matches the longest chain of cached pages a request's ids start with,
 copies their KV (every layer's latent and index keys) into the request's own pages (`StepPlan.copies`,
 run before the step's forward) and prefills from there. Exact only where a row's bits do not depend
-on where its segment starts (the eager CPU runner: runtime/kernels/cpu.py); `Engine` enables it only
-there (`Engine.prefix_cache_refusal`: colocated or on a PD prefill server, whose finished prompts'
-pages come here once their KV is sent). Eviction: least recently used leaf pages first, whenever an
+on where its segment starts (the eager CPU runner: runtime/kernels/cpu.py; the GPU runner with the
+Triton kernels, whose prompt bits do not depend on the prefill chunk); `Engine` allows it only there
+(`Engine.prefix_cache_refusal`: colocated or on a PD prefill server, whose finished prompts' pages come
+here once their KV is sent) and turns it on by default on the CPU only (`Engine.use_prefix_cache`).
+Eviction: least recently used leaf pages first, whenever an
 allocation would fail, before any preemption; pages matched in the step being planned are pinned
 until the plan is built (its copies read them first thing when it runs). The leaves wait in a heap by
 (last use, node), pushed when a node becomes a leaf or a leaf is used again, so evicting a page is
