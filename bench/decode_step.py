@@ -166,6 +166,22 @@ def fit(points: list[tuple[int, float]]) -> dict:
     return {"a_ms": a, "b_ms_per_req": b}
 
 
+def prefill_graph(bench, chunk, roofline_ms: float, iters: int) -> dict:
+    """The same prefill pass as the engine runs it: a step of that many rows is one replay of its
+    STEP_BUCKETS graph (runtime.graph.runner), not an eager pass whose host launches and syncs show
+    as gaps between kernels. A runner of one bucket on the same model and cache; its logits must be
+    the eager pass's (graph == eager)."""
+    runner = GraphRunner(bench.model, bench.kv, bench.runner.streams, buckets=(chunk.batch_size,),
+                         scratch_page=bench.scratch)
+    eager_logits = bench.runner.eager(chunk).clone()
+    runner.capture()
+    ms = time_ms(runner.forward, chunk, iters=iters)
+    same = bool(torch.equal(runner.forward(chunk), eager_logits))
+    del runner
+    torch.cuda.empty_cache()
+    return {"rows": chunk.batch_size, "ms": ms, "pct_roofline": 100 * roofline_ms / ms, "same_logits": same}
+
+
 def prefill_launches(bench, chunk, roofline_ms: float, plain_logits: torch.Tensor, iters: int) -> dict:
     """The prefill pass with other sparse MLA launches of the deployment's numerics: `prefill_one_pass`
     = the one-pass kernel with MMA row sums (attention.PREFILL_LAUNCH rowsum_mma) where a rowsum_mma
@@ -246,6 +262,8 @@ def main() -> None:
             results["prefill"] = {"rows": PREFILL_ROWS, "ms": ms, "roofline_ms": roofline_ms,
                                   "pct_roofline": 100 * roofline_ms / ms}
             print(json.dumps({"model": args.model, "prefill": results["prefill"]}), flush=True)
+            results["prefill_graph"] = prefill_graph(bench, chunk, roofline_ms, max(3, args.iters // 4))
+            print(json.dumps({"model": args.model, "prefill_graph": results["prefill_graph"]}), flush=True)
             if args.prefill_variants:  # the same pass with other sparse MLA launches (a default run times it once)
                 # The same pass with one deployed prefill choice undone at a time (each must keep the
                 # logits' bits): the sparse MLA's skip_tail (each row's empty trailing chunks skipped),
@@ -296,7 +314,8 @@ def main() -> None:
                       "roofline_a_over_eager_a": results["roofline_a_over_eager_a"],
                       "invariance_cost": results["invariance_cost"],
                       "step128_over_step16": results.get("step128_over_step16"),
-                      "prefill": results.get("prefill"), "prefill_other_tail": results.get("prefill_other_tail"),
+                      "prefill": results.get("prefill"), "prefill_graph": results.get("prefill_graph"),
+                      "prefill_other_tail": results.get("prefill_other_tail"),
                       "prefill_other_gemm": results.get("prefill_other_gemm"),
                       "prefill_other_ticket": results.get("prefill_other_ticket"),
                       "prefill_one_pass": results.get("prefill_one_pass")}),

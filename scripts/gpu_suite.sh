@@ -60,8 +60,8 @@ want graph_tests && section graph_runner_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY 
     tests/gpu/test_graph_gpu.py
 want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model canary \
     --sawtooth 1,16,17,32,33,48,49,64,65,96,97,128 --out "$OUT/decode_canary.json"
-want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.step_profile --batch-sizes 16,128 \
-    --out "$OUT/step_profile.json"
+want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.step_profile --batch-sizes "${PROFILE_BATCHES:-16,128}" \
+    --top "${PROFILE_TOP:-15}" --out "$OUT/step_profile.json"
 # ---- issue 15: our sparse MLA decode and indexer selection beside SGLang's (needs .whl-sglang carried),
 # and the decode GEMM tile sweep (which configs keep the default's bits, and their times)
 want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_vs.json" \
