@@ -14,6 +14,12 @@ Prints per token count and BLOCK_M: SAME/differ against BLOCK_M=16, and us per c
 BLOCK_N, warps, stages), each checked SAME against the deployment's bucket:
 
     python -m bench.moe_tiles --prefill-sweep --out $OUT/moe_prefill.json
+
+`--launch-sweep` keeps the deployment's bucket and sweeps, at 4,096 tokens, the down projection's own
+launch (`moe.down_launch`: BLOCK_N, column tiles per program, warps, stages) and the gate/up launch
+with its splits added in the tile's program (`moe.gate_up_launch`), each checked the same way:
+
+    python -m bench.moe_tiles --launch-sweep --out $OUT/moe_launch.json
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="4,096 tokens over BLOCK_M x BLOCK_N x warps x stages instead of BLOCK_M alone")
+    parser.add_argument("--launch-sweep", action="store_true",
+                        help="4,096 tokens, the bucket, over the down projection's and the fused gate/up launches")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -46,7 +54,7 @@ def main() -> None:
     shared2 = torch.randn(1, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
     packed = moe.PackedMoE(w13, w2, shared13, shared2)
     rows = []
-    for tokens in (4096,) if args.prefill_sweep else TOKENS:
+    for tokens in (4096,) if args.prefill_sweep or args.launch_sweep else TOKENS:
         inputs = [(torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16).cuda(),
                    *_routing(gen, tokens, EXPERTS, TOP_K)) for _ in range(CALLS_PER_GRAPH)]
         base = moe.moe_config(EXPERTS, INTER, False, tokens)
@@ -56,6 +64,12 @@ def main() -> None:
             configs = [base] + [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
                                 for bm, bn, (w, st) in itertools.product((64, 128), (32, 64, 128),
                                                                          ((4, 2), (4, 3), (8, 2), (8, 3)))]
+        elif args.launch_sweep:  # the bucket as deployed, then other down launches, then fused gate/up ones
+            configs = [base] + [{**base, "down": {"BLOCK_N": bn, "N_TILES": nt, "num_warps": w, "num_stages": st}}
+                                for bn, nt, (w, st) in itertools.product((128, 256), (1, 4, 16),
+                                                                         ((4, 3), (8, 2), (8, 4)))]
+            configs += [{**base, "gate_up": {"FUSED_SPLITS": True, "BLOCK_N": bn, "num_warps": w, "num_stages": st}}
+                        for bn, (w, st) in itertools.product((32, 64), ((4, 2), (4, 3), (8, 2), (8, 3)))]
         else:
             configs = [{**base, "BLOCK_M": block_m} for block_m in BLOCK_MS]
         for config in configs:

@@ -73,6 +73,10 @@ want mma_bits && section mma_bits "${BENCH_TIMEOUT:-90}" $PY -m bench.mma_bits -
 want moe_tiles && section moe_tiles "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_tiles --out "$OUT/moe_tiles.json"
 want moe_prefill && section moe_prefill "${BENCH_TIMEOUT:-150}" $PY -m bench.moe_tiles --prefill-sweep \
     --out "$OUT/moe_prefill.json"
+# The down projection's own launch (column tiles walked per program) and the gate/up launch with its
+# splits added in the program, at 4,096 tokens, bits vs the bucket.
+want moe_launch && section moe_launch "${BENCH_TIMEOUT:-300}" $PY -m bench.moe_tiles --launch-sweep \
+    --out "$OUT/moe_launch.json"
 # Which sparse MLA launch knobs keep the deployment's bits (may follow the batch), their times, and
 # whole new deployments (MLA_CANDIDATES, H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow).
 want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free.json" --free \

@@ -130,6 +130,50 @@ def test_align_tokens_places_every_row_once_in_its_experts_tile(seed, tokens, ex
             assert members.numel() > 0 and bool((ids.cpu().flatten()[members] == expert).all())
 
 
+@EXAMPLES
+@given(seed=SEEDS, tokens=st.sampled_from([17, 33]), shared=st.booleans(), dtype=st.sampled_from(DTYPES),
+       split_k=st.sampled_from([1, 3]),
+       launch=st.sampled_from([{"down": {"BLOCK_N": 64, "N_TILES": 2}},
+                               {"down": {"BLOCK_N": 64, "N_TILES": 3, "num_warps": 8}},
+                               {"gate_up": {"FUSED_SPLITS": True}},
+                               {"gate_up": {"FUSED_SPLITS": True, "BLOCK_N": 16, "num_warps": 8},
+                                "down": {"BLOCK_N": 128, "N_TILES": 1, "num_stages": 3}}]))
+@example(seed=0, tokens=33, shared=True, dtype=DTYPES[0], split_k=3,
+         launch={"gate_up": {"FUSED_SPLITS": True}, "down": {"BLOCK_N": 64, "N_TILES": 3}})
+def test_moe_gate_up_and_down_launches_keep_a_rows_bits(seed, tokens, shared, dtype, split_k, launch):
+    """A bucket's own gate/up and down launches (moe.gate_up_launch: splits added in the tile's program;
+    moe.down_launch: column tiles walked per program; BLOCK_N, warps, stages) only move which program
+    computes what: the output equals the bucket's plain launch bit for bit (hidden 130 leaves a column
+    tile part-masked inside the walk, D 130 cut in 3 splits leaves a short last split), and both match
+    the reference."""
+    experts, top_k, hidden, inter = 9, 3, 130, 40
+    x, raw, ids, route_w = _moe_case(seed, tokens, experts, top_k, hidden, inter, shared, dtype, 1.0)
+    packed = moe.pack_weights(*raw)
+    base = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    outs = []
+    for config in (base, {**base, **launch}):
+        out = poisoned(*x.shape, dtype=x.dtype)
+        moe.fused_moe(x, packed, route_w, ids, out=out, split_k=split_k, config=config)
+        outs.append(out)
+    assert_close_scaled(outs[1], _moe_reference(x, raw, ids, route_w), dtype)
+    assert torch.equal(outs[0], outs[1]), f"the launch {launch} changed a row's bits"
+
+
+def test_moe_fused_gate_up_splits_follow_the_split_order():
+    """Negative control for the bits check above: the same fused launch with the splits added in
+    another order (a planted bug: D cut 3 ways, walked from the last split) must differ somewhere."""
+    x, raw, ids, route_w = _moe_case(3, 33, 9, 3, 130, 40, False, DTYPES[0], 20.0)
+    packed = moe.pack_weights(*raw)
+    base = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    plain = moe.fused_moe(x, packed, route_w, ids, split_k=3, config=base)
+    flipped = x.flip(1).contiguous()  # same sums per row, taken in the reverse k order
+    packed_flipped = moe.pack_weights(raw[0].flip(2).contiguous(), raw[1].flip(2).contiguous(), raw[2])
+    fused = moe.fused_moe(flipped, packed_flipped, route_w, ids, split_k=3,
+                          config={**base, "gate_up": {"FUSED_SPLITS": True}})
+    assert_close_scaled(fused, _moe_reference(x, raw, ids, route_w), DTYPES[0])
+    assert not torch.equal(plain, fused), "a different addition order gave the same bits: the check is blind"
+
+
 def test_moe_reference_oracle_fails_on_swapped_routing_weights():
     """Negative control: a kernel that applies rank 1's weight to rank 0 must fail the check."""
     x, raw, ids, route_w = _moe_case(1, 5, 9, 3, 64, 20, False, DTYPES[0], 1.0)

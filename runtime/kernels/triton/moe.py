@@ -203,13 +203,16 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
                     num_rows, top_k, hidden, inter,
                     stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
                     part_ptr, k_chunk,
-                    FP8: tl.constexpr, ROUTING: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    FP8: tl.constexpr, ROUTING: tl.constexpr, SPLIT_K: tl.constexpr, FUSED_SPLITS: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # act[r, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, I + n]) for the rows r of this tile.
     # ROUTING: ALIGNED (tiles from align_tokens), DENSE (one expert, the shared one, for every row in
     # order) or PER_ROW (tile m = routed row m alone, expert ids[m]: small batches skip the alignment).
     # SPLIT_K > 1: this program sums D over [pid_k * k_chunk, +k_chunk) and writes float32 partials
     # part[pid_k, r, :2I]; _split_act_kernel adds them in split order and applies SiLU-and-mul.
+    # FUSED_SPLITS (a prefill bucket's gate/up launch): one program walks the splits in order and adds
+    # each split's partials to running totals, the additions _split_act_kernel makes (0 + p0 + p1 ...),
+    # then applies SiLU-and-mul itself: no partials through memory, no second launch.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -220,12 +223,46 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
     tokens = (rows // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
+    ok = row_ok[:, None] & n_ok[None, :]
+    if FUSED_SPLITS:
+        total_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for split in range(0, SPLIT_K):
+            acc_gate, acc_up = _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok,
+                                              offs_n, n_ok, split * k_chunk,
+                                              tl.minimum(hidden, (split + 1) * k_chunk), inter, stride_x,
+                                              stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8,
+                                              PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+            total_gate += acc_gate
+            total_up += acc_up
+        act = total_gate * tl.sigmoid(total_gate) * total_up
+        out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+        tl.store(out, act.to(act_ptr.dtype.element_ty), mask=ok)
+        return
+    acc_gate, acc_up = _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok, offs_n, n_ok,
+                                      pid_k * k_chunk, tl.minimum(hidden, (pid_k + 1) * k_chunk), inter, stride_x,
+                                      stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8, PRECISION,
+                                      BLOCK_M, BLOCK_N, BLOCK_K)
+    if SPLIT_K == 1:
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+        tl.store(out, act.to(act_ptr.dtype.element_ty), mask=ok)
+    else:
+        part = part_ptr + (pid_k * num_rows + rows[:, None].to(tl.int64)) * 2 * inter + offs_n[None, :]
+        tl.store(part, acc_gate, mask=ok)
+        tl.store(part + inter, acc_up, mask=ok)
+
+
+@triton.jit
+def _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok, offs_n, n_ok, k_start, k_end,
+                   inter, stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The gate and up float32 sums of a tile's rows over D in [k_start, k_end), from zero, in BLOCK_K steps."""
     w_gate = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
     w_up = w_gate + inter * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_end = tl.minimum(hidden, (pid_k + 1) * k_chunk)
-    for k0 in range(pid_k * k_chunk, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < k_end
         a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
@@ -243,15 +280,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
         else:
             acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=PRECISION)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
-    ok = row_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-        out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
-        tl.store(out, act.to(act_ptr.dtype.element_ty), mask=ok)
-    else:
-        part = part_ptr + (pid_k * num_rows + rows[:, None].to(tl.int64)) * 2 * inter + offs_n[None, :]
-        tl.store(part, acc_gate, mask=ok)
-        tl.store(part + inter, acc_up, mask=ok)
+    return acc_gate, acc_up
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
@@ -273,8 +302,12 @@ def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_row
                  route_w_ptr, num_rows, hidden, inter,
                  stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
                  FP8: tl.constexpr, ROUTING: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # out[r, n] = route_w[r] * (act[r] . w2[e, n]), float32.
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr):
+    # out[r, n] = route_w[r] * (act[r] . w2[e, n]), float32. A program writes N_TILES column tiles of
+    # its rows, one after the other (`down_launch`): at prefill sizes the down GEMM is I = 256 deep,
+    # two k steps, so a program per column tile is all prologue and epilogue; walking the columns in
+    # one flattened loop keeps the weight loads of the next tile in flight under this one's MMAs.
+    # Which program computes a column never changes its bits: each output's k steps are the same.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, rows = _tile_rows(pid_m, tile_expert_ptr, sorted_rows_ptr, num_rows, ROUTING, BLOCK_M)
@@ -282,7 +315,25 @@ def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_row
         return
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if N_TILES == 1:
+        _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok,
+                   pid_n * BLOCK_N, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse,
+                   stride_wsn, stride_out, FP8, WEIGHTED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        for tile in tl.range(0, N_TILES, flatten=True):
+            _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok,
+                       (pid_n * N_TILES + tile) * BLOCK_N, hidden, inter, stride_act, stride_as, stride_we,
+                       stride_wn, stride_wse, stride_wsn, stride_out, FP8, WEIGHTED, PRECISION, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
+
+
+@triton.jit
+def _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok, n_start,
+               hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+               FP8: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_M x BLOCK_N output tile of the down projection, I summed from zero in BLOCK_K steps."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     w_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -331,6 +382,30 @@ def moe_config(num_experts: int, inter: int, fp8: bool, tokens: int) -> dict:
     return pick(load_table(name), tokens) or DEFAULT_CONFIG
 
 
+def gate_up_launch(config: dict, routing: int = ALIGNED, split_k: int = 1) -> dict:
+    """The gate/up GEMM's launch: BLOCK_N, warps, stages and FUSED_SPLITS (the tile's program adds
+    its split partials itself: same additions as _split_act_kernel, so the same bits). A bucket's
+    "gate_up" entry overrides the bucket's own; the per-row path and unsplit shapes never fuse."""
+    launch = {"BLOCK_N": config["BLOCK_N"], "num_warps": config["num_warps"], "num_stages": config["num_stages"],
+              "FUSED_SPLITS": False}
+    if routing != PER_ROW:
+        launch.update(config.get("gate_up", {}))
+    launch["FUSED_SPLITS"] = bool(launch["FUSED_SPLITS"]) and split_k > 1
+    return launch
+
+
+def down_launch(config: dict, routing: int = ALIGNED) -> dict:
+    """The down projection's launch: BLOCK_N (at least 64), N_TILES column tiles per program, warps
+    and stages. A bucket's "down" entry overrides the gate/up launch it otherwise follows; none of
+    these knobs reaches a row's bits (each output's k steps are fixed by BLOCK_K). The per-row path
+    (one row a tile) keeps one column tile per program: its tiles are already many and short."""
+    down = {"BLOCK_N": max(config["BLOCK_N"], 64), "N_TILES": 1, "num_warps": config["num_warps"],
+            "num_stages": config["num_stages"]}
+    if routing != PER_ROW:
+        down.update(config.get("down", {}))
+    return down
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -348,7 +423,9 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
                  DENSE: triton.cdiv(num_rows, block_m), PER_ROW: num_rows}[routing]
     sorted_rows = out if sorted_rows is None else sorted_rows  # never read outside ALIGNED
     tile_expert = out if tile_expert is None else tile_expert  # never read in DENSE
-    block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
+    gate_up = gate_up_launch(config, routing, split_k)
+    block_n, warps, stages = gate_up["BLOCK_N"], gate_up["num_warps"], gate_up["num_stages"]
+    fused = gate_up["FUSED_SPLITS"]
     if INTERPRETED:
         warps, stages = 4, 1
     act = torch.empty(num_rows, inter, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
@@ -356,29 +433,31 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
     dummy = x_scale if fp8 else x  # never read when FP8 is off
     k_chunk = triton.cdiv(triton.cdiv(hidden, split_k), BLOCK_K) * BLOCK_K
     part = act
-    if split_k > 1:
+    if split_k > 1 and not fused:
         part = torch.empty(split_k, num_rows, 2 * inter, dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n), split_k)](
+    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n), 1 if fused else split_k)](
         x, dummy, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_expert,
         num_rows, top_k, hidden, inter,
         x.stride(0), x_scale.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1),
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0), part, k_chunk,
-        FP8=fp8, ROUTING=routing, SPLIT_K=split_k, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
-    if split_k > 1:
+        FP8=fp8, ROUTING=routing, SPLIT_K=split_k, FUSED_SPLITS=fused, PRECISION=precision, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+    if split_k > 1 and not fused:
         _split_act_kernel[(num_rows, triton.cdiv(inter, 512))](part, act, num_rows, inter, act.stride(0),
                                                                SPLIT_K=split_k, BLOCK=512)
     act_scale = None
     if fp8:
         act, act_scale = quantize_groups(act)
-    down_n = max(block_n, 64)
-    _down_kernel[(num_tiles, triton.cdiv(hidden, down_n))](
+    down = down_launch(config, routing)
+    if INTERPRETED:
+        down["num_warps"], down["num_stages"] = 4, 1
+    _down_kernel[(num_tiles, triton.cdiv(hidden, down["BLOCK_N"] * down["N_TILES"]))](
         act, act_scale if fp8 else act, w2, w2_scale if fp8 else w2, out, sorted_rows, tile_expert,
         route_w if route_w is not None else out, num_rows, hidden, inter,
         act.stride(0), act_scale.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1),
         w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0, out.stride(0),
-        FP8=fp8, ROUTING=routing, WEIGHTED=route_w is not None, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+        FP8=fp8, ROUTING=routing, WEIGHTED=route_w is not None, PRECISION=precision, BLOCK_M=block_m,
+        BLOCK_K=BLOCK_K, **down)
 
 
 def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
