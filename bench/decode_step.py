@@ -27,7 +27,7 @@ from canary.provenance import git_commit
 from runtime.config import EngineConfig, ModelConfig
 from runtime.graph.decode_model import DecodeInputs, StaticDecodeModel
 from runtime.graph.runner import COARSE_BUCKETS, FINE_BUCKETS, GraphRunner
-from runtime.kernels.triton import attention, matmul
+from runtime.kernels.triton import attention, matmul, moe
 from runtime.kvcache.kv_cache import KVCache
 from runtime.models.weights import init_random, weight_shapes
 from runtime.streams.cuda import CudaStreamExecutor
@@ -273,7 +273,10 @@ def main() -> None:
                 toggles = (("prefill_other_tail", attention, "SKIP_TAIL_ROWS",
                             256 if attention.SKIP_TAIL_ROWS is None else None, "skip_tail"),
                            ("prefill_other_gemm", matmul, "PREFILL_TMA", not matmul.PREFILL_TMA, "tma"),
-                           ("prefill_other_ticket", matmul, "SPLIT_TICKET", not matmul.SPLIT_TICKET, "ticket"))
+                           ("prefill_other_ticket", matmul, "SPLIT_TICKET", not matmul.SPLIT_TICKET, "ticket"),
+                           ("prefill_other_fused_tma", matmul, "FUSED_TMA", not matmul.FUSED_TMA, "fused_tma"),
+                           ("prefill_other_moe_launch", moe, "BUCKET_LAUNCHES", not moe.BUCKET_LAUNCHES,
+                            "moe_bucket_launches"))
                 for key, module, name, value, label in toggles:
                     saved = getattr(module, name)
                     setattr(module, name, value)
@@ -318,6 +321,8 @@ def main() -> None:
                       "prefill_other_tail": results.get("prefill_other_tail"),
                       "prefill_other_gemm": results.get("prefill_other_gemm"),
                       "prefill_other_ticket": results.get("prefill_other_ticket"),
+                      "prefill_other_fused_tma": results.get("prefill_other_fused_tma"),
+                      "prefill_other_moe_launch": results.get("prefill_other_moe_launch"),
                       "prefill_one_pass": results.get("prefill_one_pass")}),
           flush=True)
     if args.out:

@@ -113,6 +113,10 @@ def sweep_shape(name: str, n: int, k: int, rows: int) -> dict:
         for config, ticket in tma_candidates(split):
             results.append(measure(json.dumps({**config, "tma": True, "ticket": ticket}), config=config,
                                    fused_splits=False, tma=True, ticket=ticket))
+        for stages in (3, 4, 5) if split > 1 else ():  # the TMA kernel walking each tile's splits (FUSED_TMA)
+            config = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": stages}
+            results.append(measure(json.dumps({**config, "tma": True, "fused_splits": True}), config=config,
+                                   fused_splits=True, tma=True))
     else:
         for config, bk in candidates(rows):
             results.append(measure(json.dumps({**config, "BLOCK_K": bk}), config=config, block_k=bk))

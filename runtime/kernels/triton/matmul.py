@@ -57,6 +57,10 @@ PREFILL_TMA = True
 # timed and bit-checked on the H200 (interpreter and sm_90 compile checked only so far; the thirteenth
 # session had no device time): `SECTIONS="kernel_tests gemm_prefill prefill_variants_slice"`.
 SPLIT_TICKET = False
+# Prefill passes whose splits are fused (lm_head, the router: short splits) on the TMA kernel too:
+# a program per 128 x 128 tile walks its splits with two accumulators, as the pointer kernel does.
+# Off until timed and bit-checked on the H200 (`SECTIONS="kernel_tests gemm_prefill prefill_variants_slice"`).
+FUSED_TMA = False
 # Rows of a tile the ticket's sum adds at a time: a 128 x 256 float32 total and the partial being
 # added would not fit in registers beside each other.
 TICKET_SUM_ROWS = 32
@@ -131,9 +135,30 @@ def _k_range(x_rows, w_rows, m_ok, n_ok, k_start, k_end, PRECISION: tl.constexpr
 def _matmul_tma_kernel(x_desc, w_desc, out_ptr, part_ptr, ticket_ptr, M, N, K, k_chunk, stride_om,
                        SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
-                       FLATTEN: tl.constexpr, TICKET: tl.constexpr, SUM_ROWS: tl.constexpr):
+                       FLATTEN: tl.constexpr, TICKET: tl.constexpr, SUM_ROWS: tl.constexpr,
+                       FUSED: tl.constexpr = False):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
+    if FUSED:
+        # A program per output tile adds its splits in split order itself, as the pointer kernel's
+        # FUSED_SPLITS (0 + p0 + p1 ...: the additions of _split_sum_kernel), with TMA loads.
+        for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS):
+            pid_m = tile % num_m
+            pid_n = tile // num_m
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(0, SPLIT_K):
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(split * k_chunk, tl.minimum(K, (split + 1) * k_chunk), BLOCK_K):
+                    a = x_desc.load([pid_m * BLOCK_M, k0])
+                    b = w_desc.load([pid_n * BLOCK_N, k0])
+                    acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+                total += acc
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+            tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=ok)
+        return
     tiles = num_m * num_n * SPLIT_K
     for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
         # M fastest, as the pointer kernel's grid: programs running together share a weight tile.
@@ -225,8 +250,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 def uses_tma(m: int, element_size: int, fused: bool) -> bool:
     """Whether an M-row pass runs the persistent TMA kernel (PREFILL_TMA: prefill passes of 16-bit
-    weights whose splits are not fused; float32 keeps the pointer kernel and the canary's bits)."""
-    return PREFILL_TMA and m > PREFILL_ROWS and element_size == 2 and not fused
+    weights, those whose splits are fused only with FUSED_TMA; float32 keeps the pointer kernel and
+    the canary's bits)."""
+    return PREFILL_TMA and m > PREFILL_ROWS and element_size == 2 and (FUSED_TMA or not fused)
 
 
 def tma_loadable(t: torch.Tensor) -> bool:
@@ -238,20 +264,20 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _launch_tma(x, w, out, part, split, k_chunk, config, block_k, ticket: bool) -> None:
+def _launch_tma(x, w, out, part, split, k_chunk, config, block_k, ticket: bool, fused: bool = False) -> None:
     M, K = x.shape
     N = w.shape[0]
     config = dict(config)
-    flatten = config.pop("flatten", True)
+    flatten = config.pop("flatten", True) and not fused  # fused: three nested loops, not flattened
     x_desc = TensorDescriptor.from_tensor(x, [config["BLOCK_M"], block_k])
     w_desc = TensorDescriptor.from_tensor(w, [config["BLOCK_N"], block_k])
     out_tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-    programs = min(out_tiles * split, _programs(x.device))
+    programs = min(out_tiles * (1 if fused else split), _programs(x.device))
     tickets = ticket_counters(x.device, out_tiles) if ticket else out
     _matmul_tma_kernel[(programs,)](x_desc, w_desc, out, part, tickets, M, N, K, k_chunk, out.stride(0),
                                     SPLIT_K=split, PRECISION=_precision(x.dtype), BLOCK_K=block_k,
-                                    PROGRAMS=programs, FLATTEN=flatten, TICKET=ticket,
-                                    SUM_ROWS=min(TICKET_SUM_ROWS, config["BLOCK_M"]), **config)
+                                    PROGRAMS=programs, FLATTEN=flatten, TICKET=ticket and not fused,
+                                    SUM_ROWS=min(TICKET_SUM_ROWS, config["BLOCK_M"]), FUSED=fused, **config)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -262,8 +288,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     override config_for, BLOCK_K and the prefill rule (bench/gemm_sweep.py and tests only).
     fused_splits: each program adds its tile's splits itself (same bits as the split programs plus
     `_split_sum_kernel`), the default above PREFILL_ROWS rows for splits of FUSE_MAX_SPLIT_K or less.
-    tma: the persistent TMA kernel (same bits; `uses_tma` decides by default; `config` may then
-    carry "flatten", the tile loop's flattening). ticket: the TMA kernel adds its split partials
+    tma: the persistent TMA kernel (same bits, fused splits or not; `uses_tma` decides by default;
+    `config` may then carry "flatten", the tile loop's flattening). ticket: the TMA kernel adds its split partials
     itself (same bits; SPLIT_TICKET by default)."""
     M, K = x.shape
     N = w.shape[0]
@@ -276,13 +302,13 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     fused = split > 1 and (fuses_splits(M, K, split) if fused_splits is None else fused_splits)
     k_chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 and not fused else out
-    tma = uses_tma(M, x.element_size(), fused) if tma is None else tma and not fused
+    tma = uses_tma(M, x.element_size(), fused) if tma is None else tma
     tma = tma and tma_loadable(x) and tma_loadable(w)
     config = config or config_for(M, x.element_size(), fused)
     if tma:
-        ticket = split > 1 and (SPLIT_TICKET if ticket is None else ticket)
-        _launch_tma(x, w, out, part, split, k_chunk, config, block_k, ticket)
-        if split > 1 and not ticket:
+        ticket = split > 1 and not fused and (SPLIT_TICKET if ticket is None else ticket)
+        _launch_tma(x, w, out, part, split, k_chunk, config, block_k, ticket, fused)
+        if split > 1 and not ticket and not fused:
             _split_sum_kernel[(M, triton.cdiv(N, 256))](part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=256)
         return out
     grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), 1 if fused else split)

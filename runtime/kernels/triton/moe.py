@@ -37,6 +37,10 @@ ALIGNED, DENSE, PER_ROW = 0, 1, 2  # how a tile finds its rows and expert (see _
 # not change (tile rows are independent, same BLOCK_M/BLOCK_K), only which tile it rides in.
 PER_ROW_MAX_ROWS = 16
 DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
+# A bucket's own "gate_up" / "down" launches (gate_up_launch, down_launch) are followed; False falls
+# back to the bucket's plain launch for both (the same bits: bench.decode_step --prefill-variants
+# times the prefill pass either way).
+BUCKET_LAUNCHES = True
 
 
 @dataclass(frozen=True)
@@ -388,7 +392,7 @@ def gate_up_launch(config: dict, routing: int = ALIGNED, split_k: int = 1) -> di
     "gate_up" entry overrides the bucket's own; the per-row path and unsplit shapes never fuse."""
     launch = {"BLOCK_N": config["BLOCK_N"], "num_warps": config["num_warps"], "num_stages": config["num_stages"],
               "FUSED_SPLITS": False}
-    if routing != PER_ROW:
+    if routing != PER_ROW and BUCKET_LAUNCHES:
         launch.update(config.get("gate_up", {}))
     launch["FUSED_SPLITS"] = bool(launch["FUSED_SPLITS"]) and split_k > 1
     return launch
@@ -401,7 +405,7 @@ def down_launch(config: dict, routing: int = ALIGNED) -> dict:
     (one row a tile) keeps one column tile per program: its tiles are already many and short."""
     down = {"BLOCK_N": max(config["BLOCK_N"], 64), "N_TILES": 1, "num_warps": config["num_warps"],
             "num_stages": config["num_stages"]}
-    if routing != PER_ROW:
+    if routing != PER_ROW and BUCKET_LAUNCHES:
         down.update(config.get("down", {}))
     return down
 
