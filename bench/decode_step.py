@@ -208,6 +208,8 @@ def main() -> None:
     ap.add_argument("--attention-kernel", choices=["triton", "torch"], default="triton")
     ap.add_argument("--sawtooth", default="", help="batch sizes for the fine vs coarse bucket sweep")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--prefill-iters", type=int, default=0,
+                    help="timed repeats of each 4,096-row prefill pass (default: iters / 4, at least 3)")
     ap.add_argument("--prefill-variants", action="store_true",
                     help="also time the prefill pass with skip_tail the other way, with the other GEMM kernel "
                          "(pointer or TMA) and with the one-pass sparse MLA where the deployment runs two (each pass's "
@@ -223,6 +225,7 @@ def main() -> None:
     if args.roofline_only:
         print(json.dumps({"model": args.model, **roofline_only(cfg, sizes, context, args.roofline_only)}))
         return
+    prefill_iters = args.prefill_iters or max(3, args.iters // 4)
     weights = random_weights(cfg, small)
     kernels = {"moe_kernel": args.moe_kernel, "attention_kernel": args.attention_kernel}
     rates = machine_rates()
@@ -256,13 +259,13 @@ def main() -> None:
         results["modes"][mode] = {"points": points, **fit(points)}
         if mode == "graph+multistream":
             chunk = bench.prefill(PREFILL_ROWS, min(context, PREFILL_ROWS))
-            ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
+            ms = time_ms(bench.runner.eager, chunk, iters=prefill_iters)
             roofline_ms = max(prefill_flops(cfg, weights, chunk) / (rates["matmul_tflop_s"] * 1e9),
                               step_bytes(cfg, weights, chunk) / (rates["read_tb_s"] * 1e9))
             results["prefill"] = {"rows": PREFILL_ROWS, "ms": ms, "roofline_ms": roofline_ms,
                                   "pct_roofline": 100 * roofline_ms / ms}
             print(json.dumps({"model": args.model, "prefill": results["prefill"]}), flush=True)
-            results["prefill_graph"] = prefill_graph(bench, chunk, roofline_ms, max(3, args.iters // 4))
+            results["prefill_graph"] = prefill_graph(bench, chunk, roofline_ms, prefill_iters)
             print(json.dumps({"model": args.model, "prefill_graph": results["prefill_graph"]}), flush=True)
             if args.prefill_variants:  # the same pass with other sparse MLA launches (a default run times it once)
                 # The same pass with one deployed prefill choice undone at a time (each must keep the
@@ -281,14 +284,14 @@ def main() -> None:
                     saved = getattr(module, name)
                     setattr(module, name, value)
                     try:
-                        other_ms = time_ms(bench.runner.eager, chunk, iters=max(3, args.iters // 4))
+                        other_ms = time_ms(bench.runner.eager, chunk, iters=prefill_iters)
                         same = bool(torch.equal(bench.runner.eager(chunk), logits))
                     finally:
                         setattr(module, name, saved)
                     results[key] = {label: value is not None and value is not False, "ms": other_ms,
                                     "pct_roofline": 100 * roofline_ms / other_ms, "same_logits": same}
                     print(json.dumps({"model": args.model, key: results[key]}), flush=True)
-                results.update(prefill_launches(bench, chunk, roofline_ms, logits, max(3, args.iters // 4)))
+                results.update(prefill_launches(bench, chunk, roofline_ms, logits, prefill_iters))
         del bench
         torch.cuda.empty_cache()
     if args.sawtooth:

@@ -98,7 +98,7 @@ want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY
 # The slice's 4,096-row prefill pass with each sparse MLA prefill candidate (skip_tail, rowsum_mma,
 # two-pass), each one's logits checked against the pass it must equal; few decode points.
 want prefill_variants_slice && section prefill_variants_slice "${PREFILL_TIMEOUT:-240}" $PY -m bench.decode_step \
-    --model dsv4-slice --batch-sizes 1,16 --iters 10 --prefill-variants --out "$OUT/prefill_variants_slice.json"
+    --model dsv4-slice --batch-sizes 1,16 --iters 10 --prefill-iters "${PREFILL_ITERS:-10}" --prefill-variants --out "$OUT/prefill_variants_slice.json"
 # ---- the engine on the GPU (issues 7, 8): graphs + multi-stream through Engine.step(), overlap
 want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \
     --run-gpu ${ENGINE_TEST_FILES:-tests/gpu/test_engine_gpu.py tests/gpu/test_device_draw_gpu.py tests/gpu/test_prefix_cache_gpu.py} -rA \

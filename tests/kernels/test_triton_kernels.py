@@ -692,12 +692,13 @@ def test_matmul_tma_oracle_fails_when_a_split_is_dropped():
 
 def test_matmul_tma_serves_16_bit_prefill_passes_only(monkeypatch):
     assert matmul.PREFILL_TMA  # deployed: same bits, faster on the H200 (docs/results.md, twelfth session)
+    assert matmul.FUSED_TMA  # deployed: same bits, faster on the H200 (docs/results.md, fifteenth session)
     assert matmul.uses_tma(4096, 2, fused=False)
-    assert not matmul.uses_tma(4096, 2, fused=True)  # fused splits keep the pointer kernel's two accumulators
+    assert matmul.uses_tma(4096, 2, fused=True)
     assert not matmul.uses_tma(4096, 4, fused=False)  # float32 (the canary on a GPU): its bits stay put
     assert not matmul.uses_tma(matmul.PREFILL_ROWS, 2, fused=False)  # decode
-    monkeypatch.setattr(matmul, "FUSED_TMA", True)
-    assert matmul.uses_tma(4096, 2, fused=True)
+    monkeypatch.setattr(matmul, "FUSED_TMA", False)
+    assert not matmul.uses_tma(4096, 2, fused=True)  # then fused splits keep the pointer kernel
     monkeypatch.setattr(matmul, "PREFILL_TMA", False)
     assert not matmul.uses_tma(4096, 2, fused=False)
 
@@ -721,11 +722,14 @@ def test_matmul_tma_kernel_compiles_for_the_gpu_without_one(split, flatten, fuse
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
-def test_matmul_fuses_short_splits_of_prefill_passes_only():
+def test_matmul_fuses_the_splits_of_prefill_passes_only(monkeypatch):
     assert matmul.fuses_splits(4096, 4096, 8)  # lm_head / router: the partials' traffic dominates
-    assert not matmul.fuses_splits(4096, 32768, 8)  # attention output: long splits keep the wide tile
-    assert not matmul.fuses_splits(matmul.PREFILL_ROWS, 4096, 8)  # decode: one program per split
-    assert not matmul.fuses_splits(4096, 4096, 1)
+    assert matmul.fuses_splits(4096, 32768, 8, element_size=2)  # attention output, 16-bit: the TMA kernel walks them
+    assert not matmul.fuses_splits(4096, 32768, 8, element_size=4)  # float32: long splits keep the wide pointer tile
+    assert not matmul.fuses_splits(matmul.PREFILL_ROWS, 4096, 8, element_size=2)  # decode: one program per split
+    assert not matmul.fuses_splits(4096, 4096, 1, element_size=2)
+    monkeypatch.setattr(matmul, "FUSED_TMA", False)
+    assert not matmul.fuses_splits(4096, 32768, 8, element_size=2)
 
 
 def test_matmul_split_is_fixed_per_shape_and_fills_a_decode_step():

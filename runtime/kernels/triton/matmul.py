@@ -57,10 +57,12 @@ PREFILL_TMA = True
 # timed and bit-checked on the H200 (interpreter and sm_90 compile checked only so far; the thirteenth
 # session had no device time): `SECTIONS="kernel_tests gemm_prefill prefill_variants_slice"`.
 SPLIT_TICKET = False
-# Prefill passes whose splits are fused (lm_head, the router: short splits) on the TMA kernel too:
-# a program per 128 x 128 tile walks its splits with two accumulators, as the pointer kernel does.
-# Off until timed and bit-checked on the H200 (`SECTIONS="kernel_tests gemm_prefill prefill_variants_slice"`).
-FUSED_TMA = False
+# 16-bit prefill passes of split weights run the TMA kernel with the splits added in the tile's
+# program (a program per 128 x 128 tile walks its splits with two accumulators), long splits too: no
+# partials through memory, no `_split_sum_kernel`. H200, 4,096 rows, same bits (bench.gemm_sweep
+# --rows 4096, fifteenth session), us: attention output 1,714 (apart, 128 x 256) -> 1,587, indexer
+# projection 500 -> 457, lm_head 358 (pointer, fused) -> 287, router 49 -> 45.
+FUSED_TMA = True
 # Rows of a tile the ticket's sum adds at a time: a 128 x 256 float32 total and the partial being
 # added would not fit in registers beside each other.
 TICKET_SUM_ROWS = 32
@@ -226,9 +228,13 @@ def split_for(n: int, k: int) -> int:
     return split
 
 
-def fuses_splits(m: int, k: int, split: int) -> bool:
-    """Whether an M-row pass over a K-long weight cut in `split` adds the splits in the tile's program."""
-    return split > 1 and m > PREFILL_ROWS and k // split <= FUSE_MAX_SPLIT_K
+def fuses_splits(m: int, k: int, split: int, element_size: int = 4) -> bool:
+    """Whether an M-row pass over a K-long weight cut in `split` adds the splits in the tile's program:
+    on the pointer kernel for short splits (FUSE_MAX_SPLIT_K), on the TMA kernel (16-bit prefill
+    passes with FUSED_TMA) for every split."""
+    if split <= 1 or m <= PREFILL_ROWS:
+        return False
+    return k // split <= FUSE_MAX_SPLIT_K or (FUSED_TMA and uses_tma(m, element_size, fused=True))
 
 
 def config_for(m: int, element_size: int, fused: bool = False) -> dict:
@@ -287,7 +293,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     deployment's split must never follow the batch); `config`, `block_k` and `fused_splits`
     override config_for, BLOCK_K and the prefill rule (bench/gemm_sweep.py and tests only).
     fused_splits: each program adds its tile's splits itself (same bits as the split programs plus
-    `_split_sum_kernel`), the default above PREFILL_ROWS rows for splits of FUSE_MAX_SPLIT_K or less.
+    `_split_sum_kernel`), the default above PREFILL_ROWS rows as `fuses_splits` says.
     tma: the persistent TMA kernel (same bits, fused splits or not; `uses_tma` decides by default;
     `config` may then carry "flatten", the tile loop's flattening). ticket: the TMA kernel adds its split partials
     itself (same bits; SPLIT_TICKET by default)."""
@@ -299,7 +305,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if M == 0:
         return out
     split = split_k or split_for(N, K)
-    fused = split > 1 and (fuses_splits(M, K, split) if fused_splits is None else fused_splits)
+    fused = split > 1 and (fuses_splits(M, K, split, x.element_size()) if fused_splits is None else fused_splits)
     k_chunk = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 and not fused else out
     tma = uses_tma(M, x.element_size(), fused) if tma is None else tma
