@@ -34,8 +34,16 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
     q_t = tl.trans(q)  # [BLOCK_D, BLOCK_H]
     w = tl.load(w_ptr + query * stride_w + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     out_row = out_ptr + query * stride_out
-    for block in range(0, BLOCKS):
-        offs_l = (tl.program_id(1) * BLOCKS + block) * BLOCK_L + tl.arange(0, BLOCK_L)
+    # Blocks wholly past the query's length hold no key: they get their -inf without loads or an MMA.
+    # In a prefill chunk a query's length is its position + 1, so on average half of every row (the
+    # causal triangle) is such blocks; a valid position's logit is computed exactly as before.
+    first = tl.program_id(1) * BLOCKS * BLOCK_L
+    live = tl.minimum(BLOCKS, tl.maximum(0, tl.cdiv(length - first, BLOCK_L)))
+    for block in range(live, BLOCKS):
+        offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
+        tl.store(out_row + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32), mask=offs_l < width)
+    for block in range(0, live):
+        offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
         valid = offs_l < length
         page = tl.load(table_ptr + query * stride_table + offs_l // page_size, mask=valid, other=0).to(tl.int64)
         slot = page * page_size + offs_l % page_size
