@@ -94,7 +94,7 @@ want gemm_sweep && section gemm_sweep "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_
 want gemm_prefill && section gemm_prefill "${BENCH_TIMEOUT:-150}" $PY -m bench.gemm_sweep --rows 4096 --budget-s 90 \
     --out "$OUT/gemm_prefill.json"
 want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model dsv4-slice \
-    --batch-sizes 1,16,32,64,128 --iters 10 --out "$OUT/decode_slice.json"
+    --batch-sizes 1,16,32,64,128 --iters 10 --prefill-iters "${PREFILL_ITERS:-10}" --out "$OUT/decode_slice.json"
 # The slice's 4,096-row prefill pass with each sparse MLA prefill candidate (skip_tail, rowsum_mma,
 # two-pass), each one's logits checked against the pass it must equal; few decode points.
 want prefill_variants_slice && section prefill_variants_slice "${PREFILL_TIMEOUT:-240}" $PY -m bench.decode_step \
