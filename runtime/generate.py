@@ -20,9 +20,9 @@ import time
 # but importing torch swallows a KeyboardInterrupt raised inside it (runtime/interrupts.py): as a
 # program, the interrupt is only noted while they import, and `main` ends the run if one came. An
 # importer (a test) keeps its own handler.
-from runtime.interrupts import INTERRUPTED_RC, InterruptLatch
+from runtime.interrupts import INTERRUPTED_RC, held_while_importing
 
-_LATCH = InterruptLatch.hold() if __name__ == "__main__" else None
+_LATCH = held_while_importing(__name__)
 
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.distributed.tp_engine import start_engine  # noqa: E402
@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if _LATCH is not None and _LATCH.release():  # the imports are in: Ctrl-C raises again
+    if _LATCH.release():  # the imports are in: Ctrl-C raises again
         return INTERRUPTED_RC
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C does, so the engine's shutdown stops the worker ranks.

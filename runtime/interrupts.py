@@ -13,7 +13,8 @@ those imports run, so the signal is only noted, and asks afterwards whether one 
         return 128 + signal.SIGINT   # as interrupted, without a traceback
 
 The latch holds only where Python's own handler is in place on the main thread: a program that set
-its own handler (or a test runner that imports the module) keeps it untouched.
+its own handler (or a test runner that imports the module) keeps it untouched. A module that is both a
+program and importable holds from its first lines with `held_while_importing(__name__)`.
 """
 
 from __future__ import annotations
@@ -50,3 +51,10 @@ class InterruptLatch:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             self.holding = False
         return self.noted
+
+
+def held_while_importing(module_name: str) -> InterruptLatch:
+    """For a module's top, before its heavy imports: holding when the module runs as a program
+    (`python -m ...`, module_name == "__main__"), a latch that holds nothing when it is imported (a
+    test, another module), whose handler stays as it was."""
+    return InterruptLatch.hold() if module_name == "__main__" else InterruptLatch(holding=False)

@@ -16,12 +16,12 @@ import logging
 import sys
 from pathlib import Path
 
-from runtime.interrupts import INTERRUPTED_RC, InterruptLatch
+from runtime.interrupts import INTERRUPTED_RC, InterruptLatch, held_while_importing
 
 # Ctrl-C while torch and the server import is noted, not lost (runtime/interrupts.py): a signal that
 # landed in torch's import of numpy was swallowed, and the server started and served on. As a program,
 # the latch holds from here until `main` has every module in.
-_LATCH = InterruptLatch.hold() if __name__ == "__main__" else None
+_LATCH = held_while_importing(__name__)
 
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.faults import KNOWN_FAULTS, FaultSet, UnknownFaultError  # noqa: E402
@@ -146,7 +146,7 @@ def build_state(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    latch = _LATCH if _LATCH is not None else InterruptLatch.hold()
+    latch = _LATCH if _LATCH.holding else InterruptLatch.hold()  # imported (a test): hold from here
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn

@@ -14,13 +14,19 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from runtime.config import ModelConfig
-from runtime.models.loader import load_model, save_model
-from runtime.server.chat_template import DEFAULT_TEMPLATE, TEMPLATE_NAME
-from runtime.train.encode import load_tokenizer, special_ids
-from runtime.train.loop import TrainConfig, train
-from runtime.train.template import BOS, PAD
-from runtime.train.tokenizer_train import train_tokenizer
+# A run takes minutes to hours: a Ctrl-C during torch's import (which swallows it, runtime/interrupts.py)
+# must still stop it, so as a program the interrupt is noted while the modules below import.
+from runtime.interrupts import INTERRUPTED_RC, held_while_importing
+
+_LATCH = held_while_importing(__name__)
+
+from runtime.config import ModelConfig  # noqa: E402
+from runtime.models.loader import load_model, save_model  # noqa: E402
+from runtime.server.chat_template import DEFAULT_TEMPLATE, TEMPLATE_NAME  # noqa: E402
+from runtime.train.encode import load_tokenizer, special_ids  # noqa: E402
+from runtime.train.loop import TrainConfig, train  # noqa: E402
+from runtime.train.template import BOS, PAD  # noqa: E402
+from runtime.train.tokenizer_train import train_tokenizer  # noqa: E402
 
 # The shipped architecture: small enough for the 2-core CPU stress gate, window + topk = 64 so
 # every late-turn context (hundreds of tokens) runs the sparse path.
@@ -39,7 +45,9 @@ PRESETS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    if _LATCH.release():  # the imports are in: Ctrl-C raises again
+        return INTERRUPTED_RC
     ap = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="canary")
@@ -94,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     shutil.copyfile(DEFAULT_TEMPLATE, out / TEMPLATE_NAME)
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"out": str(out), **{k: summary[k] for k in ("steps", "tokens", "elapsed_s")}}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

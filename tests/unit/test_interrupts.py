@@ -105,3 +105,36 @@ def test_serve_interrupted_during_start_up_ends_as_interrupted(moment_s):
     finally:
         proc.kill()
     assert proc.returncode in (INTERRUPTED_RC, -signal.SIGINT), (proc.returncode, stderr[-2000:])
+
+
+def test_held_while_importing_holds_only_for_a_program():
+    """Imported (a test, another module): the latch holds nothing and the handler stays; run as a
+    program: it holds, so a swallowed Ctrl-C is still noted."""
+    from runtime.interrupts import held_while_importing
+
+    before = signal.getsignal(signal.SIGINT)
+    latch = held_while_importing("runtime.some_module")
+    assert latch.holding is False and signal.getsignal(signal.SIGINT) is before
+    assert latch.release() is False
+    code = PROGRAM.replace('InterruptLatch.hold() if os.environ["LATCH"] == "1" else None',
+                           'held_while_importing("__main__")').replace(
+        "import INTERRUPTED_RC, InterruptLatch", "import INTERRUPTED_RC, held_while_importing")
+    assert run_program(latch=True, code=code) == INTERRUPTED_RC
+
+
+@pytest.mark.parametrize("moment_s", [0.4, 0.9])
+def test_train_interrupted_during_start_up_ends_as_interrupted(tmp_path, moment_s):
+    """`python -m runtime.train` (minutes to hours of work) stops on a Ctrl-C sent while it imports."""
+    cmd = [sys.executable, "-m", "runtime.train", "--out", str(tmp_path / "model"), "--preset", "smoke"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "DSV4_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        time.sleep(moment_s)
+        assert proc.poll() is None, "the run ended before the signal"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode in (INTERRUPTED_RC, -signal.SIGINT), (proc.returncode, stderr[-2000:])
+    assert not (tmp_path / "model" / "model.safetensors").exists(), "the run went on to write its model"
