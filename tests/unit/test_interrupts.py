@@ -88,23 +88,28 @@ def test_a_handler_of_the_programs_own_is_left_alone():
     assert run_program(latch=True, code=code) == 0
 
 
+def interrupt_at(cmd: list[str], moment_s: float) -> tuple[int, str]:
+    """Start a program, send it SIGINT `moment_s` into its start-up; its exit status and stderr."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "DSV4_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        time.sleep(moment_s)
+        assert proc.poll() is None, "the program ended before the signal"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, stderr
+
+
 @pytest.mark.parametrize("moment_s", [0.3, 0.6, 0.7, 0.8, 1.0, 2.0])
 def test_serve_interrupted_during_start_up_ends_as_interrupted(moment_s):
     """A SIGINT at any moment of `runtime.serve`'s start-up ends it as interrupted, soon; before the
     latch, one sent 0.8-1.0 s in left the server serving 30 s later."""
     cmd = [sys.executable, "-m", "runtime.serve", "--model", "tiny-random", "--port", str(free_port())]
-    proc = subprocess.Popen(cmd,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "DSV4_NUM_THREADS": "1"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        time.sleep(moment_s)
-        assert proc.poll() is None, "the server ended before the signal"
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode in (INTERRUPTED_RC, -signal.SIGINT), (proc.returncode, stderr[-2000:])
+    rc, stderr = interrupt_at(cmd, moment_s)
+    assert rc in (INTERRUPTED_RC, -signal.SIGINT), (rc, stderr[-2000:])
 
 
 def test_held_while_importing_holds_only_for_a_program():
@@ -126,15 +131,6 @@ def test_held_while_importing_holds_only_for_a_program():
 def test_train_interrupted_during_start_up_ends_as_interrupted(tmp_path, moment_s):
     """`python -m runtime.train` (minutes to hours of work) stops on a Ctrl-C sent while it imports."""
     cmd = [sys.executable, "-m", "runtime.train", "--out", str(tmp_path / "model"), "--preset", "smoke"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "DSV4_NUM_THREADS": "1"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        time.sleep(moment_s)
-        assert proc.poll() is None, "the run ended before the signal"
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode in (INTERRUPTED_RC, -signal.SIGINT), (proc.returncode, stderr[-2000:])
+    rc, stderr = interrupt_at(cmd, moment_s)
+    assert rc in (INTERRUPTED_RC, -signal.SIGINT), (rc, stderr[-2000:])
     assert not (tmp_path / "model" / "model.safetensors").exists(), "the run went on to write its model"
