@@ -45,7 +45,10 @@ def main() -> None:
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="4,096 tokens over BLOCK_M x BLOCK_N x warps x stages instead of BLOCK_M alone")
     parser.add_argument("--launch-sweep", action="store_true",
-                        help="4,096 tokens, the bucket, over the down projection's and the fused gate/up launches")
+                        help="the bucket (4,096 tokens unless --tokens) over the down projection's and the fused "
+                             "gate/up launches")
+    parser.add_argument("--tokens", default="4096",
+                        help="comma-separated token counts for --prefill-sweep / --launch-sweep (each its bucket)")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -54,7 +57,8 @@ def main() -> None:
     shared2 = torch.randn(1, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * 0.02
     packed = moe.PackedMoE(w13, w2, shared13, shared2)
     rows = []
-    for tokens in (4096,) if args.prefill_sweep or args.launch_sweep else TOKENS:
+    sweep_tokens = tuple(int(t) for t in args.tokens.split(","))
+    for tokens in sweep_tokens if args.prefill_sweep or args.launch_sweep else TOKENS:
         inputs = [(torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16).cuda(),
                    *_routing(gen, tokens, EXPERTS, TOP_K)) for _ in range(CALLS_PER_GRAPH)]
         base = moe.moe_config(EXPERTS, INTER, False, tokens)

@@ -76,7 +76,7 @@ want moe_prefill && section moe_prefill "${BENCH_TIMEOUT:-150}" $PY -m bench.moe
 # The down projection's own launch (column tiles walked per program) and the gate/up launch with its
 # splits added in the program, at 4,096 tokens, bits vs the bucket.
 want moe_launch && section moe_launch "${BENCH_TIMEOUT:-300}" $PY -m bench.moe_tiles --launch-sweep \
-    --out "$OUT/moe_launch.json"
+    --tokens "${MOE_LAUNCH_TOKENS:-4096}" --out "$OUT/moe_launch.json"
 # Which sparse MLA launch knobs keep the deployment's bits (may follow the batch), their times, and
 # whole new deployments (MLA_CANDIDATES, H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow).
 want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free.json" --free \
