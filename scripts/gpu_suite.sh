@@ -101,7 +101,7 @@ want prefill_variants_slice && section prefill_variants_slice "${PREFILL_TIMEOUT
     --model dsv4-slice --batch-sizes 1,16 --iters 10 --prefill-iters "${PREFILL_ITERS:-10}" --prefill-variants --out "$OUT/prefill_variants_slice.json"
 # ---- the engine on the GPU (issues 7, 8): graphs + multi-stream through Engine.step(), overlap
 want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \
-    --run-gpu ${ENGINE_TEST_FILES:-tests/gpu/test_engine_gpu.py tests/gpu/test_device_draw_gpu.py tests/gpu/test_prefix_cache_gpu.py} -rA \
+    --run-gpu ${ENGINE_TEST_FILES:-tests/gpu/test_engine_gpu.py tests/gpu/test_device_draw_gpu.py tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_slice_prefill_chunks_gpu.py} -rA \
     ${ENGINE_TEST_K:+-k "$ENGINE_TEST_K"}
 want idle_canary && section idle_canary "${BENCH_TIMEOUT:-120}" $PY -m bench.idle_time --model canary \
     --batch-sizes 1,4,16,64 --out "$OUT/idle_canary.json"
