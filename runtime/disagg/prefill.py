@@ -29,7 +29,6 @@ import logging
 import threading
 import time
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
@@ -38,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from runtime.disagg.bootstrap import BootstrapError, BootstrapRegistry, BootstrapTimeout, Room, RoomFailed
 from runtime.disagg.metrics import PDMetrics
 from runtime.disagg.protocol import ROOM_HEADER, api_error
-from runtime.disagg.transfer import KVTransfer, PoolDescriptor, kv_digest, mode_mismatch
+from runtime.disagg.transfer import KVTransfer, PoolDescriptor, digest_workers, kv_digest, mode_mismatch
 from runtime.engine.engine import Engine, StepResult
 from runtime.server.bridge import Accepted, Rejected
 from runtime.server.errors import ApiError, bad_request
@@ -89,7 +88,7 @@ class PrefillSide:
         self.pending: dict[str, Pending] = {}
         self._sending: set[asyncio.Task] = set()  # writes of held KV in progress (a reference each)
         # The sender's KV digests, each beside its write (`_write`): both read the same owned pages.
-        self._digests = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-digest")
+        self._digests = digest_workers()
 
     async def aclose(self) -> None:
         """At server shutdown: stop the digest threads (the decode side closes an HTTP client here)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -144,6 +145,14 @@ def kv_digest(latent: torch.Tensor, index_keys: torch.Tensor, pages: list[int], 
         for layer in rows:
             crc = zlib.crc32(layer[:num_tokens].view(torch.uint8).reshape(-1).numpy(), crc)
     return f"{crc:08x}"
+
+
+def digest_workers() -> ThreadPoolExecutor:
+    """The threads a PD side computes its KV digests on (the sender's beside each write, the receiver's
+    before admission), off the event loop and the engine thread. zlib's CRC and the device-to-host copy
+    release the GIL, so a few threads digest concurrent requests side by side; a server is one side, so
+    one pool per server."""
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-digest")
 
 
 def _byte_at(address: int) -> int:
