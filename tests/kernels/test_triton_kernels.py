@@ -553,10 +553,29 @@ def _indexer_case(seed, queries, heads, dim, context, page_size, dtype, dup_ever
     return q, w, keys, page_table.to(torch.int32).to(DEVICE), lens.to(torch.int32).to(DEVICE), dense
 
 
-def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None):
+def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None, blocks=None):
     out = poisoned(q.shape[0], table.shape[1] * page_size, dtype=torch.float32)
-    indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=out)
+    indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=out, blocks=blocks)
     return out
+
+
+@settings(max_examples=4 if ON_GPU else 2, deadline=None)
+@given(seed=SEEDS, queries=st.sampled_from([1, 3]), context=st.sampled_from([65, 150, 300]),
+       dtype=st.sampled_from(DTYPES))
+def test_indexer_blocks_per_program_keep_the_bits(seed, queries, context, dtype):
+    """How many position blocks a program walks (`blocks_per_program`: fewer for small steps) only moves
+    blocks between programs: every logit is the same bits, -inf past each length included."""
+    q, w, keys, table, lens, dense = _indexer_case(seed, queries, 4, 16, context, 16, dtype)
+    outs = [_run_indexer(q, w, keys, table, lens, 16, blocks=b) for b in (1, 2, 8)]
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_indexer_spreads_small_steps_over_more_programs():
+    assert indexer.blocks_per_program(1, 2048, 128) == 1  # bs 1: 16 programs of one block, not 2 of eight
+    assert indexer.blocks_per_program(128, 2048, 128) == 8  # 256 programs already
+    assert indexer.blocks_per_program(4096, 65536, 128) == 8
+    assert indexer.blocks_per_program(16, 2048, 128) == 1
 
 
 @EXAMPLES

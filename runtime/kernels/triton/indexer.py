@@ -15,6 +15,21 @@ import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
 
+# Positions are cut into blocks of BLOCK_L, up to MAX_BLOCKS of them walked by one program. A step of
+# few queries would then run a handful of programs that walk their blocks one after another (bs 1 at
+# 2,048 positions: 2 programs, ~15 us a call on the H200, 30 us of the slice's bs-1 step); with fewer
+# blocks a program, more programs share the work. Which program computes a block never changes a
+# logit's bits (every block runs the same operations on its own positions).
+MAX_BLOCKS = 8
+SPREAD_PROGRAMS = 256  # fewer blocks a program (down to 1) until a call has at least this many programs
+
+
+def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int = MAX_BLOCKS) -> int:
+    blocks = max_blocks
+    while blocks > 1 and tokens * triton.cdiv(length, block_l * blocks) < SPREAD_PROGRAMS:
+        blocks //= 2
+    return blocks
+
 
 @triton.jit
 def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr,
@@ -58,17 +73,19 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, blocks: int | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
-    fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length."""
+    fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
+    blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
         out = torch.empty(tokens, length, dtype=torch.float32, device=q.device)
     if tokens == 0 or length == 0:
         return out
-    block_l, blocks = (32, 2) if INTERPRETED else (128, 8)
+    block_l, max_blocks = (32, 2) if INTERPRETED else (128, MAX_BLOCKS)
+    blocks = blocks or blocks_per_program(tokens, length, block_l, max_blocks)
     block_h = max(16, triton.next_power_of_2(heads))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _indexer_kernel[(tokens, triton.cdiv(length, block_l * blocks))](
