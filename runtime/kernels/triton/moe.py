@@ -10,8 +10,10 @@ tile rows being independent; buckets tune BLOCK_N, warps, stages and, for prefil
 BLOCK_M: a taller tile reads each expert's weights once per 32 or 64 of its rows instead of per 16,
 and switches the tensor-core instruction (mma.sync below 64 rows, wgmma from 64), which leaves each
 output's k16-step order alone (measured SAME on the H200 by bench/mma_bits.py and bench/moe_tiles.py,
-tested across the buckets on the GPU). The combine sums a token's K expert outputs in rank order,
-then adds the shared expert.
+tested across the buckets on the GPU). A bucket may also give gate/up its own launch (its split
+partials added in the tile's program, in split order: `gate_up_launch`) and the down projection its
+own (column tiles walked per program: `down_launch`); neither touches an output's additions. The
+combine sums a token's K expert outputs in rank order, then adds the shared expert.
 
 fp8 path: weights e4m3 with one float32 scale per 128x128 block ([E, N/128, K/128]), activations
 quantized per token per 128 channels on the fly (quantize_groups); BLOCK_K is the block size, so
