@@ -19,7 +19,7 @@ import asyncio
 import base64
 import logging
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -152,7 +152,10 @@ class DecodeSide:
             req = prefilled_request(rid, ids, prepared.params, pages, result)  # the reply's fields, validated
             sink = self._first_token_sink(req, trace)
             state.bridge.announce_prefilled(rid)  # the client may abort it from now on, before its admission
-            self._spawn(self._verify_then_admit(state, room, req, result, staging, sink, trace))
+            # Queued now, not when the check's task first runs: the engine thread scatters the KV while
+            # the first token is written, and token 2 waits for the check.
+            landing = state.bridge.call(self._lander(pages, staging, trace))
+            self._spawn(self._verify_then_admit(state, room, req, result, staging, landing, sink, trace))
             handed_over = True
             return sink
         finally:
@@ -193,14 +196,15 @@ class DecodeSide:
         task.add_done_callback(self._verifying.discard)
 
     async def _verify_then_admit(self, state, room: str, req: EngineRequest, result: dict, staging: int | None,
-                                 sink: asyncio.Queue, trace: Trace) -> None:
-        """Land the staged KV, compare its digest with the sender's and admit the request; on a mismatch
-        (or any failure) the client's stream, whose first token is out, ends with the error. Never
-        cancelled by a client that leaves: its abort is kept by the bridge until the admission
-        (`announce_prefilled`), so every path here ends in admission or in freeing the pages."""
+                                 landing: asyncio.Future, sink: asyncio.Queue, trace: Trace) -> None:
+        """Wait for the staged KV to land (`landing`, the `_lander` call), compare its digest with the
+        sender's and admit the request; on a mismatch (or any failure) the client's stream, whose first
+        token is out, ends with the error. Never cancelled by a client that leaves: its abort is kept by
+        the bridge until the admission (`announce_prefilled`), so every path here ends in admission or
+        in freeing the pages."""
         admitted = False
         try:
-            await self._check_kv(state, room, req.pages, len(req.prompt_ids), staging, result, trace)
+            await self._check_kv(room, req.pages, len(req.prompt_ids), landing, result, trace)
             self.metrics.transfer_bytes.inc(int(result["kv_bytes"]))
             self.metrics.transfers.labels("ok").inc()
             state.bridge.submit_prefilled(req, sink, trace)
@@ -215,12 +219,9 @@ class DecodeSide:
                 state.bridge.withdraw(req.rid)
             self._release(state, req.rid, req.pages, staging, admitted)
 
-    async def _check_kv(self, state, room: str, pages: list[int], num_tokens: int, staging: int | None,
-                        result: dict, trace: Trace) -> None:
-        """Land the staged KV into the pages (engine thread), then raise pd_kv_corrupt unless what the
-        pages hold has the sender's digest (worker thread)."""
-        page_size = self.engine.pool.page_size
-
+    def _lander(self, pages: list[int], staging: int | None,
+                trace: Trace) -> Callable[[Engine], torch.cuda.Event | None]:
+        """What lands the staged KV, for the engine thread (`EngineBridge.call`)."""
         def land(engine: Engine) -> torch.cuda.Event | None:
             """On the engine thread, as every other write to the pool: staged KV into the pages. On a
             GPU pool, an event marks where the copies stand in the engine's stream."""
@@ -228,6 +229,14 @@ class DecodeSide:
                 self.transfer.receive_staged(staging, pages)
             trace.mark("kv_landed")
             return _stream_mark(self.transfer.latent)
+
+        return land
+
+    async def _check_kv(self, room: str, pages: list[int], num_tokens: int, landing: asyncio.Future, result: dict,
+                        trace: Trace) -> None:
+        """Once the KV has landed (`landing`), raise pd_kv_corrupt unless what the pages hold has the
+        sender's digest (worker thread)."""
+        page_size = self.engine.pool.page_size
 
         def check(landed: torch.cuda.Event | None) -> str:
             """The digest of what the pages hold, on a worker thread: the engine thread is the busy
@@ -239,7 +248,7 @@ class DecodeSide:
             trace.mark("kv_checked")
             return digest
 
-        landed = await state.bridge.call(land)
+        landed = await landing
         digest = await asyncio.get_running_loop().run_in_executor(self._digests, check, landed)
         if digest != result["digest"]:
             self.metrics.transfers.labels("corrupt").inc()

@@ -939,10 +939,10 @@ def digest_first(pd, monkeypatch) -> None:
 def admit_before_the_check(pd, monkeypatch) -> None:
     """A planted bug: the request is admitted before its KV check, so the engine's tokens (2 on) reach
     the client while the digest is still computing."""
-    async def verify_then_admit(state, room, req, result, staging, sink, trace):
+    async def verify_then_admit(state, room, req, result, staging, landing, sink, trace):
         state.bridge.withdraw(req.rid)
         state.bridge.submit_prefilled(req, sink, trace)
-        await pd._check_kv(state, room, req.pages, len(req.prompt_ids), staging, result, trace)
+        await pd._check_kv(room, req.pages, len(req.prompt_ids), landing, result, trace)
         pd._release(state, req.rid, req.pages, staging, admitted=True)
 
     monkeypatch.setattr(pd, "_verify_then_admit", verify_then_admit)
