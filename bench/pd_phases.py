@@ -29,9 +29,7 @@ PD_PATH: Path = (
     ("prefill.room_completed", "prefill: back on the event loop, room completed"),
     ("prefill.transfer_replying", "prefill: /pd/transfer handler wakes"),
     ("decode.transfer_answered", "/pd/transfer reply reaches decode"),
-    ("decode.kv_landed", "decode: to the engine thread, scatter"),
-    ("decode.kv_checked", "decode: receiver's KV digest"),
-    ("decode.engine_accepted", "decode: digest compared, admitted"),
+    ("decode.first_token", "decode: reply read, first token onto its sink"),
     ("decode.first_token_out", "decode: first token into its stream"),
     ("router.first_token_relayed", "decode -> router"),
     ("client.first_token", "router -> client"),
@@ -41,6 +39,15 @@ PD_PATH: Path = (
 PD_SENDER_DIGEST: Path = (
     ("prefill.write_started", "start"),
     ("prefill.kv_digested", "prefill: sender's KV digest (beside the gather and write)"),
+)
+
+# Beside PD_PATH's first token: the decode side lands and checks the KV, then admits the request (its
+# second token waits for this, its first does not).
+PD_KV_CHECK: Path = (
+    ("decode.transfer_answered", "start"),
+    ("decode.kv_landed", "decode: to the engine thread, scatter"),
+    ("decode.kv_checked", "decode: receiver's KV digest"),
+    ("decode.engine_accepted", "decode: digest compared, admitted"),
 )
 
 # Runs beside PD_PATH: the decode side opens the room while the prompt computes.

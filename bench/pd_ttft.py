@@ -13,7 +13,7 @@ runs them on the GPU with `--server-arg=--dtype=float32`).
 
 `--phases` traces every timed request (`x-dsv4-trace`, runtime/server/trace.py) and prints, per prompt
 size, the median of each phase of the PD pair's critical path, of the decode side's room-opening
-branch beside it, and of the colocated server's path (bench/pd_phases.py names them). The servers must
+branch and KV check beside it, and of the colocated server's path (bench/pd_phases.py names them). The servers must
 run on this host: the marks of all processes are read on one monotonic clock.
 """
 
@@ -32,6 +32,7 @@ import httpx
 
 from bench.pd_phases import (
     COLOCATED_PATH,
+    PD_KV_CHECK,
     PD_PATH,
     PD_ROOM_BRANCH,
     PD_SENDER_DIGEST,
@@ -47,6 +48,7 @@ from runtime.config import DEFAULT_MODEL
 from runtime.server.trace import TRACE_HEADER
 from tests.e2e.pd_pair import pd_pair, serve_state, server_state
 
+MARKS_WAIT_S = 5.0  # for the marks a server makes after the first token (the PD decode side's KV check)
 
 def ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, str] | None = None,
          marks: dict[str, float] | None = None) -> float:
@@ -68,17 +70,23 @@ def ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, 
 
 
 def traced_ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, str] | None,
-                side: str | None) -> tuple[float, dict[str, float]]:
+                side: str | None, until: tuple[str, ...] = ()) -> tuple[float, dict[str, float]]:
     """`ttft` of a traced request, and its marks on every side, flattened ("router.received", ...).
-    `side`: the name of a lone server's marks (colocated); None for the router, which names its own."""
+    `side`: the name of a lone server's marks (colocated); None for the router, which names its own.
+    `until`: marks made after the first token (the PD decode side's KV check, PD_KV_CHECK), waited for
+    up to MARKS_WAIT_S."""
     key = uuid.uuid4().hex
     mine: dict[str, float] = {}
     seconds = ttft(client, url, words, i, {**(headers or {}), TRACE_HEADER: key}, mine)
-    reply = client.get(f"{url}/debug/trace/{key}", headers=headers, timeout=30)
-    reply.raise_for_status()
-    found = reply.json()
-    by_side = {side: found["marks"]} if side else found
-    return seconds, flatten({**by_side, "client": mine})
+    deadline = time.monotonic() + MARKS_WAIT_S
+    while True:
+        reply = client.get(f"{url}/debug/trace/{key}", headers=headers, timeout=30)
+        reply.raise_for_status()
+        found = reply.json()
+        marks = flatten({**({side: found["marks"]} if side else found), "client": mine})
+        if all(mark in marks for mark in until) or time.monotonic() > deadline:
+            return seconds, marks
+        time.sleep(0.01)
 
 
 def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[dict[str, float]]) -> dict:
@@ -86,6 +94,7 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
     report = {"pd_path_ms": medians_ms([phases(PD_PATH, m) for m in pd_marks], PD_PATH),
               "pd_room_branch_ms": medians_ms([phases(PD_ROOM_BRANCH, m) for m in pd_marks], PD_ROOM_BRANCH),
               "pd_sender_digest_ms": medians_ms([phases(PD_SENDER_DIGEST, m) for m in pd_marks], PD_SENDER_DIGEST),
+              "pd_kv_check_ms": medians_ms([phases(PD_KV_CHECK, m) for m in pd_marks], PD_KV_CHECK),
               "colocated_path_ms": medians_ms([phases(COLOCATED_PATH, m) for m in co_marks], COLOCATED_PATH)}
     slack = [s for s in map(room_slack_ms, pd_marks) if s is not None]
     if slack:
@@ -94,6 +103,7 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
     for title, key in (("PD critical path", "pd_path_ms"),
                        ("PD decode side, opening the room (beside the prompt)", "pd_room_branch_ms"),
                        ("PD sender's digest (beside the write)", "pd_sender_digest_ms"),
+                       ("PD receiver's KV check and admission (beside the first token)", "pd_kv_check_ms"),
                        ("colocated", "colocated_path_ms")):
         print(f"  {title}: (sum {sum(report[key].values()):.2f})")
         for phase, ms in report[key].items():
@@ -139,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.phases:
                     for url, headers, side, times, marks in ((pd_url, pd_headers, None, pd, pd_marks),
                                                              (co_url, co_headers, "server", co, co_marks)):
-                        seconds, request_marks = traced_ttft(client, url, words, i, headers, side)
+                        until = (PD_KV_CHECK[-1][0],) if side is None else ()
+                        seconds, request_marks = traced_ttft(client, url, words, i, headers, side, until)
                         times.append(seconds)
                         marks.append(request_marks)
                 else:

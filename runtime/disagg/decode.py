@@ -1,20 +1,27 @@
 """The decode server's side of PD: reserve pages for a prompt's KV (and, in staged transfer mode, a
 receive slot of the staging arena), register with the request's prefill server (once per prefill
 server and session), open the request's room with those page ids (and the slot), wait for the KV,
-scatter it from the slot into the pages (staged), check it arrived intact, and hand the request to
-the engine as already prefilled.
+then send the first token (the prefill side's) to the client at once while the KV is scattered from
+the slot into the pages (staged) and checked, and the request handed to the engine as already
+prefilled; its later tokens come from the engine, so none reaches the client before the check passed.
+A failed check ends the stream, after its first token, with the pd_kv_corrupt error.
 
 The reserved pages are freed on every path that does not end in admission (timeout, prefill error,
-corrupt KV, client gone); a request admitted to the engine is freed by the scheduler as usual. The
-receive slot is freed on every path, admission included (the KV is in the pages by then).
+corrupt KV, client gone before the KV arrived); a request admitted to the engine is freed by the
+scheduler as usual, and one whose client left while its KV was checked is admitted, then aborted (its
+abort kept by the bridge). The receive slot is freed on every path, admission included (the KV is in
+the pages by then).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import uuid
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import torch
@@ -27,8 +34,11 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import Request as EngineRequest
 from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import OutOfPagesError
+from runtime.server.bridge import Accepted, Failed, TokenOut, is_stop_token
 from runtime.server.errors import ApiError, bad_request
 from runtime.server.trace import NO_TRACE, Trace
+
+log = logging.getLogger(__name__)
 
 
 class DecodeSide:
@@ -45,6 +55,7 @@ class DecodeSide:
         self._client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
         # The receiver's KV digests (`start`), off the engine thread.
         self._digests = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-digest")
+        self._verifying: set[asyncio.Task] = set()  # `_verify_then_admit` of requests whose first token is out
 
     def client(self) -> httpx.AsyncClient:
         """One HTTP client for every call to the prefill servers, made in the server's event loop.
@@ -61,6 +72,8 @@ class DecodeSide:
     async def aclose(self) -> None:
         """Close the HTTP client (its pooled connections to the prefill servers) and stop the digest
         threads; at server shutdown."""
+        for task in list(self._verifying):  # the server is stopping: their streams are gone with it
+            task.cancel()
         self._digests.shutdown(wait=False)
         if self._client is not None:
             loop, client = self._client
@@ -105,12 +118,15 @@ class DecodeSide:
         raise AssertionError("unreachable")
 
     async def start(self, state, request: Request, rid: str, prepared, trace: Trace = NO_TRACE) -> asyncio.Queue:
+        """The request's sink, returned as soon as the prefill side's reply is here, with Accepted and the
+        first token (the prefill side's, computed from its own KV) already on it; the KV is landed,
+        checked and the request admitted meanwhile (`_verify_then_admit`), which the engine's tokens
+        (2 on) wait for."""
         room, prefill = request.headers.get(ROOM_HEADER), request.headers.get(BOOTSTRAP_HEADER)
         if not room or not prefill:
             raise bad_request("this is a PD decode server: requests come through `python -m runtime.router` "
                               f"({ROOM_HEADER} / {BOOTSTRAP_HEADER} headers missing)")
         ids = prepared.prompt_ids
-        page_size = self.engine.pool.page_size
         num_pages = self.engine.pool.pages_for_tokens(len(ids))
 
         def reserve(engine: Engine) -> list[int]:
@@ -130,54 +146,123 @@ class DecodeSide:
             raise
         self.metrics.pages_in_flight.inc(len(pages))
         trace.mark("pages_reserved")
-        admitted = False
+        handed_over = False  # to `_verify_then_admit`, which frees what this does not
         try:
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            try:
-                result = await self._await_kv(prefill, room, pages, staging, trace)
-            except httpx.HTTPError as exc:
-                raise ApiError(502, f"prefill server {prefill} unreachable for room {room}: {exc!r}",
-                               type="server_error", code="pd_prefill_unreachable") from None
-            self.metrics.transfer_seconds.observe(loop.time() - started)
-            trace.mark("transfer_answered")
-
-            def land(engine: Engine) -> torch.cuda.Event | None:
-                """On the engine thread, as every other write to the pool: staged KV into the pages. On a
-                GPU pool, an event marks where the copies stand in the engine's stream."""
-                if staging is not None:
-                    self.transfer.receive_staged(staging, pages)
-                trace.mark("kv_landed")
-                return _stream_mark(self.transfer.latent)
-
-            def check(landed: torch.cuda.Event | None) -> str:
-                """The digest of what the pages hold, on a worker thread: the engine thread is the busy
-                decode server's bottleneck (2.3 ms of it per PD request on the H200 when it hashed there).
-                Nothing writes these pages before the request is admitted, which waits for this."""
-                if landed is not None:
-                    landed.synchronize()
-                digest = kv_digest(self.transfer.latent, self.transfer.index_keys, pages, page_size, len(ids))
-                trace.mark("kv_checked")
-                return digest
-
-            landed = await state.bridge.call(land)
-            digest = await asyncio.get_running_loop().run_in_executor(self._digests, check, landed)
-            if digest != result["digest"]:
-                self.metrics.transfers.labels("corrupt").inc()
-                raise ApiError(502, f"room {room}: the KV arrived corrupted (digest {digest} != sender's "
-                                    f"{result['digest']})", type="server_error", code="pd_kv_corrupt")
-            self.metrics.transfer_bytes.inc(int(result["kv_bytes"]))
-            self.metrics.transfers.labels("ok").inc()
-            req = prefilled_request(rid, ids, prepared.params, pages, result)
-            sink = state.bridge.submit_prefilled(req, trace)
-            admitted = True
+            result = await self._transfer(prefill, room, pages, staging, trace)
+            req = prefilled_request(rid, ids, prepared.params, pages, result)  # the reply's fields, validated
+            sink = self._first_token_sink(req, trace)
+            state.bridge.announce_prefilled(rid)  # the client may abort it from now on, before its admission
+            # Queued now, not when the check's task first runs: the engine thread scatters the KV while
+            # the first token is written, and token 2 waits for the check.
+            landing = state.bridge.call(self._lander(pages, staging, trace))
+            self._spawn(self._verify_then_admit(state, room, req, result, staging, landing, sink, trace))
+            handed_over = True
             return sink
         finally:
-            self.metrics.pages_in_flight.dec(len(pages))
-            if admitted or not self.faults.enabled("pd-abort-leak"):  # the fault: a given-up request's slot leaks
-                self._free_staging(staging)
-            if not admitted and not self.faults.enabled("pd-abort-leak"):  # the fault: reserved pages leak
-                state.bridge.call(lambda engine: engine.pool.free(rid, pages))
+            if not handed_over:
+                self._release(state, rid, pages, staging, admitted=False)
+
+    async def _transfer(self, prefill: str, room: str, pages: list[int], staging: int | None,
+                        trace: Trace) -> dict:
+        """The prefill side's reply once the room's KV is written into our pages (or receive slot)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            result = await self._await_kv(prefill, room, pages, staging, trace)
+        except httpx.HTTPError as exc:
+            raise ApiError(502, f"prefill server {prefill} unreachable for room {room}: {exc!r}",
+                           type="server_error", code="pd_prefill_unreachable") from None
+        self.metrics.transfer_seconds.observe(loop.time() - started)
+        trace.mark("transfer_answered")
+        return result
+
+    def _first_token_sink(self, req: EngineRequest, trace: Trace) -> asyncio.Queue:
+        """A sink holding Accepted and the request's first token: the prefill side computed that token
+        from its own KV, so it does not depend on the transferred copy and goes out before the check."""
+        reason = self.engine.scheduler.stop_reason(req)  # the first token may end it (max_tokens=1, EOS)
+        token = req.output_ids[0]
+        sink: asyncio.Queue = asyncio.Queue()
+        sink.put_nowait(Accepted(len(req.prompt_ids)))
+        sink.put_nowait(TokenOut(token, req.output_logprobs[0] if req.output_logprobs else 0.0,
+                                 req.output_top_logprobs[0] if req.output_top_logprobs else [], reason,
+                                 is_stop_token(req, token, reason, self.engine.tokenizer.eos_token_id)))
+        trace.mark("first_token")
+        return sink
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` beside the request's stream, kept referenced until done (the loop keeps weak ones)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._verifying.add(task)
+        task.add_done_callback(self._verifying.discard)
+
+    async def _verify_then_admit(self, state, room: str, req: EngineRequest, result: dict, staging: int | None,
+                                 landing: asyncio.Future, sink: asyncio.Queue, trace: Trace) -> None:
+        """Wait for the staged KV to land (`landing`, the `_lander` call), compare its digest with the
+        sender's and admit the request; on a mismatch (or any failure) the client's stream, whose first
+        token is out, ends with the error. Never cancelled by a client that leaves: its abort is kept by
+        the bridge until the admission (`announce_prefilled`), so every path here ends in admission or
+        in freeing the pages."""
+        admitted = False
+        try:
+            await self._check_kv(room, req.pages, len(req.prompt_ids), landing, result, trace)
+            self.metrics.transfer_bytes.inc(int(result["kv_bytes"]))
+            self.metrics.transfers.labels("ok").inc()
+            state.bridge.submit_prefilled(req, sink, trace)
+            admitted = True
+        except ApiError as exc:
+            sink.put_nowait(Failed(exc))
+        except Exception as exc:  # a bug: the client, its first token out, must get an error, not a hang
+            log.exception("room %s: the KV check failed", room)
+            sink.put_nowait(Failed(ApiError(500, f"the KV check failed: {exc!r}", type="server_error")))
+        finally:
+            if not admitted:
+                state.bridge.withdraw(req.rid)
+            self._release(state, req.rid, req.pages, staging, admitted)
+
+    def _lander(self, pages: list[int], staging: int | None,
+                trace: Trace) -> Callable[[Engine], torch.cuda.Event | None]:
+        """What lands the staged KV, for the engine thread (`EngineBridge.call`)."""
+        def land(engine: Engine) -> torch.cuda.Event | None:
+            """On the engine thread, as every other write to the pool: staged KV into the pages. On a
+            GPU pool, an event marks where the copies stand in the engine's stream."""
+            if staging is not None:
+                self.transfer.receive_staged(staging, pages)
+            trace.mark("kv_landed")
+            return _stream_mark(self.transfer.latent)
+
+        return land
+
+    async def _check_kv(self, room: str, pages: list[int], num_tokens: int, landing: asyncio.Future, result: dict,
+                        trace: Trace) -> None:
+        """Once the KV has landed (`landing`), raise pd_kv_corrupt unless what the pages hold has the
+        sender's digest (worker thread)."""
+        page_size = self.engine.pool.page_size
+
+        def check(landed: torch.cuda.Event | None) -> str:
+            """The digest of what the pages hold, on a worker thread: the engine thread is the busy
+            decode server's bottleneck (2.3 ms of it per PD request on the H200 when it hashed there).
+            Nothing writes these pages before the request is admitted, which waits for this."""
+            if landed is not None:
+                landed.synchronize()
+            digest = kv_digest(self.transfer.latent, self.transfer.index_keys, pages, page_size, num_tokens)
+            trace.mark("kv_checked")
+            return digest
+
+        landed = await landing
+        digest = await asyncio.get_running_loop().run_in_executor(self._digests, check, landed)
+        if digest != result["digest"]:
+            self.metrics.transfers.labels("corrupt").inc()
+            raise ApiError(502, f"room {room}: the KV arrived corrupted (digest {digest} != sender's "
+                                f"{result['digest']})", type="server_error", code="pd_kv_corrupt")
+
+    def _release(self, state, rid: str, pages: list[int], staging: int | None, admitted: bool) -> None:
+        """The request's KV is no longer in flight: its receive slot goes back (the KV is in the pages or
+        no longer wanted), and its pages too unless the engine has them now."""
+        self.metrics.pages_in_flight.dec(len(pages))
+        if admitted or not self.faults.enabled("pd-abort-leak"):  # the fault: a given-up request's slot leaks
+            self._free_staging(staging)
+        if not admitted and not self.faults.enabled("pd-abort-leak"):  # the fault: reserved pages leak
+            state.bridge.call(lambda engine: engine.pool.free(rid, pages))
 
     async def _reserve_staging(self, room: str, num_pages: int) -> int | None:
         """A receive slot for `num_pages` pages of KV (staged mode; None in direct mode), waiting for

@@ -88,7 +88,7 @@ class Scheduler:
         req.pages_planned = 0  # its first decode extend sends the whole table to this engine's runner
         self.requests[req.rid] = req
         self.prefilled.append(req)
-        reason = self._stop_reason(req)
+        reason = self.stop_reason(req)
         if reason is not None:
             self._finish(req, reason)
         return reason
@@ -265,13 +265,16 @@ class Scheduler:
             if req.params.logprobs:
                 req.output_logprobs.append(out.logprob)
                 req.output_top_logprobs.append(out.top)
-            reason = self._stop_reason(req)
+            reason = self.stop_reason(req)
             if reason is not None:
                 self._finish(req, reason)
                 done.append(req)
         return done
 
-    def _stop_reason(self, req: Request) -> str | None:
+    def stop_reason(self, req: Request) -> str | None:
+        """Why `req`'s last token ends it, or None (sets `matched_stop`). It reads only the request, the
+        tokenizer and the config, so the PD decode side calls it on the event loop to send a first
+        token before the engine thread has the request (runtime/disagg/decode.py)."""
         token, params = req.output_ids[-1], req.params
         if token == self.tokenizer.eos_token_id and not params.ignore_eos:
             req.matched_stop = token

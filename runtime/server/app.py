@@ -34,10 +34,10 @@ from runtime.env import Env
 from runtime.models.loader import LoadedModel
 from runtime.server import dsml
 from runtime.server.auth import BearerAuth
-from runtime.server.bridge import Aborted, Accepted, EngineBridge, Rejected, TokenOut
+from runtime.server.bridge import Aborted, Accepted, EngineBridge, Failed, Rejected, TokenOut
 from runtime.server.chat_template import ChatTemplate, TemplateError, call_opening
 from runtime.server.corrupt import ToolJsonCorruptor, request_key
-from runtime.server.errors import ApiError, bad_request, from_validation_errors
+from runtime.server.errors import ApiError, bad_request, from_validation_errors, rejected
 from runtime.server.internal_errors import InternalErrors
 from runtime.server.limits import ConcurrencyLimit, HeaderSizeLimit, RequestSlots
 from runtime.server.metrics import ServerMetrics
@@ -176,8 +176,7 @@ def create_app(state: ServerState) -> FastAPI:
             sink = state.bridge.submit(rid, prepared.prompt_ids, prepared.params, trace=trace)
         first = await sink.get()
         if isinstance(first, Rejected):
-            raise bad_request(f"request rejected: {first.message}", code="context_length_exceeded"
-                              if "exceeds" in first.message else None)
+            raise rejected(first.message)
         assert isinstance(first, Accepted)
         builder = ChoiceBuilder(state.engine.tokenizer, prepared.output, prepared.corruptor)
         if req.stream:
@@ -319,8 +318,8 @@ def _reason(state: ServerState, rid: str, builder: ChoiceBuilder, event: TokenOu
 def _finish(state: ServerState, builder: ChoiceBuilder, reason: str) -> tuple[Delta, str]:
     """The builder's last delta and finish_reason; what its parser returned as content is counted."""
     last, finish = builder.finish(reason)
-    for rejected in builder.rejected:
-        state.metrics.dsml_rejected.labels(rejected).inc()
+    for name in builder.rejected:
+        state.metrics.dsml_rejected.labels(name).inc()
     return last, finish
 
 
@@ -352,6 +351,10 @@ async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: Ch
             for event in events:
                 if isinstance(event, Rejected):  # the engine died under us: say so inside the stream
                     out.append(f"data: {json.dumps(ApiError(500, event.message, type='server_error').body())}\n\n")
+                    done = True
+                    break
+                if isinstance(event, Failed):  # after its first token (PD decode): the error, inside the stream
+                    out.append(f"data: {json.dumps(event.error.body())}\n\n")
                     done = True
                     break
                 reason = "abort" if isinstance(event, Aborted) else None
@@ -397,6 +400,8 @@ async def _unary(state: ServerState, request: Request, rid: str, sink: asyncio.Q
                 return JSONResponse({}, status_code=499)
             if isinstance(event, Rejected):
                 raise ApiError(500, event.message, type="server_error")
+            if isinstance(event, Failed):
+                raise event.error
             reason = "abort" if isinstance(event, Aborted) else None
             if isinstance(event, TokenOut):
                 completion += 1

@@ -22,6 +22,7 @@ from typing import Any
 
 from runtime.engine.engine import Engine, StepResult
 from runtime.engine.request import Request, SamplingParams
+from runtime.server.errors import ApiError, rejected
 from runtime.server.metrics import ServerMetrics
 from runtime.server.trace import NO_TRACE, Trace
 
@@ -53,7 +54,20 @@ class Aborted:
     """The request ended without a token this step (client disconnect)."""
 
 
-Event = Accepted | Rejected | TokenOut | Aborted
+@dataclass(frozen=True)
+class Failed:
+    """The request failed after its first token was sent (PD decode: its KV arrived corrupted, or the
+    engine refused it): a stream reports `error` inside itself, a unary request answers with it."""
+    error: ApiError
+
+
+Event = Accepted | Rejected | TokenOut | Aborted | Failed
+
+
+def is_stop_token(req: Request, token: int, reason: str | None, eos_token_id: int) -> bool:
+    """The request's last token is EOS or a stop_token_id that ended it: counted, not shown as text."""
+    return reason == "stop" and isinstance(req.matched_stop, int) and (
+        token == eos_token_id or token in req.params.stop_token_ids)
 
 
 class EngineBridge:
@@ -68,6 +82,9 @@ class EngineBridge:
         # Traced requests until their first token (runtime/server/trace.py); empty when nobody traces,
         # and then the step's loop does not look at it.
         self._traces: dict[str, Trace] = {}
+        # PD decode requests whose first token is out before the engine has them (`announce_prefilled`):
+        # rid -> the reason of an abort asked for meanwhile (None: none yet). Event-loop side only.
+        self._announced: dict[str, str | None] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None  # set if the engine thread died
         # PD prefill (runtime/disagg/prefill.py): sees every step's result on the engine thread, before
@@ -100,13 +117,28 @@ class EngineBridge:
         self._wake.set()
         return sink
 
-    def submit_prefilled(self, req: Request, trace: Trace = NO_TRACE) -> asyncio.Queue:
+    def announce_prefilled(self, rid: str) -> None:
+        """PD decode: `rid`'s first token goes to its client before the engine has the request (its KV
+        is still being checked, runtime/disagg/decode.py), so its client may abort it first. Such an
+        abort is kept here and sent right after the admission (`submit_prefilled`): the engine, not
+        knowing the rid yet, would drop it, and the request would then decode for nobody."""
+        self._announced[rid] = None
+
+    def withdraw(self, rid: str) -> None:
+        """PD decode: the announced request will not be admitted (its KV check failed): forget it and
+        any abort kept for it (its caller frees its pages)."""
+        self._announced.pop(rid, None)
+
+    def submit_prefilled(self, req: Request, sink: asyncio.Queue, trace: Trace = NO_TRACE) -> None:
         """PD decode: queue a request whose prompt KV is already in its pages and whose first token is
-        in `output_ids`; its events (Accepted, then that first token) arrive on the returned queue."""
-        sink: asyncio.Queue = asyncio.Queue()
+        in `output_ids`, Accepted and that token already put on `sink` by the caller; the engine sends
+        what follows (or Failed, if it refuses the request), and an abort kept since
+        `announce_prefilled` right after it."""
+        deferred_abort = self._announced.pop(req.rid, None)
         self._commands.put(("admit", req, (asyncio.get_running_loop(), sink), trace))
+        if deferred_abort is not None:
+            self._commands.put(("abort", req.rid, deferred_abort))
         self._wake.set()
-        return sink
 
     def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
         """Run `fn(engine)` on the engine thread (the pool and KV are not thread-safe); await its result."""
@@ -118,6 +150,10 @@ class EngineBridge:
 
     def abort(self, rid: str, reason: str = "abort") -> None:
         """End the request at the next step; `reason` as `Scheduler.abort` takes it."""
+        if rid in self._announced:  # not in the engine yet: sent once it is (`submit_prefilled`)
+            if self._announced[rid] is None:
+                self._announced[rid] = reason
+            return
         self._commands.put(("abort", rid, reason))
         self._wake.set()
 
@@ -186,18 +222,10 @@ class EngineBridge:
         except ValueError as exc:  # over a limit: its reserved pages go back, the client gets the reason
             if req.rid not in self.engine.scheduler.requests:
                 self.engine.pool.free(req.rid, req.pages)
-            self._send(req.rid, Rejected(str(exc)))
+            self._send(req.rid, Failed(rejected(str(exc))))  # after its first token: a Failed, not a Rejected
             del self._sinks[req.rid]
             return
         self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        self._send(req.rid, Accepted(len(req.prompt_ids)))
-        token = req.output_ids[0]
-        trace.mark("first_token")  # came with the request: sent now, before any step
-        stop_token = reason == "stop" and isinstance(req.matched_stop, int) and (
-            token == self.engine.tokenizer.eos_token_id or token in req.params.stop_token_ids)
-        self._send(req.rid, TokenOut(token, req.output_logprobs[0] if req.output_logprobs else 0.0,
-                                     req.output_top_logprobs[0] if req.output_top_logprobs else [], reason,
-                                     stop_token))
         if reason is not None:  # the first token already ended it: nothing left for the loop
             self.metrics.finished.labels(reason).inc()
             self._sinks.pop(req.rid, None)
@@ -215,8 +243,7 @@ class EngineBridge:
             req = requests[rid]
             # postprocess() never extends a finished request, so a finished one just produced its last token.
             reason = req.finish_reason if req.finished else None
-            stop_token = reason == "stop" and isinstance(req.matched_stop, int) and (
-                out.token == eos or out.token in req.params.stop_token_ids)
+            stop_token = is_stop_token(req, out.token, reason, eos)
             self._send(rid, TokenOut(out.token, out.logprob, out.top, reason, stop_token))
         self.metrics.generated_tokens.inc(len(result.outputs))
         for req in result.finished:

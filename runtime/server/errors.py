@@ -38,6 +38,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
+def rejected(message: str) -> ApiError:
+    """The engine refused the request (over one of its limits): the client's 400."""
+    return bad_request(f"request rejected: {message}", code="context_length_exceeded" if "exceeds" in message else None)
+
+
 def from_validation_errors(errors: list[dict[str, Any]]) -> ApiError:
     """Turn pydantic/FastAPI validation errors into one 400 naming the first offending field."""
     first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}

@@ -124,14 +124,14 @@ def test_a_traced_request_has_every_phase_mark_in_path_order(servers):
     """`bench.pd_ttft --phases` reads these: every mark of the PD pair's critical path, of the decode
     side's room-opening branch and of the colocated server's path is kept, each at or after the one
     before it; an untraced request is kept by no server."""
-    from bench.pd_phases import COLOCATED_PATH, PD_PATH, PD_ROOM_BRANCH, PD_SENDER_DIGEST
+    from bench.pd_phases import COLOCATED_PATH, PD_KV_CHECK, PD_PATH, PD_ROOM_BRANCH, PD_SENDER_DIGEST
     from bench.pd_ttft import traced_ttft
 
     pair, colocated = servers
     with httpx.Client() as client:
-        for url, side, paths in ((pair.router, None, (PD_PATH, PD_ROOM_BRANCH, PD_SENDER_DIGEST)),
+        for url, side, paths in ((pair.router, None, (PD_PATH, PD_ROOM_BRANCH, PD_SENDER_DIGEST, PD_KV_CHECK)),
                                  (colocated, "server", (COLOCATED_PATH,))):
-            _, marks = traced_ttft(client, url, 8, 0, None, side)
+            _, marks = traced_ttft(client, url, 8, 0, None, side, until=(PD_KV_CHECK[-1][0],) if side is None else ())
             for path in paths:
                 times = [marks[mark] for mark, _ in path]  # a KeyError names a missing mark
                 assert times == sorted(times), [(mark, marks[mark]) for mark, _ in path]
@@ -837,3 +837,212 @@ def test_a_given_up_prompts_held_kv_goes_to_the_cache_and_leaks_nothing(faults):
             assert wait_pages_free(state, timeout_s=10) == [0] and pages_accounted(state)
             assert state.engine.pages_cached > 0
         assert state.engine.prefix_cache.hit_tokens > 0  # the second time the prompt came from the cache
+
+
+# ---- the first token streamed before the decode side's KV check ---------------------------------------
+
+def sample(state, name: str, **labels: str) -> float:
+    """One sample of a server's registry (0 where the labelled series does not exist yet)."""
+    return state.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+class StreamReader:
+    """A streamed request read on a thread of its own: the test looks at what has arrived so far while
+    the decode side is held mid-request. `tokens` counts the tokens received (one logprobs entry each),
+    `errors` the error chunks' codes."""
+
+    def __init__(self, url: str, payload: dict) -> None:
+        import threading
+
+        self.tokens, self.errors, self.done = 0, [], threading.Event()
+        self.tokens_after_error = 0
+        self._thread = threading.Thread(target=self._read, args=(url, payload), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, payload: dict) -> None:
+        import json
+
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=60) as reply:
+                assert reply.status_code == 200, reply.read()
+                for line in reply.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.errors.append(chunk["error"]["code"])
+                        continue
+                    got = len((chunk["choices"][0].get("logprobs") or {}).get("content") or [])
+                    self.tokens += got
+                    self.tokens_after_error += got if self.errors else 0
+        finally:
+            self.done.set()
+
+    def join(self) -> None:
+        assert self.done.wait(60), "the stream never ended"
+        self._thread.join(timeout=5)
+
+
+class HeldDigest:
+    """The decode side's KV digest held until `release()`: `started` once a digest is computing."""
+
+    def __init__(self, monkeypatch) -> None:
+        import threading
+
+        from runtime.disagg import decode
+
+        self.started, self._gate = threading.Event(), threading.Event()
+        digest = decode.kv_digest
+
+        def held(*args, **kwargs):
+            self.started.set()
+            assert self._gate.wait(30), "the test never released the digest"
+            return digest(*args, **kwargs)
+
+        monkeypatch.setattr(decode, "kv_digest", held)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+HOLD_S = 1.0  # how long the digest is held: the engine makes many more tokens than 1 in that time
+
+
+def tokens_while_the_digest_is_held(pair, monkeypatch, payload: dict) -> tuple[int, StreamReader]:
+    """The tokens a streamed client has received HOLD_S into a held receiver's digest; the stream read
+    to its end after the digest is released."""
+    digest = HeldDigest(monkeypatch)
+    reader = StreamReader(pair.router, payload)
+    try:
+        assert digest.started.wait(30), "the decode side never computed the KV digest"
+        time.sleep(HOLD_S)
+        seen = reader.tokens
+    finally:
+        digest.release()
+    reader.join()
+    return seen, reader
+
+
+def digest_first(pd, monkeypatch) -> None:
+    """The planted old order: the decode side's stream opens only once the KV check (and admission)
+    is done, so the first token waits for the digest."""
+    original = pd.start
+
+    async def start(*args, **kwargs):
+        sink = await original(*args, **kwargs)
+        await asyncio.gather(*pd._verifying)
+        return sink
+
+    monkeypatch.setattr(pd, "start", start)
+
+
+def admit_before_the_check(pd, monkeypatch) -> None:
+    """A planted bug: the request is admitted before its KV check, so the engine's tokens (2 on) reach
+    the client while the digest is still computing."""
+    async def verify_then_admit(state, room, req, result, staging, landing, sink, trace):
+        state.bridge.withdraw(req.rid)
+        state.bridge.submit_prefilled(req, sink, trace)
+        await pd._check_kv(room, req.pages, len(req.prompt_ids), landing, result, trace)
+        pd._release(state, req.rid, req.pages, staging, admitted=True)
+
+    monkeypatch.setattr(pd, "_verify_then_admit", verify_then_admit)
+
+
+def test_the_first_token_is_streamed_while_the_kv_digest_computes_and_the_second_after(servers, monkeypatch):
+    """The first token (the prefill side's) reaches the client while the decode side's KV digest is
+    still computing (held here), the second only after it matched; the answer is the colocated
+    server's, bit for bit, and every page comes back."""
+    pair, colocated = servers
+    payload = body(PROMPTS[0], stream=True)
+    seen, reader = tokens_while_the_digest_is_held(pair, monkeypatch, payload)
+    assert seen == 1
+    assert reader.errors == [] and reader.tokens == len(answer(colocated, payload)["logprobs"]) > 1
+    assert answer(pair.router, payload) == answer(colocated, payload)
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+@pytest.mark.parametrize("planted", [digest_first, admit_before_the_check], ids=lambda f: f.__name__)
+def test_the_first_token_oracle_catches_a_wrong_order(servers, monkeypatch, planted):
+    """Negative controls: the old order (the stream opens after the digest) shows no token while the
+    digest is held; admitting before the check shows tokens after the first."""
+    pair, _ = servers
+    planted(pair.decode_state.pd, monkeypatch)
+    seen, _ = tokens_while_the_digest_is_held(pair, monkeypatch, body(PROMPTS[0], stream=True))
+    if planted is digest_first:
+        assert seen == 0
+    else:
+        assert seen > 1
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def test_a_client_gone_while_the_kv_is_checked_is_aborted_once_admitted(servers, monkeypatch):
+    """The client leaves after its first token, while the digest computes: the bridge keeps its abort
+    until the admission (the engine does not know the request before), so the request ends as an abort
+    at once instead of decoding for nobody, and every page comes back on both sides. Negative control:
+    a bridge that does not keep it (abort sent to an engine that drops it) lets the request finish."""
+    pair, _ = servers
+    state = pair.decode_state
+    payload = body(PROMPTS[0], stream=True, max_tokens=300)
+
+    def leave_after_the_first_token() -> float:
+        aborts = sample(state, "dsv4_request_finish_total", reason="abort")
+        digest = HeldDigest(monkeypatch)
+        try:
+            with httpx.stream("POST", f"{pair.router}/v1/chat/completions", json=payload, timeout=60) as reply:
+                for line in reply.iter_lines():
+                    if '"logprobs"' in line:
+                        break  # the first token is here: leave
+            assert digest.started.wait(30)
+            time.sleep(0.5)  # the decode side sees the hang-up while the digest is held
+        finally:
+            digest.release()
+        assert wait_pages_free(pair.prefill_state, state) == [0, 0]
+        assert wait_staging_free(pair.prefill_state, state) == [0, 0]
+        return sample(state, "dsv4_request_finish_total", reason="abort") - aborts
+
+    assert leave_after_the_first_token() == 1
+    monkeypatch.setattr(state.bridge, "announce_prefilled", lambda rid: None)
+    assert leave_after_the_first_token() == 0
+
+
+def corrupt_stream(pair, monkeypatch=None) -> dict:
+    """A streamed request whose KV arrives corrupted: what its client received, and what is left."""
+    corrupt = sample(pair.decode_state, "dsv4_pd_transfers_total", outcome="corrupt")
+    reader = StreamReader(pair.router, body(PROMPTS[0], stream=True))
+    reader.join()
+    return {"tokens": reader.tokens, "errors": reader.errors, "tokens_after_error": reader.tokens_after_error,
+            "corrupt_counted": sample(pair.decode_state, "dsv4_pd_transfers_total", outcome="corrupt") - corrupt,
+            "decode_pages": wait_pages_free(pair.decode_state, timeout_s=5)[0],
+            "decode_staging": wait_staging_free(pair.decode_state, timeout_s=5)[0],
+            "prefill_pages": wait_pages_free(pair.prefill_state, timeout_s=5)[0]}
+
+
+CORRUPT_STREAM = {"tokens": 1, "errors": ["pd_kv_corrupt"], "tokens_after_error": 0, "corrupt_counted": 1,
+                  "decode_pages": 0, "decode_staging": 0, "prefill_pages": 0}
+
+
+def test_kv_corrupt_in_a_stream_is_the_first_token_then_the_error_and_frees_pages(monkeypatch):
+    """With pd-kv-corrupt a streamed client gets its first token (sent before the check), then the
+    pd_kv_corrupt error inside the stream and never a second token; the transfer is counted corrupt
+    and the decode side frees its pages and receive slot. A unary client still gets the 502. Negative
+    controls, on the same pair: a decode side that skips the check streams every token and no error;
+    with pd-abort-leak on the decode side its pages and slot stay held."""
+    from runtime.disagg.decode import DecodeSide
+
+    with pd_pair(prefill_args=("--inject-fault", "pd-kv-corrupt")) as pair:
+        assert corrupt_stream(pair) == CORRUPT_STREAM
+        reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
+        assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_kv_corrupt", reply.text
+
+        async def unchecked(self, *args):
+            return None
+
+        monkeypatch.setattr(DecodeSide, "_check_kv", unchecked)
+        skipped = corrupt_stream(pair)
+        assert skipped["errors"] == [] and skipped["tokens"] > 1
+    with pd_pair(prefill_args=("--inject-fault", "pd-kv-corrupt"),
+                 decode_args=("--inject-fault", "pd-abort-leak")) as pair:
+        monkeypatch.undo()
+        leaked = corrupt_stream(pair)
+        assert leaked["errors"] == ["pd_kv_corrupt"] and leaked["decode_pages"] > 0 and leaked["decode_staging"] > 0
