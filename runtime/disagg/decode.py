@@ -20,7 +20,6 @@ import base64
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -29,7 +28,7 @@ from fastapi import Request
 
 from runtime.disagg.metrics import PDMetrics
 from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER, error_from_body
-from runtime.disagg.transfer import KVTransfer, kv_digest
+from runtime.disagg.transfer import KVTransfer, digest_workers, kv_digest
 from runtime.engine.engine import Engine
 from runtime.engine.request import Request as EngineRequest
 from runtime.faults import FaultSet
@@ -54,7 +53,7 @@ class DecodeSide:
         self._registering: dict[str, asyncio.Lock] = {}  # one registration at a time per prefill server
         self._client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
         # The receiver's KV digests (`start`), off the engine thread.
-        self._digests = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-digest")
+        self._digests = digest_workers()
         self._verifying: set[asyncio.Task] = set()  # `_verify_then_admit` of requests whose first token is out
 
     def client(self) -> httpx.AsyncClient:
