@@ -6,6 +6,7 @@ every failure is an OpenAI-shaped error with every page back in both pools. Each
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from contextlib import ExitStack
 
@@ -37,20 +38,22 @@ def answer(url: str, payload: dict) -> dict:
         return {"text": choice["message"]["content"], "logprobs": choice["logprobs"]["content"],
                 "finish": choice["finish_reason"]}
     text, logprobs, finish = "", [], None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=120) as reply:
+    for chunk in stream_chunks(url, payload, timeout=120):
+        assert "error" not in chunk, chunk
+        choice = chunk["choices"][0]
+        text += choice["delta"].get("content", "")
+        logprobs += (choice.get("logprobs") or {}).get("content") or []
+        finish = choice["finish_reason"] or finish
+    return {"text": text, "logprobs": logprobs, "finish": finish}
+
+
+def stream_chunks(url: str, payload: dict, timeout: float):
+    """The parsed `data:` chunks of one streamed request (a 200 answer), [DONE] left out."""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=timeout) as reply:
         assert reply.status_code == 200, reply.read()
         for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            import json
-
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            choice = chunk["choices"][0]
-            text += choice["delta"].get("content", "")
-            logprobs += (choice.get("logprobs") or {}).get("content") or []
-            finish = choice["finish_reason"] or finish
-    return {"text": text, "logprobs": logprobs, "finish": finish}
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
 
 
 def wait_pages_free(*states, timeout_s: float = 20.0) -> list[int]:
@@ -860,21 +863,14 @@ class StreamReader:
         self._thread.start()
 
     def _read(self, url: str, payload: dict) -> None:
-        import json
-
         try:
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=60) as reply:
-                assert reply.status_code == 200, reply.read()
-                for line in reply.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        self.errors.append(chunk["error"]["code"])
-                        continue
-                    got = len((chunk["choices"][0].get("logprobs") or {}).get("content") or [])
-                    self.tokens += got
-                    self.tokens_after_error += got if self.errors else 0
+            for chunk in stream_chunks(url, payload, timeout=60):
+                if "error" in chunk:
+                    self.errors.append(chunk["error"]["code"])
+                    continue
+                got = len((chunk["choices"][0].get("logprobs") or {}).get("content") or [])
+                self.tokens += got
+                self.tokens_after_error += got if self.errors else 0
         finally:
             self.done.set()
 
