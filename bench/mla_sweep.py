@@ -112,6 +112,16 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
 # BLOCK_H 64 with 2 column blocks loaded a third time ("bh64/w8/v2+stages1" is its 1-stage form),
 # and with 4 column blocks (251 KB, "Eighth session").
 FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout still answers it
+    # Registers (issue 15, bs 32-128 at H=64, where SGLang's one-accumulator kernel is 16-20% faster):
+    # the fold's A in a float32 tile in memory (scratch), the latent in four column groups
+    # (mla_grouped), both, with 8 warps or 3 stages; and the spread mode of the grouped kernel.
+    "scratch": dict(merge="scratch"), "groups4": dict(column_groups=4),
+    "groups4+scratch": dict(column_groups=4, merge="scratch"), "scratch+w8": dict(merge="scratch", num_warps=8),
+    "groups4+scratch+w8": dict(column_groups=4, merge="scratch", num_warps=8),
+    "groups4+w8": dict(column_groups=4, num_warps=8), "groups4+stages3": dict(column_groups=4, num_stages=3),
+    "groups4+scratch+stages3": dict(column_groups=4, merge="scratch", num_stages=3),
+    "spread/ticket": dict(spread=True, merge="ticket"),
+    "spread/groups4/ticket": dict(spread=True, merge="ticket", column_groups=4),
     # Small batches (issue 15 item 2): bs 1 at H=64 runs N chunks x 4 head blocks = 20 programs; latent
     # column blocks multiply them (each program scores its chunk over the whole latent, averages its
     # columns), free of bits with rowsum_mma, so a decode step with few rows could take them.
@@ -192,10 +202,11 @@ def two_pass_rows(heads: int, topk: int, cache: torch.Tensor, prepared: dict, ch
 
 
 def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepared: dict,
-               rowsum_mma: bool = False, only_two_pass: bool = False) -> list:
+               rowsum_mma: bool = False, only_two_pass: bool = False, variants: list | None = None) -> list:
     """Each FREE_VARIANTS entry against the deployment (gathered, in registers): same bits at the
     smallest and largest batch and on 2 x 256 prefill rows, and its time at every batch. rowsum_mma:
-    the same knobs around the deployment with its row sums as an MMA (`--rowsum-mma`)."""
+    the same knobs around the deployment with its row sums as an MMA (`--rowsum-mma`). variants: only
+    these FREE_VARIANTS names (None: all)."""
     inputs, scale = prepared["inputs"], (MLA_LATENT + MLA_ROPE) ** -0.5
     base = dict(spread=False, merge="registers", rowsum_mma=rowsum_mma)  # the rest: default_launch's
     checks = [inputs[b][0] for b in (batches[0], batches[-1])] + [
@@ -204,11 +215,12 @@ def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepar
     def run(q, s, **kw) -> torch.Tensor:
         return attention.sparse_mla_decode(q, cache, s, MLA_LATENT, scale, **{**base, **kw})
     want = [run(q, s) for q, s in checks]
+    free = {name: knobs for name, knobs in FREE_VARIANTS.items() if variants is None or name in variants}
     rows = []
     if rowsum_mma:  # the newest question first (after the deployment's own row, its time the yardstick)
-        order = [("deployment", {}), ("two-pass", None), *([] if only_two_pass else FREE_VARIANTS.items())]
+        order = [("deployment", {}), ("two-pass", None), *([] if only_two_pass else free.items())]
     else:
-        order = [("deployment", {}), *FREE_VARIANTS.items()]
+        order = [("deployment", {}), *free.items()]
     for name, knobs in order:
         if knobs is None:
             rows += two_pass_rows(heads, topk, cache, prepared, checks, want)
@@ -296,11 +308,16 @@ def main() -> None:
     parser.add_argument("--rowsum-mma", action="store_true", help="--free around the deployment with MMA row sums")
     parser.add_argument("--only-two-pass", action="store_true",
                         help="--free --rowsum-mma with the deployment and the two-pass form only")
+    parser.add_argument("--variants", default=None, help="--free: only these FREE_VARIANTS names (comma list)")
     parser.add_argument("--candidates", nargs="*", default=None,
                         help="H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow instead of CANDIDATES")
     args = parser.parse_args()
     if args.only_two_pass:
         args.free = args.rowsum_mma = True
+    variants = None if args.variants is None else args.variants.split(",")
+    unknown = sorted(set(variants or ()) - set(FREE_VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known: {sorted(FREE_VARIANTS)}")
     vs = None
     if args.vs_sglang:
         vs = _vs_sglang()
@@ -315,7 +332,8 @@ def main() -> None:
         prepared = {h: prepare(h, args.topk, batches, cache, vs) for h in heads}
         if args.free:
             for h in heads:
-                free += free_knobs(h, args.topk, batches, cache, prepared[h], args.rowsum_mma, args.only_two_pass)
+                free += free_knobs(h, args.topk, batches, cache, prepared[h], args.rowsum_mma, args.only_two_pass,
+                                   variants)
         if args.only_two_pass:
             order = []
         elif args.candidates is not None:

@@ -219,8 +219,9 @@ def _run_attention(q, cache, slots, latent, scale, splits, block_h=None, block_s
     return out
 
 
-# spread + in-kernel merge, spread + merge launch, gathered (fold in registers), gathered (through memory)
-MLA_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory")]
+# spread + in-kernel merge, spread + merge launch, gathered (fold in registers), gathered (through memory),
+# gathered (each chunk folded into a tile in memory as it ends)
+MLA_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory"), (False, "scratch")]
 
 
 def assert_same_bits(outs: dict) -> None:
@@ -312,6 +313,71 @@ def test_sparse_mla_launch_modes_give_the_same_bits(seed, queries, heads, topk, 
     assert_close_scaled(outs[MLA_MODES[0]], reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale), dtype)
     perm = torch.randperm(queries, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     assert torch.equal(run(q[perm], slots[perm], MLA_MODES[0]), outs[MLA_MODES[0]][perm]), "row order changed bits"
+
+
+# The grouped kernel's modes (mla_grouped: no merge="memory" form)
+GROUPED_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers"), (False, "scratch")]
+
+
+@settings(max_examples=6 if ON_GPU else 3)
+@given(seed=SEEDS, queries=st.sampled_from([1, 3]), heads=st.sampled_from([16, 20, 64]),
+       latent=st.sampled_from([64, 192, 512]), topk=st.sampled_from([40, 100]), splits=st.sampled_from([1, 3, 5]),
+       rowsum_mma=st.booleans(), narrow=st.booleans(), dtype=st.sampled_from(DTYPES))
+@example(seed=4, queries=3, heads=20, latent=192, topk=100, splits=5, rowsum_mma=True, narrow=True,
+         dtype=torch.float16)
+def test_sparse_mla_column_groups_match_the_reference_in_every_mode(seed, queries, heads, latent, topk, splits,
+                                                                    rowsum_mma, narrow, dtype):
+    """column_groups=4 (mla_grouped: the latent as four column groups, chained score dots): the
+    reference's values, every launch mode's bits alike (latents that four groups do not divide
+    into powers of two included), and rows permuted give rows permuted."""
+    rope_dim, window = 16, 12
+    q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, 3 * (window + topk),
+                                                      window, topk, dtype)
+    scale = (latent + rope_dim) ** -0.5
+
+    def run(q, s, spread, merge):
+        out = poisoned(q.shape[0], heads, latent, dtype=dtype)
+        return attention.sparse_mla_decode(q, cache, s, latent, scale, num_splits=splits, block_h=16, block_s=16,
+                                           spread=spread, merge=merge, narrow_partials=narrow, rowsum_mma=rowsum_mma,
+                                           column_groups=4, out=out)
+    outs = {mode: run(q, slots, *mode) for mode in GROUPED_MODES}
+    assert_same_bits(outs)
+    assert_close_scaled(outs[GROUPED_MODES[0]], reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale),
+                        dtype)
+    perm = torch.randperm(queries, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    assert torch.equal(run(q[perm], slots[perm], *GROUPED_MODES[2]), outs[GROUPED_MODES[0]][perm])
+
+
+def test_sparse_mla_column_groups_refuse_what_they_do_not_run():
+    q, cache, slots, _, _ = _attention_case(0, 1, 16, 64, 16, 300, 8, 100, DTYPES[0])
+    for launch in (dict(v_split=2), dict(spread=False, merge="memory"), dict(column_groups=3)):
+        with pytest.raises(ValueError, match="column_groups"):
+            attention.sparse_mla_decode(q, cache, slots, 64, 0.1, num_splits=3, block_s=16,
+                                        **{"column_groups": 4, **launch})
+
+
+@gpu
+@pytest.mark.parametrize("heads,topk,dtype", [(64, 512, torch.bfloat16), (64, 640, torch.bfloat16),
+                                              (16, 512, torch.float32)])
+def test_sparse_mla_column_groups_keep_the_deployments_bits_on_the_gpu(heads, topk, dtype):
+    """On the GPU a chained tl.dot adds like one long dot (bench.mma_bits), so the grouped kernel and
+    the scratch fold must give the deployment's bits in every mode, at the deployment shapes (C=512,
+    R=64, window 128), bs 1 and 5: what lets a launch table pick them per batch."""
+    for queries in (1, 5):
+        q, cache, slots, _, _ = _attention_case(queries, queries, heads, 512, 64, 2 * (topk + 128), 128, topk, dtype,
+                                                page_size=64)
+
+        def run(q=q, cache=cache, slots=slots, **launch):
+            out = poisoned(q.shape[0], heads, 512, dtype=dtype)
+            return attention.sparse_mla_decode(q, cache, slots, 512, 0.04, out=out, **launch)
+        want = run(spread=False, merge="registers")
+        for spread, merge in GROUPED_MODES:
+            for groups in (1, 4):
+                if groups == 1 and merge != "scratch":
+                    continue  # the ungrouped modes' own test above
+                got = run(spread=spread, merge=merge, column_groups=groups)
+                assert torch.equal(got, want), f"bits changed: column_groups={groups}, {spread=}, {merge=}"
+        assert torch.equal(run(spread=False, merge="scratch", column_groups=4, num_warps=8), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
