@@ -538,7 +538,7 @@ def test_sparse_mla_with_skip_tail_compiles_for_the_gpu_without_one(spread, tick
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=stream, TAIL=True,
-                     BLOCK_ALL=1024, ROWSUM_MMA=False)
+                     BLOCK_ALL=1024, ROWSUM_MMA=False, SCRATCH=False)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
@@ -556,8 +556,27 @@ def test_sparse_mla_with_row_sums_as_an_mma_compiles_for_the_gpu(block_h):
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=block_h,
                      BLOCK_S=64, BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
-                     BLOCK_ALL=1024, ROWSUM_MMA=True)
+                     BLOCK_ALL=1024, ROWSUM_MMA=True, SCRATCH=False)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
+                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the column-group tests compile it for real")
+@pytest.mark.parametrize("spread, ticket, scratch", [(False, False, False), (True, True, False), (False, False, True)])
+def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket, scratch):
+    """mla_grouped's kernel at the H=64 deployment shape (gathered, spread + ticket, scratch fold),
+    through sm_90's compiler."""
+    from tests.kernels.test_indexer_topk import compile_for_sm90
+
+    pointers = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32" if scratch
+                    else "*bf16", stats_ptr="*fp32", ticket_ptr="*i32")
+    scalars = dict.fromkeys(["heads", "selected", "blocks_per_chunk", "stride_qt", "stride_qh", "stride_kv",
+                             "stride_idx", "stride_ot", "stride_oh"], "i32")
+    constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
+                     BLOCK_G=128, BLOCK_R=64, NARROW=True, SPLITS=5, TAIL=False, BLOCK_ALL=1024, ROWSUM_MMA=True,
+                     SCRATCH=scratch)
+    done = compile_for_sm90("runtime.kernels.triton.mla_grouped", "_sparse_mla_grouped_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 

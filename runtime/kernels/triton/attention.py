@@ -59,7 +59,7 @@ SMALL_BATCH_LAUNCH: dict | None = None
 SMALL_BATCH_ROWS = 8
 # The knobs those launches may set: the ones that left a row's bits alone under MMA row sums.
 _FREE_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge", "v_split", "skip_tail",
-                         "rowsum_mma"})
+                         "rowsum_mma", "column_groups"})
 
 
 def default_launch(num_selected: int, num_heads: int) -> dict:
@@ -72,13 +72,17 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
     # session: 0.567-1.681 ms against 0.558-1.663 at bs 1-128), and its prefill passes may then run
     # the two-pass form (mla_prefill.sparse_mla) with the same bits, 1.3 ms less per 4,096-row pass.
     # Fewer heads (the canary, a TP rank's share) keep tl.sum: their golden stores were recorded so.
+    # H=64 runs the latent in four column groups (mla_grouped): the same bits on the H200 (GPU test),
+    # 11-17% less time at bs 1-128 (docs/results.md, "Sixteenth session"). The
+    # interpreter adds a chained dot in another order than one long dot (numpy), so there the grouping
+    # is its own numerics: CPU runs keep one group and test the grouped kernel where they ask for it.
     if num_heads >= 64:
-        block_h, block_s, chunk, warps, narrow, mma_sums = 16, 64, 128, 4, True, True
+        block_h, block_s, chunk, warps, narrow, mma_sums, groups = 16, 64, 128, 4, True, True, 4
     else:
-        block_h, block_s, chunk, warps, narrow, mma_sums = 16, 64, 128, 8, False, False
+        block_h, block_s, chunk, warps, narrow, mma_sums, groups = 16, 64, 128, 8, False, False, 1
     return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
                 num_warps=warps, num_stages=2, merge="kernel", gathered_fold="registers", v_split=1,
-                narrow_partials=narrow, rowsum_mma=mma_sums, column_groups=1)
+                narrow_partials=narrow, rowsum_mma=mma_sums, column_groups=1 if INTERPRETED else groups)
 
 
 def chunk_blocks(selected: int, num_splits: int, block_s: int) -> tuple[int, int]:
@@ -419,9 +423,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     rows_launch = _rows_launch(tokens)
     if rows_launch is not None:
         p = _free_knobs(*rows_launch, dict(block_h=block_h, num_warps=num_warps, num_stages=num_stages, spread=spread,
-                                           merge=merge, v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma))
+                                           merge=merge, v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma,
+                                           column_groups=column_groups))
         block_h, num_warps, num_stages, spread = p["block_h"], p["num_warps"], p["num_stages"], p["spread"]
         merge, v_split, skip_tail, rowsum_mma = p["merge"], p["v_split"], p["skip_tail"], p["rowsum_mma"]
+        column_groups = p["column_groups"]
     launch = default_launch(selected, heads)
     splits = num_splits or launch["num_splits"]
     block_h = block_h or launch["block_h"]
@@ -456,12 +462,13 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     # Here, not at the top: mla_grouped builds on this module's helpers.
     from runtime.kernels.triton import mla_grouped
 
-    groups = column_groups or launch["column_groups"]
-    if groups not in (1, mla_grouped.GROUPS):
-        raise ValueError(f"column_groups={groups}: 1 or {mla_grouped.GROUPS}")
+    if column_groups not in (None, 1, mla_grouped.GROUPS):
+        raise ValueError(f"column_groups={column_groups}: 1 or {mla_grouped.GROUPS}")
+    if column_groups == mla_grouped.GROUPS and (v_split != 1 or stream):
+        raise ValueError("column_groups=4 runs one column block, and not merge='memory'")
+    # A launch the grouped kernel does not run takes the ungrouped one: the same bits on the GPU.
+    groups = column_groups or (1 if v_split != 1 or stream else launch["column_groups"])
     if groups == mla_grouped.GROUPS:
-        if v_split != 1 or stream:
-            raise ValueError("column_groups=4 runs one column block, and not merge='memory'")
         mla_grouped.launch(head_blocks * (splits if spread else 1) * tokens, q, kv_cache, slots, out, part, stats,
                            tickets, heads, selected, blocks_per_chunk, scale * LOG2E, latent=latent_dim,
                            rope=rope_dim, spread=spread, ticket=ticket, precision=precision, block_h=block_h,
