@@ -31,6 +31,7 @@ from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER, error_from_bo
 from runtime.disagg.transfer import KVTransfer, digest_workers, kv_digest
 from runtime.engine.engine import Engine
 from runtime.engine.request import Request as EngineRequest
+from runtime.engine.request import stop_reason
 from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import OutOfPagesError
 from runtime.server.bridge import Accepted, Failed, TokenOut, is_stop_token
@@ -177,14 +178,18 @@ class DecodeSide:
 
     def _first_token_sink(self, req: EngineRequest, trace: Trace) -> asyncio.Queue:
         """A sink holding Accepted and the request's first token: the prefill side computed that token
-        from its own KV, so it does not depend on the transferred copy and goes out before the check."""
-        reason = self.engine.scheduler.stop_reason(req)  # the first token may end it (max_tokens=1, EOS)
+        from its own KV, so it does not depend on the transferred copy and goes out before the check.
+        Whether it ends the request (max_tokens=1, EOS, a stop) is decided here, on the event loop, from
+        the request and what the engine fixed when it was built (tokenizer, length limit): the scheduler
+        is the engine thread's, and does not have the request yet."""
+        tokenizer = self.engine.tokenizer
+        reason = stop_reason(req, tokenizer, self.engine.cfg.max_model_len)
         token = req.output_ids[0]
         sink: asyncio.Queue = asyncio.Queue()
         sink.put_nowait(Accepted(len(req.prompt_ids)))
         sink.put_nowait(TokenOut(token, req.output_logprobs[0] if req.output_logprobs else 0.0,
                                  req.output_top_logprobs[0] if req.output_top_logprobs else [], reason,
-                                 is_stop_token(req, token, reason, self.engine.tokenizer.eos_token_id)))
+                                 is_stop_token(req, token, reason, tokenizer.eos_token_id)))
         trace.mark("first_token")
         return sink
 
