@@ -3,11 +3,14 @@ tensors, same CUDA-graph timing (bench.kernels.graph_us), both columns plus the 
 
 SGLang's code is never committed here. scripts/sglang_wheel.sh downloads its wheel (pinned
 version, no dependencies) into .whl-sglang/; at run time only the modules listed in REAL are
-unpacked from it (zipfile) into a temp dir and imported under their own names. Everything else
-they import (sgl_kernel, server args, distributed, env registry, platform probes) is a small stub
-in sys.modules: STUBS below, each with the few names the loaded code calls; any other attribute
-of a stub is a function that raises, so a path we did not mean to time fails loudly instead of
-silently running something else.
+unpacked from it (zipfile) into a temp dir and imported under a private prefix (PRIVATE: the wheel's
+`sglang.x.y` is `_sglang_wheel.sglang.x.y` in sys.modules, its import statements rewritten to match,
+nothing else in its source touched), so it neither sees nor shadows an `sglang` package installed in
+the same process (tests/reference_impls.py imports one). Everything else they import (sgl_kernel,
+server args, distributed, env registry, platform probes) is a small stub under the same prefix:
+STUBS below, each with the few names the loaded code calls; any other attribute of a stub is a
+function that raises, so a path we did not mean to time fails loudly instead of silently running
+something else.
 
 What is timed on the SGLang side, per call (all SGLang Triton kernels):
   fused MoE: [fp8: its Triton per-token-group activation quant] -> fused_moe_kernel (gate/up) ->
@@ -44,6 +47,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 import types
@@ -75,6 +79,32 @@ REAL = (
 # Its tuned fused-MoE launch tables: only the expert count we benchmark.
 CONFIG_DIR = "sglang/srt/layers/moe/moe_runner/triton_utils/configs/"
 CONFIG_PREFIX = "E=256,"
+# The package the wheel's modules (and the stubs) live under in sys.modules. Below it the wheel's own
+# names: REAL, the stubs and the error messages use those.
+PRIVATE = "_sglang_wheel"
+# The loaded code's imports of the wheel's two top-level names, sglang and sgl_kernel.
+_FROM_IMPORT = re.compile(r"^(\s*from\s+)((?:sglang|sgl_kernel)\b)", re.MULTILINE)
+_PLAIN_IMPORT = re.compile(r"^\s*import\s+(?:sglang|sgl_kernel)\b", re.MULTILINE)
+
+
+def private(name: str) -> str:
+    """The sys.modules name of the wheel's module `name`."""
+    return f"{PRIVATE}.{name}"
+
+
+def wheel_name(name: str) -> str | None:
+    """The wheel's name of the sys.modules name `name`, or None outside PRIVATE."""
+    return name[len(PRIVATE) + 1:] if name.startswith(PRIVATE + ".") else None
+
+
+def _privatize(path: Path) -> None:
+    """Point the unpacked module's imports of the wheel at PRIVATE (`from sglang.x import y` ->
+    `from _sglang_wheel.sglang.x import y`). A plain `import sglang...` would bind the name
+    `_sglang_wheel`, not `sglang`: refused, so a wheel version that adds one shows up here."""
+    source = path.read_text(encoding="utf-8")
+    if _PLAIN_IMPORT.search(source):
+        raise ImportError(f"{path.name}: a plain `import sglang...` that bench/sglang_kernels.py does not rewrite")
+    path.write_text(_FROM_IMPORT.sub(rf"\g<1>{PRIVATE}.\g<2>", source), encoding="utf-8")
 
 
 def _cuda() -> bool:
@@ -141,9 +171,9 @@ class _StubModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        full = f"{self.__name__}.{name}"
+        full = f"{wheel_name(self.__name__) or self.__name__}.{name}"
         if full in REAL or any(r.startswith(full + ".") for r in REAL):
-            return importlib.import_module(full)
+            return importlib.import_module(private(full))
 
         def stubbed(*args, **kwargs):
             raise NotImplementedError(f"{full} is stubbed by bench/sglang_kernels.py (not a timed Triton path)")
@@ -151,8 +181,9 @@ class _StubModule(types.ModuleType):
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves sglang.* (and sgl_kernel): REAL modules from the unpacked files, stubs otherwise;
-    any other sglang module is refused, so a new import in another wheel version shows up here."""
+    """Resolves PRIVATE's modules (the wheel's sglang.* and sgl_kernel, under PRIVATE): REAL modules
+    from the unpacked files, stubs otherwise; any other module of the wheel is refused, so a new import
+    in another wheel version shows up here. Names outside PRIVATE are not its business."""
 
     def __init__(self, root: Path, stubs: dict):
         self.root, self.stubs = root, stubs
@@ -160,20 +191,26 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.packages = {".".join(r.split(".")[:i]) for r in (*REAL, *stubs) for i in range(1, r.count(".") + 1)}
 
     def find_spec(self, name, path=None, target=None):
-        if name in REAL:
-            return importlib.util.spec_from_file_location(name, self.root / (name.replace(".", "/") + ".py"))
-        if name in self.stubs or name in self.packages:
-            return importlib.util.spec_from_loader(name, self, is_package=name in self.packages)
-        if name == "sglang" or name.startswith("sglang.") or name == "sgl_kernel":
-            raise ImportError(f"{name}: neither unpacked nor stubbed by bench/sglang_kernels.py")
-        return None
+        if name == PRIVATE:
+            return importlib.util.spec_from_loader(name, self, is_package=True)
+        wheel = wheel_name(name)
+        if wheel is None:
+            return None
+        if wheel in REAL:
+            return importlib.util.spec_from_file_location(name, self.root / (wheel.replace(".", "/") + ".py"))
+        if wheel in self.stubs or wheel in self.packages:
+            return importlib.util.spec_from_loader(name, self, is_package=wheel in self.packages)
+        raise ImportError(f"{wheel}: neither unpacked nor stubbed by bench/sglang_kernels.py")
 
     def create_module(self, spec):
         module = _StubModule(spec.name)
-        for key, value in self.stubs.get(spec.name, {}).items():
+        wheel = wheel_name(spec.name)
+        for key, value in self.stubs.get(wheel, {}).items():
             setattr(module, key, value)
-        if spec.name in self.packages:
-            module.__path__ = [str(self.root / spec.name.replace(".", "/"))]
+        if spec.name == PRIVATE:
+            module.__path__ = [str(self.root)]
+        elif wheel in self.packages:
+            module.__path__ = [str(self.root / wheel.replace(".", "/"))]
         return module
 
     def exec_module(self, module):
@@ -204,17 +241,24 @@ class SGLang:
             names += [n for n in zf.namelist() if n.startswith(CONFIG_DIR) and CONFIG_PREFIX in n.rsplit("/", 1)[-1]]
             for name in names:
                 zf.extract(name, root)
-        if any(m == "sglang" or m.startswith("sglang.") for m in sys.modules):
-            raise RuntimeError("sglang modules already imported in this process")
+        for module in REAL:
+            _privatize(root / (module.replace(".", "/") + ".py"))
+        if PRIVATE in sys.modules:
+            raise RuntimeError(f"{PRIVATE} is loaded already: one SGLang per process (`load()`)")
         stubs = _stub_defs()
         self.stubbed = sorted(stubs)
         self._finder = _Finder(root, stubs)
         sys.meta_path.insert(0, self._finder)
-        self.moe_kernels = importlib.import_module(REAL[0])
-        self.align_small = importlib.import_module(REAL[1])
-        self.fp8 = importlib.import_module(REAL[2])
-        self.config = importlib.import_module(REAL[3])
-        self.mla = importlib.import_module(REAL[5])
+        self.moe_kernels = self.module(REAL[0])
+        self.align_small = self.module(REAL[1])
+        self.fp8 = self.module(REAL[2])
+        self.config = self.module(REAL[3])
+        self.mla = self.module(REAL[5])
+
+    @staticmethod
+    def module(name: str) -> types.ModuleType:
+        """The loaded module the wheel calls `name` (one of REAL, or a stub)."""
+        return importlib.import_module(private(name))
 
     # ------------------------------------------------------------ fused MoE
 
@@ -284,7 +328,7 @@ _LOADED: SGLang | None = None
 
 
 def load() -> SGLang:
-    """The process's one SGLang (its modules live under their own names in sys.modules)."""
+    """The process's one SGLang (its modules live under PRIVATE in sys.modules)."""
     global _LOADED
     if _LOADED is None:
         _LOADED = SGLang()

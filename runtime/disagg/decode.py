@@ -7,10 +7,11 @@ prefilled; its later tokens come from the engine, so none reaches the client bef
 A failed check ends the stream, after its first token, with the pd_kv_corrupt error.
 
 The reserved pages are freed on every path that does not end in admission (timeout, prefill error,
-corrupt KV, client gone before the KV arrived); a request admitted to the engine is freed by the
-scheduler as usual, and one whose client left while its KV was checked is admitted, then aborted (its
-abort kept by the bridge). The receive slot is freed on every path, admission included (the KV is in
-the pages by then).
+corrupt KV, client gone before the KV arrived, server shutdown in any phase: `aclose` ends the pending
+checks and waits for their frees, which `EngineBridge.call` still applies once the engine thread has
+stopped); a request admitted to the engine is freed by the scheduler as usual, and one whose client
+left while its KV was checked is admitted, then aborted (its abort kept by the bridge). The receive
+slot is freed on every path, admission included (the KV is in the pages by then).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER, error_from_bo
 from runtime.disagg.transfer import KVTransfer, digest_workers, kv_digest
 from runtime.engine.engine import Engine
 from runtime.engine.request import Request as EngineRequest
+from runtime.engine.request import stop_reason
 from runtime.faults import FaultSet
 from runtime.kvcache.page_pool import OutOfPagesError
 from runtime.server.bridge import Accepted, Failed, TokenOut, is_stop_token
@@ -69,11 +71,20 @@ class DecodeSide:
         return self._client[1]
 
     async def aclose(self) -> None:
-        """Close the HTTP client (its pooled connections to the prefill servers) and stop the digest
-        threads; at server shutdown."""
-        for task in list(self._verifying):  # the server is stopping: their streams are gone with it
+        """At server shutdown: end the KV checks still pending (their streams are gone with the server),
+        each giving back its pages and receive slot before this returns, whether its landing or digest
+        had started or not; then stop the digest threads and close the HTTP client (its pooled
+        connections to the prefill servers)."""
+        # Checks spawned before this call take their first step first: a task cancelled before it ever
+        # ran never runs its `finally`.
+        await asyncio.sleep(0)
+        pending = list(self._verifying)
+        for task in pending:
             task.cancel()
-        self._digests.shutdown(wait=False)
+        # A cancelled task frees nothing until it runs: wait for their `finally`s, while the loop that
+        # runs them is certainly still here.
+        await asyncio.gather(*pending, return_exceptions=True)
+        self._digests.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             loop, client = self._client
             self._client = None
@@ -134,14 +145,16 @@ class DecodeSide:
         # The receive slot first, so no page is held while waiting for staging space.
         staging = await self._reserve_staging(room, num_pages)
         trace.mark("staging_reserved")
+        reserving = state.bridge.call(reserve)
         try:
-            pages = await state.bridge.call(reserve)
+            pages = await asyncio.shield(reserving)  # a cancelled request still learns what was allocated
         except OutOfPagesError as exc:
             self._free_staging(staging)
             raise ApiError(503, f"decode server out of KV pages: {exc}", type="server_error",
                            code="pd_out_of_pages") from None
-        except BaseException:
+        except BaseException:  # cancelled (server shutdown): what the engine thread allocates goes back
             self._free_staging(staging)
+            reserving.add_done_callback(lambda reserved: self._unreserve(state, rid, reserved))
             raise
         self.metrics.pages_in_flight.inc(len(pages))
         trace.mark("pages_reserved")
@@ -177,14 +190,18 @@ class DecodeSide:
 
     def _first_token_sink(self, req: EngineRequest, trace: Trace) -> asyncio.Queue:
         """A sink holding Accepted and the request's first token: the prefill side computed that token
-        from its own KV, so it does not depend on the transferred copy and goes out before the check."""
-        reason = self.engine.scheduler.stop_reason(req)  # the first token may end it (max_tokens=1, EOS)
+        from its own KV, so it does not depend on the transferred copy and goes out before the check.
+        Whether it ends the request (max_tokens=1, EOS, a stop) is decided here, on the event loop, from
+        the request and what the engine fixed when it was built (tokenizer, length limit): the scheduler
+        is the engine thread's, and does not have the request yet."""
+        tokenizer = self.engine.tokenizer
+        reason = stop_reason(req, tokenizer, self.engine.cfg.max_model_len)
         token = req.output_ids[0]
         sink: asyncio.Queue = asyncio.Queue()
         sink.put_nowait(Accepted(len(req.prompt_ids)))
         sink.put_nowait(TokenOut(token, req.output_logprobs[0] if req.output_logprobs else 0.0,
                                  req.output_top_logprobs[0] if req.output_top_logprobs else [], reason,
-                                 is_stop_token(req, token, reason, self.engine.tokenizer.eos_token_id)))
+                                 is_stop_token(req, token, reason, tokenizer.eos_token_id)))
         trace.mark("first_token")
         return sink
 
@@ -261,6 +278,12 @@ class DecodeSide:
         if admitted or not self.faults.enabled("pd-abort-leak"):  # the fault: a given-up request's slot leaks
             self._free_staging(staging)
         if not admitted and not self.faults.enabled("pd-abort-leak"):  # the fault: reserved pages leak
+            state.bridge.call(lambda engine: engine.pool.free(rid, pages))
+
+    def _unreserve(self, state, rid: str, reserved: asyncio.Future) -> None:
+        """Free the pages of a reservation made for a request given up while it was queued."""
+        if not reserved.cancelled() and reserved.exception() is None:
+            pages = reserved.result()
             state.bridge.call(lambda engine: engine.pool.free(rid, pages))
 
     async def _reserve_staging(self, room: str, num_pages: int) -> int | None:

@@ -1,4 +1,4 @@
-"""Requests and their sampling parameters."""
+"""Requests, their sampling parameters, and when a request's last token ends it."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+
+from runtime.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -96,3 +98,28 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+def stop_reason(req: Request, tokenizer: Tokenizer, max_model_len: int) -> str | None:
+    """Why `req`'s last token ends it, or None (sets `matched_stop`). A function of the request, the
+    tokenizer and the length limit, none of them state of the engine thread: the scheduler asks it
+    of every token, and the PD decode side, on the event loop, of the first token it streams before
+    the engine has the request (runtime/disagg/decode.py)."""
+    token, params = req.output_ids[-1], req.params
+    if token == tokenizer.eos_token_id and not params.ignore_eos:
+        req.matched_stop = token
+        return "stop"
+    if token in params.stop_token_ids:
+        req.matched_stop = token
+        return "stop"
+    if params.stop:
+        # Only the tail can complete a new match: decode enough tokens to cover the longest stop.
+        tail_tokens = max(len(s) for s in params.stop) + 8
+        tail = tokenizer.decode(req.output_ids[-tail_tokens:])
+        for stop in params.stop:
+            if stop in tail:
+                req.matched_stop = stop
+                return "stop"
+    if len(req.output_ids) >= params.max_tokens or req.total_len >= max_model_len:
+        return "length"
+    return None

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 from runtime.config import EngineConfig
 from runtime.engine.plan import Extend, StepPlan
-from runtime.engine.request import Request, Status
+from runtime.engine.request import Request, Status, stop_reason
 from runtime.engine.sampler import SampleOutput
 from runtime.faults import NO_FAULTS, FaultSet
 from runtime.kvcache.page_pool import PagePool
@@ -88,7 +88,7 @@ class Scheduler:
         req.pages_planned = 0  # its first decode extend sends the whole table to this engine's runner
         self.requests[req.rid] = req
         self.prefilled.append(req)
-        reason = self.stop_reason(req)
+        reason = stop_reason(req, self.tokenizer, self.cfg.max_model_len)
         if reason is not None:
             self._finish(req, reason)
         return reason
@@ -265,34 +265,11 @@ class Scheduler:
             if req.params.logprobs:
                 req.output_logprobs.append(out.logprob)
                 req.output_top_logprobs.append(out.top)
-            reason = self.stop_reason(req)
+            reason = stop_reason(req, self.tokenizer, self.cfg.max_model_len)
             if reason is not None:
                 self._finish(req, reason)
                 done.append(req)
         return done
-
-    def stop_reason(self, req: Request) -> str | None:
-        """Why `req`'s last token ends it, or None (sets `matched_stop`). It reads only the request, the
-        tokenizer and the config, so the PD decode side calls it on the event loop to send a first
-        token before the engine thread has the request (runtime/disagg/decode.py)."""
-        token, params = req.output_ids[-1], req.params
-        if token == self.tokenizer.eos_token_id and not params.ignore_eos:
-            req.matched_stop = token
-            return "stop"
-        if token in params.stop_token_ids:
-            req.matched_stop = token
-            return "stop"
-        if params.stop:
-            # Only the tail can complete a new match: decode enough tokens to cover the longest stop.
-            tail_tokens = max(len(s) for s in params.stop) + 8
-            tail = self.tokenizer.decode(req.output_ids[-tail_tokens:])
-            for stop in params.stop:
-                if stop in tail:
-                    req.matched_stop = stop
-                    return "stop"
-        if len(req.output_ids) >= params.max_tokens or req.total_len >= self.cfg.max_model_len:
-            return "length"
-        return None
 
     def _finish(self, req: Request, reason: str) -> None:
         if req in self.running:

@@ -86,6 +86,10 @@ class EngineBridge:
         # rid -> the reason of an abort asked for meanwhile (None: none yet). Event-loop side only.
         self._announced: dict[str, str | None] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # Set when the engine thread ends (`stop`, or the engine died), under `_closing`: a `call` queued
+        # before it is still run by that thread, one made after it is run by its caller.
+        self._closing = threading.Lock()
+        self._closed = False
         self.error: BaseException | None = None  # set if the engine thread died
         # PD prefill (runtime/disagg/prefill.py): sees every step's result on the engine thread, before
         # the next step is planned (its requests' KV pages are kept: `submit(keep_pages=True)`).
@@ -141,11 +145,17 @@ class EngineBridge:
         self._wake.set()
 
     def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
-        """Run `fn(engine)` on the engine thread (the pool and KV are not thread-safe); await its result."""
+        """Run `fn(engine)` on the engine thread (the pool and KV are not thread-safe); await its result.
+        Once that thread has ended, on the caller: the engine has no other user then, and what a caller
+        gives back at shutdown (a PD request's reserved pages) must still reach the pool."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._commands.put(("call", fn, loop, future))
-        self._wake.set()
+        with self._closing:
+            if not self._closed:
+                self._commands.put(("call", fn, loop, future))
+                self._wake.set()
+                return future
+        _settle(future, *_outcome(fn, self.engine))
         return future
 
     def abort(self, rid: str, reason: str = "abort") -> None:
@@ -169,13 +179,21 @@ class EngineBridge:
                     continue
                 self._step()
                 self._flush()
+            self._close()
+            self._drain_commands()  # those queued before `stop()`: a PD side's last frees among them
+            self._flush()
         except BaseException as exc:  # the server must report a dead engine, not hang its clients
+            self._close()
             log.exception("engine thread died")
             self.error = exc
             self._outbox.clear()  # a half-sent step: its clients get the failure instead
             for rid in list(self._sinks):
                 self._send(rid, Rejected(f"engine failure: {exc}"))
             self._flush()
+
+    def _close(self) -> None:
+        with self._closing:
+            self._closed = True
 
     def _drain_commands(self) -> None:
         drained = False
@@ -208,11 +226,7 @@ class EngineBridge:
                 self._admit(*command[1:])
             elif command[0] == "call":
                 _, fn, loop, future = command
-                try:
-                    outcome, failed = fn(self.engine), False
-                except Exception as exc:  # the caller's error, not the engine's: hand it back
-                    outcome, failed = exc, True
-                loop.call_soon_threadsafe(_settle, future, outcome, failed)
+                loop.call_soon_threadsafe(_settle, future, *_outcome(fn, self.engine))
 
     def _admit(self, req: Request, sink: tuple[asyncio.AbstractEventLoop, asyncio.Queue], trace: Trace) -> None:
         trace.mark("engine_accepted")
@@ -303,6 +317,15 @@ class EngineBridge:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the loop is closed (server shutting down)
                 pass
+
+
+def _outcome(fn: Callable[[Engine], Any], engine: Engine) -> tuple[Any, bool]:
+    """`fn(engine)`'s result, or the exception it raised (the caller's error, not the engine's: handed
+    back), and whether it raised."""
+    try:
+        return fn(engine), False
+    except Exception as exc:
+        return exc, True
 
 
 def _settle(future: asyncio.Future, outcome: Any, failed: bool) -> None:

@@ -36,9 +36,36 @@ def _routing(gen, tokens, experts, top_k):
 
 
 def test_loads_only_listed_modules(sgl):
-    loaded = {m for m in sys.modules if m.startswith("sglang.") and not isinstance(sys.modules[m], sk._StubModule)}
+    loaded = {sk.wheel_name(m) for m in sys.modules
+              if sk.wheel_name(m) is not None and not isinstance(sys.modules[m], sk._StubModule)}
     assert loaded == set(sk.REAL)
     assert sgl.version == sk.wheel_version(sgl.wheel)
+    # Nothing under the wheel's own names: an installed sglang, if any, is the only one there.
+    assert not any(isinstance(m, sk._StubModule) or sk.PRIVATE in getattr(m, "__name__", "")
+                   for name, m in list(sys.modules.items()) if name.split(".")[0] in ("sglang", "sgl_kernel"))
+
+
+# The CI failure: the installed sglang (tests/reference_impls.py) imported first in the same xdist
+# worker made the loader refuse; and once loaded, its finder refused the installed sglang's imports.
+BESIDE_INSTALLED = """
+import sglang.srt.function_call.deepseekv4_detector as before
+from bench import sglang_kernels as sk
+sgl = sk.load()
+import sglang.srt.entrypoints.openai.encoding_dsv32 as after
+assert sgl.moe_kernels.__name__ == sk.private(sk.REAL[0])
+assert "site-packages" in before.__file__ and "site-packages" in after.__file__
+"""
+
+
+def test_loads_beside_an_installed_sglang_imported_before_and_after():
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("no installed sglang (make install adds it)")
+    done = subprocess.run([sys.executable, "-c", BESIDE_INSTALLED], cwd=sk.ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,block", [(3, 16, 6, 16), (5, 8, 2, 16), (1, 256, 6, 16)])
@@ -85,7 +112,7 @@ def test_fused_moe_matches_reference(sgl, fp8):
 @pytest.mark.parametrize("selected", [40, 160])  # one chunk (fused kernel); split-K + reduce
 def test_sparse_mla_matches_reference(sgl, monkeypatch, selected):
     if INTERPRETED:
-        monkeypatch.setattr(sys.modules["sglang.kernels.ops.attention.dsa.triton_sparse_mla"], "_G", 128)
+        monkeypatch.setattr(sgl.module("sglang.kernels.ops.attention.dsa.triton_sparse_mla"), "_G", 128)
         monkeypatch.setattr(sgl.mla, "_cu_count", lambda device=None: 8)
         monkeypatch.setattr(sgl.mla, "_sparse_mla_block_k", lambda kv: 16)
     gen = torch.Generator().manual_seed(selected)

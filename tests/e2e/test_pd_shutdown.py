@@ -1,0 +1,79 @@
+"""A decode server shut down while a PD request's KV check is pending gives back every page and
+staging slot it reserved for that request: the check held computing, or queued behind busy digest
+threads and not yet started. The client left after its first token, so nothing keeps the server
+from stopping (uvicorn waits only for open connections) while the check is still pending."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from runtime.disagg.transfer import unavailable_reason
+from runtime.router import create_router_app
+from tests.e2e.launch import serve_in_thread
+from tests.e2e.pd_pair import serve_state, server_state
+from tests.e2e.test_pd import PROMPTS, HeldDigest, body
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+def first_token_then_leave(router: str) -> None:
+    payload = body(PROMPTS[0], stream=True, max_tokens=300)
+    with httpx.stream("POST", f"{router}/v1/chat/completions", json=payload, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if '"logprobs"' in line:
+                return  # the first token is here: leave
+
+
+def occupy_digest_threads(pd) -> threading.Event:
+    """The decode side's digest threads, one of them, kept busy until the returned event is set: a
+    check submitted meanwhile stays queued, not started."""
+    busy, release = threading.Event(), threading.Event()
+    pd._digests.shutdown(wait=False)
+    pd._digests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-digest")
+
+    def hold() -> None:
+        busy.set()
+        release.wait(30)
+
+    pd._digests.submit(hold)
+    assert busy.wait(10)
+    return release
+
+
+@pytest.mark.parametrize("phase", ["digest-computing", "digest-queued"])
+def test_a_decode_server_shut_down_during_the_kv_check_frees_every_page_and_slot(phase, monkeypatch):
+    """Everything is back once the server has stopped (before the held digest is let go). The old code
+    left the request's pages held: its check's frees went to an engine thread that had stopped."""
+    common = ("--disaggregation-timeout", "20")
+    decode_state = server_state("--disaggregation-mode", "decode", *common)
+    pool, arena = decode_state.engine.pool, decode_state.pd.transfer.staging
+    initial = pool.free_pages
+    digest = HeldDigest(monkeypatch)
+    release_queue = occupy_digest_threads(decode_state.pd) if phase == "digest-queued" else None
+    with ExitStack() as stack:
+        prefill = stack.enter_context(serve_state(server_state("--disaggregation-mode", "prefill", *common)))
+        decode_server = ExitStack()
+        decode = decode_server.enter_context(serve_state(decode_state))
+        router = stack.enter_context(serve_in_thread(create_router_app([prefill], [decode], timeout_s=60)))
+        try:
+            first_token_then_leave(router)
+            if phase == "digest-computing":
+                assert digest.started.wait(30), "the decode side never computed the KV digest"
+            else:
+                time.sleep(0.5)  # the check is queued behind the busy digest thread
+                assert not digest.started.is_set()
+            assert pool.free_pages < initial and arena.slots_in_use == 1  # the check holds both
+            decode_server.close()  # the server stops (lifespan included) with the check pending
+            freed = (pool.free_pages, arena.slots_in_use)  # its engine thread is gone: safe to read here
+        finally:
+            digest.release()
+            if release_queue is not None:
+                release_queue.set()
+            decode_server.close()
+    assert freed == (initial, 0)
