@@ -354,6 +354,10 @@ def test_sparse_mla_column_groups_refuse_what_they_do_not_run():
         with pytest.raises(ValueError, match="column_groups"):
             attention.sparse_mla_decode(q, cache, slots, 64, 0.1, num_splits=3, block_s=16,
                                         **{"column_groups": 4, **launch})
+    # groups of 8 latent columns: narrower than a dot's k step
+    q, cache, slots, _, _ = _attention_case(0, 1, 16, 32, 16, 300, 8, 100, DTYPES[0])
+    with pytest.raises(ValueError, match="column_groups"):
+        attention.sparse_mla_decode(q, cache, slots, 32, 0.1, num_splits=3, block_s=16, column_groups=4)
 
 
 @gpu

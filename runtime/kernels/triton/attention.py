@@ -464,10 +464,12 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
 
     if column_groups not in (None, 1, mla_grouped.GROUPS):
         raise ValueError(f"column_groups={column_groups}: 1 or {mla_grouped.GROUPS}")
-    if column_groups == mla_grouped.GROUPS and (v_split != 1 or stream):
-        raise ValueError("column_groups=4 runs one column block, and not merge='memory'")
+    runs_grouped = v_split == 1 and not stream and mla_grouped.fits(latent_dim)
+    if column_groups == mla_grouped.GROUPS and not runs_grouped:
+        raise ValueError("column_groups=4 runs one column block, not merge='memory', and groups of >= 16 latent "
+                         f"columns (latent {latent_dim})")
     # A launch the grouped kernel does not run takes the ungrouped one: the same bits on the GPU.
-    groups = column_groups or (1 if v_split != 1 or stream else launch["column_groups"])
+    groups = column_groups or (launch["column_groups"] if runs_grouped else 1)
     if groups == mla_grouped.GROUPS:
         mla_grouped.launch(head_blocks * (splits if spread else 1) * tokens, q, kv_cache, slots, out, part, stats,
                            tickets, heads, selected, blocks_per_chunk, scale * LOG2E, latent=latent_dim,

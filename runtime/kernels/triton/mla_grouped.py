@@ -37,6 +37,15 @@ from runtime.kernels.triton.attention import (
 GROUPS = 4
 
 
+def block_g(latent: int) -> int:
+    return triton.next_power_of_2(triton.cdiv(latent, GROUPS))
+
+
+def fits(latent: int) -> bool:
+    """Whether a group is wide enough for the compiled kernel's dots (tl.dot needs K >= 16)."""
+    return block_g(latent) >= 16
+
+
 @triton.jit
 def _load_groups(base, offs_g, rows_ok, LATENT: tl.constexpr, BLOCK_G: tl.constexpr):
     """Four column groups of `base` rows ([rows, 1] pointers), columns past LATENT as 0."""
@@ -211,7 +220,7 @@ def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int,
         q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, sm_scale_log2,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
         LATENT=latent, ROPE=rope, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h, BLOCK_S=block_s,
-        BLOCK_G=triton.next_power_of_2(triton.cdiv(latent, GROUPS)),
+        BLOCK_G=block_g(latent),
         BLOCK_R=max(16, triton.next_power_of_2(rope)), NARROW=narrow, SPLITS=splits, TAIL=tail,
         BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, SCRATCH=scratch, num_warps=warps,
         num_stages=stages, enable_fp_fusion=False)
