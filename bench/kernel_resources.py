@@ -89,7 +89,7 @@ def resources(knobs: dict) -> dict:
     warps, stages = knobs.pop("warps", 4), knobs.pop("stages", 2)
     constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
-                     BLOCK_ALL=1024, ROWSUM_MMA=False, SCRATCH=False)
+                     BLOCK_ALL=1024, ROWSUM_MMA=False)
     constants.update(knobs)
     return compiled_resources(attention._sparse_mla_kernel, SIGNATURE, constants, warps, stages)
 

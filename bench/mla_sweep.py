@@ -112,15 +112,12 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
 # BLOCK_H 64 with 2 column blocks loaded a third time ("bh64/w8/v2+stages1" is its 1-stage form),
 # and with 4 column blocks (251 KB, "Eighth session").
 FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout still answers it
-    # Registers (issue 15, bs 32-128 at H=64, where SGLang's one-accumulator kernel is 16-20% faster):
-    # the fold's A in a float32 tile in memory (scratch), the latent in four column groups
-    # (mla_grouped), both, with 8 warps or 3 stages; and the spread mode of the grouped kernel.
-    "scratch": dict(merge="scratch"), "groups4": dict(column_groups=4),
-    "groups4+scratch": dict(column_groups=4, merge="scratch"), "scratch+w8": dict(merge="scratch", num_warps=8),
-    "groups4+scratch+w8": dict(column_groups=4, merge="scratch", num_warps=8),
+    # Registers (issue 15, bs 32-128 at H=64, where SGLang's one-accumulator kernel was 16-20% faster):
+    # the latent in four column groups (mla_grouped; deployed at H=64 since the sixteenth session),
+    # with 8 warps or 3 stages, the spread mode of each, and the ungrouped kernel (column_groups=1).
+    "groups1": dict(column_groups=1), "groups4": dict(column_groups=4),
     "groups4+w8": dict(column_groups=4, num_warps=8), "groups4+stages3": dict(column_groups=4, num_stages=3),
-    "groups4+scratch+stages3": dict(column_groups=4, merge="scratch", num_stages=3),
-    "spread/ticket": dict(spread=True, merge="ticket"),
+    "spread/ticket": dict(spread=True, merge="ticket", column_groups=1),
     "spread/groups4/ticket": dict(spread=True, merge="ticket", column_groups=4),
     # Small batches (issue 15 item 2): bs 1 at H=64 runs N chunks x 4 head blocks = 20 programs; latent
     # column blocks multiply them (each program scores its chunk over the whole latent, averages its

@@ -219,9 +219,8 @@ def _run_attention(q, cache, slots, latent, scale, splits, block_h=None, block_s
     return out
 
 
-# spread + in-kernel merge, spread + merge launch, gathered (fold in registers), gathered (through memory),
-# gathered (each chunk folded into a tile in memory as it ends)
-MLA_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory"), (False, "scratch")]
+# spread + in-kernel merge, spread + merge launch, gathered (fold in registers), gathered (through memory)
+MLA_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory")]
 
 
 def assert_same_bits(outs: dict) -> None:
@@ -316,7 +315,7 @@ def test_sparse_mla_launch_modes_give_the_same_bits(seed, queries, heads, topk, 
 
 
 # The grouped kernel's modes (mla_grouped: no merge="memory" form)
-GROUPED_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers"), (False, "scratch")]
+GROUPED_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers")]
 
 
 @settings(max_examples=6 if ON_GPU else 3)
@@ -365,7 +364,7 @@ def test_sparse_mla_column_groups_refuse_what_they_do_not_run():
                                               (16, 512, torch.float32)])
 def test_sparse_mla_column_groups_keep_the_deployments_bits_on_the_gpu(heads, topk, dtype):
     """On the GPU a chained tl.dot adds like one long dot (bench.mma_bits), so the grouped kernel and
-    the scratch fold must give the deployment's bits in every mode, at the deployment shapes (C=512,
+    must give the ungrouped kernel's bits in every mode, at the deployment shapes (C=512,
     R=64, window 128), bs 1 and 5: what lets a launch table pick them per batch."""
     for queries in (1, 5):
         q, cache, slots, _, _ = _attention_case(queries, queries, heads, 512, 64, 2 * (topk + 128), 128, topk, dtype,
@@ -374,14 +373,11 @@ def test_sparse_mla_column_groups_keep_the_deployments_bits_on_the_gpu(heads, to
         def run(q=q, cache=cache, slots=slots, **launch):
             out = poisoned(q.shape[0], heads, 512, dtype=dtype)
             return attention.sparse_mla_decode(q, cache, slots, 512, 0.04, out=out, **launch)
-        want = run(spread=False, merge="registers")
+        want = run(spread=False, merge="registers", column_groups=1)
         for spread, merge in GROUPED_MODES:
-            for groups in (1, 4):
-                if groups == 1 and merge != "scratch":
-                    continue  # the ungrouped modes' own test above
-                got = run(spread=spread, merge=merge, column_groups=groups)
-                assert torch.equal(got, want), f"bits changed: column_groups={groups}, {spread=}, {merge=}"
-        assert torch.equal(run(spread=False, merge="scratch", column_groups=4, num_warps=8), want)
+            got = run(spread=spread, merge=merge, column_groups=4)
+            assert torch.equal(got, want), f"bits changed: column groups, {spread=}, {merge=}"
+        assert torch.equal(run(spread=False, merge="registers", column_groups=4, num_warps=8), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -542,7 +538,7 @@ def test_sparse_mla_with_skip_tail_compiles_for_the_gpu_without_one(spread, tick
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=stream, TAIL=True,
-                     BLOCK_ALL=1024, ROWSUM_MMA=False, SCRATCH=False)
+                     BLOCK_ALL=1024, ROWSUM_MMA=False)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
@@ -560,26 +556,25 @@ def test_sparse_mla_with_row_sums_as_an_mma_compiles_for_the_gpu(block_h):
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=block_h,
                      BLOCK_S=64, BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
-                     BLOCK_ALL=1024, ROWSUM_MMA=True, SCRATCH=False)
+                     BLOCK_ALL=1024, ROWSUM_MMA=True)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the column-group tests compile it for real")
-@pytest.mark.parametrize("spread, ticket, scratch", [(False, False, False), (True, True, False), (False, False, True)])
-def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket, scratch):
-    """mla_grouped's kernel at the H=64 deployment shape (gathered, spread + ticket, scratch fold),
-    through sm_90's compiler."""
+@pytest.mark.parametrize("spread, ticket", [(False, False), (True, True)])
+def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket):
+    """mla_grouped's kernel at the H=64 deployment shape (gathered, spread + ticket), through sm_90's
+    compiler."""
     from tests.kernels.test_indexer_topk import compile_for_sm90
 
-    pointers = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32" if scratch
-                    else "*bf16", stats_ptr="*fp32", ticket_ptr="*i32")
+    pointers = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", part_ptr="*bf16",
+                    stats_ptr="*fp32", ticket_ptr="*i32")
     scalars = dict.fromkeys(["heads", "selected", "blocks_per_chunk", "stride_qt", "stride_qh", "stride_kv",
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
-                     BLOCK_G=128, BLOCK_R=64, NARROW=True, SPLITS=5, TAIL=False, BLOCK_ALL=1024, ROWSUM_MMA=True,
-                     SCRATCH=scratch)
+                     BLOCK_G=128, BLOCK_R=64, NARROW=True, SPLITS=5, TAIL=False, BLOCK_ALL=1024, ROWSUM_MMA=True)
     done = compile_for_sm90("runtime.kernels.triton.mla_grouped", "_sparse_mla_grouped_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

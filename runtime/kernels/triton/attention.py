@@ -19,9 +19,7 @@ follow the batch (`spreads`):
   order, or a second launch does (merge="kernel"). Small batches fill the GPU this way (bs 1,
   H=64: N x H/BLOCK_H x V_SPLIT programs).
 - gathered: one program per (query, head block, column block) runs all N chunks and folds them in
-  registers (or, merge="memory", writes their states and folds them back like the merge does; or,
-  merge="scratch", folds each into a float32 tile in memory as it ends, which frees the registers
-  of a second [BLOCK_H, C] accumulator).
+  registers (or, merge="memory", writes their states and folds them back like the merge does).
   Large batches (and prefill) fill the GPU already and save the merge launch.
 """
 
@@ -221,7 +219,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
                        NARROW: tl.constexpr, SPLITS: tl.constexpr, STREAM: tl.constexpr, TAIL: tl.constexpr,
-                       BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, SCRATCH: tl.constexpr):
+                       BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
     # head blocks and latent-column blocks) run side by side and share them through L2. With
     # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
@@ -259,7 +257,6 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     if TAIL:
         end_block = tl.minimum(end_block, _tail_end_block(idx_ptr, query, stride_idx, selected, blocks_per_chunk,
                                                           BLOCK_S, BLOCK_ALL))
-    scratch = part_ptr + (query * heads + offs_h)[:, None] * LATENT + offs_v[None, :]  # SCRATCH: this tile's A
     # Folded state and the running chunk's state. -1e30, finite: an empty chunk must not give inf - inf.
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -298,18 +295,6 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                          mask=ok)
                 tl.store(stats_ptr + at * 2, m_i, mask=h_ok)
                 tl.store(stats_ptr + at * 2 + 1, l_i, mask=h_ok)
-            elif SCRATCH:
-                # The fold of _fold, its A read from and written back to this program's float32 tile in
-                # memory (the same operations, so the same bits): only the running chunk's accumulator
-                # stays in registers through the loop. The first chunk folds into the empty state (A = 0).
-                # The barrier: the tile's load may map elements to other threads than its store did.
-                M_new, keep, take = _fold_weights(M, m_i)
-                tl.debug_barrier()
-                later = ok & (offs_h * 0 + block >= blocks_per_chunk)[:, None]  # a tensor mask (the interpreter)
-                A_prev = tl.load(scratch, mask=later, other=0.0, cache_modifier=".cg")
-                tl.store(scratch, _fold_rows(A_prev, acc, keep, take), mask=ok)
-                L = L * keep + l_i * take
-                M = M_new
             else:
                 M, L, A = _fold(M, L, A, m_i, l_i, acc)
             m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
@@ -339,11 +324,6 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         tl.debug_barrier()
         out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok,
                              tl.cdiv(end_block, blocks_per_chunk), SPLITS, LATENT, BLOCK_H, BLOCK_V)
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
-    elif SCRATCH:  # the last fold's A, back from memory (no blocks: the empty state, A = 0)
-        tl.debug_barrier()
-        A = tl.load(scratch, mask=ok & (offs_h * 0 + end_block > first_block)[:, None], other=0.0, cache_modifier=".cg")
-        out = _normalize(A, L, h_ok)
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         out = _normalize(A, L, h_ok)
@@ -403,15 +383,14 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     spread exactly when T x H/BLOCK_H x v_split programs would leave most SMs idle (`spreads`).
     merge: spread: "ticket" = the last program of each query folds the chunks, else a second launch
     does; not spread: "memory" = the program writes each chunk's state and folds them back from
-    memory (no second accumulator in registers), "scratch" = it folds each chunk as it ends into a
-    float32 tile in memory (one accumulator in registers, no chunk states kept), else it folds in
-    registers. The same bits in every case. skip_tail: skip each query's whole chunks after its last
-    selected slot (the same bits; the rows of a prompt's first window + top-k positions select
-    fewer); None: for passes of more than SKIP_TAIL_ROWS rows (prefill), where such rows are common.
-    column_groups: 4 runs mla_grouped's kernel (the latent in four column groups: fewer registers;
-    one column block, not merge="memory"), 1 (default_launch's) this module's. rowsum_mma: the softmax
-    row sums as an MMA over the 16-bit probabilities (other bits than tl.sum's, the same for every
-    BLOCK_H and warp count; default_launch's: on for H >= 64).
+    memory (no second accumulator in registers), else it folds in registers. The same bits in
+    every case. skip_tail: skip each query's whole chunks after its last selected slot (the same
+    bits; the rows of a prompt's first window + top-k positions select fewer); None: for passes of
+    more than SKIP_TAIL_ROWS rows (prefill), where such rows are common. column_groups: 4 runs
+    mla_grouped's kernel (the latent in four column groups: fewer registers; one column block, not
+    merge="memory"), 1 this module's; None: default_launch's where the grouped kernel runs the
+    launch. rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
+    than tl.sum's, the same for every BLOCK_H and warp count; default_launch's: on for H >= 64).
     Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set, passes
     of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's."""
     tokens, heads, width = q.shape
@@ -442,7 +421,6 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     merge = merge or launch["merge" if spread else "gathered_fold"]
     ticket = spread and merge == "ticket"
     stream = not spread and merge == "memory" and splits > 1
-    scratch = not spread and merge == "scratch" and splits > 1
     rope_dim = width - latent_dim
     warps, stages = ((4, 1) if INTERPRETED else
                      (num_warps or launch["num_warps"], num_stages or launch["num_stages"]))
@@ -450,8 +428,6 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     if spread or stream:
         part = torch.empty(tokens, splits, heads, latent_dim, dtype=part_dtype, device=q.device)
         stats = torch.empty(tokens, splits, heads, 2, dtype=torch.float32, device=q.device)
-    if scratch:
-        part = torch.empty(tokens, heads, latent_dim, dtype=torch.float32, device=q.device)
     if ticket:
         tickets = ticket_counters(q.device, tokens * head_blocks * v_split)
     rowsum_mma = launch["rowsum_mma"] if rowsum_mma is None else rowsum_mma
@@ -475,7 +451,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                            tickets, heads, selected, blocks_per_chunk, scale * LOG2E, latent=latent_dim,
                            rope=rope_dim, spread=spread, ticket=ticket, precision=precision, block_h=block_h,
                            block_s=block_s, narrow=part_dtype != torch.float32, splits=splits, tail=skip_tail,
-                           rowsum_mma=rowsum_mma, scratch=scratch, warps=warps, stages=stages)
+                           rowsum_mma=rowsum_mma, warps=warps, stages=stages)
         if spread and not ticket:
             _merge(part, stats, out, tokens, heads, latent_dim, splits)
         return out
@@ -487,7 +463,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
         NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, TAIL=skip_tail,
-        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, SCRATCH=scratch, num_warps=warps,
+        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, num_warps=warps,
         num_stages=stages, enable_fp_fusion=False)
     if spread and not ticket:
         _merge(part, stats, out, tokens, heads, latent_dim, splits)

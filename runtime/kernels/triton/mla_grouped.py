@@ -14,10 +14,11 @@ Why: a [BLOCK_H, C] query and a [BLOCK_S, C] gathered block as one dot operand e
 latent in registers at once (C = 512: the ungrouped kernel spills ~1.9 KB a thread at 4 warps);
 four [*, C/4] operands are live one at a time, as in SGLang's Triton decode kernel.
 
-Modes (bits alike in all): spread (a program per chunk, its state to memory, folded by the last
-program's ticket or by attention._merge_kernel), gathered (a program per query and head block, the
-chunks folded in registers) and gathered with merge="scratch" (each chunk folded as it ends into a
-float32 tile in memory: one set of accumulators in registers).
+Modes (bits alike in both): spread (a program per chunk, its state to memory, folded by the last
+program's ticket or by attention._merge_kernel) and gathered (a program per query and head block,
+the chunks folded in registers). A third, the fold's A kept in a float32 tile in memory as each chunk
+ends (fewer registers), was 1.7-2.5x slower on the H200 and was removed (docs/results.md, "Sixteenth
+session").
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                                TICKET: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
                                NARROW: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr,
-                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, SCRATCH: tl.constexpr):
+                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     # The grid of attention._sparse_mla_kernel with one column block: head blocks fastest.
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(heads, BLOCK_H)
@@ -114,8 +115,6 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
     if TAIL:
         end_block = tl.minimum(end_block, _tail_end_block(idx_ptr, query, stride_idx, selected, blocks_per_chunk,
                                                           BLOCK_S, BLOCK_ALL))
-    # SCRATCH (gathered only): the fold's A in a float32 [T, H, C] tile of part_ptr, not in registers.
-    scratch = part_ptr + (query * heads + offs_h)[:, None] * LATENT
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
     A0 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
@@ -165,17 +164,10 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
             M_new, keep, take = _fold_weights(M, m_i)  # attention._fold, a column group at a time
             L = L * keep + l_i * take
             M = M_new
-            if SCRATCH:  # A from this program's float32 tile and back (the first chunk folds into A = 0)
-                tl.debug_barrier()
-                later = h_ok & (offs_h * 0 + block >= blocks_per_chunk)  # a tensor mask (the interpreter)
-                P0, P1, P2, P3 = _load_groups(scratch, offs_g, later, LATENT, BLOCK_G)
-                _store_groups(scratch, h_ok, offs_g, _fold_rows(P0, acc0, keep, take), _fold_rows(P1, acc1, keep, take),
-                              _fold_rows(P2, acc2, keep, take), _fold_rows(P3, acc3, keep, take), LATENT, BLOCK_G)
-            else:
-                A0 = _fold_rows(A0, acc0, keep, take)
-                A1 = _fold_rows(A1, acc1, keep, take)
-                A2 = _fold_rows(A2, acc2, keep, take)
-                A3 = _fold_rows(A3, acc3, keep, take)
+            A0 = _fold_rows(A0, acc0, keep, take)
+            A1 = _fold_rows(A1, acc1, keep, take)
+            A2 = _fold_rows(A2, acc2, keep, take)
+            A3 = _fold_rows(A3, acc3, keep, take)
             m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
             l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
             acc0 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
@@ -200,12 +192,6 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                                      LATENT, BLOCK_H, 4 * BLOCK_G)
                 tl.store(out_rows + offs_c[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-    elif SCRATCH:  # the last fold's A back (no blocks: the empty state, A = 0)
-        tl.debug_barrier()
-        A0, A1, A2, A3 = _load_groups(scratch, offs_g, h_ok & (offs_h * 0 + end_block > first_block), LATENT,
-                                        BLOCK_G)
-        _store_groups(out_rows, h_ok, offs_g, _normalize(A0, L, h_ok), _normalize(A1, L, h_ok),
-                      _normalize(A2, L, h_ok), _normalize(A3, L, h_ok), LATENT, BLOCK_G)
     else:
         _store_groups(out_rows, h_ok, offs_g, _normalize(A0, L, h_ok), _normalize(A1, L, h_ok),
                       _normalize(A2, L, h_ok), _normalize(A3, L, h_ok), LATENT, BLOCK_G)
@@ -213,8 +199,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
 
 def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int, selected: int, blocks_per_chunk: int,
            sm_scale_log2: float, *, latent: int, rope: int, spread: bool, ticket: bool, precision: str, block_h: int,
-           block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, scratch: bool, warps: int,
-           stages: int) -> None:
+           block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, warps: int, stages: int) -> None:
     """One launch over `grid` programs (attention.sparse_mla_decode's grid with one column block)."""
     _sparse_mla_grouped_kernel[(grid,)](
         q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, sm_scale_log2,
@@ -222,5 +207,5 @@ def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int,
         LATENT=latent, ROPE=rope, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h, BLOCK_S=block_s,
         BLOCK_G=block_g(latent),
         BLOCK_R=max(16, triton.next_power_of_2(rope)), NARROW=narrow, SPLITS=splits, TAIL=tail,
-        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, SCRATCH=scratch, num_warps=warps,
+        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, num_warps=warps,
         num_stages=stages, enable_fp_fusion=False)
