@@ -212,6 +212,23 @@ def _tail_end_block(idx_ptr, query, stride_idx, selected, blocks_per_chunk, BLOC
 
 
 @triton.jit
+def _block_range(idx_ptr, query, chunk, stride_idx, selected, blocks_per_chunk, SPREAD: tl.constexpr,
+                 TAIL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_ALL: tl.constexpr):
+    """The BLOCK_S blocks a program runs: its chunk's (spread) or every chunk of the query, up to the
+    tail's bound (skip_tail). Shared by this module's kernel and mla_grouped's."""
+    if SPREAD:  # this program's chunk only
+        first_block = chunk * blocks_per_chunk
+        end_block = tl.minimum(first_block + blocks_per_chunk, tl.cdiv(selected, BLOCK_S))
+    else:  # every chunk of the query
+        first_block = 0
+        end_block = tl.cdiv(selected, BLOCK_S)
+    if TAIL:
+        end_block = tl.minimum(end_block, _tail_end_block(idx_ptr, query, stride_idx, selected, blocks_per_chunk,
+                                                          BLOCK_S, BLOCK_ALL))
+    return first_block, end_block
+
+
+@triton.jit
 def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, ticket_ptr,
                        heads, selected, blocks_per_chunk, sm_scale_log2,
                        stride_qt, stride_qh, stride_kv, stride_idx, stride_ot, stride_oh,
@@ -248,15 +265,8 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     q_rows = q_ptr + query * stride_qt + offs_h[:, None] * stride_qh
     q_lat = tl.load(q_rows + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
     q_rope = tl.load(q_rows + LATENT + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    if SPREAD:  # this program's chunk only
-        first_block = chunk * blocks_per_chunk
-        end_block = tl.minimum(first_block + blocks_per_chunk, tl.cdiv(selected, BLOCK_S))
-    else:  # every chunk of the query
-        first_block = 0
-        end_block = tl.cdiv(selected, BLOCK_S)
-    if TAIL:
-        end_block = tl.minimum(end_block, _tail_end_block(idx_ptr, query, stride_idx, selected, blocks_per_chunk,
-                                                          BLOCK_S, BLOCK_ALL))
+    first_block, end_block = _block_range(idx_ptr, query, chunk, stride_idx, selected, blocks_per_chunk, SPREAD, TAIL,
+                                          BLOCK_S, BLOCK_ALL)
     # Folded state and the running chunk's state. -1e30, finite: an empty chunk must not give inf - inf.
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)

@@ -27,12 +27,12 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.triton.attention import (
+    _block_range,
     _fold_partials,
     _fold_rows,
     _fold_weights,
     _normalize,
     _row_sums_mma,
-    _tail_end_block,
 )
 
 GROUPS = 4
@@ -73,6 +73,12 @@ def _store_groups(base, ok_rows, offs_g, a0, a1, a2, a3, LATENT: tl.constexpr, B
 
 
 @triton.jit
+def _zero_groups(BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr):
+    z = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
+    return z, z, z, z
+
+
+@triton.jit
 def _round_trip(x, dtype):
     """A chunk's sum as the spread mode stores it (NARROW: in q's 16-bit dtype), in every mode."""
     return x.to(dtype).to(tl.float32)
@@ -106,27 +112,15 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
     q_rows = q_ptr + query * stride_qt + offs_h[:, None] * stride_qh
     q0, q1, q2, q3 = _load_groups(q_rows, offs_g, h_ok, LATENT, BLOCK_G)
     q_rope = tl.load(q_rows + LATENT + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    if SPREAD:
-        first_block = chunk * blocks_per_chunk
-        end_block = tl.minimum(first_block + blocks_per_chunk, tl.cdiv(selected, BLOCK_S))
-    else:
-        first_block = 0
-        end_block = tl.cdiv(selected, BLOCK_S)
-    if TAIL:
-        end_block = tl.minimum(end_block, _tail_end_block(idx_ptr, query, stride_idx, selected, blocks_per_chunk,
-                                                          BLOCK_S, BLOCK_ALL))
+    first_block, end_block = _block_range(idx_ptr, query, chunk, stride_idx, selected, blocks_per_chunk, SPREAD, TAIL,
+                                          BLOCK_S, BLOCK_ALL)
+    # Folded state and the running chunk's state, a column group each (attention._sparse_mla_kernel's).
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    A0 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
-    A1 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
-    A2 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
-    A3 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
+    A0, A1, A2, A3 = _zero_groups(BLOCK_H, BLOCK_G)
     m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc0 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
+    acc0, acc1, acc2, acc3 = _zero_groups(BLOCK_H, BLOCK_G)
     for block in range(first_block, end_block):
         offs_s = block * BLOCK_S + tl.arange(0, BLOCK_S)
         slot = tl.load(idx_ptr + query * stride_idx + offs_s, mask=offs_s < selected, other=-1)
@@ -170,10 +164,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
             A3 = _fold_rows(A3, acc3, keep, take)
             m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
             l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            acc0 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
-            acc1 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
-            acc2 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
-            acc3 = tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32)
+            acc0, acc1, acc2, acc3 = _zero_groups(BLOCK_H, BLOCK_G)
     out_rows = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh
     if SPREAD:  # this chunk's state, as attention._sparse_mla_kernel's spread programs store it
         base = (query * SPLITS + chunk) * heads + offs_h
