@@ -271,12 +271,12 @@ def main() -> None:
                 # The same pass with one deployed prefill choice undone at a time (each must keep the
                 # logits' bits): the sparse MLA's skip_tail (each row's empty trailing chunks skipped),
                 # the projections' GEMM kernel (pointer where the deployment runs the persistent TMA
-                # one), and who adds the TMA kernel's split partials (its ticket or _split_sum_kernel).
+                # one), the TMA kernel's splits added in the tile's program (FUSED_TMA) and the MoE's
+                # bucket launches.
                 logits = bench.runner.eager(chunk).clone()
                 toggles = (("prefill_other_tail", attention, "SKIP_TAIL_ROWS",
                             256 if attention.SKIP_TAIL_ROWS is None else None, "skip_tail"),
                            ("prefill_other_gemm", matmul, "PREFILL_TMA", not matmul.PREFILL_TMA, "tma"),
-                           ("prefill_other_ticket", matmul, "SPLIT_TICKET", not matmul.SPLIT_TICKET, "ticket"),
                            ("prefill_other_fused_tma", matmul, "FUSED_TMA", not matmul.FUSED_TMA, "fused_tma"),
                            ("prefill_other_moe_launch", moe, "BUCKET_LAUNCHES", not moe.BUCKET_LAUNCHES,
                             "moe_bucket_launches"))
@@ -323,7 +323,6 @@ def main() -> None:
                       "prefill": results.get("prefill"), "prefill_graph": results.get("prefill_graph"),
                       "prefill_other_tail": results.get("prefill_other_tail"),
                       "prefill_other_gemm": results.get("prefill_other_gemm"),
-                      "prefill_other_ticket": results.get("prefill_other_ticket"),
                       "prefill_other_fused_tma": results.get("prefill_other_fused_tma"),
                       "prefill_other_moe_launch": results.get("prefill_other_moe_launch"),
                       "prefill_one_pass": results.get("prefill_one_pass")}),

@@ -44,14 +44,12 @@ def prefill_candidates():
         yield {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": stages}, fused
 
 
-def tma_candidates(split: int):
-    """The persistent TMA kernel (matmul.PREFILL_TMA), splits apart: its tiles, stages, whether the
-    tile loop is flattened (the next tile's loads pipelined under this one's store) and, for split
-    weights, who adds the partials (each tile's last split program, `ticket`, or `_split_sum_kernel`)."""
-    tickets = (True, False) if split > 1 else (False,)
-    for (bn, stages), flatten, ticket in itertools.product(((256, 3), (256, 4), (128, 4), (128, 5)), (True, False),
-                                                           tickets):
-        yield {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": stages, "flatten": flatten}, ticket
+def tma_candidates():
+    """The persistent TMA kernel (matmul.PREFILL_TMA), splits apart (partials + `_split_sum_kernel`):
+    its tiles, stages and whether the tile loop is flattened (the next tile's loads pipelined under
+    this one's store)."""
+    for (bn, stages), flatten in itertools.product(((256, 3), (256, 4), (128, 4), (128, 5)), (True, False)):
+        yield {"BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 8, "num_stages": stages, "flatten": flatten}
 
 
 def candidates(rows: int):
@@ -110,9 +108,8 @@ def sweep_shape(name: str, n: int, k: int, rows: int) -> dict:
             if fused and split == 1:
                 continue
             results.append(measure(json.dumps({**config, "fused_splits": fused}), config=config, fused_splits=fused))
-        for config, ticket in tma_candidates(split):
-            results.append(measure(json.dumps({**config, "tma": True, "ticket": ticket}), config=config,
-                                   fused_splits=False, tma=True, ticket=ticket))
+        for config in tma_candidates():
+            results.append(measure(json.dumps({**config, "tma": True}), config=config, fused_splits=False, tma=True))
         for stages in (3, 4, 5) if split > 1 else ():  # the TMA kernel walking each tile's splits (FUSED_TMA)
             config = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": stages}
             results.append(measure(json.dumps({**config, "tma": True, "fused_splits": True}), config=config,

@@ -5,9 +5,8 @@ M = rows (tokens), N = output features, K = input features; x: [M, K], w: [N, K]
 
 Batch invariance: a row's output is the sum over K in BLOCK_K steps, in order, accumulated in
 float32, and (when SPLIT_K > 1) the float32 partials of fixed K ranges added in split order: by
-`_split_sum_kernel` after one program per split (decode), by the tile's own program walking the
-splits in order (`FUSED_SPLITS`, prefill: the same additions, no partials in memory), or by the
-last of the tile's split programs to finish (the TMA kernel's atomic ticket, `SPLIT_TICKET`). BLOCK_K and
+`_split_sum_kernel` after one program per split (decode), or by the tile's own program walking the
+splits in order (`FUSED_SPLITS`, prefill: the same additions, no partials in memory). BLOCK_K and
 SPLIT_K come from (N, K) alone (`split_for`), never from M, so `matmul(x)[:k] == matmul(x[:k])` bit
 for bit. The output tile (BLOCK_M x BLOCK_N), warps and stages follow M (`config_for`: small tiles
 that stream weights for decode, large ones for prefill chunks): they decide which program computes
@@ -25,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4
-
-from runtime.kernels.triton.tickets import ticket_counters
 
 BLOCK_K = 64
 # SPLIT_K grows (powers of two) until the N tiles times the splits reach this many programs, while
@@ -51,21 +48,12 @@ FUSE_MAX_SPLIT_K = 1024
 # --rows 4096, twelfth session): attention q/kv 2,216 -> 1,611 us (780 TFLOP/s), attention output
 # 1,897 -> 1,659, indexer projection 517 -> 493; the slice's prefill pass 20.3 -> 19.0 ms.
 PREFILL_TMA = True
-# The TMA kernel's split partials are added by the last of a tile's split programs to finish (an
-# atomic ticket per output tile), in split order, the same additions as `_split_sum_kernel`: no
-# second launch, and the partials are read while the kernel still computes other tiles. Off until
-# timed and bit-checked on the H200 (interpreter and sm_90 compile checked only so far; the thirteenth
-# session had no device time): `SECTIONS="kernel_tests gemm_prefill prefill_variants_slice"`.
-SPLIT_TICKET = False
 # 16-bit prefill passes of split weights run the TMA kernel with the splits added in the tile's
 # program (a program per 128 x 128 tile walks its splits with two accumulators), long splits too: no
 # partials through memory, no `_split_sum_kernel`. H200, 4,096 rows, same bits (bench.gemm_sweep
 # --rows 4096, fifteenth session), us: attention output 1,714 (apart, 128 x 256) -> 1,587, indexer
 # projection 500 -> 457, lm_head 358 (pointer, fused) -> 287, router 49 -> 45.
 FUSED_TMA = True
-# Rows of a tile the ticket's sum adds at a time: a 128 x 256 float32 total and the partial being
-# added would not fit in registers beside each other.
-TICKET_SUM_ROWS = 32
 
 
 # The row count is never specialized on (Triton would compile a variant per M % 16 class): an eager
@@ -134,11 +122,10 @@ def _k_range(x_rows, w_rows, m_ok, n_ok, k_start, k_end, PRECISION: tl.constexpr
 # program per SM takes tiles in turn (which program computes a tile never changes its bits), so the
 # next tile's loads start while the last one's result is stored.
 @triton.jit(do_not_specialize=["M"])
-def _matmul_tma_kernel(x_desc, w_desc, out_ptr, part_ptr, ticket_ptr, M, N, K, k_chunk, stride_om,
+def _matmul_tma_kernel(x_desc, w_desc, out_ptr, part_ptr, M, N, K, k_chunk, stride_om,
                        SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
-                       FLATTEN: tl.constexpr, TICKET: tl.constexpr, SUM_ROWS: tl.constexpr,
-                       FUSED: tl.constexpr = False):
+                       FLATTEN: tl.constexpr, FUSED: tl.constexpr = False):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     if FUSED:
@@ -180,32 +167,6 @@ def _matmul_tma_kernel(x_desc, w_desc, out_ptr, part_ptr, ticket_ptr, M, N, K, k
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         _store_tile(acc, out_ptr, part_ptr, offs_m, offs_n, ok, pid_k, M, N, stride_om, SPLIT_K)
-        if TICKET:
-            # The last of the tile's SPLIT_K programs to finish adds all partials in split order
-            # (whichever split it computed) and re-arms the counter for the next launch. The barrier
-            # and the release/acquire ticket make every split's stores visible to it.
-            tl.debug_barrier()
-            counter = ticket_ptr + pid_m * num_n + pid_n
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                tl.debug_barrier()
-                _sum_tile_splits(part_ptr, out_ptr, pid_m * BLOCK_M, offs_n, M, N, stride_om, SPLIT_K, BLOCK_M,
-                                 SUM_ROWS)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _sum_tile_splits(part_ptr, out_ptr, m_start, offs_n, M, N, stride_om, SPLIT_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, SUM_ROWS: tl.constexpr):
-    """One output tile from its split partials: 0 + p0 + p1 + ... in float32, as `_split_sum_kernel`."""
-    n_ok = offs_n < N
-    for r in tl.static_range(0, BLOCK_M, SUM_ROWS):
-        offs_m = m_start + r + tl.arange(0, SUM_ROWS)
-        ok = (offs_m < M)[:, None] & n_ok[None, :]
-        rows = offs_m[:, None].to(tl.int64)
-        total = tl.zeros((SUM_ROWS, offs_n.shape[0]), dtype=tl.float32)
-        for split in range(0, SPLIT_K):
-            total += tl.load(part_ptr + (split * M + rows) * N + offs_n[None, :], mask=ok, other=0.0)
-        tl.store(out_ptr + rows * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -270,7 +231,7 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _launch_tma(x, w, out, part, split, k_chunk, config, block_k, ticket: bool, fused: bool = False) -> None:
+def _launch_tma(x, w, out, part, split, k_chunk, config, block_k, fused: bool = False) -> None:
     M, K = x.shape
     N = w.shape[0]
     config = dict(config)
@@ -279,24 +240,21 @@ def _launch_tma(x, w, out, part, split, k_chunk, config, block_k, ticket: bool, 
     w_desc = TensorDescriptor.from_tensor(w, [config["BLOCK_N"], block_k])
     out_tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
     programs = min(out_tiles * (1 if fused else split), _programs(x.device))
-    tickets = ticket_counters(x.device, out_tiles) if ticket else out
-    _matmul_tma_kernel[(programs,)](x_desc, w_desc, out, part, tickets, M, N, K, k_chunk, out.stride(0),
+    _matmul_tma_kernel[(programs,)](x_desc, w_desc, out, part, M, N, K, k_chunk, out.stride(0),
                                     SPLIT_K=split, PRECISION=_precision(x.dtype), BLOCK_K=block_k,
-                                    PROGRAMS=programs, FLATTEN=flatten, TICKET=ticket and not fused,
-                                    SUM_ROWS=min(TICKET_SUM_ROWS, config["BLOCK_M"]), FUSED=fused, **config)
+                                    PROGRAMS=programs, FLATTEN=flatten, FUSED=fused, **config)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
            split_k: int | None = None, config: dict | None = None, block_k: int = BLOCK_K,
-           fused_splits: bool | None = None, tma: bool | None = None, ticket: bool | None = None) -> torch.Tensor:
+           fused_splits: bool | None = None, tma: bool | None = None) -> torch.Tensor:
     """x: [M, K], w: [N, K] -> [M, N] in x.dtype. `split_k` overrides split_for (tests only: a
     deployment's split must never follow the batch); `config`, `block_k` and `fused_splits`
     override config_for, BLOCK_K and the prefill rule (bench/gemm_sweep.py and tests only).
     fused_splits: each program adds its tile's splits itself (same bits as the split programs plus
     `_split_sum_kernel`), the default above PREFILL_ROWS rows as `fuses_splits` says.
     tma: the persistent TMA kernel (same bits, fused splits or not; `uses_tma` decides by default;
-    `config` may then carry "flatten", the tile loop's flattening). ticket: the TMA kernel adds its split partials
-    itself (same bits; SPLIT_TICKET by default)."""
+    `config` may then carry "flatten", the tile loop's flattening)."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.dtype == w.dtype, f"x {tuple(x.shape)} {x.dtype} vs w {tuple(w.shape)} {w.dtype}"
@@ -312,14 +270,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     tma = tma and tma_loadable(x) and tma_loadable(w)
     config = config or config_for(M, x.element_size(), fused)
     if tma:
-        ticket = split > 1 and not fused and (SPLIT_TICKET if ticket is None else ticket)
-        _launch_tma(x, w, out, part, split, k_chunk, config, block_k, ticket, fused)
-        if split > 1 and not ticket and not fused:
-            _split_sum_kernel[(M, triton.cdiv(N, 256))](part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=256)
-        return out
-    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), 1 if fused else split)
-    _matmul_kernel[grid](x, w, out, part, M, N, K, k_chunk, x.stride(0), w.stride(0), out.stride(0),
-                         SPLIT_K=split, FUSED_SPLITS=fused, PRECISION=_precision(x.dtype), BLOCK_K=block_k, **config)
+        _launch_tma(x, w, out, part, split, k_chunk, config, block_k, fused)
+    else:
+        grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]), 1 if fused else split)
+        _matmul_kernel[grid](x, w, out, part, M, N, K, k_chunk, x.stride(0), w.stride(0), out.stride(0),
+                             SPLIT_K=split, FUSED_SPLITS=fused, PRECISION=_precision(x.dtype), BLOCK_K=block_k,
+                             **config)
     if split > 1 and not fused:
         _split_sum_kernel[(M, triton.cdiv(N, 256))](part, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=256)
     return out

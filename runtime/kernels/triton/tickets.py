@@ -1,5 +1,5 @@
 """Zeroed int32 ticket counters for kernels whose last program to finish a unit of work does its
-merge (sparse MLA's chunk fold, the TMA GEMM's split sums).
+merge (sparse MLA's chunk fold).
 
 Each launch leaves its counters zero again (the last program re-arms them), so one buffer per
 (device, stream) serves every launch on that stream: launches on one stream run one after another,
