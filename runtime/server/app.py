@@ -160,7 +160,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         trace = state.traces.start(request.headers)
         trace.mark("received")
-        req = await _parse_body(request, state.env.server_max_body_bytes)
+        req = await _parse_body(request, state.env.server_max_body_bytes, trace)
+        trace.mark("parsed")
         prepared = _prepare(state, req)
         trace.mark("prepared")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -208,9 +209,11 @@ class Prepared:
     corruptor: ToolJsonCorruptor | None
 
 
-async def _parse_body(request: Request, limit: int) -> ChatCompletionRequest:
+async def _parse_body(request: Request, limit: int, trace: Trace = NO_TRACE) -> ChatCompletionRequest:
     check_content_type(request.headers.get("content-type"))
-    payload = decode_json(await read_limited(request.stream(), request.headers.get("content-length"), limit))
+    raw = await read_limited(request.stream(), request.headers.get("content-length"), limit)
+    trace.mark("body_read")
+    payload = decode_json(raw)
     if not isinstance(payload, dict):
         raise bad_request("request body must be a JSON object")
     try:
