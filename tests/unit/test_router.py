@@ -1,10 +1,12 @@
 """The PD router's chat path against mock upstreams (runtime/router.py): the prompt's call leaves
-first, and a traced request's marks are read back from the router and both upstreams in one GET."""
+first, whole, and a traced request's marks are read back from the router and both upstreams in one GET."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpcore
 import httpx
 import pytest
 from fastapi.testclient import TestClient
@@ -44,6 +46,61 @@ def test_the_prefill_call_leaves_before_the_decode_call(monkeypatch):
             reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
             assert reply.status_code == 200 and reply.content == SSE
     assert [role for role, _, _ in seen] == ["prefill", "decode"] * 3
+
+
+class RecordingBackend(httpcore.AsyncNetworkBackend):
+    """Connections that log each write as (host, what) - what is "headers" or "body" - and answer each
+    request with a canned 200: the order in which the router's requests reach the wire."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, str]] = []
+
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return RecordingStream(host, self.writes)
+
+
+class RecordingStream(httpcore.AsyncNetworkStream):
+    def __init__(self, host: str, writes: list[tuple[str, str]]) -> None:
+        self.host, self.writes, self.unanswered = host, writes, 0
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if not buffer:  # the end of a body of known length: nothing goes out (as httpcore's socket streams skip it)
+            return
+        await asyncio.sleep(0)  # as anyio's socket send yields to the loop before each write
+        headers = buffer.startswith(b"POST ")
+        self.writes.append((self.host, "headers" if headers else "body"))
+        self.unanswered += headers
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if not self.unanswered:
+            return b""
+        self.unanswered -= 1
+        body, kind = (b"{}", b"application/json") if self.host == "prefill" else (SSE, b"text/event-stream")
+        return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (kind, len(body), body)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_the_prompt_leaves_whole_before_the_decode_call_starts(monkeypatch):
+    """httpx writes a request's headers and body in two writes, yielding between them: with both calls
+    started at once the decode call's headers went out between the prompt's headers and its body, and
+    the prefill server's handler (started by the headers) waited for the body."""
+    backend = RecordingBackend()
+    real = httpx.AsyncClient
+
+    def recording_client(**kw) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport()
+        transport._pool = httpcore.AsyncConnectionPool(network_backend=backend)  # no public hook for the backend
+        return real(transport=transport, **kw)
+
+    monkeypatch.setattr(httpx, "AsyncClient", recording_client)
+    with TestClient(create_router_app(["http://prefill:1"], ["http://decode:2"])) as router:
+        for _ in range(2):
+            reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
+            assert reply.status_code == 200 and reply.content == SSE
+    assert backend.writes == [("prefill", "headers"), ("prefill", "body"), ("decode", "headers"),
+                              ("decode", "body")] * 2
 
 
 def test_a_traced_request_is_read_back_from_the_router_and_both_upstreams(monkeypatch):
