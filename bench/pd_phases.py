@@ -55,6 +55,7 @@ PD_KV_CHECK: Path = (
 # Runs beside PD_PATH: the decode side opens the room while the prompt computes.
 PD_ROOM_BRANCH: Path = (
     ("router.received", "start"),
+    ("router.prefill_sent", "router: the prompt's call written (the decode call waits for it)"),
     ("decode.received", "router -> decode server"),
     ("decode.body_read", "decode: body read"),
     ("decode.parsed", "decode: parse"),
