@@ -67,7 +67,13 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        clients["http"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        # No cap on connections, nor on those kept alive: a request holds two, its prefill call's until
+        # its decode call has opened the room, and the decode call starts only once the prompt's body is
+        # out, so under httpx's default cap (100) a burst of prefill calls held every connection while
+        # their decode calls waited for one - a wedge until the PD deadline. Connections beyond the
+        # default 20 kept alive were closed after each use, and the next request paid a new one.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        clients["http"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=limits)
         yield
         await clients["http"].aclose()
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from runtime.disagg.protocol import ROOM_HEADER
 from runtime.router import create_router_app
 from runtime.server.trace import TRACE_HEADER
 
@@ -101,6 +102,69 @@ def test_the_prompt_leaves_whole_before_the_decode_call_starts(monkeypatch):
             assert reply.status_code == 200 and reply.content == SSE
     assert backend.writes == [("prefill", "headers"), ("prefill", "body"), ("decode", "headers"),
                               ("decode", "body")] * 2
+
+
+class RoomBackend(httpcore.AsyncNetworkBackend):
+    """Upstreams that behave like a PD pair's: a prefill call is answered only once the decode call of
+    its room has reached the decode server (the room opened); a decode call is answered at once."""
+
+    def __init__(self) -> None:
+        self.rooms: dict[str, asyncio.Event] = {}
+
+    def room(self, name: str) -> asyncio.Event:
+        return self.rooms.setdefault(name, asyncio.Event())
+
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return RoomStream(host, self)
+
+
+class RoomStream(RecordingStream):
+    def __init__(self, host: str, backend: RoomBackend) -> None:
+        super().__init__(host, [])
+        self.backend = backend
+        self.opened: asyncio.Event | None = None
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        await super().write(buffer, timeout)
+        if buffer.startswith(b"POST "):
+            room = self.backend.room(next(line.split(b":", 1)[1].strip().decode() for line in buffer.split(b"\r\n")
+                                          if line.lower().startswith(ROOM_HEADER.encode())))
+            if self.host == "decode":
+                room.set()
+            else:
+                self.opened = room
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if self.unanswered and self.opened is not None:
+            await self.opened.wait()
+            self.opened = None
+        return await super().read(max_bytes, timeout)
+
+
+def test_more_requests_than_a_default_connection_pool_all_finish(monkeypatch):
+    """Each request holds two upstream connections, and its prefill call's only until its decode call
+    arrives: with httpx's default cap of 100 connections, 100 prefill calls (which now leave before
+    their decode calls) held them all while their decode calls waited for one - a wedge until the PD
+    deadline."""
+    backend = RoomBackend()
+    real = httpx.AsyncClient
+
+    def room_client(**kw) -> httpx.AsyncClient:
+        client = real(**kw)
+        client._transport._pool._network_backend = backend  # no public hook for the backend
+        return client
+
+    monkeypatch.setattr(httpx, "AsyncClient", room_client)
+    app = create_router_app(["http://prefill:1"], ["http://decode:2"])
+
+    async def run() -> list[int]:
+        async with app.router.lifespan_context(app), real(transport=httpx.ASGITransport(app=app),
+                                                          base_url="http://router") as client:
+            replies = asyncio.gather(*(client.post("/v1/chat/completions", content=json.dumps(BODY))
+                                       for _ in range(130)))
+            return [reply.status_code for reply in await asyncio.wait_for(replies, 20)]
+
+    assert asyncio.run(run()) == [200] * 130
 
 
 def test_a_traced_request_is_read_back_from_the_router_and_both_upstreams(monkeypatch):
