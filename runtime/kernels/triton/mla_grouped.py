@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.triton.attention import (
+from runtime.kernels.triton.mla_blocks import (
     _block_range,
     _fold_partials,
     _fold_rows,
@@ -129,7 +129,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
         # Masked: -1 slots may point at never-written (NaN-poisoned) rows, and 0 * NaN = NaN.
         kv0, kv1, kv2, kv3 = _load_groups(rows, offs_g, valid, LATENT, BLOCK_G)
         kv_rope = tl.load(rows + LATENT + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
-        # attention._block_scores's k-chain, a column group at a time.
+        # mla_blocks._block_scores's k-chain, a column group at a time.
         scores = tl.dot(q0, tl.trans(kv0), input_precision=PRECISION)
         scores = tl.dot(q1, tl.trans(kv1), scores, input_precision=PRECISION)
         scores = tl.dot(q2, tl.trans(kv2), scores, input_precision=PRECISION)
@@ -155,7 +155,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                 acc1 = _round_trip(acc1, q_ptr.dtype.element_ty)
                 acc2 = _round_trip(acc2, q_ptr.dtype.element_ty)
                 acc3 = _round_trip(acc3, q_ptr.dtype.element_ty)
-            M_new, keep, take = _fold_weights(M, m_i)  # attention._fold, a column group at a time
+            M_new, keep, take = _fold_weights(M, m_i)  # mla_blocks._fold, a column group at a time
             L = L * keep + l_i * take
             M = M_new
             A0 = _fold_rows(A0, acc0, keep, take)

@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED, attention
-from runtime.kernels.triton.attention import (
-    LOG2E,
+from runtime.kernels.triton.attention import LOG2E, chunk_blocks, default_launch, mma_precision
+from runtime.kernels.triton.mla_blocks import (
     _block_scores,
     _fold_rows,
     _fold_weights,
@@ -48,9 +48,6 @@ from runtime.kernels.triton.attention import (
     _normalize,
     _row_sums_mma,
     _tail_end_block,
-    chunk_blocks,
-    default_launch,
-    mma_precision,
 )
 
 # Launch shapes of the two passes (no effect on the bits). 64-head scores tiles gather each row once
