@@ -54,12 +54,16 @@ CANDIDATES = {  # most likely first: a run cut short by its timeout loses the le
 MODES = {"ticket": dict(spread=True, merge="ticket"), "kernel": dict(spread=True, merge="kernel"),
          "gathered": dict(spread=False, merge="registers"), "memory": dict(spread=False, merge="memory")}
 PREFILL_ROWS = 4096
+TWO_PASS = "two-pass"  # --variants' name for the two-pass prefill rows of --rowsum-mma
 
 
 def launch_of(candidate: tuple, selected: int) -> dict:
-    block_h, block_s, chunk, warps, stages, v_split, *narrow = candidate
+    """A candidate's sparse_mla_decode knobs. Its optional 8th element is the latent's column groups
+    (mla_grouped: 1 or 4; 0 or absent: default_launch's for the head count)."""
+    block_h, block_s, chunk, warps, stages, v_split, *rest = candidate
+    narrow, groups = (list(rest) + [0, 0])[:2]
     return dict(num_splits=max(1, -(-selected // chunk)), block_h=block_h, block_s=block_s, num_warps=warps,
-                num_stages=stages, v_split=v_split, narrow_partials=bool(narrow and narrow[0]))
+                num_stages=stages, v_split=v_split, narrow_partials=bool(narrow), column_groups=groups or None)
 
 
 def prepare(heads: int, topk: int, batches: list, cache: torch.Tensor, vs) -> dict:
@@ -215,7 +219,9 @@ def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepar
     free = {name: knobs for name, knobs in FREE_VARIANTS.items() if variants is None or name in variants}
     rows = []
     if rowsum_mma:  # the newest question first (after the deployment's own row, its time the yardstick)
-        order = [("deployment", {}), ("two-pass", None), *([] if only_two_pass else free.items())]
+        # --variants without "two-pass" leaves the prefill form out (a decode-knob question only).
+        two_pass = [("two-pass", None)] if variants is None or TWO_PASS in variants else []
+        order = [("deployment", {}), *two_pass, *([] if only_two_pass else free.items())]
     else:
         order = [("deployment", {}), *free.items()]
     for name, knobs in order:
@@ -305,14 +311,16 @@ def main() -> None:
     parser.add_argument("--rowsum-mma", action="store_true", help="--free around the deployment with MMA row sums")
     parser.add_argument("--only-two-pass", action="store_true",
                         help="--free --rowsum-mma with the deployment and the two-pass form only")
-    parser.add_argument("--variants", default=None, help="--free: only these FREE_VARIANTS names (comma list)")
+    parser.add_argument("--variants", default=None,
+                        help=f"--free: only these FREE_VARIANTS names (comma list; {TWO_PASS!r}: the two-pass rows)")
     parser.add_argument("--candidates", nargs="*", default=None,
-                        help="H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow instead of CANDIDATES")
+                        help="H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT[,narrow[,column groups]] instead of "
+                             "CANDIDATES")
     args = parser.parse_args()
     if args.only_two_pass:
         args.free = args.rowsum_mma = True
     variants = None if args.variants is None else args.variants.split(",")
-    unknown = sorted(set(variants or ()) - set(FREE_VARIANTS))
+    unknown = sorted(set(variants or ()) - set(FREE_VARIANTS) - {TWO_PASS})
     if unknown:
         parser.error(f"--variants: unknown {unknown}; known: {sorted(FREE_VARIANTS)}")
     vs = None
