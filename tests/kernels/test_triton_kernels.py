@@ -359,19 +359,22 @@ def test_sparse_mla_column_groups_refuse_what_they_do_not_run():
 
 
 @gpu
-@pytest.mark.parametrize("heads,topk,dtype", [(64, 512, torch.bfloat16), (64, 640, torch.bfloat16),
-                                              (16, 512, torch.float32)])
-def test_sparse_mla_column_groups_keep_the_deployments_bits_on_the_gpu(heads, topk, dtype):
-    """On the GPU a chained tl.dot adds like one long dot (bench.mma_bits), so the grouped kernel and
-    must give the ungrouped kernel's bits in every mode, at the deployment shapes (C=512,
-    R=64, window 128), bs 1 and 5: what lets a launch table pick them per batch."""
+@pytest.mark.parametrize("heads,latent,rope,window,topk,dtype", [
+    (64, 512, 64, 128, 512, torch.bfloat16), (64, 512, 64, 128, 640, torch.bfloat16),
+    (16, 512, 64, 128, 512, torch.float32),
+    (4, 64, 16, 32, 32, torch.float32),  # the canary's shape: its GPU golden store must not move
+])
+def test_sparse_mla_column_groups_keep_the_deployments_bits_on_the_gpu(heads, latent, rope, window, topk, dtype):
+    """On the GPU a chained tl.dot adds like one long dot (bench.mma_bits), so the grouped kernel
+    must give the ungrouped kernel's bits in every mode, at the deployment shapes (C=512, R=64,
+    window 128, and the canary's), bs 1 and 5: what lets default_launch group every head count."""
     for queries in (1, 5):
-        q, cache, slots, _, _ = _attention_case(queries, queries, heads, 512, 64, 2 * (topk + 128), 128, topk, dtype,
-                                                page_size=64)
+        q, cache, slots, _, _ = _attention_case(queries, queries, heads, latent, rope, 2 * (topk + window), window,
+                                                topk, dtype, page_size=64)
 
         def run(q=q, cache=cache, slots=slots, **launch):
-            out = poisoned(q.shape[0], heads, 512, dtype=dtype)
-            return attention.sparse_mla_decode(q, cache, slots, 512, 0.04, out=out, **launch)
+            out = poisoned(q.shape[0], heads, latent, dtype=dtype)
+            return attention.sparse_mla_decode(q, cache, slots, latent, 0.04, out=out, **launch)
         want = run(spread=False, merge="registers", column_groups=1)
         for spread, merge in GROUPED_MODES:
             got = run(spread=spread, merge=merge, column_groups=4)

@@ -79,14 +79,19 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
     # session: 0.567-1.681 ms against 0.558-1.663 at bs 1-128), and its prefill passes may then run
     # the two-pass form (mla_prefill.sparse_mla) with the same bits, 1.3 ms less per 4,096-row pass.
     # Fewer heads (the canary, a TP rank's share) keep tl.sum: their golden stores were recorded so.
-    # H=64 runs the latent in four column groups (mla_grouped): the same bits on the H200 (GPU test),
-    # 11-17% less time at bs 1-128 (docs/results.md, "Sixteenth session"). The
-    # interpreter adds a chained dot in another order than one long dot (numpy), so there the grouping
-    # is its own numerics: CPU runs keep one group and test the grouped kernel where they ask for it.
+    # Every head count runs the latent in four column groups (mla_grouped): the same bits on the H200
+    # (GPU test), 11-17% less time at H=64 bs 1-128 (docs/results.md, "Sixteenth session"), 7-10% at
+    # H=16 bs 64-128 ("Seventeenth session"). The interpreter adds a chained dot in another order than
+    # one long dot (numpy), so there the grouping is its own numerics: CPU runs keep one group and test
+    # the grouped kernel where they ask for it.
+    # 64-position chunks (one BLOCK_S block each; 128 until the seventeenth session): at bs 1 the spread
+    # mode then runs twice the programs, each one gather, and its merge launch folds 10 chunk states:
+    # H=64 8.8 us against 10.5 for SGLang (was ~10.5), H=16 8.6 against 10.1; bs 32-128 alike within
+    # 1-2%. A deployment's numerics; the canary's 64 selected positions are one chunk either way.
     if num_heads >= 64:
-        block_h, block_s, chunk, warps, narrow, mma_sums, groups = 16, 64, 128, 4, True, True, 4
+        block_h, block_s, chunk, warps, narrow, mma_sums, groups = 16, 64, 64, 4, True, True, 4
     else:
-        block_h, block_s, chunk, warps, narrow, mma_sums, groups = 16, 64, 128, 8, False, False, 1
+        block_h, block_s, chunk, warps, narrow, mma_sums, groups = 16, 64, 64, 8, False, False, 4
     return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
                 num_warps=warps, num_stages=2, merge="kernel", gathered_fold="registers", v_split=1,
                 narrow_partials=narrow, rowsum_mma=mma_sums, column_groups=1 if INTERPRETED else groups)
