@@ -125,6 +125,11 @@ FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout s
     "groups4+w8": dict(column_groups=4, num_warps=8), "groups4+stages3": dict(column_groups=4, num_stages=3),
     "spread/ticket": dict(spread=True, merge="ticket", column_groups=1),
     "spread/groups4/ticket": dict(spread=True, merge="ticket", column_groups=4),
+    # Taller head blocks in groups (seventeenth session, H=64 bs 32-128 still 11-15% behind SGLang): a
+    # query's rows gathered by 2 or 1 programs instead of 4 (free of bits with MMA row sums).
+    "groups4+bh32/w8": dict(column_groups=4, block_h=32, num_warps=8),
+    "groups4+bh64/w8": dict(column_groups=4, block_h=64, num_warps=8),
+    "groups4+bh32/w4": dict(column_groups=4, block_h=32, num_warps=4),
     # Small batches (issue 15 item 2): bs 1 at H=64 runs N chunks x 4 head blocks = 20 programs; latent
     # column blocks multiply them (each program scores its chunk over the whole latent, averages its
     # columns), free of bits with rowsum_mma, so a decode step with few rows could take them.
