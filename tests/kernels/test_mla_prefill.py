@@ -259,6 +259,26 @@ def test_deployment_runs_prefill_passes_of_mma_row_sum_launches_in_two_passes(mo
     assert_bits_equal(got, want, f"(H={heads}, {rows} rows)")
 
 
+def test_a_prefill_launch_runs_prefill_passes_in_one_pass_with_the_same_bits(monkeypatch):
+    """attention.PREFILL_LAUNCH set: an MMA-row-sum deployment's prefill passes run the one-pass
+    kernel with that launch (64-head blocks here) in place of the two-pass form, the same bits."""
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH_ROWS", 4)
+    calls = []
+    real = mla_prefill.sparse_mla_two_pass
+    monkeypatch.setattr(mla_prefill, "sparse_mla_two_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, cache, slots, _, _ = _attention_case(5, 5, 64, 64, 16, 300, 32, 96, DTYPES[-1])
+    scale = 80 ** -0.5
+    want = poisoned(5, 64, 64, dtype=q.dtype)
+    mla_prefill.sparse_mla(q, cache, slots, 64, scale, out=want)
+    assert calls, "the control: without PREFILL_LAUNCH the pass runs in two passes"
+    calls.clear()
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH", dict(block_h=64, num_warps=8))
+    got = poisoned(5, 64, 64, dtype=q.dtype)
+    mla_prefill.sparse_mla(q, cache, slots, 64, scale, out=got)
+    assert not calls, "PREFILL_LAUNCH set, yet the prefill pass ran in two passes"
+    assert_bits_equal(got, want, "(one pass with PREFILL_LAUNCH vs two passes)")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_two_pass_skipping_empty_trailing_chunks_keeps_the_bits(dtype):
     """skip_tail in both passes against the one-pass kernel's full loop: rows whose last slot is the

@@ -476,6 +476,42 @@ def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
         run(2)
 
 
+def test_large_batch_launch_takes_its_band_and_only_mma_row_sum_deployments(monkeypatch):
+    """LARGE_BATCH_LAUNCH (64-head blocks for the largest decode buckets): passes of LARGE_BATCH_ROWS to
+    PREFILL_LAUNCH_ROWS rows run it with the same bits; shorter passes and a deployment whose row sums
+    are tl.sum's (its launch shape is its numerics: H < 64, the canary) keep default_launch's."""
+    kernel, launched = attention._sparse_mla_kernel, []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["BLOCK_H"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(attention, "_sparse_mla_kernel", Recorded())
+    monkeypatch.setattr(attention, "LARGE_BATCH_ROWS", 3)
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH_ROWS", 4)
+    for heads, band_block_h in ((64, 64), (20, 16)):  # default_launch: MMA row sums at H >= 64 only
+        q, cache, slots, _, _ = _attention_case(4, 5, heads, 64, 16, 120, 8, 64, DTYPES[0])
+
+        def run(rows, q=q, cache=cache, slots=slots, heads=heads):
+            out = poisoned(rows, heads, 64, dtype=q.dtype)
+            launched.clear()
+            attention.sparse_mla_decode(q[:rows], cache, slots[:rows], 64, 80 ** -0.5, out=out, num_splits=3,
+                                        block_s=16, spread=False, merge="registers", column_groups=1)
+            return out, launched[:]
+        monkeypatch.setattr(attention, "LARGE_BATCH_LAUNCH", None)
+        want, launch = run(4)
+        assert launch == [16]
+        monkeypatch.setattr(attention, "LARGE_BATCH_LAUNCH", dict(block_h=64, num_warps=8))
+        for rows, block_h in ((2, 16), (3, band_block_h), (4, band_block_h), (5, 16)):
+            out, launch = run(rows)
+            assert launch == [block_h], f"H={heads}, {rows} rows ran BLOCK_H {launch}, not {block_h}"
+            if rows <= 4:
+                assert torch.equal(out, want[:rows]), f"H={heads}, {rows} rows: the band's launch changed the bits"
+
+
 @pytest.mark.parametrize("launch, match", [(dict(block_s=32), "block_s"), (dict(num_splits=2), "num_splits"),
                                            (dict(block_h=64, rowsum_mma=False), "rowsum_mma=True")])
 def test_prefill_launch_refuses_knobs_that_change_bits(monkeypatch, launch, match):

@@ -64,6 +64,13 @@ PREFILL_LAUNCH_ROWS = 256
 # `bench.mla_sweep --free` ("spread/v4/ticket", "spread/v8/ticket"); none is measured yet.
 SMALL_BATCH_LAUNCH: dict | None = None
 SMALL_BATCH_ROWS = 8
+# Passes of LARGE_BATCH_ROWS to PREFILL_LAUNCH_ROWS rows (the largest decode buckets) take these knobs,
+# under the same rules. 64-head blocks: one program gathers a query's rows for all 64 heads (four
+# programs did), which the latent's column groups made fit: H=64, bs 128 85.7 us against 101.8 with
+# 16-head blocks, the same bits (H200, bench.mla_sweep --free --rowsum-mma, "Seventeenth session");
+# at bs 64 its 64 programs leave half the SMs idle (77.1 against 54.2), hence the band.
+LARGE_BATCH_LAUNCH: dict | None = dict(block_h=64, num_warps=8)
+LARGE_BATCH_ROWS = 128
 # The knobs those launches may set: the ones that left a row's bits alone under MMA row sums.
 _FREE_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge", "v_split", "skip_tail",
                          "rowsum_mma", "column_groups"})
@@ -260,16 +267,24 @@ def _rows_launch(tokens: int) -> tuple[str, dict] | None:
         return "PREFILL_LAUNCH", PREFILL_LAUNCH
     if SMALL_BATCH_LAUNCH is not None and tokens <= SMALL_BATCH_ROWS:
         return "SMALL_BATCH_LAUNCH", SMALL_BATCH_LAUNCH
+    if LARGE_BATCH_LAUNCH is not None and LARGE_BATCH_ROWS <= tokens <= PREFILL_LAUNCH_ROWS:
+        return "LARGE_BATCH_LAUNCH", LARGE_BATCH_LAUNCH
     return None
 
 
-def _free_knobs(name: str, table: dict, given: dict) -> dict:
-    """A row-count launch table (`name`) under the caller's own (non-None) arguments, checked."""
+def _free_knobs(name: str, table: dict, given: dict, deployment_mma: bool) -> dict | None:
+    """A row-count launch table (`name`) under the caller's own (non-None) arguments, checked; None
+    where it does not apply: a deployment with tl.sum's row sums (its launch shape is part of its
+    numerics) when neither the table nor the caller asks for MMA row sums."""
     other = set(table) - _FREE_KNOBS
     if other:
         raise ValueError(f"{name} sets {sorted(other)}: they change a row's reduction order, so a row's bits "
                          "would follow the size of its pass")
     knobs = {**dict.fromkeys(_FREE_KNOBS), **table, **{k: v for k, v in given.items() if v is not None}}
+    if knobs["rowsum_mma"] is None:
+        if not deployment_mma:
+            return None
+        knobs["rowsum_mma"] = True
     if not knobs["rowsum_mma"]:
         raise ValueError(f"{name} needs rowsum_mma=True: with tl.sum's row sums the launch shape changes a row's "
                          "bits")
@@ -301,22 +316,25 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     launch. rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
     than tl.sum's, the same for every BLOCK_H and warp count; default_launch's: on for H >= 64).
     Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set, passes
-    of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's."""
+    of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, passes of LARGE_BATCH_ROWS to
+    PREFILL_LAUNCH_ROWS rows LARGE_BATCH_LAUNCH's (each only where the deployment, or the table, takes
+    MMA row sums)."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
         out = torch.empty(tokens, heads, latent_dim, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
+    launch = default_launch(selected, heads)
     rows_launch = _rows_launch(tokens)
-    if rows_launch is not None:
-        p = _free_knobs(*rows_launch, dict(block_h=block_h, num_warps=num_warps, num_stages=num_stages, spread=spread,
-                                           merge=merge, v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma,
-                                           column_groups=column_groups))
+    p = None if rows_launch is None else _free_knobs(
+        *rows_launch, dict(block_h=block_h, num_warps=num_warps, num_stages=num_stages, spread=spread, merge=merge,
+                           v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma, column_groups=column_groups),
+        launch["rowsum_mma"])
+    if p is not None:
         block_h, num_warps, num_stages, spread = p["block_h"], p["num_warps"], p["num_stages"], p["spread"]
         merge, v_split, skip_tail, rowsum_mma = p["merge"], p["v_split"], p["skip_tail"], p["rowsum_mma"]
         column_groups = p["column_groups"]
-    launch = default_launch(selected, heads)
     splits = num_splits or launch["num_splits"]
     block_h = block_h or launch["block_h"]
     block_s = block_s or launch["block_s"]

@@ -279,8 +279,10 @@ def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, lat
     """The deployment's sparse MLA, as attention.sparse_mla_decode(q, kv_cache, slots, ...): a pass of
     more than PREFILL_LAUNCH_ROWS rows (a prefill chunk) whose deployment takes its row sums as an
     MMA runs the two-pass form, the same bits (1.3 ms less per 4,096-row dsv4-slice pass on the
-    H200: 19.0 against 20.3-20.6 ms); every other pass runs the one-pass kernel."""
-    if q.shape[0] > attention.PREFILL_LAUNCH_ROWS and default_launch(slots.shape[1], q.shape[1])["rowsum_mma"]:
+    H200: 19.0 against 20.3-20.6 ms), unless attention.PREFILL_LAUNCH names a one-pass launch for
+    prefill passes; every other pass runs the one-pass kernel."""
+    if (q.shape[0] > attention.PREFILL_LAUNCH_ROWS and attention.PREFILL_LAUNCH is None
+            and default_launch(slots.shape[1], q.shape[1])["rowsum_mma"]):
         tail = attention.SKIP_TAIL_ROWS is not None and q.shape[0] > attention.SKIP_TAIL_ROWS
         return sparse_mla_two_pass(q, kv_cache, slots, latent_dim, scale, num_splits=num_splits, skip_tail=tail,
                                    out=out)
