@@ -243,8 +243,10 @@ def test_two_pass_kernels_compile_for_the_gpu_without_one(kernel, tail):
 def test_deployment_runs_prefill_passes_of_mma_row_sum_launches_in_two_passes(monkeypatch, heads, rows, two_passes):
     """mla_prefill.sparse_mla: a pass of more than PREFILL_LAUNCH_ROWS rows goes through the two-pass
     form exactly where the deployment's launch takes MMA row sums (H >= 64), and either way it has the
-    one-pass kernel's bits (here with the prefill threshold lowered to 4 rows)."""
+    one-pass kernel's bits (here with the prefill threshold lowered to 4 rows, and no PREFILL_LAUNCH:
+    with one, prefill passes run in one pass)."""
     monkeypatch.setattr(attention, "PREFILL_LAUNCH_ROWS", 4)
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH", None)
     calls = []
     real = mla_prefill.sparse_mla_two_pass
     monkeypatch.setattr(mla_prefill, "sparse_mla_two_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -263,6 +265,7 @@ def test_a_prefill_launch_runs_prefill_passes_in_one_pass_with_the_same_bits(mon
     """attention.PREFILL_LAUNCH set: an MMA-row-sum deployment's prefill passes run the one-pass
     kernel with that launch (64-head blocks here) in place of the two-pass form, the same bits."""
     monkeypatch.setattr(attention, "PREFILL_LAUNCH_ROWS", 4)
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH", None)
     calls = []
     real = mla_prefill.sparse_mla_two_pass
     monkeypatch.setattr(mla_prefill, "sparse_mla_two_pass", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -435,7 +435,8 @@ def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
     kernel's launch arguments."""
     q, cache, slots, _, _ = _attention_case(2, 3, 20, 64, 16, 120, 8, 64, DTYPES[0])
     scale = 80 ** -0.5
-    base = dict(num_splits=3, block_s=16, spread=False, merge="registers", rowsum_mma=True)
+    # column_groups=1: the kernel whose launches are recorded here (a GPU groups every head count)
+    base = dict(num_splits=3, block_s=16, spread=False, merge="registers", rowsum_mma=True, column_groups=1)
     kernel, launched = attention._sparse_mla_kernel, []
 
     class Recorded:
@@ -452,6 +453,8 @@ def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
         return out, launched[:]
 
     monkeypatch.setattr(attention, "_sparse_mla_kernel", Recorded())
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH", None)
+    monkeypatch.setattr(attention, "LARGE_BATCH_LAUNCH", None)
     want, launch = run(3)
     assert launch == [(16, 1)]
     monkeypatch.setattr(attention, "PREFILL_LAUNCH", dict(block_h=64, num_warps=8, v_split=2))
@@ -492,6 +495,7 @@ def test_large_batch_launch_takes_its_band_and_only_mma_row_sum_deployments(monk
     monkeypatch.setattr(attention, "_sparse_mla_kernel", Recorded())
     monkeypatch.setattr(attention, "LARGE_BATCH_ROWS", 3)
     monkeypatch.setattr(attention, "PREFILL_LAUNCH_ROWS", 4)
+    monkeypatch.setattr(attention, "PREFILL_LAUNCH", None)  # the band's upper end alone
     for heads, band_block_h in ((64, 64), (20, 16)):  # default_launch: MMA row sums at H >= 64 only
         q, cache, slots, _, _ = _attention_case(4, 5, heads, 64, 16, 120, 8, 64, DTYPES[0])
 

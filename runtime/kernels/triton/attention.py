@@ -56,7 +56,10 @@ SKIP_TAIL_ROWS: int | None = 256
 # left a row's bits alone under MMA row sums on the H200 are accepted (docs/results.md, "Seventh
 # session"), and the pass must run with rowsum_mma: set it only where the deployment's other
 # passes run with rowsum_mma too, or a prompt's bits would follow the size of its prefill chunk.
-PREFILL_LAUNCH: dict | None = None
+# 64-head blocks in column groups, one pass (mla_prefill.sparse_mla then skips its two-pass form): the
+# slice's 4,096-row pass 16.31 ms against 16.51 in two passes, the same logits (H200, "Seventeenth
+# session", bench.decode_step --prefill-variants).
+PREFILL_LAUNCH: dict | None = dict(block_h=64, num_warps=8)
 PREFILL_LAUNCH_ROWS = 256
 # Passes of at most SMALL_BATCH_ROWS rows (decode steps whose few queries leave most SMs idle: bs 1 at
 # H=64 is N chunks x 4 head blocks = 20 programs) take these knobs, under PREFILL_LAUNCH's rules; None:
