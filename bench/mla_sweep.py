@@ -130,6 +130,11 @@ FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout s
     "groups4+bh32/w8": dict(column_groups=4, block_h=32, num_warps=8),
     "groups4+bh64/w8": dict(column_groups=4, block_h=64, num_warps=8),
     "groups4+bh32/w4": dict(column_groups=4, block_h=32, num_warps=4),
+    # ... and with the chunks spread (bs 32-64: a chunk's 64 rows gathered once for all heads, its state
+    # through memory).
+    "spread/groups4+bh64/w8": dict(spread=True, merge="kernel", column_groups=4, block_h=64, num_warps=8),
+    "spread/groups4+bh32/w8": dict(spread=True, merge="kernel", column_groups=4, block_h=32, num_warps=8),
+    "spread/groups4+bh64/w4": dict(spread=True, merge="kernel", column_groups=4, block_h=64, num_warps=4),
     # Small batches (issue 15 item 2): bs 1 at H=64 runs N chunks x 4 head blocks = 20 programs; latent
     # column blocks multiply them (each program scores its chunk over the whole latent, averages its
     # columns), free of bits with rowsum_mma, so a decode step with few rows could take them.
