@@ -194,7 +194,7 @@ pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked 
     done
     return 1
 }
-if want pd_gpu || want pd_gpu_ttft || want pd_phases || want gate_pd; then
+if want pd_gpu || want pd_gpu_ttft || want pd_phases || want pd_phases_profile || want gate_pd; then
     rm -rf /tmp/pdroot /tmp/pdlib && mkdir -p /tmp/pdroot /tmp/pdlib
     for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-pd/*.whl
@@ -213,6 +213,13 @@ want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.p
 # servers' x-dsv4-trace marks): PD_PHASES_REPEATS per prompt size.
 want pd_phases && section pd_phases "${PD_TTFT_TIMEOUT:-300}" $PY -m bench.pd_ttft --repeats "${PD_PHASES_REPEATS:-10}" \
     --words 8,100,400 --phases --server-arg=--dtype=float32 --out "$OUT/pd_phases_gpu.json"
+# The same, 400-word prompts only, under py-spy (every server process, every thread, GIL holders marked
+# with --gil off: all samples; needs py-spy's wheel in .whl): where the prefill server's template +
+# tokenize spends 3x the colocated server's time on the H200 (docs/results.md, "Seventeenth session").
+want pd_phases_profile && section pd_phases_profile "${PD_TTFT_TIMEOUT:-300}" /tmp/site/bin/py-spy record \
+    --subprocesses --threads --idle --rate 1000 --format raw -o "$OUT/pd_phases_profile.txt" -- \
+    $PY -m bench.pd_ttft --repeats "${PD_PHASES_REPEATS:-10}" --words 400 --phases --server-arg=--dtype=float32 \
+    --out "$OUT/pd_phases_profile.json"
 # Issue 16: the 80-session gate against a PD pair (prefill + decode servers on the one GPU, the
 # router in front) with the H200 golden store, beside the colocated `gate` of the same call: TTFT of
 # the pair vs the colocated server on the same workload.
