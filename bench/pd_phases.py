@@ -24,29 +24,32 @@ PD_PATH: Path = (
     ("prefill.engine_accepted", "prefill: to the engine thread"),
     ("prefill.step_started", "prefill: queued for a step"),
     ("prefill.kv_held", "prefill: prompt step (first token)"),
-    ("prefill.write_started", "prefill: KV held -> write starts (room wait, thread hop)"),
-    ("prefill.kv_gathered", "prefill: gather into the send slot"),
-    ("prefill.kv_written", "prefill: KV write (Mooncake)"),
-    ("prefill.kv_digest_awaited", "prefill: sender's digest, what is left of it after the write"),
-    ("prefill.room_completed", "prefill: back on the event loop, room completed"),
-    ("prefill.transfer_replying", "prefill: /pd/transfer handler wakes"),
-    ("decode.transfer_answered", "/pd/transfer reply reaches decode"),
-    ("decode.first_token", "decode: reply read, first token onto its sink"),
+    ("prefill.first_replying", "prefill: /pd/transfer handler wakes with the first token"),
+    ("decode.first_answered", "/pd/transfer's first line reaches decode"),
+    ("decode.first_token", "decode: line read, first token onto its sink"),
     ("decode.first_token_out", "decode: first token into its stream"),
     ("router.first_token_relayed", "decode -> router"),
     ("client.first_token", "router -> client"),
 )
 
-# Beside PD_PATH's write: the sender's digest, on a thread of its own.
+# Beside the KV path's write: the sender's digest, on a thread of its own.
 PD_SENDER_DIGEST: Path = (
     ("prefill.write_started", "start"),
     ("prefill.kv_digested", "prefill: sender's KV digest (beside the gather and write)"),
 )
 
-# Beside PD_PATH's first token: the decode side lands and checks the KV, then admits the request (its
-# second token waits for this, its first does not).
+# Beside PD_PATH's first token: the prefill side writes the KV and says so (the answer's second line),
+# the decode side lands and checks it, then admits the request (its second token waits for this, its
+# first does not).
 PD_KV_CHECK: Path = (
-    ("decode.transfer_answered", "start"),
+    ("prefill.kv_held", "start"),
+    ("prefill.write_started", "prefill: KV held -> write starts (room wait, thread hop)"),
+    ("prefill.kv_gathered", "prefill: gather into the send slot"),
+    ("prefill.kv_written", "prefill: KV write (Mooncake)"),
+    ("prefill.kv_digest_awaited", "prefill: sender's digest, what is left of it after the write"),
+    ("prefill.room_completed", "prefill: back on the event loop, room completed"),
+    ("prefill.transfer_replying", "prefill: the result line"),
+    ("decode.transfer_answered", "the result line reaches decode"),
     ("decode.kv_landed", "decode: to the engine thread, scatter"),
     ("decode.kv_checked", "decode: receiver's KV digest"),
     ("decode.engine_accepted", "decode: digest compared, admitted"),

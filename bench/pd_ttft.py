@@ -103,7 +103,7 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
     for title, key in (("PD critical path", "pd_path_ms"),
                        ("PD decode side, opening the room (beside the prompt)", "pd_room_branch_ms"),
                        ("PD sender's digest (beside the write)", "pd_sender_digest_ms"),
-                       ("PD receiver's KV check and admission (beside the first token)", "pd_kv_check_ms"),
+                       ("PD KV write, landing, check and admission (beside the first token)", "pd_kv_check_ms"),
                        ("colocated", "colocated_path_ms")):
         print(f"  {title}: (sum {sum(report[key].values()):.2f})")
         for phase, ms in report[key].items():

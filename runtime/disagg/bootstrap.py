@@ -7,10 +7,12 @@ again, so the session it had before is replaced and any room opened under the ol
 
 A room is one request's meeting point: the router gives the prefill and the decode server the same
 room id; the decode side opens it with its destination page ids and long-polls for the result, the
-prefill side runs the prompt meanwhile (holding its KV pages), waits for the room to be opened, writes
-the KV and completes it. Every wait has a deadline that becomes `BootstrapTimeout`, an error the
-client sees. A room that fails before it is opened (the prefill side timed out or gave up) stays
-failed for `forget_s`, so a late open is refused at once instead of waiting out its own deadline.
+prefill side runs the prompt meanwhile (holding its KV pages), hands the prompt's first token over as
+soon as it has it (`prefilled`: the decode side sends it to its client before the KV arrives), waits
+for the room to be opened, writes the KV and completes it. Every wait has a deadline that becomes
+`BootstrapTimeout`, an error the client sees. A room that fails before it is opened (the prefill side
+timed out or gave up) stays failed for `forget_s`, so a late open is refused at once instead of
+waiting out its own deadline.
 
 All methods run on the prefill server's event loop (the engine thread completes rooms through
 `loop.call_soon_threadsafe`).
@@ -57,6 +59,8 @@ class BootstrapRegistry:
         self.sessions: dict[str, Session] = {}  # by decode name: the current session only
         self.rooms: dict[str, Room] = {}
         self._opened: dict[str, asyncio.Future] = {}  # room id -> resolves with the Room once opened
+        # room id -> resolves with the prompt's outcome (first token, sampler state) once it finished
+        self._first: dict[str, asyncio.Future] = {}
 
     # ---- sessions -------------------------------------------------------------------------------
     def register(self, name: str, instance: str, pool: PoolDescriptor) -> Session:
@@ -89,10 +93,21 @@ class BootstrapRegistry:
     def _opened_future(self, room: str) -> asyncio.Future:
         return self._opened.setdefault(room, asyncio.get_running_loop().create_future())
 
+    def _first_future(self, room: str) -> asyncio.Future:
+        return self._first.setdefault(room, asyncio.get_running_loop().create_future())
+
     def expect(self, room: str) -> None:
         """Prefill side: a request for `room` has arrived (before its room is opened): from now on a
         failure of the room (`fail`) is kept for its decode side's open, and for `wait_opened`."""
         self._opened_future(room)
+        self._first_future(room)
+
+    def prefilled(self, room: str, outcome: dict) -> None:
+        """Prefill side: the prompt finished with `outcome` (its first token and sampler state); its KV
+        is not written yet."""
+        first = self._first.get(room)
+        if first is not None and not first.done():
+            first.set_result(outcome)
 
     def open(self, room: str, name: str, session_id: str, dst_pages: list[int],
              staging_offset: int | None = None) -> Room:
@@ -120,6 +135,26 @@ class BootstrapRegistry:
             error = BootstrapTimeout(f"no decode server opened room {room} within {timeout_s:g} s")
             self.fail(room, error)  # a late open is refused at once
             raise error from None
+
+    async def wait_first(self, room: str, timeout_s: float) -> dict:
+        """Decode side: the prompt's outcome once the prefill server has it (before the KV is written).
+        A failure, a timeout or the decode side going away fails the room and closes it."""
+        first = self._first_future(room)
+        try:
+            return await asyncio.wait_for(asyncio.shield(first), timeout_s)
+        except TimeoutError:
+            error = BootstrapTimeout(f"room {room}: the prefill server did not finish the prompt within "
+                                     f"{timeout_s:g} s")
+            self.fail(room, error)
+            self.close(room)
+            raise error from None
+        except asyncio.CancelledError:
+            self.fail(room, RoomFailed(f"room {room}: the decode side stopped waiting"))
+            self.close(room)
+            raise
+        except BootstrapError:
+            self.close(room)
+            raise
 
     async def wait_done(self, room: str, timeout_s: float) -> dict:
         """Decode side: the prefill result (first token, digest, stats) once the KV has been written."""
@@ -150,6 +185,10 @@ class BootstrapRegistry:
         if entry is not None and not entry.done.done():
             entry.done.set_exception(error)
             entry.done.exception()  # retrieved: a room nobody waits on must not log "never retrieved"
+        first = self._first.get(room)
+        if first is not None and not first.done():
+            first.set_exception(error)
+            first.exception()
         opened = self._opened.get(room)
         if opened is not None and not opened.done():
             opened.set_exception(error)
@@ -160,10 +199,12 @@ class BootstrapRegistry:
     def _forget(self, room: str, opened: asyncio.Future) -> None:
         if self._opened.get(room) is opened:
             del self._opened[room]
+            self._first.pop(room, None)
 
     def close(self, room: str) -> None:
         self.rooms.pop(room, None)
         self._opened.pop(room, None)
+        self._first.pop(room, None)
 
     @property
     def open_rooms(self) -> int:

@@ -1,10 +1,11 @@
 """The decode server's side of PD: reserve pages for a prompt's KV (and, in staged transfer mode, a
 receive slot of the staging arena), register with the request's prefill server (once per prefill
-server and session), open the request's room with those page ids (and the slot), wait for the KV,
-then send the first token (the prefill side's) to the client at once while the KV is scattered from
-the slot into the pages (staged) and checked, and the request handed to the engine as already
-prefilled; its later tokens come from the engine, so none reaches the client before the check passed.
-A failed check ends the stream, after its first token, with the pd_kv_corrupt error.
+server and session), open the request's room with those page ids (and the slot), send the first
+token (the prefill side's: the first line of its answer, which comes as soon as the prompt finished)
+to the client at once, wait for the KV (the answer's second line), scatter it from the slot into the
+pages (staged), check it, and hand the request to the engine as already prefilled; its later tokens
+come from the engine, so none reaches the client before the check passed. A failed transfer or check
+ends the stream, after its first token, with its error (pd_kv_corrupt for a corrupt KV).
 
 The reserved pages are freed on every path that does not end in admission (timeout, prefill error,
 corrupt KV, client gone before the KV arrived, server shutdown in any phase: `aclose` ends the pending
@@ -28,7 +29,7 @@ import torch
 from fastapi import Request
 
 from runtime.disagg.metrics import PDMetrics
-from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER, error_from_body
+from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER, error_from_body, read_transfer_line
 from runtime.disagg.transfer import KVTransfer, digest_workers, kv_digest
 from runtime.engine.engine import Engine
 from runtime.engine.request import Request as EngineRequest
@@ -107,24 +108,33 @@ class DecodeSide:
             self.sessions[prefill] = reply.json()["session_id"]
             return self.sessions[prefill]
 
-    async def _await_kv(self, prefill: str, room: str, pages: list[int], staging: int | None,
-                        trace: Trace = NO_TRACE) -> dict:
+    async def _open_room(self, prefill: str, room: str, pages: list[int], staging: int | None,
+                         trace: Trace = NO_TRACE) -> tuple[dict, TransferAnswer]:
+        """Open the room at the prefill server: the prompt's outcome (first token, sampler state), as
+        soon as the prefill side has it, and the answer whose next line is the KV's result."""
         client = self.client()  # its timeout is 5 s over the prefill side's own deadline, which answers first
         refused: str | None = None
         for attempt in range(2):
             session = await self._session(client, prefill, refused)
             trace.mark("transfer_requested")
-            reply = await client.post(f"{prefill}/pd/transfer", json={
+            reply = await client.send(client.build_request("POST", f"{prefill}/pd/transfer", json={
                 "room": room, "name": self.name, "session_id": session, "dst_pages": pages,
-                "staging_offset": staging}, headers=trace.headers())
-            body = _json(reply)
-            stale = reply.status_code == 409 and body.get("error", {}).get("code") == "pd_stale_session"
-            if stale and attempt == 0:  # the prefill server restarted: register once more
-                refused = session
-                continue
+                "staging_offset": staging}, headers=trace.headers()), stream=True)
             if reply.status_code != 200:
+                await reply.aread()
+                await reply.aclose()
+                body = _json(reply)
+                stale = reply.status_code == 409 and body.get("error", {}).get("code") == "pd_stale_session"
+                if stale and attempt == 0:  # the prefill server restarted: register once more
+                    refused = session
+                    continue
                 raise error_from_body(reply.status_code, body, f"KV transfer for room {room} failed")
-            return body
+            answer = TransferAnswer(reply)
+            try:
+                return await answer.line("first"), answer
+            except BaseException:
+                await answer.aclose()
+                raise
         raise AssertionError("unreachable")
 
     async def start(self, state, request: Request, rid: str, prepared, trace: Trace = NO_TRACE) -> asyncio.Queue:
@@ -159,34 +169,32 @@ class DecodeSide:
         self.metrics.pages_in_flight.inc(len(pages))
         trace.mark("pages_reserved")
         handed_over = False  # to `_verify_then_admit`, which frees what this does not
+        answer: TransferAnswer | None = None
         try:
-            result = await self._transfer(prefill, room, pages, staging, trace)
-            req = prefilled_request(rid, ids, prepared.params, pages, result)  # the reply's fields, validated
+            started = asyncio.get_running_loop().time()
+            first, answer = await self._transfer(prefill, room, pages, staging, trace)
+            req = prefilled_request(rid, ids, prepared.params, pages, first)  # the line's fields, validated
             sink = self._first_token_sink(req, trace)
             state.bridge.announce_prefilled(rid)  # the client may abort it from now on, before its admission
-            # Queued now, not when the check's task first runs: the engine thread scatters the KV while
-            # the first token is written, and token 2 waits for the check.
-            landing = state.bridge.call(self._lander(pages, staging, trace))
-            self._spawn(self._verify_then_admit(state, room, req, result, staging, landing, sink, trace))
+            self._spawn(self._verify_then_admit(state, room, req, answer, started, staging, sink, trace))
             handed_over = True
             return sink
         finally:
             if not handed_over:
+                if answer is not None:  # hanging up fails the room on the prefill side: no write lands after
+                    await answer.aclose()
                 self._release(state, rid, pages, staging, admitted=False)
 
     async def _transfer(self, prefill: str, room: str, pages: list[int], staging: int | None,
-                        trace: Trace) -> dict:
-        """The prefill side's reply once the room's KV is written into our pages (or receive slot)."""
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+                        trace: Trace) -> tuple[dict, TransferAnswer]:
+        """The prefill side's first line (the prompt's outcome) and the answer still to be read."""
         try:
-            result = await self._await_kv(prefill, room, pages, staging, trace)
+            first, answer = await self._open_room(prefill, room, pages, staging, trace)
         except httpx.HTTPError as exc:
             raise ApiError(502, f"prefill server {prefill} unreachable for room {room}: {exc!r}",
                            type="server_error", code="pd_prefill_unreachable") from None
-        self.metrics.transfer_seconds.observe(loop.time() - started)
-        trace.mark("transfer_answered")
-        return result
+        trace.mark("first_answered")
+        return first, answer
 
     def _first_token_sink(self, req: EngineRequest, trace: Trace) -> asyncio.Queue:
         """A sink holding Accepted and the request's first token: the prefill side computed that token
@@ -211,15 +219,25 @@ class DecodeSide:
         self._verifying.add(task)
         task.add_done_callback(self._verifying.discard)
 
-    async def _verify_then_admit(self, state, room: str, req: EngineRequest, result: dict, staging: int | None,
-                                 landing: asyncio.Future, sink: asyncio.Queue, trace: Trace) -> None:
-        """Wait for the staged KV to land (`landing`, the `_lander` call), compare its digest with the
-        sender's and admit the request; on a mismatch (or any failure) the client's stream, whose first
-        token is out, ends with the error. Never cancelled by a client that leaves: its abort is kept by
-        the bridge until the admission (`announce_prefilled`), so every path here ends in admission or
-        in freeing the pages."""
+    async def _verify_then_admit(self, state, room: str, req: EngineRequest, answer: TransferAnswer, started: float,
+                                 staging: int | None, sink: asyncio.Queue, trace: Trace) -> None:
+        """Wait for the prefill side's word that the KV is written (the answer's second line), land the
+        staged KV (the `_lander` call), compare its digest with the sender's and admit the request; on a
+        failed transfer, a mismatch (or any failure) the client's stream, whose first token is out, ends
+        with the error. Never cancelled by a client that leaves: its abort is kept by the bridge until the
+        admission (`announce_prefilled`), so every path here ends in admission or in freeing the pages."""
         admitted = False
         try:
+            try:
+                result = await answer.line("done")
+            except httpx.HTTPError as exc:
+                raise ApiError(502, f"room {room}: the prefill server's answer broke off: {exc!r}",
+                               type="server_error", code="pd_prefill_unreachable") from None
+            finally:
+                await answer.aclose()
+            self.metrics.transfer_seconds.observe(asyncio.get_running_loop().time() - started)
+            trace.mark("transfer_answered")
+            landing = state.bridge.call(self._lander(req.pages, staging, trace))
             await self._check_kv(room, req.pages, len(req.prompt_ids), landing, result, trace)
             self.metrics.transfer_bytes.inc(int(result["kv_bytes"]))
             self.metrics.transfers.labels("ok").inc()
@@ -307,6 +325,26 @@ class DecodeSide:
         if offset is not None:
             assert self.transfer.staging is not None
             self.transfer.staging.free(offset)
+
+
+class TransferAnswer:
+    """A /pd/transfer answer being read: its JSON lines one at a time (runtime/disagg/protocol.py)."""
+
+    def __init__(self, reply: httpx.Response) -> None:
+        self.reply = reply
+        self._lines = reply.aiter_lines()
+
+    async def line(self, want: str) -> dict:
+        """The next line's value, which must be `want`; an error line raises its ApiError, an answer that
+        ends early a pd_upstream_error."""
+        async for line in self._lines:
+            if line.strip():
+                return read_transfer_line(line, want)
+        raise ApiError(502, f"the /pd/transfer answer ended before its {want!r} line", type="server_error",
+                       code="pd_upstream_error")
+
+    async def aclose(self) -> None:
+        await self.reply.aclose()
 
 
 def prefilled_request(rid: str, ids: list[int], params, pages: list[int], result: dict) -> EngineRequest:

@@ -28,15 +28,16 @@ import base64
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent import futures
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.disagg.bootstrap import BootstrapError, BootstrapRegistry, BootstrapTimeout, Room, RoomFailed
 from runtime.disagg.metrics import PDMetrics
-from runtime.disagg.protocol import ROOM_HEADER, api_error
+from runtime.disagg.protocol import ROOM_HEADER, TRANSFER_MEDIA_TYPE, api_error, transfer_error, transfer_line
 from runtime.disagg.transfer import KVTransfer, PoolDescriptor, digest_workers, kv_digest, mode_mismatch
 from runtime.engine.engine import Engine, StepResult
 from runtime.server.bridge import Accepted, Rejected
@@ -113,7 +114,10 @@ class PrefillSide:
 
         @app.post("/pd/transfer")
         async def transfer(request: Request) -> Response:
-            """Decode side: open a room with its destination pages; answers once the KV is written."""
+            """Decode side: open a room with its destination pages. The answer is two JSON lines: the
+            prompt's outcome (first token, sampler state) as soon as the prompt finished, then, once the
+            KV is written, the result (digest, stats) or an error; an error before the first line is a
+            plain error response."""
             body = await request.json()
             room = str(body["room"])
             trace = app.state.server.traces.start(request.headers)  # the chat request's, when it is traced
@@ -122,11 +126,23 @@ class PrefillSide:
                 self.registry.open(room, str(body["name"]), str(body["session_id"]),
                                    [int(p) for p in body["dst_pages"]], None if offset is None else int(offset))
                 trace.mark("room_opened")
-                result = await self.registry.wait_done(room, self.timeout_s)
-                trace.mark("transfer_replying")
-                return JSONResponse(result)
+                first = await self.registry.wait_first(room, self.timeout_s)
             except BootstrapError as exc:
                 return api_error(exc).response()
+            trace.mark("first_replying")
+            return StreamingResponse(self._transfer_lines(room, first, trace), media_type=TRANSFER_MEDIA_TYPE)
+
+    async def _transfer_lines(self, room: str, first: dict, trace: Trace) -> AsyncIterator[bytes]:
+        """/pd/transfer's body: the outcome line, then the result line once the KV is written (or an
+        error line). The decode side hanging up cancels this, which fails the room: no write lands."""
+        yield transfer_line(first=first)
+        try:
+            result = await self.registry.wait_done(room, self.timeout_s)
+        except BootstrapError as exc:
+            yield transfer_line(error=transfer_error(api_error(exc)))
+            return
+        trace.mark("transfer_replying")
+        yield transfer_line(done=result)
 
     # ---- the chat path -----------------------------------------------------------------------------
     async def start(self, state, request: Request, rid: str, prepared, trace: Trace = NO_TRACE) -> Response:
@@ -269,8 +285,12 @@ class PrefillSide:
                 self.metrics.transfers.labels("failed").inc()
                 error = RoomFailed(f"room {entry.room_id}: the prompt was aborted on the prefill server")
                 entry.loop.call_soon_threadsafe(self.registry.fail, entry.room_id, error)
-            elif room is not None:
-                entry.loop.call_soon_threadsafe(self._start_send, entry.state, rid, room, held)
+            else:
+                # The first token goes to the decode side now, before the KV is written (the loop runs
+                # these in order: the outcome line is queued before the write starts).
+                entry.loop.call_soon_threadsafe(self.registry.prefilled, entry.room_id, held.outcome)
+                if room is not None:
+                    entry.loop.call_soon_threadsafe(self._start_send, entry.state, rid, room, held)
 
     def _outcome(self, req) -> dict:
         """What the decode side needs besides the KV, read on the engine thread as the prompt finishes."""

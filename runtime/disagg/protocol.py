@@ -1,5 +1,6 @@
 """What travels between router, prefill and decode besides the OpenAI request itself: two headers
-(the router's room id and the prefill server's bootstrap URL) and the errors, OpenAI-shaped.
+(the router's room id and the prefill server's bootstrap URL), the lines of a /pd/transfer answer, and
+the errors, OpenAI-shaped.
 
 Light on purpose: the router imports it, and nothing here may pull in torch or the engine (the
 router's start-up went from 3.8 s to a fraction of that when this module stopped importing the
@@ -7,10 +8,15 @@ bootstrap registry, which imports the transfer engine)."""
 
 from __future__ import annotations
 
+import json
+
 from runtime.server.errors import ApiError
 
 ROOM_HEADER = "x-pd-room"
 BOOTSTRAP_HEADER = "x-pd-bootstrap"  # the prefill server's base URL, where /pd/register and /pd/transfer live
+# /pd/transfer answers in JSON lines: {"first": outcome} as soon as the prompt finished, then
+# {"done": result} once its KV is written, or {"error": {"status": ..., "error": {...}}} instead.
+TRANSFER_MEDIA_TYPE = "application/x-ndjson"
 
 
 class BootstrapError(RuntimeError):
@@ -44,3 +50,33 @@ def error_from_body(status: int, body: dict, fallback: str) -> ApiError:
         return ApiError(502, f"{fallback} (HTTP {status})", type="server_error", code="pd_upstream_error")
     return ApiError(status, str(error.get("message", fallback)), type=str(error.get("type") or "server_error"),
                     code=error.get("code"))
+
+
+def transfer_line(**field: object) -> bytes:
+    """One line of a /pd/transfer answer: exactly one of first=, done=, error=."""
+    assert len(field) == 1 and next(iter(field)) in ("first", "done", "error"), field
+    return (json.dumps(field, ensure_ascii=True) + "\n").encode()
+
+
+def transfer_error(error: ApiError) -> dict:
+    """An error line's value: the status and the OpenAI-shaped body (`error_from_line` reads it back)."""
+    return {"status": error.status, **error.body()}
+
+
+def read_transfer_line(line: str, want: str) -> dict:
+    """The value of a /pd/transfer line that must be `want` ("first" or "done"); an error line, a
+    malformed line or the wrong kind raise the ApiError the decode side's client sees."""
+    try:
+        parsed = json.loads(line)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict) or len(parsed) != 1:
+        raise ApiError(502, f"malformed /pd/transfer line: {line[:200]!r}", type="server_error",
+                       code="pd_upstream_error")
+    if "error" in parsed and isinstance(parsed["error"], dict):
+        value = parsed["error"]
+        raise error_from_body(int(value.get("status", 502)), value, "the KV transfer failed")
+    if want not in parsed or not isinstance(parsed[want], dict):
+        raise ApiError(502, f"/pd/transfer sent {sorted(parsed)} where {want!r} was due", type="server_error",
+                       code="pd_upstream_error")
+    return parsed[want]

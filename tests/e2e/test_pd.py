@@ -505,13 +505,13 @@ def test_the_prompt_is_computed_before_its_room_opens_and_the_answer_is_unchange
 
     pair, colocated = servers
     gate = threading.Event()
-    original = pair.decode_state.pd._await_kv
+    original = pair.decode_state.pd._open_room
 
     async def late(*args):
         await asyncio.to_thread(gate.wait, 60)
         return await original(*args)
 
-    monkeypatch.setattr(pair.decode_state.pd, "_await_kv", late)
+    monkeypatch.setattr(pair.decode_state.pd, "_open_room", late)
     payload = body(PROMPTS[3], stream=True)
     expected = answer(colocated, payload)
     got: list[dict] = []
@@ -709,7 +709,7 @@ def test_a_decode_failure_before_the_room_opens_makes_the_router_hang_up_on_the_
         await asyncio.sleep(0.5)  # the prompt is computed and held by now
         raise ApiError(503, "decode server out of KV pages", type="server_error", code="pd_out_of_pages")
 
-    monkeypatch.setattr(pair.decode_state.pd, "_await_kv", no_pages)
+    monkeypatch.setattr(pair.decode_state.pd, "_open_room", no_pages)
     started = time.monotonic()
     reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "pd_out_of_pages", reply.text
@@ -935,7 +935,10 @@ def digest_first(pd, monkeypatch) -> None:
 def admit_before_the_check(pd, monkeypatch) -> None:
     """A planted bug: the request is admitted before its KV check, so the engine's tokens (2 on) reach
     the client while the digest is still computing."""
-    async def verify_then_admit(state, room, req, result, staging, landing, sink, trace):
+    async def verify_then_admit(state, room, req, answer, started, staging, sink, trace):
+        result = await answer.line("done")
+        await answer.aclose()
+        landing = state.bridge.call(pd._lander(req.pages, staging, trace))
         state.bridge.withdraw(req.rid)
         state.bridge.submit_prefilled(req, sink, trace)
         await pd._check_kv(room, req.pages, len(req.prompt_ids), landing, result, trace)
@@ -970,6 +973,87 @@ def test_the_first_token_oracle_catches_a_wrong_order(servers, monkeypatch, plan
     else:
         assert seen > 1
     assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+class HeldWrite:
+    """The prefill side's KV write held until `release()` (or failing then, with `fail=True`): `started`
+    once a write is in progress."""
+
+    def __init__(self, transfer, monkeypatch, fail: bool = False) -> None:
+        import threading
+
+        self.started, self._gate = threading.Event(), threading.Event()
+        write = transfer.write_pages
+
+        def held(*args, **kwargs):
+            self.started.set()
+            assert self._gate.wait(30), "the test never released the write"
+            if fail:
+                raise OSError("planted: the KV write failed")
+            return write(*args, **kwargs)
+
+        monkeypatch.setattr(transfer, "write_pages", held)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+def first_line_after_the_write(pd, monkeypatch) -> None:
+    """The planted old protocol: the prefill side answers /pd/transfer only once the KV is written, so
+    the decode side (and the client) have no first token while the write is held."""
+    registry = pd.registry
+    wait_first = registry.wait_first
+
+    async def after_the_write(room, timeout_s):
+        first = await wait_first(room, timeout_s)
+        await asyncio.shield(registry.rooms[room].done)
+        return first
+
+    monkeypatch.setattr(registry, "wait_first", after_the_write)
+
+
+@pytest.mark.parametrize("planted", [None, first_line_after_the_write], ids=["as_built", "first_line_after_the_write"])
+def test_the_first_token_reaches_the_client_before_the_kv_is_written(servers, monkeypatch, planted):
+    """The prefill side's first token travels in the first line of its /pd/transfer answer, before the
+    KV write: with the write held, the client already has its first token (and no second: the KV is not
+    there yet); once released, the answer is the colocated server's, bit for bit, and every page and
+    slot comes back. Negative control: the old order (the answer only after the write) shows nothing."""
+    pair, colocated = servers
+    if planted is not None:
+        planted(pair.prefill_state.pd, monkeypatch)
+    write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch)
+    payload = body(PROMPTS[1], stream=True)
+    reader = StreamReader(pair.router, payload)
+    try:
+        assert write.started.wait(30), "the prefill side never started the KV write"
+        time.sleep(HOLD_S)
+        seen = reader.tokens
+    finally:
+        write.release()
+    reader.join()
+    assert seen == (1 if planted is None else 0)
+    assert reader.errors == [] and reader.tokens == len(answer(colocated, payload)["logprobs"]) > 1
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def test_a_kv_write_that_fails_after_the_first_token_ends_the_stream_with_its_error(servers, monkeypatch):
+    """The first token is out when the prefill side's KV write fails: the stream ends with an
+    OpenAI-shaped error after that one token (no token from a KV that never arrived), and every page
+    and receive slot comes back on both sides."""
+    pair, _ = servers
+    write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch, fail=True)
+    reader = StreamReader(pair.router, body(PROMPTS[1], stream=True))
+    try:
+        assert write.started.wait(30), "the prefill side never started the KV write"
+        time.sleep(0.3)
+    finally:
+        write.release()
+    reader.join()
+    assert reader.tokens == 1 and reader.errors == ["pd_transfer_failed"] and reader.tokens_after_error == 0
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
+    assert pair.prefill_state.pd.pending == {} and pair.prefill_state.pd.registry.open_rooms == 0
 
 
 def test_a_client_gone_while_the_kv_is_checked_is_aborted_once_admitted(servers, monkeypatch):

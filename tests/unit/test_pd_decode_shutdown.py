@@ -85,13 +85,12 @@ def test_shutdown_with_the_kv_landing_queued_frees_the_pages_and_the_slot(decode
         pages = await decode.bridge.call(lambda engine: engine.pool.allocate("r1", 2))
         gate = hold_engine_thread(decode.bridge)
         req = prefilled_request("r1", PROMPT, SamplingParams(max_tokens=8), pages, prefill_reply(65))
-        result = {**prefill_reply(65), "digest": "-", "kv_bytes": 0}
+        answer = Answered({**prefill_reply(65), "digest": "-", "kv_bytes": 0})
         decode.bridge.announce_prefilled("r1")
-        landing = decode.bridge.call(side._lander(pages, staging, NO_TRACE))
-        side._spawn(side._verify_then_admit(decode.state, "room-1", req, result, staging, landing,
+        side._spawn(side._verify_then_admit(decode.state, "room-1", req, answer, 0.0, staging,  # type: ignore[arg-type]
                                             asyncio.Queue(), NO_TRACE))
         await asyncio.sleep(0.05)
-        assert not landing.done()
+        assert answer.closed and decode.arena.slots_in_use == 1  # the KV's word is in, its landing queued
         decode.bridge.stop()
         await side.aclose()
         slots_at_close = decode.arena.slots_in_use
@@ -99,6 +98,20 @@ def test_shutdown_with_the_kv_landing_queued_frees_the_pages_and_the_slot(decode
         return slots_at_close, pool.free_pages
 
     assert asyncio.run(run()) == (0, initial)
+
+
+class Answered:
+    """A /pd/transfer answer whose result line is already in (TransferAnswer's two methods)."""
+
+    def __init__(self, result: dict) -> None:
+        self.result, self.closed = result, False
+
+    async def line(self, want: str) -> dict:
+        assert want == "done"
+        return self.result
+
+    async def aclose(self) -> None:
+        self.closed = True
 
 
 def test_a_request_given_up_while_its_pages_are_reserved_frees_them(decode):
