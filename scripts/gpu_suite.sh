@@ -197,9 +197,11 @@ pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked 
 if want pd_gpu || want pd_gpu_ttft || want pd_phases || want pd_phases_profile || want gate_pd; then
     rm -rf /tmp/pdroot /tmp/pdlib && mkdir -p /tmp/pdroot /tmp/pdlib
     for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-pd/*.whl
-    [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] || export PYTHONPATH=/tmp/site:$PYTHONPATH
-    pd_libs /tmp/site/mooncake/engine.so /tmp/pdroot /tmp/pdlib > "$OUT/pd_libs.txt" 2>&1; ls /tmp/pdlib >> "$OUT/pd_libs.txt"
+    # A folder of their own: `--upgrade --target` replaces a top-level folder it also installs, and the
+    # Mooncake wheel's scripts would replace /tmp/site/bin (py-spy from .whl with it).
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-pd .whl-pd/*.whl
+    [[ ":$PYTHONPATH:" == *":/tmp/site-pd:"* ]] || export PYTHONPATH=/tmp/site-pd:$PYTHONPATH
+    pd_libs /tmp/site-pd/mooncake/engine.so /tmp/pdroot /tmp/pdlib > "$OUT/pd_libs.txt" 2>&1; ls /tmp/pdlib >> "$OUT/pd_libs.txt"
     export LD_LIBRARY_PATH=/tmp/pdlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     $PY -c "from runtime.disagg.transfer import unavailable_reason as r; print(r() or 'PD: transfer engine loads')" >> "$OUT/pd_libs.txt" 2>&1
 fi
