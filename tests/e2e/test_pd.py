@@ -1012,17 +1012,40 @@ def first_line_after_the_write(pd, monkeypatch) -> None:
     monkeypatch.setattr(registry, "wait_first", after_the_write)
 
 
-@pytest.mark.parametrize("planted", [None, first_line_after_the_write], ids=["as_built", "first_line_after_the_write"])
-def test_the_first_token_reaches_the_client_before_the_kv_is_written(servers, monkeypatch, planted):
-    """The prefill side's first token travels in the first line of its /pd/transfer answer, before the
-    KV write: with the write held, the client already has its first token (and no second: the KV is not
-    there yet); once released, the answer is the colocated server's, bit for bit, and every page and
-    slot comes back. Negative control: the old order (the answer only after the write) shows nothing."""
-    pair, colocated = servers
-    if planted is not None:
-        planted(pair.prefill_state.pd, monkeypatch)
+def admit_before_the_kv_landed(pd, monkeypatch) -> None:
+    """A planted bug: the decode side admits the request as soon as it has the first line, before the
+    KV's (the second line), so the engine decodes from pages the KV has not reached yet."""
+    async def admit_early(state, room, req, answer, started, staging, sink, trace):
+        state.bridge.withdraw(req.rid)
+        state.bridge.submit_prefilled(req, sink, trace)
+        try:
+            await answer.line("done")
+        finally:
+            await answer.aclose()
+        pd._release(state, req.rid, req.pages, staging, admitted=True)
+
+    monkeypatch.setattr(pd, "_verify_then_admit", admit_early)
+
+
+def first_token_twice(pd, monkeypatch) -> None:
+    """A planted bug: the first token goes into the decode side's stream twice (as if both the early
+    line and the KV's result carried it to the client)."""
+    first_token_sink = pd._first_token_sink
+
+    def twice(req, trace):
+        sink = first_token_sink(req, trace)
+        accepted, token = sink.get_nowait(), sink.get_nowait()
+        for item in (accepted, token, token):
+            sink.put_nowait(item)
+        return sink
+
+    monkeypatch.setattr(pd, "_first_token_sink", twice)
+
+
+def tokens_while_the_write_is_held(pair, monkeypatch, payload: dict) -> tuple[int, StreamReader]:
+    """The tokens a streamed client has received HOLD_S into a held KV write on the prefill side; the
+    stream read to its end after the write is released."""
     write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch)
-    payload = body(PROMPTS[1], stream=True)
     reader = StreamReader(pair.router, payload)
     try:
         assert write.started.wait(30), "the prefill side never started the KV write"
@@ -1031,8 +1054,50 @@ def test_the_first_token_reaches_the_client_before_the_kv_is_written(servers, mo
     finally:
         write.release()
     reader.join()
-    assert seen == (1 if planted is None else 0)
-    assert reader.errors == [] and reader.tokens == len(answer(colocated, payload)["logprobs"]) > 1
+    return seen, reader
+
+
+def first_token_violations(seen: int, reader: StreamReader, expected_tokens: int) -> list[str]:
+    """What the first-token-before-the-write oracle finds wrong: exactly one token while the write is
+    held (the first, and nothing decoded from a KV not yet there), then the colocated answer's count."""
+    found = []
+    if seen == 0:
+        found.append("no first token while the KV write was held")
+    if seen > 1:
+        found.append(f"{seen} tokens while the KV write was held")
+    if reader.errors or reader.tokens != expected_tokens:
+        found.append(f"{reader.tokens} tokens (errors {reader.errors}), the colocated server sends {expected_tokens}")
+    return found
+
+
+PLANTED_FIRST_TOKEN = {  # planted bug -> what the oracle must say about it
+    first_line_after_the_write: "no first token while the KV write was held",
+    admit_before_the_kv_landed: "tokens while the KV write was held",
+    first_token_twice: "tokens while the KV write was held",
+}
+
+
+@pytest.mark.parametrize("planted", [None, *PLANTED_FIRST_TOKEN], ids=lambda f: "as_built" if f is None else f.__name__)
+def test_the_first_token_reaches_the_client_before_the_kv_is_written(servers, monkeypatch, planted):
+    """The prefill side's first token travels in the first line of its /pd/transfer answer, before the
+    KV write: with the write held, the client already has its first token (and no second: the KV is not
+    there yet); once released, the answer has the colocated server's tokens, and every page and slot
+    comes back. Negative controls: the old order (the answer only after the write) shows nothing; a
+    decode side admitting before the KV landed, or streaming the first token twice, shows more."""
+    pair, colocated = servers
+    payload = body(PROMPTS[1], stream=True)
+    expected = len(answer(colocated, payload)["logprobs"])
+    assert expected > 1
+    if planted is not None:
+        planted(pair.prefill_state.pd if planted is first_line_after_the_write else pair.decode_state.pd,
+                monkeypatch)
+    seen, reader = tokens_while_the_write_is_held(pair, monkeypatch, payload)
+    found = first_token_violations(seen, reader, expected)
+    if planted is None:
+        assert found == []
+        assert answer(pair.router, payload) == answer(colocated, payload)
+    else:
+        assert any(PLANTED_FIRST_TOKEN[planted] in f for f in found), found
     assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
     assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
 
