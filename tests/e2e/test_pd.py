@@ -904,19 +904,23 @@ class HeldDigest:
 HOLD_S = 1.0  # how long the digest is held: the engine makes many more tokens than 1 in that time
 
 
-def tokens_while_the_digest_is_held(pair, monkeypatch, payload: dict) -> tuple[int, StreamReader]:
-    """The tokens a streamed client has received HOLD_S into a held receiver's digest; the stream read
-    to its end after the digest is released."""
-    digest = HeldDigest(monkeypatch)
+def tokens_while_held(pair, held, payload: dict) -> tuple[int, StreamReader]:
+    """The tokens a streamed client has received HOLD_S into the `held` step (HeldDigest, HeldWrite:
+    `started` once a request reached it, `release()`); the stream read to its end after the release."""
     reader = StreamReader(pair.router, payload)
     try:
-        assert digest.started.wait(30), "the decode side never computed the KV digest"
+        assert held.started.wait(30), f"no request reached the held step ({type(held).__name__})"
         time.sleep(HOLD_S)
         seen = reader.tokens
     finally:
-        digest.release()
+        held.release()
     reader.join()
     return seen, reader
+
+
+def tokens_while_the_digest_is_held(pair, monkeypatch, payload: dict) -> tuple[int, StreamReader]:
+    """The tokens a streamed client has received HOLD_S into a held receiver's digest."""
+    return tokens_while_held(pair, HeldDigest(monkeypatch), payload)
 
 
 def digest_first(pd, monkeypatch) -> None:
@@ -1043,18 +1047,8 @@ def first_token_twice(pd, monkeypatch) -> None:
 
 
 def tokens_while_the_write_is_held(pair, monkeypatch, payload: dict) -> tuple[int, StreamReader]:
-    """The tokens a streamed client has received HOLD_S into a held KV write on the prefill side; the
-    stream read to its end after the write is released."""
-    write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch)
-    reader = StreamReader(pair.router, payload)
-    try:
-        assert write.started.wait(30), "the prefill side never started the KV write"
-        time.sleep(HOLD_S)
-        seen = reader.tokens
-    finally:
-        write.release()
-    reader.join()
-    return seen, reader
+    """The tokens a streamed client has received HOLD_S into a held KV write on the prefill side."""
+    return tokens_while_held(pair, HeldWrite(pair.prefill_state.pd.transfer, monkeypatch), payload)
 
 
 def first_token_violations(seen: int, reader: StreamReader, expected_tokens: int) -> list[str]:
