@@ -106,10 +106,13 @@ def interrupt_at(cmd: list[str], moment_s: float) -> tuple[int, str]:
 @pytest.mark.parametrize("moment_s", [0.3, 0.6, 0.7, 0.8, 1.0, 2.0])
 def test_serve_interrupted_during_start_up_ends_as_interrupted(moment_s):
     """A SIGINT at any moment of `runtime.serve`'s start-up ends it as interrupted, soon; before the
-    latch, one sent 0.8-1.0 s in left the server serving 30 s later."""
+    latch, one sent 0.8-1.0 s in left the server serving 30 s later (`interrupt_at` then times out).
+    On a fast host the later moments can fall after the start-up: a serving server stops gracefully
+    (status 0), which is right only if its start-up completed."""
     cmd = [sys.executable, "-m", "runtime.serve", "--model", "tiny-random", "--port", str(free_port())]
     rc, stderr = interrupt_at(cmd, moment_s)
-    assert rc in (INTERRUPTED_RC, -signal.SIGINT), (rc, stderr[-2000:])
+    served = "Application startup complete" in stderr
+    assert rc in (INTERRUPTED_RC, -signal.SIGINT) or (served and rc == 0), (rc, stderr[-2000:])
 
 
 def test_held_while_importing_holds_only_for_a_program():
