@@ -184,16 +184,18 @@ def prefill_graph(bench, chunk, roofline_ms: float, iters: int) -> dict:
 
 def prefill_launches(bench, chunk, roofline_ms: float, plain_logits: torch.Tensor, iters: int) -> dict:
     """The prefill pass with other sparse MLA launches of the deployment's numerics: `prefill_one_pass`
-    = the one-pass kernel with MMA row sums (attention.PREFILL_LAUNCH rowsum_mma) where a rowsum_mma
-    deployment runs the two-pass form (mla_prefill.sparse_mla): its logits must equal the plain pass's."""
+    = the one-pass kernel in default_launch's shape (no row-count launch table: not PREFILL_LAUNCH's,
+    not LARGE_BATCH_LAUNCH's, whose band would otherwise take the pass): its logits must equal the
+    plain pass's."""
     runs = {}
-    saved_rows = attention.PREFILL_LAUNCH_ROWS
+    saved = attention.PREFILL_LAUNCH_ROWS, attention.LARGE_BATCH_LAUNCH
     try:
         attention.PREFILL_LAUNCH_ROWS = chunk.batch_size  # no pass is a prefill pass: sparse_mla keeps one pass
+        attention.LARGE_BATCH_LAUNCH = None
         ms = time_ms(bench.runner.eager, chunk, iters=iters)
         runs["prefill_one_pass"] = ms, bench.runner.eager(chunk).clone()
     finally:
-        attention.PREFILL_LAUNCH_ROWS = saved_rows
+        attention.PREFILL_LAUNCH_ROWS, attention.LARGE_BATCH_LAUNCH = saved
     out = {name: {"ms": ms, "pct_roofline": 100 * roofline_ms / ms, "same_logits_as_plain": bool(
         torch.equal(logits, plain_logits))} for name, (ms, logits) in runs.items()}
     print(json.dumps({"prefill_launches": out}), flush=True)

@@ -89,14 +89,14 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
                sglang_us=prepared["sglang_us"])
     try:
         q, s = inputs[8][0] if 8 in inputs else inputs[batches[0]][0]
+        # The grouped kernel (column_groups=4) has no fold through memory.
+        modes = {name: mode for name, mode in MODES.items() if not (name == "memory" and launch["column_groups"] == 4)}
         outs = [attention.sparse_mla_decode(q, cache, s, MLA_LATENT, scale, **launch, **mode)
-                for name, mode in MODES.items() if not (name == "memory" and launch["column_groups"] == 4)]
+                for mode in modes.values()]
         row["modes_equal"] = all(torch.equal(outs[0], o) for o in outs[1:])
         for b in batches:
-            for name, mode in MODES.items():
+            for name, mode in modes.items():
                 if name != "gathered" and launch["num_splits"] == 1:  # one chunk: every mode is this one
-                    continue
-                if name == "memory" and launch["column_groups"] == 4:  # the grouped kernel has no such mode
                     continue
                 row["us"][f"{b}/{name}"] = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(
                     q, cache, s, MLA_LATENT, scale, **launch, **mode) for q, s in inputs[b]], reps=10)

@@ -324,7 +324,8 @@ class PrefillSide:
         held.trace.mark("kv_digest_awaited")
         self.metrics.transfer_bytes.inc(stats.bytes)
         self.metrics.transfer_seconds.observe(stats.seconds)
-        return {**held.outcome, "digest": digest, "kv_bytes": stats.bytes, "chunks": stats.chunks,
+        # The outcome went out in the answer's first line (`prefilled`): the result is the KV's alone.
+        return {"digest": digest, "kv_bytes": stats.bytes, "chunks": stats.chunks,
                 "transfer_seconds": stats.seconds, "prefill_seconds": time.perf_counter() - started}
 
     def _digest(self, src: list[int], held: Held) -> str:
