@@ -194,7 +194,7 @@ pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked 
     done
     return 1
 }
-if want pd_gpu || want pd_gpu_ttft || want pd_phases || want pd_phases_profile || want gate_pd; then
+if want pd_gpu || want pd_gpu_ttft || want pd_phases || want pd_phases_profile || want gate_pd || want gate_pd_profile; then
     rm -rf /tmp/pdroot /tmp/pdlib && mkdir -p /tmp/pdroot /tmp/pdlib
     for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
     # A folder of their own: `--upgrade --target` replaces a top-level folder it also installs, and the
@@ -226,6 +226,10 @@ want pd_phases_profile && section pd_phases_profile "${PD_TTFT_TIMEOUT:-300}" /t
 # router in front) with the H200 golden store, beside the colocated `gate` of the same call: TTFT of
 # the pair vs the colocated server on the same workload.
 want gate_pd && section gate_pd "${GATE_TIMEOUT:-300}" "${GATE[@]}" --pd --report-dir "$OUT/gate_pd"
+# The PD gate's 80 sessions alone under py-spy (every process, 100 Hz, active samples only): where
+# the pair's TTFT goes under load (p50 ~1 s on the H200 against the colocated server's 0.05 s).
+want gate_pd_profile && section gate_pd_profile "${GATE_TIMEOUT:-300}" /tmp/site/bin/py-spy record --subprocesses \
+    --threads --rate 100 --format raw -o "$OUT/gate_pd_profile.txt" -- "${GATE[@]}" --pd -k "test_canary_gate and not preemption"
 # The device tool brings back at most 8 files: pack the logs, the recorded golden files and the report.
 (cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt
  for dir in golden gate gate_baseline gate_ab gate_pd; do [ -d "$dir" ] && tar czf "$dir.tgz" "$dir" && rm -rf "$dir"; done) || true
