@@ -1,7 +1,7 @@
 """The PD router: one OpenAI-compatible front for prefill and decode servers.
 
     python -m runtime.router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]
-        [--host 127.0.0.1] [--port 30000] [--timeout S]
+        [--host 127.0.0.1] [--port 30000] [--timeout S] [--upstream-pools N]
 
 Each chat request gets a fresh room id and goes, unchanged, to one prefill server and one decode server
 (round robin) with the room and the prefill server's URL in two headers (runtime/disagg/protocol.py).
@@ -40,6 +40,15 @@ PAIR_SUMS = {"dsv4_kv_pages_in_use": "dsv4_pd_upstream_kv_pages_in_use",
              "dsv4_prefix_cache_lookup_tokens_total": "dsv4_pd_upstream_prefix_cache_lookup_tokens_total"}
 
 
+# httpcore 1.0's pool walks every connection it holds on each request it queues and each it releases,
+# and for each idle one counts the idle ones again: O(N^2) a pass. Under the 80-session PD gate on the
+# H200 the router held ~160 upstream connections in one pool and spent 82% of its event loop in that
+# walk (py-spy, 2026-12-04): the router was the pair's bottleneck (750 tok/s, TTFT p50 1.06 s, against
+# the colocated server's 2,372 tok/s and 0.05 s). A request's two calls go through one of this many
+# pools, picked in turn, so each pool holds about 1/UPSTREAM_POOLS of the connections.
+UPSTREAM_POOLS = 16
+
+
 def _kind(name: str) -> str:
     return "counter" if name.endswith("_total") else "gauge"
 
@@ -58,11 +67,15 @@ async def _settle(task: asyncio.Task) -> None:
         pass
 
 
-def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 60.0) -> FastAPI:
+def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 60.0,
+                      pools: int = UPSTREAM_POOLS) -> FastAPI:
     if not prefill or not decode:
         raise ValueError("the router needs at least one --prefill and one --decode server")
+    if pools < 1:
+        raise ValueError(f"the router needs at least one upstream connection pool, got {pools}")
     pick_prefill, pick_decode = itertools.cycle(prefill), itertools.cycle(decode)
-    clients: dict[str, httpx.AsyncClient] = {}
+    pick_pool = itertools.cycle(range(pools))
+    clients: list[httpx.AsyncClient] = []  # clients[0] also carries the GETs (health, metrics, traces)
     traces = TraceLog()
 
     @asynccontextmanager
@@ -73,16 +86,17 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         # their decode calls waited for one - a wedge until the PD deadline. Connections beyond the
         # default 20 kept alive were closed after each use, and the next request paid a new one.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        clients["http"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=limits)
+        clients[:] = [httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=limits)
+                      for _ in range(pools)]
         yield
-        await clients["http"].aclose()
+        await asyncio.gather(*(client.aclose() for client in clients))
 
     app = FastAPI(title="dsv4 PD router", lifespan=lifespan)
 
     async def proxy_get(request: Request, path: str) -> Response:
         url = next(pick_decode)
         try:
-            reply = await clients["http"].get(f"{url}{path}", headers=_forwarded(request))
+            reply = await clients[0].get(f"{url}{path}", headers=_forwarded(request))
         except httpx.HTTPError as exc:
             return _unreachable("decode", url, exc)
         return Response(reply.content, status_code=reply.status_code,
@@ -107,7 +121,7 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for url in urls:
                 try:
-                    text = (await clients["http"].get(f"{url}/metrics", headers=_forwarded(request))).text
+                    text = (await clients[0].get(f"{url}/metrics", headers=_forwarded(request))).text
                 except httpx.HTTPError:
                     continue
                 samples = parse_samples(text)
@@ -134,7 +148,7 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for url in urls:
                 try:
-                    reply = await clients["http"].get(f"{url}/debug/trace/{key}", headers=_forwarded(request))
+                    reply = await clients[0].get(f"{url}/debug/trace/{key}", headers=_forwarded(request))
                 except httpx.HTTPError:
                     continue
                 if reply.status_code == 200:
@@ -155,7 +169,7 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             stream = False  # the servers answer the malformed body with their own 400
         prefill_url, decode_url = next(pick_prefill), next(pick_decode)
         headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
-        client = clients["http"]
+        client = clients[next(pick_pool)]
         # The prompt's call (the critical path) leaves whole before the decode call starts (which only
         # opens the room, and has the prompt's compute time to do it). httpx writes a request's headers
         # and its body in two writes with a yield between them: when both calls started at once, the
@@ -230,13 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for an upstream answer")
+    parser.add_argument("--upstream-pools", type=int, default=UPSTREAM_POOLS, metavar="N",
+                        help="upstream connection pools a request's calls are spread over (httpx's pool costs "
+                             "O(connections^2) per request: a few small pools keep a busy router's loop free)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     import uvicorn
 
+    if args.upstream_pools < 1:
+        parser.error(f"--upstream-pools must be at least 1, got {args.upstream_pools}")
     strip = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
-    uvicorn.run(create_router_app(*strip, timeout_s=args.timeout), host=args.host, port=args.port,
-                log_level=args.log_level.lower(), timeout_keep_alive=75)
+    app = create_router_app(*strip, timeout_s=args.timeout, pools=args.upstream_pools)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=75)
     return 0
 
 
