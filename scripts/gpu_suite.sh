@@ -194,7 +194,7 @@ pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked 
     done
     return 1
 }
-if want pd_gpu || want pd_gpu_ttft || want pd_phases || want pd_phases_profile || want gate_pd || want gate_pd_profile; then
+if want pd_gpu || want pd_gpu_tests || want pd_gpu_ttft || want pd_phases || want pd_phases_profile || want gate_pd || want gate_pd_profile; then
     rm -rf /tmp/pdroot /tmp/pdlib && mkdir -p /tmp/pdroot /tmp/pdlib
     for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
     # A folder of their own: `--upgrade --target` replaces a top-level folder it also installs, and the
@@ -207,7 +207,8 @@ if want pd_gpu || want pd_gpu_ttft || want pd_phases || want pd_phases_profile |
 fi
 want pd_gpu && section pd_transfer_gpu_dsv4 "${PD_BENCH_TIMEOUT:-60}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape dsv4 --repeats 5 --out "$OUT/pd_transfer_gpu.json"
 want pd_gpu && section pd_transfer_gpu_canary "${PD_BENCH_TIMEOUT:-60}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape canary --repeats 5 --out "$OUT/pd_transfer_gpu_canary.json"
-want pd_gpu && section pd_gpu_tests "${PD_TEST_TIMEOUT:-360}" $PY -m pytest -q -p no:cacheprovider --run-gpu -rA ${PD_TEST_FILES:-tests/gpu/test_pd_gpu.py tests/unit/test_pd_staging.py tests/unit/test_pd_transfer.py}
+# `pd_gpu_tests` alone: the GPU PD tests without the transfer benches.
+(want pd_gpu || want pd_gpu_tests) && section pd_gpu_tests "${PD_TEST_TIMEOUT:-360}" $PY -m pytest -q -p no:cacheprovider --run-gpu -rA ${PD_TEST_FILES:-tests/gpu/test_pd_gpu.py tests/unit/test_pd_staging.py tests/unit/test_pd_transfer.py}
 # TTFT of the PD pair (two server processes on the one GPU, plus the router) against a colocated server
 # process. pd_gpu and pd_gpu_ttft each fill most of one 10-minute device call: run them in two calls.
 want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.pd_ttft --repeats 10 --words 8,400 --server-arg=--dtype=float32 --out "$OUT/pd_ttft_gpu.json"
