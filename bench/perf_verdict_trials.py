@@ -30,7 +30,7 @@ from pathlib import Path
 
 from canary.perf import machine_speed, ratio_stats
 from canary.perf.trial_load import WORKLOAD_KEYS, TrialWorkload
-from canary.perf.trials import ab_trials, record_trials, stored_trials
+from canary.perf.trials import MAX_TRIALS_FACTOR, ab_trials, record_trials, recorded_trials, stored_trials
 from canary.provenance import device_name, git_commit
 from canary.targets import Target, embedded_server
 from runtime.config import DEFAULT_MODEL
@@ -147,14 +147,15 @@ def main(argv: list[str] | None = None) -> int:
 
             if mode == "ab":
                 outcome = ab_trials(servers[kind], servers["baseline"], workload, args.tolerance,
-                                    min_pairs=args.trials, max_pairs=2 * args.trials, on_trial=progress)
+                                    min_pairs=args.trials, max_pairs=MAX_TRIALS_FACTOR * args.trials,
+                                    on_trial=progress)
             else:
                 if not stored_path.is_file():
                     stored_path.write_text(json.dumps(record_trials(
-                        servers["baseline"], workload, max(8, args.trials), probe=probe,
+                        servers["baseline"], workload, recorded_trials(args.trials), probe=probe,
                         on_trial=lambda t: progress(t, "recording the stored baseline"))))
                 outcome = stored_trials(servers[kind], json.loads(stored_path.read_text()), workload, args.tolerance,
-                                        min_trials=args.trials, max_trials=2 * args.trials, probe=probe,
+                                        min_trials=args.trials, max_trials=MAX_TRIALS_FACTOR * args.trials, probe=probe,
                                         on_trial=progress)
             row = {"mode": mode, "kind": kind, "run": run, "status": outcome.status, "wall_s": time.monotonic() - t0,
                    "verdicts": ratio_stats.verdict_dicts(outcome.verdicts), "trials": outcome.trials,

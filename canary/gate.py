@@ -189,7 +189,8 @@ def gate_perf(target: Target, info: dict, baseline: Path | None, tolerance: floa
     path = baseline or BASELINE_DIR / f"{fingerprint(fp)}.json"
     probe = machine_speed.probe if probes_this_machine(target) else None
     if record:
-        recorded = perf_trials.record_trials(target, workload, max(min_trials, 8), perf_trials.measure_trial, probe)
+        recorded = perf_trials.record_trials(target, workload, perf_trials.recorded_trials(min_trials),
+                                             perf_trials.measure_trial, probe)
         perf.save_trials_baseline(path, fp, recorded)
         outcome.notes.append(f"performance baseline recorded: {path} ({len(recorded['trials'])} trials)")
         return
@@ -200,7 +201,8 @@ def gate_perf(target: Target, info: dict, baseline: Path | None, tolerance: floa
                              "record one with --baseline-update")
         return
     result = perf_trials.stored_trials(target, stored, workload, tolerance, min_trials=min_trials,
-                                       max_trials=2 * min_trials, measure=perf_trials.measure_trial, probe=probe)
+                                       max_trials=perf_trials.MAX_TRIALS_FACTOR * min_trials,
+                                       measure=perf_trials.measure_trial, probe=probe)
     outcome.summary["perf_gate"] = {"baseline": str(path), **result.summary()}
     outcome.failures += result.failures()
 
@@ -355,7 +357,8 @@ def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, t
            calibrate: bool = False, near_tie: float = 0.05) -> GateOutcome:
     """The candidate's sessions once through every oracle, then the perf verdict on interleaved
     trials of both servers (canary/perf/trials.py `ab_trials`): slower and inconclusive both fail.
-    `pairs` before the first look, up to `max_pairs` (default twice that) while it is inconclusive.
+    `pairs` before the first look, up to `max_pairs` (default `MAX_TRIALS_FACTOR` times that) while it
+    is inconclusive.
     `calibrate`: the sessions run alone first, as in `run_gate` (a model this project did not train
     fails its task oracles alone too: model quality, not a reason to fail an A/B)."""
     outcome = GateOutcome()
@@ -374,7 +377,7 @@ def run_ab(candidate: Target, baseline_target: Target, options: DriverOptions, t
         outcome.summary.update({"target": candidate.name, "gate_failures": outcome.failures})
         return outcome
     verdict = perf_trials.ab_trials(candidate, baseline_target, workload, tolerance, min_pairs=pairs,
-                                    max_pairs=max_pairs or 2 * pairs)
+                                    max_pairs=max_pairs or perf_trials.MAX_TRIALS_FACTOR * pairs)
     outcome.failures += verdict.failures()
     outcome.summary.update({"ab": {"baseline": baseline_target.name, "candidate": candidate.name,
                                    "workload": workload.describe(), **verdict.summary()},

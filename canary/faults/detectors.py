@@ -30,7 +30,8 @@ AB_WORKLOAD: dict[str, Any] = dict(sessions=8, turns=1, stream_ratio=1.0, max_to
 AB_PAIRS = 4  # perf trial pairs, interleaved (canary/perf/trials.py): a load spike on the shared CPU hits both
 # More pairs only while the verdict is inconclusive. A CI runner's clean control read [-15.5%, +27.0%]
 # after 6 pairs (one pair's log-ratio sd ~0.2 there): inconclusive at 50%, i.e. an alarm. At 12 pairs
-# that spread gives an interval ~0.25 wide, under the 0.41 (log 1.5) that decides either way.
+# that spread puts the verdict's one-sided bound ~0.23 from the mean, under the 0.41 (log 1.5) that an
+# "ok" needs.
 AB_MAX_PAIRS = 12
 # Decode rates only: slow-step slows every step, and TTFT was the noisiest figure on a busy CPU
 # (a clean A/B read [-23%, +44%] on it). Plain values, like the workloads above.

@@ -30,6 +30,15 @@ Measure = Callable[[Target, TrialWorkload, int], TrialFigures]
 MeasurePair = Callable[[Target, Target, TrialWorkload, int], tuple[TrialFigures, TrialFigures]]
 Probe = Callable[[], float]
 CHECK_EVERY = 3  # after the minimum, trials are added in steps of this many until the verdict decides
+# The most trials a verdict takes, as a multiple of its minimum (6 -> 36): at the noise measured on
+# the CPU and the H200 a verdict needs 10-21 pairs on average (canary/perf/ratio_stats.py's table).
+MAX_TRIALS_FACTOR = 6
+
+
+def recorded_trials(min_trials: int) -> int:
+    """How many trials a stored baseline records: its noise stays in every later verdict's interval
+    (Welch's), however many trials the candidate adds, so it gets three times a verdict's minimum."""
+    return max(3 * min_trials, 8)
 
 
 def log_cost(metric: str, value: float) -> float:
@@ -74,7 +83,7 @@ def sequential_pair(measure: Measure) -> MeasurePair:
 
 
 def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tolerance: float,
-              min_pairs: int = 6, max_pairs: int = 12, run_pair: MeasurePair = measure_pair,
+              min_pairs: int = 6, max_pairs: int = 6 * MAX_TRIALS_FACTOR, run_pair: MeasurePair = measure_pair,
               on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
     """Interleaved A/B pairs; more pairs (up to `max_pairs`) only while the verdict is inconclusive.
     `run_pair` measures one pair: by default its bursts alternate between the servers
@@ -100,7 +109,8 @@ def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tole
                 ratios[metric].append(log_cost(metric, figures["candidate"].figures[metric])
                                       - log_cost(metric, figures["baseline"].figures[metric]))
             pair += 1
-        verdicts = [ratio_stats.decide(m, ratio_stats.mean_interval(r), tolerance) for m, r in ratios.items()]
+        verdicts = [ratio_stats.decide(m, ratio_stats.mean_interval(r, ratio_stats.VERDICT_CONFIDENCE), tolerance)
+                    for m, r in ratios.items()]
         if _decided(verdicts):
             break
     return TrialsOutcome("ab", ratio_stats.overall(verdicts), verdicts, trials, tolerance)
@@ -137,7 +147,7 @@ def record_trials(target: Target, workload: TrialWorkload, trials: int = 8, meas
 
 
 def stored_trials(target: Target, stored: dict, workload: TrialWorkload, tolerance: float,
-                  min_trials: int = 6, max_trials: int = 12, measure: Measure = measure_trial,
+                  min_trials: int = 6, max_trials: int = 6 * MAX_TRIALS_FACTOR, measure: Measure = measure_trial,
                   probe: Probe | None = None, speed_bounds: tuple[float, float] = ratio_stats.COMPARABLE_SPEED,
                   on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
     """The candidate's trials against a `record_trials` baseline. With a probe, both sides were
@@ -159,8 +169,8 @@ def stored_trials(target: Target, stored: dict, workload: TrialWorkload, toleran
                    ratio_stats.speed_not_comparable([t["machine_speed"] / recorded_speed for t in runs], speed_bounds))
         by_speed = probe is not None and not why
         verdicts = [ratio_stats.decide(m, ratio_stats.difference_interval(
-            normalized_costs(runs, m, by_speed), normalized_costs(stored["trials"], m, by_speed)), tolerance, why)
-            for m in workload.metrics()]
+            normalized_costs(runs, m, by_speed), normalized_costs(stored["trials"], m, by_speed),
+            ratio_stats.VERDICT_CONFIDENCE), tolerance, why) for m in workload.metrics()]
         if why or _decided(verdicts):
             break
     return TrialsOutcome("stored", ratio_stats.overall(verdicts), verdicts, runs, tolerance)

@@ -28,6 +28,11 @@ def test_t_quantile_matches_the_table(df, expected):
     assert ratio_stats.t_quantile(0.975, df) == pytest.approx(expected, abs=2e-3)
 
 
+def verdict_interval(log_ratios: list[float]) -> ratio_stats.Interval:
+    """The interval a verdict reads (each bound one-sided at ratio_stats.ONE_SIDED_ALPHA)."""
+    return mean_interval(log_ratios, ratio_stats.VERDICT_CONFIDENCE)
+
+
 def log_ratios(rng: random.Random, ratio: float, sd: float, n: int) -> list[float]:
     return [rng.gauss(math.log(ratio), sd) for _ in range(n)]
 
@@ -55,10 +60,10 @@ def test_welch_interval_covers_a_known_difference_and_counts_both_sides_noise():
 
 def test_verdicts_on_known_ratios():
     rng = random.Random(2)
-    assert decide("m", mean_interval(log_ratios(rng, 1.0, 0.02, 6)), TOL).status == OK
-    slowed = decide("m", mean_interval(log_ratios(rng, 1.1, 0.02, 6)), TOL)
+    assert decide("m", verdict_interval(log_ratios(rng, 1.0, 0.02, 6)), TOL).status == OK
+    slowed = decide("m", verdict_interval(log_ratios(rng, 1.1, 0.02, 6)), TOL)
     assert slowed.status == SLOWER and slowed.low > 1.0
-    faster = decide("m", mean_interval(log_ratios(rng, 0.8, 0.02, 6)), TOL)
+    faster = decide("m", verdict_interval(log_ratios(rng, 0.8, 0.02, 6)), TOL)
     assert faster.status == OK
 
 
@@ -66,18 +71,18 @@ def test_wide_noise_across_the_midpoint_is_inconclusive_never_ok():
     rng = random.Random(3)
     spread = (-0.3, -0.1, 0.1, 0.3, -0.2, 0.2)  # sd 0.22: an interval of about +-23% around the ratio
     for ratio in (1.0, 1.1):
-        verdict = decide("m", mean_interval([math.log(ratio) + d for d in spread]), TOL)
-        assert verdict.status == INCONCLUSIVE and "wider than the tolerance" in verdict.reason
+        verdict = decide("m", verdict_interval([math.log(ratio) + d for d in spread]), TOL)
+        assert verdict.status == INCONCLUSIVE and "excludes neither" in verdict.reason
     # Wide, but far from the midpoint: a 2x slowdown is slower and a 2x speed-up ok, noise or not.
-    assert decide("m", mean_interval(log_ratios(rng, 2.0, 0.2, 6)), TOL).status == SLOWER
-    assert decide("m", mean_interval(log_ratios(rng, 0.5, 0.2, 6)), TOL).status == OK
-    too_few = decide("m", mean_interval([0.0, 0.001]), TOL)
+    assert decide("m", verdict_interval(log_ratios(rng, 2.0, 0.2, 6)), TOL).status == SLOWER
+    assert decide("m", verdict_interval(log_ratios(rng, 0.5, 0.2, 6)), TOL).status == OK
+    too_few = decide("m", verdict_interval([0.0, 0.001]), TOL)
     assert too_few.status == INCONCLUSIVE and "at least 3" in too_few.reason
     assert decide("m", None, TOL).status == INCONCLUSIVE
 
 
 def test_a_machine_not_comparable_is_inconclusive_whatever_the_interval():
-    iv = mean_interval([0.0, 0.001, -0.001, 0.0])
+    iv = verdict_interval([0.0, 0.001, -0.001, 0.0])
     assert decide("m", iv, TOL).status == OK
     why = ratio_stats.speed_not_comparable([1.0, 0.16, 1.02])
     assert why is not None and "0.16x" in why
@@ -87,7 +92,7 @@ def test_a_machine_not_comparable_is_inconclusive_whatever_the_interval():
 
 
 def test_overall_is_the_worst_metric():
-    ok, slower, unsure = (decide("m", mean_interval(v), TOL) for v in
+    ok, slower, unsure = (decide("m", verdict_interval(v), TOL) for v in
                           ([0.0, 0.001, -0.001], [0.1, 0.1, 0.101], [0.0, 0.5, -0.5]))
     assert ratio_stats.overall([ok, ok]) == OK
     assert ratio_stats.overall([ok, unsure]) == INCONCLUSIVE
@@ -136,18 +141,33 @@ def test_ab_trials_pass_a_clean_pair_and_add_pairs_only_while_inconclusive():
     assert all(line.startswith("[perf-inconclusive]") for line in noisy.failures())
 
 
-def test_error_rates_at_realistic_noise_meet_the_issue_targets():
-    """3% per-pair noise on each metric: over 300 synthetic A/B runs of 6 to 12 pairs, at most 1% of
-    clean runs alarm and at least 99% of runs 10% slower are called slower (the issue's bar: 0 of 20
-    and 19 of 20). Seeded, so the counts are fixed; they show the rule's error rates, not a server's."""
-    runs, sd = 300, 0.03 / math.sqrt(2)
+def ab_statuses(costs: dict[str, float], pair_sd: float, runs: int, max_pairs: int = 36) -> list[str]:
+    """The A/B verdicts of `runs` seeded synthetic runs whose pairs' log ratios have sd `pair_sd`."""
+    side_sd = pair_sd / math.sqrt(2)
+    return [ab_trials(B, A, WORKLOAD, TOL, 6, max_pairs,
+                      run_pair=sequential_pair(synthetic(costs, side_sd, seed))).status for seed in range(runs)]
 
-    def status(costs: dict[str, float], seed: int) -> str:
-        return ab_trials(B, A, WORKLOAD, TOL, 6, 12, run_pair=sequential_pair(synthetic(costs, sd, seed))).status
 
-    clean = [status({"a": 1, "b": 1}, seed) for seed in range(runs)]
-    slowed = [status({"a": 1, "b": 1.1}, seed) for seed in range(runs)]
-    assert runs - clean.count(OK) <= runs * 0.01 and slowed.count(SLOWER) >= runs * 0.99
+def test_error_rates_at_measured_noise_meet_the_issue_targets():
+    """A pair's log ratio with sd 0.09 (what the 2-core CPU's decode and the H200's decode@8 read per
+    pair; TTFT on the CPU 0.12): over 300 synthetic A/B runs of 6 to 36 pairs, two metrics each, 4
+    clean runs alarm (3 called slower at their first looks, 1 inconclusive) and all 300 runs 10% slower
+    are called slower. The issue's bar is 0 of 20 and 19 of 20: a 1.3% alarm rate passes 0 of 20
+    three times in four. Seeded, so the counts are fixed; they show the rule's error rates, not a
+    server's. The control: stopped at 12 pairs, as the verdict did before, 81% of the clean runs alarm."""
+    runs, sd = 300, 0.09
+    clean, slowed = ab_statuses({"a": 1, "b": 1}, sd, runs), ab_statuses({"a": 1, "b": 1.1}, sd, runs)
+    assert runs - clean.count(OK) <= runs * 0.02 and slowed.count(SLOWER) >= runs * 0.99
+    assert runs - ab_statuses({"a": 1, "b": 1}, sd, runs, max_pairs=12).count(OK) > runs * 0.5
+
+
+def test_noise_beyond_the_pairs_is_inconclusive_not_wrong():
+    """Noise the 36 pairs cannot resolve (sd 0.2 a pair) leaves verdicts inconclusive (a failing
+    gate that says why), while a wrong answer - a clean build slower, a 10% slowdown ok - stays rare."""
+    runs, sd = 200, 0.2
+    clean, slowed = ab_statuses({"a": 1, "b": 1}, sd, runs), ab_statuses({"a": 1, "b": 1.1}, sd, runs)
+    assert clean.count(SLOWER) <= runs * 0.02 and slowed.count(OK) <= runs * 0.02
+    assert clean.count(INCONCLUSIVE) > runs * 0.1
 
 
 def test_stored_trials_forgive_a_slower_machine_within_bounds_but_not_a_slower_build():
