@@ -8,7 +8,10 @@
   inside one burst moved a clean A/B pair's ratio by 30%; the median of 3 ignores one such burst.
 - TTFT at a fixed arrival rate: requests of distinct prompts sent on a fixed clock (not as a burst,
   whose p50 depends on where each request lands in the queue), one output token each; the figure
-  is the median TTFT.
+  is the median TTFT. Distinct across trials, verdicts and gate runs too (a nonce per trial): a
+  server with a prefix cache (the embedded runtime on CPU, SGLang's radix cache) answers a prompt it
+  has seen from its cache, so a long-lived baseline server that had seen a trial's prompts in an
+  earlier verdict read 10x the TTFT of a fresh candidate (2-core CPU, 2026-12-04).
 
 Servers this project did not write: completion tokens are the usage chunk's where the stream ends
 with one (`stream_options.include_usage`; the embedded runtime's figures and the stored baselines are
@@ -31,6 +34,7 @@ import asyncio
 import json
 import statistics
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -186,11 +190,13 @@ async def _decode_rate(client, target: Target, concurrency: int, max_tokens: int
     return concurrency / statistics.fmean(tpots)
 
 
-async def _ttft_at_rate(client, target: Target, rate: float, count: int, trial: int, logprobs: bool = True,
+async def _ttft_at_rate(client, target: Target, rate: float, count: int, trial: str, logprobs: bool = True,
                         counted: Counter | None = None) -> float:
+    """The median TTFT of `count` requests sent `rate` a second; `trial` names the trial's prompts
+    (the same on both sides of a pair, new to every server)."""
     async def one(i: int) -> float:
         await asyncio.sleep(i / rate)
-        messages, extra = _messages(target, 1 + i, salt=f"t{trial}r{i}")
+        messages, extra = _messages(target, 1 + i, salt=f"{trial}r{i}")
         timing = await _stream(client, target, messages, extra, 1, logprobs)
         assert timing.first_token is not None
         if counted is not None:
@@ -208,6 +214,7 @@ async def _trials(targets: list[Target], workload: TrialWorkload, trial: int, tr
     import httpx
 
     limits = httpx.Limits(max_connections=max((*workload.concurrency, workload.ttft_requests)) + 4)
+    prompts = f"t{trial}-{uuid.uuid4().hex[:12]}"  # the TTFT prompts' name: new to every server (docstring)
     counted: list[Counter] = [Counter() for _ in targets]
     figures: list[dict[str, float]] = [{} for _ in targets]
     async with httpx.AsyncClient(timeout=workload.timeout_s, limits=limits, transport=transport) as client:
@@ -223,7 +230,7 @@ async def _trials(targets: list[Target], workload: TrialWorkload, trial: int, tr
         if workload.ttft_rate > 0 and workload.ttft_requests:
             for i, target in enumerate(targets):
                 figures[i][f"ttft_s@{workload.ttft_rate:g}rps"] = await _ttft_at_rate(
-                    client, target, workload.ttft_rate, workload.ttft_requests, trial, workload.logprobs, counted[i])
+                    client, target, workload.ttft_rate, workload.ttft_requests, prompts, workload.logprobs, counted[i])
     return [TrialFigures(f, dict(sorted(n.items()))) for f, n in zip(figures, counted)]
 
 

@@ -142,6 +142,28 @@ def test_a_trial_without_usage_or_logprobs_measures_and_says_how_it_counted():
     assert figures.record() == {"figures": figures.figures, "tokens_counted": {"deltas": 9}}
 
 
+def ttft_prompts(server: FakeServer) -> list[str]:
+    """The system prompts of the TTFT requests (one output token each) the fake server saw."""
+    return [b["messages"][0]["content"] for b in server.bodies if b["max_tokens"] == 1]
+
+
+def test_ttft_prompts_are_new_to_the_server_in_every_trial():
+    """A server with a prefix cache answers a prompt it has seen from its cache: a long-lived baseline
+    server that had seen an earlier verdict's TTFT prompts read a tenth of a fresh candidate's TTFT. Two
+    trials with the same index (two verdicts, two gate runs) send no prompt twice, and a pair's two
+    sides get the same prompts (the prompts named by the trial index alone repeated: caught)."""
+    server = FakeServer(lambda body: reply(body["max_tokens"]))
+    workload = TrialWorkload(concurrency=(1,), max_tokens=4, ttft_rate=50.0, ttft_requests=3)
+    for _ in range(2):
+        asyncio.run(trial_load._trials([TARGET], workload, 0, transport=server.transport()))
+    seen = ttft_prompts(server)
+    assert len(seen) == 6 and len(set(seen)) == 6
+    pair = FakeServer(lambda body: reply(body["max_tokens"]))
+    asyncio.run(trial_load._trials([TARGET, TARGET], workload, 0, transport=pair.transport()))
+    sent = ttft_prompts(pair)
+    assert sorted(sent[:3]) == sorted(sent[3:]) and len(set(sent)) == 3
+
+
 def test_the_trials_records_say_how_tokens_were_counted():
     def measure(target, workload, trial):
         counted = {"usage": 3} if target.name == "a" else {"deltas": 3}
