@@ -12,7 +12,9 @@ soon as it has it (`prefilled`: the decode side sends it to its client before th
 for the room to be opened, writes the KV and completes it. Every wait has a deadline that becomes
 `BootstrapTimeout`, an error the client sees. A room that fails before it is opened (the prefill side
 timed out or gave up) stays failed for `forget_s`, so a late open is refused at once instead of
-waiting out its own deadline.
+waiting out its own deadline. A decode side that gives a room up before its KV arrived closes it
+(`close_room`): the room fails once no write into its pages is in progress, before the decode side
+frees them.
 
 All methods run on the prefill server's event loop (the engine thread completes rooms through
 `loop.call_soon_threadsafe`).
@@ -196,6 +198,21 @@ class BootstrapRegistry:
             if entry is None:  # not opened yet: refuse its open for a while, then forget it
                 asyncio.get_running_loop().call_later(self.forget_s, self._forget, room, opened)
 
+    async def close_room(self, room: str, error: BootstrapError, timeout_s: float) -> bool:
+        """Decode side's word: it gave `room` up and wants its pages (and receive slot) back. Fail the
+        room for good: True once no write into its pages is in progress or can start (the room's lock
+        taken, `closed` set under it), False when a write in progress still held the lock after
+        `timeout_s`. A room not opened yet (or whose request has not even arrived) refuses its late
+        open for `forget_s`. The wait for the lock runs off the event loop: a write in progress can take
+        a while, and the loop serves every other room meanwhile."""
+        self.expect(room)
+        entry = self.rooms.get(room)
+        if entry is not None and not _bar_writes(entry, 0) and \
+                not await asyncio.to_thread(_bar_writes, entry, timeout_s):
+            return False
+        self.fail(room, error)
+        return True
+
     def _forget(self, room: str, opened: asyncio.Future) -> None:
         if self._opened.get(room) is opened:
             del self._opened[room]
@@ -209,3 +226,16 @@ class BootstrapRegistry:
     @property
     def open_rooms(self) -> int:
         return len(self.rooms)
+
+
+def _bar_writes(entry: Room, timeout_s: float) -> bool:
+    """Set `entry.closed` under its lock, waiting up to `timeout_s` for a write in progress (0: not at
+    all); False when the lock stayed held."""
+    acquired = entry.lock.acquire(timeout=timeout_s) if timeout_s > 0 else entry.lock.acquire(blocking=False)
+    if not acquired:
+        return False
+    try:
+        entry.closed = True
+    finally:
+        entry.lock.release()
+    return True
