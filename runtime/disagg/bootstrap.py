@@ -48,10 +48,12 @@ class Room:
     dst_pages: list[int]
     done: asyncio.Future = field(repr=False)
     staging_offset: int | None = None  # staged transfer: the decode side's receive slot for this room
-    # Held by the engine thread while it writes into dst_pages; `closed` is set under it when the room
+    # Held by the writer thread while it writes into dst_pages; `closed` is set under it when the room
     # fails, so once the decode side hears of a failure (and frees the pages) no write can still land.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     closed: bool = False
+    # A failure that met a write in progress: it waits that write out off the event loop (`fail`).
+    barring: asyncio.Task | None = field(default=None, repr=False)
 
 
 class BootstrapRegistry:
@@ -164,10 +166,11 @@ class BootstrapRegistry:
         try:
             return await asyncio.wait_for(asyncio.shield(entry.done), timeout_s)
         except TimeoutError:
-            self.fail(room, BootstrapTimeout(f"room {room}: the prefill server did not deliver the KV "
-                                             f"within {timeout_s:g} s"))
-            raise BootstrapTimeout(f"room {room}: the prefill server did not deliver the KV within "
-                                   f"{timeout_s:g} s") from None
+            error = BootstrapTimeout(f"room {room}: the prefill server did not deliver the KV within {timeout_s:g} s")
+            self.fail(room, error)
+            if entry.barring is not None:  # a write in progress: the error line goes out once it ended
+                await asyncio.shield(entry.barring)
+            raise error from None
         except asyncio.CancelledError:  # the decode side's connection went away: no write may land now
             self.fail(room, RoomFailed(f"room {room}: the decode side stopped waiting"))
             raise
@@ -180,10 +183,23 @@ class BootstrapRegistry:
             entry.done.set_result(result)
 
     def fail(self, room: str, error: BootstrapError) -> None:
+        """Fail `room`: its waiters get `error`, and no write into its pages starts from now on. A write
+        in progress (the room's lock held) is waited out off the event loop, which serves every other
+        room meanwhile (`_fail_after_write`); the room's done future, hence the decode side's error line
+        (on which it frees the pages), fails only once that write ended."""
         entry = self.rooms.get(room)
-        if entry is not None:
-            with entry.lock:  # waits out a write in progress (milliseconds), then bars any later one
-                entry.closed = True
+        if entry is not None and not _bar_writes(entry, 0):
+            if entry.barring is None:
+                entry.barring = asyncio.ensure_future(self._fail_after_write(room, entry, error))
+            return
+        self._failed(room, entry, error)
+
+    async def _fail_after_write(self, room: str, entry: Room, error: BootstrapError) -> None:
+        await asyncio.to_thread(_bar_writes, entry, None)
+        self._failed(room, entry, error)
+
+    def _failed(self, room: str, entry: Room | None, error: BootstrapError) -> None:
+        """`fail`'s notices, once no write into the room's pages is in progress or can start."""
         if entry is not None and not entry.done.done():
             entry.done.set_exception(error)
             entry.done.exception()  # retrieved: a room nobody waits on must not log "never retrieved"
@@ -228,10 +244,13 @@ class BootstrapRegistry:
         return len(self.rooms)
 
 
-def _bar_writes(entry: Room, timeout_s: float) -> bool:
+def _bar_writes(entry: Room, timeout_s: float | None) -> bool:
     """Set `entry.closed` under its lock, waiting up to `timeout_s` for a write in progress (0: not at
-    all); False when the lock stayed held."""
-    acquired = entry.lock.acquire(timeout=timeout_s) if timeout_s > 0 else entry.lock.acquire(blocking=False)
+    all, None: as long as it takes); False when the lock stayed held."""
+    if timeout_s is None:
+        acquired = entry.lock.acquire()
+    else:
+        acquired = entry.lock.acquire(timeout=timeout_s) if timeout_s > 0 else entry.lock.acquire(blocking=False)
     if not acquired:
         return False
     try:
