@@ -65,6 +65,9 @@ class BootstrapRegistry:
         self._opened: dict[str, asyncio.Future] = {}  # room id -> resolves with the Room once opened
         # room id -> resolves with the prompt's outcome (first token, sampler state) once it finished
         self._first: dict[str, asyncio.Future] = {}
+        # Failed rooms whose failure waits for a write in progress (`fail`), kept here until it ended even
+        # once `close` forgot them: the decode side's close must still find and wait for that write.
+        self._writing: dict[str, Room] = {}
 
     # ---- sessions -------------------------------------------------------------------------------
     def register(self, name: str, instance: str, pool: PoolDescriptor) -> Session:
@@ -190,12 +193,15 @@ class BootstrapRegistry:
         entry = self.rooms.get(room)
         if entry is not None and not _bar_writes(entry, 0):
             if entry.barring is None:
+                self._writing[room] = entry
                 entry.barring = asyncio.ensure_future(self._fail_after_write(room, entry, error))
             return
         self._failed(room, entry, error)
 
     async def _fail_after_write(self, room: str, entry: Room, error: BootstrapError) -> None:
         await asyncio.to_thread(_bar_writes, entry, None)
+        if self._writing.get(room) is entry:
+            del self._writing[room]
         self._failed(room, entry, error)
 
     def _failed(self, room: str, entry: Room | None, error: BootstrapError) -> None:
@@ -222,7 +228,7 @@ class BootstrapRegistry:
         open for `forget_s`. The wait for the lock runs off the event loop: a write in progress can take
         a while, and the loop serves every other room meanwhile."""
         self.expect(room)
-        entry = self.rooms.get(room)
+        entry = self.rooms.get(room) or self._writing.get(room)
         if entry is not None and not _bar_writes(entry, 0) and \
                 not await asyncio.to_thread(_bar_writes, entry, timeout_s):
             return False

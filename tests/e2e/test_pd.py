@@ -980,16 +980,18 @@ def test_the_first_token_oracle_catches_a_wrong_order(servers, monkeypatch, plan
 
 
 class HeldWrite:
-    """The prefill side's KV write held until `release()` (or failing then, with `fail=True`): `started`
-    once a write is in progress."""
+    """The prefill side's KV write held until `release()` (or failing then, with `fail=True`; only the
+    first one, with `first_only=True`): `started` once a write is in progress."""
 
-    def __init__(self, transfer, monkeypatch, fail: bool = False) -> None:
+    def __init__(self, transfer, monkeypatch, fail: bool = False, first_only: bool = False) -> None:
         import threading
 
         self.started, self._gate = threading.Event(), threading.Event()
         write = transfer.write_pages
 
         def held(*args, **kwargs):
+            if first_only and self.started.is_set():  # a later write goes through at once
+                return write(*args, **kwargs)
             self.started.set()
             assert self._gate.wait(30), "the test never released the write"
             if fail:
@@ -1185,3 +1187,67 @@ def test_kv_corrupt_in_a_stream_is_the_first_token_then_the_error_and_frees_page
         monkeypatch.undo()
         leaked = corrupt_stream(pair)
         assert leaked["errors"] == ["pd_kv_corrupt"] and leaked["decode_pages"] > 0 and leaked["decode_staging"] > 0
+
+
+# ---- a room given up while its KV write is in progress ---------------------------------------------------
+
+def opened_rooms(registry, monkeypatch) -> dict[str, tuple[list[int], int | None]]:
+    """The rooms the prefill side opens from now on: room id -> (the decode side's pages, its receive slot)."""
+    rooms: dict[str, tuple[list[int], int | None]] = {}
+    open_room = registry.open
+
+    def recording(room, name, session_id, dst_pages, staging_offset=None):
+        rooms[room] = (list(dst_pages), staging_offset)
+        return open_room(room, name, session_id, dst_pages, staging_offset)
+
+    monkeypatch.setattr(registry, "open", recording)
+    return rooms
+
+
+def give_up_during_the_write(write: HeldWrite, monkeypatch) -> None:
+    """The decode side's next request fails between the answer's two lines (its first line turned into
+    a request), once the prefill side's KV write into its room is in progress: it gives the room up."""
+    from runtime.disagg import decode
+    from runtime.server.errors import ApiError
+
+    build = decode.prefilled_request
+
+    def failing(*args, **kwargs):
+        monkeypatch.setattr(decode, "prefilled_request", build)  # the next request is served
+        assert write.started.wait(30), "the prefill side never started the KV write"
+        raise ApiError(502, "planted: the decode side gives the room up", type="server_error", code="pd_planted")
+
+    monkeypatch.setattr(decode, "prefilled_request", failing)
+
+
+def test_a_room_given_up_during_its_kv_write_keeps_its_pages_and_slot_until_the_write_ended(servers, monkeypatch):
+    """The decode side gives a room up (an error between the answer's two lines) while the prefill
+    side's KV write into it is in progress (held): the room's pages and receive slot stay reserved until
+    that write ended, so a request served meanwhile gets other pages and another slot (freed at once,
+    that slot would be the given-up one's: the arena is first fit) and the colocated server's answer;
+    once the write ended every page and slot is back on both sides, no room left open. Negative control:
+    the old order (pages and slot freed as the decode side hung up) fails the first check, (0, 0)."""
+    pair, colocated = servers
+    write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch, first_only=True)
+    rooms = opened_rooms(pair.prefill_state.pd.registry, monkeypatch)
+    give_up_during_the_write(write, monkeypatch)
+    decode_state = pair.decode_state
+    payload = body(PROMPTS[0])
+    expected = answer(colocated, payload)
+    try:
+        reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[1]), timeout=60)
+        assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_planted", reply.text
+        time.sleep(0.3)  # what the decode side frees at once is free by now
+        (given_up, (pages, slot)), = rooms.items()
+        assert (decode_state.engine.pages_in_use, decode_state.pd.transfer.staging.slots_in_use) == (len(pages), 1)
+        assert answer(pair.router, payload) == expected
+        (later_pages, later_slot), = [v for room, v in rooms.items() if room != given_up]
+        assert not set(later_pages) & set(pages) and later_slot != slot
+        assert decode_state.engine.pages_in_use == len(pages)  # still held: the write is
+    finally:
+        write.release()
+    assert wait_pages_free(pair.prefill_state, decode_state) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, decode_state) == [0, 0]
+    assert sample(decode_state, "dsv4_pd_quarantined_pages") == 0
+    wait_until(lambda: pair.prefill_state.pd.registry.open_rooms == 0 and not pair.prefill_state.pd.pending,
+               what="the prefill side's rooms and requests to end")

@@ -279,3 +279,25 @@ def test_closing_a_room_before_it_opened_or_its_request_arrived_refuses_the_late
         assert registry.open_rooms == 0
 
     run(scenario())
+
+
+def test_a_close_after_the_room_failed_and_was_forgotten_still_waits_for_the_write():
+    """The decode side hung up (its wait_done cancelled: the room failed, then forgotten) while the
+    write was in progress; its close arrives after that: it still waits for the write, not only for
+    the rooms the registry still lists."""
+    async def scenario() -> tuple[bool, float]:
+        registry = BootstrapRegistry()
+        room = opened(registry)
+        write_in_progress(room)
+        waiting = asyncio.ensure_future(registry.wait_done("room-1", 5.0))
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # the decode side's connection went away
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert registry.open_rooms == 0  # forgotten
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        closed = await registry.close_room("room-1", RoomFailed("room room-1: given up"), 5.0)
+        return closed, loop.time() - started
+
+    closed, took = run(scenario())
+    assert closed and took >= WRITE_S * 0.5
