@@ -35,12 +35,13 @@ pytestmark = pytest.mark.unit
 PROMPT = [5, 6, 7, 8, 9, 10, 11]  # 2 pages of 4
 PAGES = 2
 TIMEOUT_S = 0.5  # the PD timeout of these decode sides
+WRITE_S = 0.3  # how long a "slow" prefill side takes to confirm a close
 
 
 class FakePrefill:
     """A prefill server's /pd routes: registration, a /pd/transfer answer whose first line lacks the
     sampler state (the decode side gives the room up on it) and whose second line never comes, and a
-    close that answers `close` ("ok", "hang", an HTTP status, or "refused")."""
+    close that answers `close` ("ok", "slow": after WRITE_S, "hang", an HTTP status, or "refused")."""
 
     def __init__(self, close: str | int = "ok", transfer_status: int = 200) -> None:
         self.close, self.transfer_status = close, transfer_status
@@ -62,6 +63,8 @@ class FakePrefill:
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
         if self.close == "hang":
             await asyncio.sleep(3600)
+        if self.close == "slow":  # the prefill side waits out a write in progress
+            await asyncio.sleep(WRITE_S)
         if isinstance(self.close, int):
             return httpx.Response(self.close, json={"error": {"message": "planted", "code": "pd_write_in_progress"}})
         return httpx.Response(200, json={"room": "room-1", "closed": True})
@@ -105,18 +108,24 @@ async def held(decode) -> tuple[int, int]:
     return decode.engine.pool.pages_held("r1"), decode.arena.slots_in_use
 
 
+async def closes_ended(side: DecodeSide) -> None:
+    """Wait for the closes in flight (none on a decode side that sends none: the negative controls run
+    these tests against the old one)."""
+    await asyncio.gather(*getattr(side, "_closing", ()))
+
+
 def metric(decode, name: str, **labels: str) -> float:
     return decode.registry.get_sample_value(name, labels) or 0.0
 
 
 def test_the_pages_and_slot_go_back_once_the_prefill_side_confirmed_the_close(decode):
     """Negative control: the old decode side freed them at once (`before` was (0, 0)) and sent no close."""
-    prefill = FakePrefill("ok")
+    prefill = FakePrefill("slow")
 
     async def run() -> tuple[tuple[int, int], tuple[int, int]]:
         await give_up_a_room(decode, prefill)
         before = await held(decode)  # the close is on its way: nothing back yet
-        await asyncio.gather(*decode.side._closing)
+        await closes_ended(decode.side)
         return before, await held(decode)
 
     before, after = asyncio.run(run())
@@ -138,7 +147,7 @@ def test_an_unconfirmed_close_quarantines_the_pages_and_slot_within_the_deadline
         loop = asyncio.get_running_loop()
         await give_up_a_room(decode, prefill)
         started = loop.time()
-        await asyncio.gather(*decode.side._closing)
+        await closes_ended(decode.side)
         return await held(decode), loop.time() - started
 
     left, took = asyncio.run(run())
@@ -155,13 +164,13 @@ def test_a_refused_close_gives_the_pages_back_after_the_settle_delay(decode, mon
     left; what it put on the wire before it died lands within the settle delay, after which the pages
     and slot go back. Negative control: not waiting (REFUSED_SETTLE_S = 0) has them back sooner."""
     def freed_after(settle_s: float) -> float:
-        monkeypatch.setattr(decode_module, "REFUSED_SETTLE_S", settle_s)
+        monkeypatch.setattr(decode_module, "REFUSED_SETTLE_S", settle_s, raising=False)
 
         async def run() -> float:
             loop = asyncio.get_running_loop()
             await give_up_a_room(decode, FakePrefill("refused"))
             started = loop.time()
-            await asyncio.gather(*decode.side._closing)
+            await closes_ended(decode.side)
             assert await held(decode) == (0, 0)
             return loop.time() - started
 
@@ -180,7 +189,7 @@ def test_a_room_the_prefill_side_refused_needs_no_close(decode):
 
     async def run() -> tuple[int, int]:
         await give_up_a_room(decode, prefill)
-        assert not decode.side._closing
+        assert not getattr(decode.side, "_closing", ())
         return await held(decode)
 
     assert asyncio.run(run()) == (0, 0) and prefill.closes == []
