@@ -1251,3 +1251,75 @@ def test_a_room_given_up_during_its_kv_write_keeps_its_pages_and_slot_until_the_
     assert sample(decode_state, "dsv4_pd_quarantined_pages") == 0
     wait_until(lambda: pair.prefill_state.pd.registry.open_rooms == 0 and not pair.prefill_state.pd.pending,
                what="the prefill side's rooms and requests to end")
+
+
+def prompt_tokens(url: str, prompt: str) -> int:
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body(prompt, max_tokens=1), timeout=60)
+    assert reply.status_code == 200, reply.text
+    return int(reply.json()["usage"]["prompt_tokens"])
+
+
+def streamed(url: str, payload: dict, started) -> dict:
+    """A streamed request's status, error code and answer (`answer`'s shape); `started` is set once
+    its second token is in, or once it ended."""
+    out: dict = {"status": None, "code": None, "answer": None}
+    text, logprobs, finish = "", [], None
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=60) as reply:
+            out["status"] = reply.status_code
+            if reply.status_code != 200:
+                out["code"] = json.loads(reply.read())["error"]["code"]
+                return out
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out["code"] = chunk["error"]["code"]
+                    return out
+                choice = chunk["choices"][0]
+                text += choice["delta"].get("content", "")
+                logprobs += (choice.get("logprobs") or {}).get("content") or []
+                finish = choice["finish_reason"] or finish
+                if len(logprobs) >= 2:
+                    started.set()
+        out["answer"] = {"text": text, "logprobs": logprobs, "finish": finish}
+        return out
+    finally:
+        started.set()
+
+
+def test_direct_mode_a_late_write_never_reaches_a_request_admitted_after_the_give_up(servers, monkeypatch):
+    """Direct transfer (host pools, pages written by id), a decode pool one page larger than the first
+    prompt: a room is given up while its KV write is held, then a second prompt arrives and the write
+    is released once that one is decoding. Its answer must be the colocated server's, bit for bit, or
+    a named refusal (pd_out_of_pages: the given-up room's pages are still reserved, as they must be
+    while the write may land). Negative control: the old order freed those pages at once, the second
+    prompt got them, and the late write overwrote its KV after its check: a wrong answer, silently."""
+    import threading
+
+    _, colocated = servers
+    given_up, later = PROMPTS[3], "Tell me a story about a dragon and a knight, " * 2
+    pages = -(-prompt_tokens(colocated, given_up) // 16) + 1
+    later_tokens = prompt_tokens(colocated, later)
+    assert later_tokens > 16, later_tokens  # two pages at least: more than the spare one
+    payload = body(later, stream=True, max_tokens=pages * 16 - later_tokens - 1)
+    expected = answer(colocated, payload)
+    direct = ("--disaggregation-transfer", "direct")
+    with pd_pair(prefill_args=direct, decode_args=(*direct, "--num-pages", str(pages))) as pair:
+        write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch, first_only=True)
+        give_up_during_the_write(write, monkeypatch)
+        reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(given_up), timeout=60)
+        assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_planted", reply.text
+        time.sleep(0.3)  # what the decode side frees at once is free by now
+        decoding, result = threading.Event(), {}
+        reader = threading.Thread(target=lambda: result.update(streamed(pair.router, payload, decoding)))
+        reader.start()
+        try:
+            assert decoding.wait(60)
+        finally:
+            write.release()
+        reader.join(60)
+        assert result["answer"] == expected or (result["status"], result["code"]) == (503, "pd_out_of_pages"), result
+        assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+        assert answer(pair.router, payload) == expected  # the pool is whole again
