@@ -1220,18 +1220,22 @@ def give_up_during_the_write(write: HeldWrite, monkeypatch) -> None:
     monkeypatch.setattr(decode, "prefilled_request", failing)
 
 
-def test_a_room_given_up_during_its_kv_write_keeps_its_pages_and_slot_until_the_write_ended(servers, monkeypatch):
-    """The decode side gives a room up (an error between the answer's two lines) while the prefill
-    side's KV write into it is in progress (held): the room's pages and receive slot stay reserved until
-    that write ended, so a request served meanwhile gets other pages and another slot (freed at once,
-    that slot would be the given-up one's: the arena is first fit) and the colocated server's answer;
-    once the write ended every page and slot is back on both sides, no room left open. Negative control:
-    the old order (pages and slot freed as the decode side hung up) fails the first check, (0, 0)."""
-    pair, colocated = servers
+def free_at_once(pd, monkeypatch) -> None:
+    """The planted old order: a given-up room's pages and slot go back as the decode side hangs up."""
+    monkeypatch.setattr(pd, "_give_up", lambda state, rid, pages, staging, link, reason:
+                        pd._release(state, rid, pages, staging, admitted=False))
+
+
+def given_up_during_the_write_violations(pair, colocated, monkeypatch) -> list[str]:
+    """What is wrong when the decode side gives a room up (an error between the answer's two lines)
+    while the prefill side's KV write into it is in progress (held), and a request is served
+    meanwhile: the given-up room's pages or receive slot back before the write ended, the later
+    request given any of them (the arena is first fit: a slot freed at once is the next one's), a wrong
+    answer; or, once the write ended, anything left on either side."""
     write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch, first_only=True)
     rooms = opened_rooms(pair.prefill_state.pd.registry, monkeypatch)
     give_up_during_the_write(write, monkeypatch)
-    decode_state = pair.decode_state
+    decode_state, found = pair.decode_state, []
     payload = body(PROMPTS[0])
     expected = answer(colocated, payload)
     try:
@@ -1239,18 +1243,40 @@ def test_a_room_given_up_during_its_kv_write_keeps_its_pages_and_slot_until_the_
         assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_planted", reply.text
         time.sleep(0.3)  # what the decode side frees at once is free by now
         (given_up, (pages, slot)), = rooms.items()
-        assert (decode_state.engine.pages_in_use, decode_state.pd.transfer.staging.slots_in_use) == (len(pages), 1)
-        assert answer(pair.router, payload) == expected
+        held = (decode_state.engine.pages_in_use, decode_state.pd.transfer.staging.slots_in_use)
+        if held != (len(pages), 1):
+            found.append(f"pages and slots in use during the write {held}, the given-up room has {len(pages)}, 1")
+        if answer(pair.router, payload) != expected:
+            found.append("the request served during the write answered wrong")
         (later_pages, later_slot), = [v for room, v in rooms.items() if room != given_up]
-        assert not set(later_pages) & set(pages) and later_slot != slot
-        assert decode_state.engine.pages_in_use == len(pages)  # still held: the write is
+        if set(later_pages) & set(pages) or later_slot == slot:
+            found.append(f"the request served during the write got the given-up room's pages or slot ({later_slot})")
     finally:
         write.release()
-    assert wait_pages_free(pair.prefill_state, decode_state) == [0, 0]
-    assert wait_staging_free(pair.prefill_state, decode_state) == [0, 0]
-    assert sample(decode_state, "dsv4_pd_quarantined_pages") == 0
+    left = wait_pages_free(pair.prefill_state, decode_state) + wait_staging_free(pair.prefill_state, decode_state)
     wait_until(lambda: pair.prefill_state.pd.registry.open_rooms == 0 and not pair.prefill_state.pd.pending,
                what="the prefill side's rooms and requests to end")
+    if left != [0, 0, 0, 0] or sample(decode_state, "dsv4_pd_quarantined_pages"):
+        found.append(f"left once the write ended: pages, slots {left}")
+    return found
+
+
+@pytest.mark.parametrize("planted", [None, free_at_once], ids=["as_built", "free_at_once"])
+def test_a_room_given_up_during_its_kv_write_keeps_its_pages_and_slot_until_the_write_ended(servers, monkeypatch,
+                                                                                            planted):
+    """The room's pages and receive slot stay reserved until the prefill side's write into them ended,
+    so a request served meanwhile gets other pages and another slot and the colocated server's answer;
+    then every page and slot is back on both sides, no room left open. Negative control: the old order
+    (freed as the decode side hangs up: `free_at_once`, and main's code) fails the first check, (0, 0),
+    and the later request gets the given-up slot."""
+    pair, colocated = servers
+    if planted is not None:
+        planted(pair.decode_state.pd, monkeypatch)
+    found = given_up_during_the_write_violations(pair, colocated, monkeypatch)
+    if planted is None:
+        assert found == []
+    else:
+        assert any("during the write (0, 0)" in f for f in found) and any("got the given-up" in f for f in found), found
 
 
 def prompt_tokens(url: str, prompt: str) -> int:
@@ -1289,13 +1315,16 @@ def streamed(url: str, payload: dict, started) -> dict:
         started.set()
 
 
-def test_direct_mode_a_late_write_never_reaches_a_request_admitted_after_the_give_up(servers, monkeypatch):
+@pytest.mark.parametrize("planted", [None, free_at_once], ids=["as_built", "free_at_once"])
+def test_direct_mode_a_late_write_never_reaches_a_request_admitted_after_the_give_up(servers, monkeypatch, planted):
     """Direct transfer (host pools, pages written by id), a decode pool one page larger than the first
     prompt: a room is given up while its KV write is held, then a second prompt arrives and the write
-    is released once that one is decoding. Its answer must be the colocated server's, bit for bit, or
-    a named refusal (pd_out_of_pages: the given-up room's pages are still reserved, as they must be
-    while the write may land). Negative control: the old order freed those pages at once, the second
-    prompt got them, and the late write overwrote its KV after its check: a wrong answer, silently."""
+    is released once that one is decoding. By the pool's size, it must be refused by name
+    (pd_out_of_pages: the given-up room's pages are still reserved, as they must be while the write
+    may land). Negative control: the old order (pages freed at once) gives the second prompt those
+    pages, and the late write overwrites its KV after its check: a wrong answer, silently (on main's
+    code, whose `fail` also blocked the prefill server's event loop for the held write, the second
+    prompt timed out instead: pd_prefill_unreachable)."""
     import threading
 
     _, colocated = servers
@@ -1309,6 +1338,8 @@ def test_direct_mode_a_late_write_never_reaches_a_request_admitted_after_the_giv
     with pd_pair(prefill_args=direct, decode_args=(*direct, "--num-pages", str(pages))) as pair:
         write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch, first_only=True)
         give_up_during_the_write(write, monkeypatch)
+        if planted is not None:
+            planted(pair.decode_state.pd, monkeypatch)
         reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(given_up), timeout=60)
         assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_planted", reply.text
         time.sleep(0.3)  # what the decode side frees at once is free by now
@@ -1320,6 +1351,9 @@ def test_direct_mode_a_late_write_never_reaches_a_request_admitted_after_the_giv
         finally:
             write.release()
         reader.join(60)
-        assert result["answer"] == expected or (result["status"], result["code"]) == (503, "pd_out_of_pages"), result
+        if planted is None:  # one page free, the second prompt needs two at least
+            assert (result["status"], result["code"]) == (503, "pd_out_of_pages"), result
+        else:  # served, no error anywhere, and wrong
+            assert result["status"] == 200 and result["code"] is None and result["answer"] != expected, result
         assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
         assert answer(pair.router, payload) == expected  # the pool is whole again
