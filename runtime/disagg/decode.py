@@ -350,10 +350,8 @@ class DecodeSide:
     async def _close_room(self, link: RoomLink, reason: str) -> str:
         """POST /pd/rooms/{room}/close, bounded by the PD timeout: "closed" once the prefill side barred
         every write into the room, "refused" when nothing listens there, "unconfirmed" otherwise."""
-        url = f"{link.prefill}/pd/rooms/{link.room}/close"
         try:
-            reply = await asyncio.wait_for(self.client().post(url, json={"name": self.name, "reason": reason}),
-                                           self.timeout_s)
+            reply = await asyncio.wait_for(self._post_close(link, reason), self.timeout_s)
         except httpx.ConnectError:
             # Connection refused: no process listens, so no handler of the room runs and no write can
             # start. What a dead sender put on the wire before it died may still be copied into our
@@ -368,6 +366,15 @@ class DecodeSide:
                       reply.status_code, reply.text[:300])
             return "unconfirmed"
         return "closed"
+
+    async def _post_close(self, link: RoomLink, reason: str) -> httpx.Response:
+        """The close call, sent again once when the connection it went out on broke: a pooled connection
+        to a server that died meanwhile breaks on use (ReadError), where a new one is refused."""
+        url, body = f"{link.prefill}/pd/rooms/{link.room}/close", {"name": self.name, "reason": reason}
+        try:
+            return await self.client().post(url, json=body)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            return await self.client().post(url, json=body)  # idempotent: closing a closed room answers at once
 
     def _quarantine(self, rid: str, pages: list[int], staging: int | None, link: RoomLink) -> None:
         """Keep a given-up room's pages (owned by `rid` in the pool) and receive slot out of the pools

@@ -41,10 +41,11 @@ WRITE_S = 0.3  # how long a "slow" prefill side takes to confirm a close
 class FakePrefill:
     """A prefill server's /pd routes: registration, a /pd/transfer answer whose first line lacks the
     sampler state (the decode side gives the room up on it) and whose second line never comes, and a
-    close that answers `close` ("ok", "slow": after WRITE_S, "hang", an HTTP status, or "refused")."""
+    close that answers `close` ("ok", "slow": after WRITE_S, "hang", an HTTP status, "refused", or
+    "broken": the connection breaks), and `then` from its second call on when given."""
 
-    def __init__(self, close: str | int = "ok", transfer_status: int = 200) -> None:
-        self.close, self.transfer_status = close, transfer_status
+    def __init__(self, close: str | int = "ok", transfer_status: int = 200, then: str | int | None = None) -> None:
+        self.close, self.transfer_status, self.then = close, transfer_status, then
         self.closes: list[dict] = []
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -59,14 +60,22 @@ class FakePrefill:
             return httpx.Response(200, content=self._lines())
         assert path == "/pd/rooms/room-1/close", path
         self.closes.append(json.loads(request.content))
-        if self.close == "refused":
+        close = self.close
+        if len(self.closes) > 1 and self.then is not None:
+            close = self.then
+        if close == "broken":  # a pooled connection the server's death broke
+            raise httpx.ReadError("", request=request)
+        return await self._answer_close(close, request)
+
+    async def _answer_close(self, close: str | int, request: httpx.Request) -> httpx.Response:
+        if close == "refused":
             raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
-        if self.close == "hang":
+        if close == "hang":
             await asyncio.sleep(3600)
-        if self.close == "slow":  # the prefill side waits out a write in progress
+        if close == "slow":  # the prefill side waits out a write in progress
             await asyncio.sleep(WRITE_S)
-        if isinstance(self.close, int):
-            return httpx.Response(self.close, json={"error": {"message": "planted", "code": "pd_write_in_progress"}})
+        if isinstance(close, int):
+            return httpx.Response(close, json={"error": {"message": "planted", "code": "pd_write_in_progress"}})
         return httpx.Response(200, json={"room": "room-1", "closed": True})
 
     async def _lines(self):
@@ -210,3 +219,19 @@ def test_shutdown_during_a_close_ends_at_once_and_frees_the_pages_and_slot(decod
     took, left = asyncio.run(run())
     assert took < TIMEOUT_S / 2 and left == (0, 0)
     assert metric(decode, "dsv4_pd_quarantined_pages") == 0
+
+
+def test_a_close_whose_pooled_connection_broke_is_sent_again(decode):
+    """The prefill server died: the close goes out on a pooled connection that breaks (ReadError), so
+    it is sent once more, on a new connection, which is refused: the pages come back after the settle
+    delay. Negative control: taking the broken connection for an unconfirmed close quarantined them
+    (a killed prefill server's test found 2 pages held for good)."""
+    prefill = FakePrefill("broken", then="refused")
+
+    async def run() -> tuple[int, int]:
+        await give_up_a_room(decode, prefill)
+        await closes_ended(decode.side)
+        return await held(decode)
+
+    assert asyncio.run(run()) == (0, 0) and len(prefill.closes) == 2
+    assert metric(decode, "dsv4_pd_room_closes_total", outcome="refused") == 1
