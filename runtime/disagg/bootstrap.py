@@ -12,7 +12,9 @@ soon as it has it (`prefilled`: the decode side sends it to its client before th
 for the room to be opened, writes the KV and completes it. Every wait has a deadline that becomes
 `BootstrapTimeout`, an error the client sees. A room that fails before it is opened (the prefill side
 timed out or gave up) stays failed for `forget_s`, so a late open is refused at once instead of
-waiting out its own deadline.
+waiting out its own deadline. A decode side that gives a room up before its KV arrived closes it
+(`close_room`): the room fails once no write into its pages is in progress, before the decode side
+frees them.
 
 All methods run on the prefill server's event loop (the engine thread completes rooms through
 `loop.call_soon_threadsafe`).
@@ -46,10 +48,12 @@ class Room:
     dst_pages: list[int]
     done: asyncio.Future = field(repr=False)
     staging_offset: int | None = None  # staged transfer: the decode side's receive slot for this room
-    # Held by the engine thread while it writes into dst_pages; `closed` is set under it when the room
+    # Held by the writer thread while it writes into dst_pages; `closed` is set under it when the room
     # fails, so once the decode side hears of a failure (and frees the pages) no write can still land.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     closed: bool = False
+    # A failure that met a write in progress: it waits that write out off the event loop (`fail`).
+    barring: asyncio.Task | None = field(default=None, repr=False)
 
 
 class BootstrapRegistry:
@@ -61,6 +65,9 @@ class BootstrapRegistry:
         self._opened: dict[str, asyncio.Future] = {}  # room id -> resolves with the Room once opened
         # room id -> resolves with the prompt's outcome (first token, sampler state) once it finished
         self._first: dict[str, asyncio.Future] = {}
+        # Failed rooms whose failure waits for a write in progress (`fail`), kept here until it ended even
+        # once `close` forgot them: the decode side's close must still find and wait for that write.
+        self._writing: dict[str, Room] = {}
 
     # ---- sessions -------------------------------------------------------------------------------
     def register(self, name: str, instance: str, pool: PoolDescriptor) -> Session:
@@ -162,10 +169,11 @@ class BootstrapRegistry:
         try:
             return await asyncio.wait_for(asyncio.shield(entry.done), timeout_s)
         except TimeoutError:
-            self.fail(room, BootstrapTimeout(f"room {room}: the prefill server did not deliver the KV "
-                                             f"within {timeout_s:g} s"))
-            raise BootstrapTimeout(f"room {room}: the prefill server did not deliver the KV within "
-                                   f"{timeout_s:g} s") from None
+            error = BootstrapTimeout(f"room {room}: the prefill server did not deliver the KV within {timeout_s:g} s")
+            self.fail(room, error)
+            if entry.barring is not None:  # a write in progress: the error line goes out once it ended
+                await asyncio.shield(entry.barring)
+            raise error from None
         except asyncio.CancelledError:  # the decode side's connection went away: no write may land now
             self.fail(room, RoomFailed(f"room {room}: the decode side stopped waiting"))
             raise
@@ -178,10 +186,26 @@ class BootstrapRegistry:
             entry.done.set_result(result)
 
     def fail(self, room: str, error: BootstrapError) -> None:
+        """Fail `room`: its waiters get `error`, and no write into its pages starts from now on. A write
+        in progress (the room's lock held) is waited out off the event loop, which serves every other
+        room meanwhile (`_fail_after_write`); the room's done future, hence the decode side's error line
+        (on which it frees the pages), fails only once that write ended."""
         entry = self.rooms.get(room)
-        if entry is not None:
-            with entry.lock:  # waits out a write in progress (milliseconds), then bars any later one
-                entry.closed = True
+        if entry is not None and not _bar_writes(entry, 0):
+            if entry.barring is None:
+                self._writing[room] = entry
+                entry.barring = asyncio.ensure_future(self._fail_after_write(room, entry, error))
+            return
+        self._failed(room, entry, error)
+
+    async def _fail_after_write(self, room: str, entry: Room, error: BootstrapError) -> None:
+        await asyncio.to_thread(_bar_writes, entry, None)
+        if self._writing.get(room) is entry:
+            del self._writing[room]
+        self._failed(room, entry, error)
+
+    def _failed(self, room: str, entry: Room | None, error: BootstrapError) -> None:
+        """`fail`'s notices, once no write into the room's pages is in progress or can start."""
         if entry is not None and not entry.done.done():
             entry.done.set_exception(error)
             entry.done.exception()  # retrieved: a room nobody waits on must not log "never retrieved"
@@ -196,6 +220,21 @@ class BootstrapRegistry:
             if entry is None:  # not opened yet: refuse its open for a while, then forget it
                 asyncio.get_running_loop().call_later(self.forget_s, self._forget, room, opened)
 
+    async def close_room(self, room: str, error: BootstrapError, timeout_s: float) -> bool:
+        """Decode side's word: it gave `room` up and wants its pages (and receive slot) back. Fail the
+        room for good: True once no write into its pages is in progress or can start (the room's lock
+        taken, `closed` set under it), False when a write in progress still held the lock after
+        `timeout_s`. A room not opened yet (or whose request has not even arrived) refuses its late
+        open for `forget_s`. The wait for the lock runs off the event loop: a write in progress can take
+        a while, and the loop serves every other room meanwhile."""
+        self.expect(room)
+        entry = self.rooms.get(room) or self._writing.get(room)
+        if entry is not None and not _bar_writes(entry, 0) and \
+                not await asyncio.to_thread(_bar_writes, entry, timeout_s):
+            return False
+        self.fail(room, error)
+        return True
+
     def _forget(self, room: str, opened: asyncio.Future) -> None:
         if self._opened.get(room) is opened:
             del self._opened[room]
@@ -209,3 +248,19 @@ class BootstrapRegistry:
     @property
     def open_rooms(self) -> int:
         return len(self.rooms)
+
+
+def _bar_writes(entry: Room, timeout_s: float | None) -> bool:
+    """Set `entry.closed` under its lock, waiting up to `timeout_s` for a write in progress (0: not at
+    all, None: as long as it takes); False when the lock stayed held."""
+    if timeout_s is None:
+        acquired = entry.lock.acquire()
+    else:
+        acquired = entry.lock.acquire(timeout=timeout_s) if timeout_s > 0 else entry.lock.acquire(blocking=False)
+    if not acquired:
+        return False
+    try:
+        entry.closed = True
+    finally:
+        entry.lock.release()
+    return True

@@ -13,6 +13,13 @@ checks and waits for their frees, which `EngineBridge.call` still applies once t
 stopped); a request admitted to the engine is freed by the scheduler as usual, and one whose client
 left while its KV was checked is admitted, then aborted (its abort kept by the bridge). The receive
 slot is freed on every path, admission included (the KV is in the pages by then).
+
+Not before the prefill side can no longer write into them, though: a request given up while its room
+may be open there (its /pd/transfer call out, the answer's last line not in) has the room closed on
+the prefill server first (`POST /pd/rooms/{room}/close`, which answers once no write is in progress
+or can start), beside the client's error; only then do its pages and slot go back. Freed at once,
+they could be another request's by the time a write in progress lands. A close that is not confirmed
+within the PD timeout leaves them out of the pools for good (`dsv4_pd_quarantined_pages`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import base64
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -29,7 +37,13 @@ import torch
 from fastapi import Request
 
 from runtime.disagg.metrics import PDMetrics
-from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER, error_from_body, read_transfer_line
+from runtime.disagg.protocol import (
+    BOOTSTRAP_HEADER,
+    ROOM_HEADER,
+    ends_the_write,
+    error_from_body,
+    read_transfer_line,
+)
 from runtime.disagg.transfer import KVTransfer, digest_workers, kv_digest
 from runtime.engine.engine import Engine
 from runtime.engine.request import Request as EngineRequest
@@ -41,6 +55,9 @@ from runtime.server.errors import ApiError, bad_request
 from runtime.server.trace import NO_TRACE, Trace
 
 log = logging.getLogger(__name__)
+# How long the pages of a room whose prefill server refused the close (nothing listens there) are held
+# before they go back: long enough for bytes the dead sender had put on the wire to have landed.
+REFUSED_SETTLE_S = 0.5
 
 
 class DecodeSide:
@@ -58,6 +75,7 @@ class DecodeSide:
         # The receiver's KV digests (`start`), off the engine thread.
         self._digests = digest_workers()
         self._verifying: set[asyncio.Task] = set()  # `_verify_then_admit` of requests whose first token is out
+        self._closing: set[asyncio.Task] = set()  # `_close_then_release` of rooms given up
 
     def client(self) -> httpx.AsyncClient:
         """One HTTP client for every call to the prefill servers, made in the server's event loop.
@@ -79,12 +97,12 @@ class DecodeSide:
         # Checks spawned before this call take their first step first: a task cancelled before it ever
         # ran never runs its `finally`.
         await asyncio.sleep(0)
-        pending = list(self._verifying)
-        for task in pending:
-            task.cancel()
-        # A cancelled task frees nothing until it runs: wait for their `finally`s, while the loop that
-        # runs them is certainly still here.
-        await asyncio.gather(*pending, return_exceptions=True)
+        await _cancel_and_wait(self._verifying)
+        # Rooms still being closed on their prefill server (and those the checks just ended gave up):
+        # cancelled, each frees its pages and slot at once (the engine has stopped: nothing can be
+        # admitted into them any more).
+        await asyncio.sleep(0)
+        await _cancel_and_wait(self._closing)
         self._digests.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             loop, client = self._client
@@ -108,15 +126,18 @@ class DecodeSide:
             self.sessions[prefill] = reply.json()["session_id"]
             return self.sessions[prefill]
 
-    async def _open_room(self, prefill: str, room: str, pages: list[int], staging: int | None,
+    async def _open_room(self, link: RoomLink, pages: list[int], staging: int | None,
                          trace: Trace = NO_TRACE) -> tuple[dict, TransferAnswer]:
         """Open the room at the prefill server: the prompt's outcome (first token, sampler state), as
-        soon as the prefill side has it, and the answer whose next line is the KV's result."""
+        soon as the prefill side has it, and the answer whose next line is the KV's result. `link`
+        says meanwhile whether the prefill side may write into the pages."""
+        prefill, room = link.prefill, link.room
         client = self.client()  # its timeout is 5 s over the prefill side's own deadline, which answers first
         refused: str | None = None
         for attempt in range(2):
             session = await self._session(client, prefill, refused)
             trace.mark("transfer_requested")
+            link.may_write = True  # from the first byte sent: the room may be open before any answer
             reply = await client.send(client.build_request("POST", f"{prefill}/pd/transfer", json={
                 "room": room, "name": self.name, "session_id": session, "dst_pages": pages,
                 "staging_offset": staging}, headers=trace.headers()), stream=True)
@@ -124,12 +145,13 @@ class DecodeSide:
                 await reply.aread()
                 await reply.aclose()
                 body = _json(reply)
+                link.may_write = not _refused_the_room(reply.status_code, body)
                 stale = reply.status_code == 409 and body.get("error", {}).get("code") == "pd_stale_session"
                 if stale and attempt == 0:  # the prefill server restarted: register once more
                     refused = session
                     continue
                 raise error_from_body(reply.status_code, body, f"KV transfer for room {room} failed")
-            answer = TransferAnswer(reply)
+            answer = TransferAnswer(reply, link)
             try:
                 return await answer.line("first"), answer
             except BaseException:
@@ -170,26 +192,29 @@ class DecodeSide:
         trace.mark("pages_reserved")
         handed_over = False  # to `_verify_then_admit`, which frees what this does not
         answer: TransferAnswer | None = None
+        link = RoomLink(prefill, room)
         try:
             started = asyncio.get_running_loop().time()
-            first, answer = await self._transfer(prefill, room, pages, staging, trace)
+            first, answer = await self._transfer(link, pages, staging, trace)
             req = prefilled_request(rid, ids, prepared.params, pages, first)  # the line's fields, validated
             sink = self._first_token_sink(req, trace)
             state.bridge.announce_prefilled(rid)  # the client may abort it from now on, before its admission
-            self._spawn(self._verify_then_admit(state, room, req, answer, started, staging, sink, trace))
+            self._spawn(self._verify_then_admit(state, room, req, answer, started, staging, sink, trace),
+                        self._verifying)
             handed_over = True
             return sink
         finally:
             if not handed_over:
-                if answer is not None:  # hanging up fails the room on the prefill side: no write lands after
+                if answer is not None:  # hanging up fails the room on the prefill side (it notices later)
                     await answer.aclose()
-                self._release(state, rid, pages, staging, admitted=False)
+                self._give_up(state, rid, pages, staging, link, "given up before its first token was out")
 
-    async def _transfer(self, prefill: str, room: str, pages: list[int], staging: int | None,
+    async def _transfer(self, link: RoomLink, pages: list[int], staging: int | None,
                         trace: Trace) -> tuple[dict, TransferAnswer]:
         """The prefill side's first line (the prompt's outcome) and the answer still to be read."""
+        prefill, room = link.prefill, link.room
         try:
-            first, answer = await self._open_room(prefill, room, pages, staging, trace)
+            first, answer = await self._open_room(link, pages, staging, trace)
         except httpx.HTTPError as exc:
             raise ApiError(502, f"prefill server {prefill} unreachable for room {room}: {exc!r}",
                            type="server_error", code="pd_prefill_unreachable") from None
@@ -213,11 +238,12 @@ class DecodeSide:
         trace.mark("first_token")
         return sink
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run `work` beside the request's stream, kept referenced until done (the loop keeps weak ones)."""
+    def _spawn(self, work: Coroutine[Any, Any, None], tasks: set[asyncio.Task]) -> None:
+        """Run `work` beside the request's stream, kept in `tasks` until done (the loop keeps weak
+        references only; `aclose` ends what is left)."""
         task = asyncio.get_running_loop().create_task(work)
-        self._verifying.add(task)
-        task.add_done_callback(self._verifying.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def _verify_then_admit(self, state, room: str, req: EngineRequest, answer: TransferAnswer, started: float,
                                  staging: int | None, sink: asyncio.Queue, trace: Trace) -> None:
@@ -249,9 +275,11 @@ class DecodeSide:
             log.exception("room %s: the KV check failed", room)
             sink.put_nowait(Failed(ApiError(500, f"the KV check failed: {exc!r}", type="server_error")))
         finally:
-            if not admitted:
+            if admitted:
+                self._release(state, req.rid, req.pages, staging, admitted=True)
+            else:
                 state.bridge.withdraw(req.rid)
-            self._release(state, req.rid, req.pages, staging, admitted)
+                self._give_up(state, req.rid, req.pages, staging, answer.link, "gave up waiting for its KV")
 
     def _lander(self, pages: list[int], staging: int | None,
                 trace: Trace) -> Callable[[Engine], torch.cuda.Event | None]:
@@ -288,6 +316,78 @@ class DecodeSide:
             self.metrics.transfers.labels("corrupt").inc()
             raise ApiError(502, f"room {room}: the KV arrived corrupted (digest {digest} != sender's "
                                 f"{result['digest']})", type="server_error", code="pd_kv_corrupt")
+
+    def _give_up(self, state, rid: str, pages: list[int], staging: int | None, link: RoomLink, reason: str) -> None:
+        """The request ends without admission: its pages and receive slot go back at once when the
+        prefill side cannot write into them any more (it never had the room, refused it, or its answer's
+        last line is in), else once it confirmed that (`_close_then_release`, beside the client's error)."""
+        if link.may_write:
+            self._spawn(self._close_then_release(state, rid, pages, staging, link, reason), self._closing)
+        else:
+            self._release(state, rid, pages, staging, admitted=False)
+
+    async def _close_then_release(self, state, rid: str, pages: list[int], staging: int | None, link: RoomLink,
+                                  reason: str) -> None:
+        """Close the room on its prefill server, then free its pages and receive slot: a KV write the
+        prefill side had in progress when the room was given up would otherwise land in them after
+        another request got them. No confirmation within the PD timeout (the prefill server hangs,
+        answers an error, or the network is cut): they stay out of the pools for good (`_quarantine`)."""
+        outcome = "unconfirmed"
+        try:
+            outcome = await self._close_room(link, reason)
+            self.metrics.room_closes.labels(outcome).inc()
+            if outcome == "refused":
+                await asyncio.sleep(REFUSED_SETTLE_S)
+        except asyncio.CancelledError:  # server shutdown (`aclose`): the engine has stopped
+            outcome = "shutdown"
+            raise
+        finally:
+            if outcome == "unconfirmed":
+                self._quarantine(rid, pages, staging, link)
+            else:
+                self._release(state, rid, pages, staging, admitted=False)
+
+    async def _close_room(self, link: RoomLink, reason: str) -> str:
+        """POST /pd/rooms/{room}/close, bounded by the PD timeout: "closed" once the prefill side barred
+        every write into the room, "refused" when nothing listens there, "unconfirmed" otherwise."""
+        try:
+            reply = await asyncio.wait_for(self._post_close(link, reason), self.timeout_s)
+        except httpx.ConnectError:
+            # Connection refused: no process listens, so no handler of the room runs and no write can
+            # start. What a dead sender put on the wire before it died may still be copied into our
+            # memory by our own transfer engine's receiving thread (TCP), for a moment: hence the
+            # settle delay before the pages go back (REFUSED_SETTLE_S).
+            return "refused"
+        except (httpx.HTTPError, TimeoutError) as exc:
+            log.error("room %s: closing it on %s failed: %r", link.room, link.prefill, exc)
+            return "unconfirmed"
+        if reply.status_code != 200:
+            log.error("room %s: %s answered the close with HTTP %d: %s", link.room, link.prefill,
+                      reply.status_code, reply.text[:300])
+            return "unconfirmed"
+        return "closed"
+
+    async def _post_close(self, link: RoomLink, reason: str) -> httpx.Response:
+        """The close call, sent again once when the connection it went out on broke: a pooled connection
+        to a server that died meanwhile breaks on use (ReadError), where a new one is refused."""
+        url, body = f"{link.prefill}/pd/rooms/{link.room}/close", {"name": self.name, "reason": reason}
+        try:
+            return await self.client().post(url, json=body)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            return await self.client().post(url, json=body)  # idempotent: closing a closed room answers at once
+
+    def _quarantine(self, rid: str, pages: list[int], staging: int | None, link: RoomLink) -> None:
+        """Keep a given-up room's pages (owned by `rid` in the pool) and receive slot out of the pools
+        for good: a late KV write may still land in them, and memory lost until a restart is better
+        than another request's KV corrupted, silently in direct mode. Counted in /metrics, logged."""
+        self.metrics.pages_in_flight.dec(len(pages))
+        self.metrics.quarantined_pages.inc(len(pages))
+        if staging is not None:
+            self.metrics.quarantined_staging_slots.inc()
+        log.error("room %s: prefill server %s did not confirm that no KV write can land in the room any more: "
+                  "its %d KV pages%s stay out of the pool until this server restarts "
+                  "(dsv4_pd_quarantined_pages)", link.room, link.prefill, len(pages),
+                  "" if staging is None else " and its staging slot")
 
     def _release(self, state, rid: str, pages: list[int], staging: int | None, admitted: bool) -> None:
         """The request's KV is no longer in flight: its receive slot goes back (the KV is in the pages or
@@ -327,11 +427,23 @@ class DecodeSide:
             self.transfer.staging.free(offset)
 
 
+@dataclass
+class RoomLink:
+    """A request's room at its prefill server, as far as the decode side's pages are concerned."""
+
+    prefill: str  # the prefill server's base URL
+    room: str
+    # Whether the prefill side may (still) write into the room's pages and receive slot: set as the
+    # /pd/transfer call goes out, cleared when the prefill side refuses the room or its answer's last
+    # line is in (the KV written, or the room failed, which bars writes first: BootstrapRegistry.fail).
+    may_write: bool = False
+
+
 class TransferAnswer:
     """A /pd/transfer answer being read: its JSON lines one at a time (runtime/disagg/protocol.py)."""
 
-    def __init__(self, reply: httpx.Response) -> None:
-        self.reply = reply
+    def __init__(self, reply: httpx.Response, link: RoomLink) -> None:
+        self.reply, self.link = reply, link
         self._lines = reply.aiter_lines()
 
     async def line(self, want: str) -> dict:
@@ -339,7 +451,11 @@ class TransferAnswer:
         ends early a pd_upstream_error."""
         async for line in self._lines:
             if line.strip():
-                return read_transfer_line(line, want)
+                try:
+                    return read_transfer_line(line, want)
+                finally:
+                    if ends_the_write(line):
+                        self.link.may_write = False
         raise ApiError(502, f"the /pd/transfer answer ended before its {want!r} line", type="server_error",
                        code="pd_upstream_error")
 
@@ -369,6 +485,23 @@ def _stream_mark(pool: torch.Tensor) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record()
     return event
+
+
+async def _cancel_and_wait(tasks: set[asyncio.Task]) -> None:
+    """Cancel `tasks` and wait for their `finally`s (a cancelled task frees nothing until it runs),
+    while the loop that runs them is certainly still here."""
+    pending = list(tasks)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _refused_the_room(status: int, body: dict) -> bool:
+    """Whether a /pd/transfer error answer means the prefill side holds no room for these pages: a
+    client error (nothing opened), or a room error (pd_*: the room failed, its writes barred). Any
+    other server error may have come after the room opened."""
+    code = body.get("error", {}).get("code") if isinstance(body.get("error"), dict) else None
+    return status < 500 or str(code).startswith("pd_")
 
 
 def _json(reply: httpx.Response) -> dict:

@@ -28,6 +28,19 @@ class PDMetrics:
         self.staging_bytes_in_use = Gauge("dsv4_pd_staging_bytes_in_use", "Staging arena bytes held by KV "
                                           "transfers in flight (staged transfer mode)", registry=registry)
 
+        # Decode side: rooms given up before their KV arrived are closed on the prefill server before
+        # their pages go back (`DecodeSide._close_then_release`), by outcome: "closed" (confirmed: no
+        # write can land), "refused" (no prefill server listening), "unconfirmed" (no answer in time).
+        self.room_closes = Counter("dsv4_pd_room_closes", "Rooms given up by the decode side and closed on "
+                                   "their prefill server, by outcome", ["outcome"], registry=registry)
+        # An unconfirmed close's pages and receive slot stay out of the pools for good: a write may
+        # still land in them. Not 0 means memory lost until a restart (and a log line that says why).
+        self.quarantined_pages = Gauge("dsv4_pd_quarantined_pages", "KV pages kept out of the pool because "
+                                       "a late KV write into them could not be ruled out", registry=registry)
+        self.quarantined_staging_slots = Gauge("dsv4_pd_quarantined_staging_slots", "Staging arena slots kept "
+                                               "out of the arena because a late KV write into them could not "
+                                               "be ruled out", registry=registry)
+
     def track_staging(self, arena) -> None:
         """Read the arena's own counts at each scrape (a StagingArena; never set by hand, so they
         cannot drift from it)."""
@@ -36,6 +49,7 @@ class PDMetrics:
 
     def attach(self, registry: CollectorRegistry) -> None:
         collectors: list[Collector] = [self.transfer_bytes, self.transfer_seconds, self.pages_in_flight,
-                                       self.transfers, self.staging_slots_in_use, self.staging_bytes_in_use]
+                                       self.transfers, self.staging_slots_in_use, self.staging_bytes_in_use,
+                                       self.room_closes, self.quarantined_pages, self.quarantined_staging_slots]
         for collector in collectors:
             registry.register(collector)

@@ -132,6 +132,25 @@ class PrefillSide:
             trace.mark("first_replying")
             return StreamingResponse(self._transfer_lines(room, first, trace), media_type=TRANSFER_MEDIA_TYPE)
 
+        @app.post("/pd/rooms/{room}/close")
+        async def close_room(room: str, request: Request) -> dict:
+            return await self._close_room(room, request)
+
+    async def _close_room(self, room: str, request: Request) -> dict:
+        """/pd/rooms/{room}/close: the decode side gave the room up before its KV arrived (its client
+        left, an error, its deadline) and frees the room's pages and receive slot once this answers: so
+        it answers only when no write into them is in progress or can start (`close_room`), and a 504
+        (pd_write_in_progress) when a write still runs at the PD deadline: the decode side then keeps
+        those pages out of its pool for good. Our own pages come back on the request's usual path (the
+        room fails, `start` gives the request up)."""
+        body = await request.json()
+        error = RoomFailed(f"room {room}: given up by decode server {body.get('name')!r} "
+                           f"({body.get('reason') or 'no reason given'})")
+        if not await self.registry.close_room(room, error, self.timeout_s):
+            raise ApiError(504, f"room {room}: its KV write was still in progress after {self.timeout_s:g} s",
+                           type="server_error", code="pd_write_in_progress")
+        return {"room": room, "closed": True}
+
     async def _transfer_lines(self, room: str, first: dict, trace: Trace) -> AsyncIterator[bytes]:
         """/pd/transfer's body: the outcome line, then the result line once the KV is written (or an
         error line). The decode side hanging up cancels this, which fails the room: no write lands."""

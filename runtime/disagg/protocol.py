@@ -80,3 +80,13 @@ def read_transfer_line(line: str, want: str) -> dict:
         raise ApiError(502, f"/pd/transfer sent {sorted(parsed)} where {want!r} was due", type="server_error",
                        code="pd_upstream_error")
     return parsed[want]
+
+
+def ends_the_write(line: str) -> bool:
+    """Whether a /pd/transfer line says no KV write into the room is in progress or can start: the
+    result line (written) or an error line (the room failed, which bars its writes first)."""
+    try:
+        parsed = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and len(parsed) == 1 and isinstance(parsed.get("done", parsed.get("error")), dict)

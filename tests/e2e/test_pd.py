@@ -980,16 +980,18 @@ def test_the_first_token_oracle_catches_a_wrong_order(servers, monkeypatch, plan
 
 
 class HeldWrite:
-    """The prefill side's KV write held until `release()` (or failing then, with `fail=True`): `started`
-    once a write is in progress."""
+    """The prefill side's KV write held until `release()` (or failing then, with `fail=True`; only the
+    first one, with `first_only=True`): `started` once a write is in progress."""
 
-    def __init__(self, transfer, monkeypatch, fail: bool = False) -> None:
+    def __init__(self, transfer, monkeypatch, fail: bool = False, first_only: bool = False) -> None:
         import threading
 
         self.started, self._gate = threading.Event(), threading.Event()
         write = transfer.write_pages
 
         def held(*args, **kwargs):
+            if first_only and self.started.is_set():  # a later write goes through at once
+                return write(*args, **kwargs)
             self.started.set()
             assert self._gate.wait(30), "the test never released the write"
             if fail:
@@ -1185,3 +1187,173 @@ def test_kv_corrupt_in_a_stream_is_the_first_token_then_the_error_and_frees_page
         monkeypatch.undo()
         leaked = corrupt_stream(pair)
         assert leaked["errors"] == ["pd_kv_corrupt"] and leaked["decode_pages"] > 0 and leaked["decode_staging"] > 0
+
+
+# ---- a room given up while its KV write is in progress ---------------------------------------------------
+
+def opened_rooms(registry, monkeypatch) -> dict[str, tuple[list[int], int | None]]:
+    """The rooms the prefill side opens from now on: room id -> (the decode side's pages, its receive slot)."""
+    rooms: dict[str, tuple[list[int], int | None]] = {}
+    open_room = registry.open
+
+    def recording(room, name, session_id, dst_pages, staging_offset=None):
+        rooms[room] = (list(dst_pages), staging_offset)
+        return open_room(room, name, session_id, dst_pages, staging_offset)
+
+    monkeypatch.setattr(registry, "open", recording)
+    return rooms
+
+
+def give_up_during_the_write(write: HeldWrite, monkeypatch) -> None:
+    """The decode side's next request fails between the answer's two lines (its first line turned into
+    a request), once the prefill side's KV write into its room is in progress: it gives the room up."""
+    from runtime.disagg import decode
+    from runtime.server.errors import ApiError
+
+    build = decode.prefilled_request
+
+    def failing(*args, **kwargs):
+        monkeypatch.setattr(decode, "prefilled_request", build)  # the next request is served
+        assert write.started.wait(30), "the prefill side never started the KV write"
+        raise ApiError(502, "planted: the decode side gives the room up", type="server_error", code="pd_planted")
+
+    monkeypatch.setattr(decode, "prefilled_request", failing)
+
+
+def free_at_once(pd, monkeypatch) -> None:
+    """The planted old order: a given-up room's pages and slot go back as the decode side hangs up."""
+    monkeypatch.setattr(pd, "_give_up", lambda state, rid, pages, staging, link, reason:
+                        pd._release(state, rid, pages, staging, admitted=False))
+
+
+def given_up_during_the_write_violations(pair, colocated, monkeypatch) -> list[str]:
+    """What is wrong when the decode side gives a room up (an error between the answer's two lines)
+    while the prefill side's KV write into it is in progress (held), and a request is served
+    meanwhile: the given-up room's pages or receive slot back before the write ended, the later
+    request given any of them (the arena is first fit: a slot freed at once is the next one's), a wrong
+    answer; or, once the write ended, anything left on either side."""
+    write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch, first_only=True)
+    rooms = opened_rooms(pair.prefill_state.pd.registry, monkeypatch)
+    give_up_during_the_write(write, monkeypatch)
+    decode_state, found = pair.decode_state, []
+    payload = body(PROMPTS[0])
+    expected = answer(colocated, payload)
+    try:
+        reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[1]), timeout=60)
+        assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_planted", reply.text
+        time.sleep(0.3)  # what the decode side frees at once is free by now
+        (given_up, (pages, slot)), = rooms.items()
+        held = (decode_state.engine.pages_in_use, decode_state.pd.transfer.staging.slots_in_use)
+        if held != (len(pages), 1):
+            found.append(f"pages and slots in use during the write {held}, the given-up room has {len(pages)}, 1")
+        if answer(pair.router, payload) != expected:
+            found.append("the request served during the write answered wrong")
+        (later_pages, later_slot), = [v for room, v in rooms.items() if room != given_up]
+        if set(later_pages) & set(pages) or later_slot == slot:
+            found.append(f"the request served during the write got the given-up room's pages or slot ({later_slot})")
+    finally:
+        write.release()
+    left = wait_pages_free(pair.prefill_state, decode_state) + wait_staging_free(pair.prefill_state, decode_state)
+    wait_until(lambda: pair.prefill_state.pd.registry.open_rooms == 0 and not pair.prefill_state.pd.pending,
+               what="the prefill side's rooms and requests to end")
+    if left != [0, 0, 0, 0] or sample(decode_state, "dsv4_pd_quarantined_pages"):
+        found.append(f"left once the write ended: pages, slots {left}")
+    return found
+
+
+@pytest.mark.parametrize("planted", [None, free_at_once], ids=["as_built", "free_at_once"])
+def test_a_room_given_up_during_its_kv_write_keeps_its_pages_and_slot_until_the_write_ended(servers, monkeypatch,
+                                                                                            planted):
+    """The room's pages and receive slot stay reserved until the prefill side's write into them ended,
+    so a request served meanwhile gets other pages and another slot and the colocated server's answer;
+    then every page and slot is back on both sides, no room left open. Negative control: the old order
+    (freed as the decode side hangs up: `free_at_once`, and main's code) fails the first check, (0, 0),
+    and the later request gets the given-up slot."""
+    pair, colocated = servers
+    if planted is not None:
+        planted(pair.decode_state.pd, monkeypatch)
+    found = given_up_during_the_write_violations(pair, colocated, monkeypatch)
+    if planted is None:
+        assert found == []
+    else:
+        assert any("during the write (0, 0)" in f for f in found) and any("got the given-up" in f for f in found), found
+
+
+def prompt_tokens(url: str, prompt: str) -> int:
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body(prompt, max_tokens=1), timeout=60)
+    assert reply.status_code == 200, reply.text
+    return int(reply.json()["usage"]["prompt_tokens"])
+
+
+def streamed(url: str, payload: dict, started) -> dict:
+    """A streamed request's status, error code and answer (`answer`'s shape); `started` is set once
+    its second token is in, or once it ended."""
+    out: dict = {"status": None, "code": None, "answer": None}
+    text, logprobs, finish = "", [], None
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=60) as reply:
+            out["status"] = reply.status_code
+            if reply.status_code != 200:
+                out["code"] = json.loads(reply.read())["error"]["code"]
+                return out
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out["code"] = chunk["error"]["code"]
+                    return out
+                choice = chunk["choices"][0]
+                text += choice["delta"].get("content", "")
+                logprobs += (choice.get("logprobs") or {}).get("content") or []
+                finish = choice["finish_reason"] or finish
+                if len(logprobs) >= 2:
+                    started.set()
+        out["answer"] = {"text": text, "logprobs": logprobs, "finish": finish}
+        return out
+    finally:
+        started.set()
+
+
+@pytest.mark.parametrize("planted", [None, free_at_once], ids=["as_built", "free_at_once"])
+def test_direct_mode_a_late_write_never_reaches_a_request_admitted_after_the_give_up(servers, monkeypatch, planted):
+    """Direct transfer (host pools, pages written by id), a decode pool one page larger than the first
+    prompt: a room is given up while its KV write is held, then a second prompt arrives and the write
+    is released once that one is decoding. By the pool's size, it must be refused by name
+    (pd_out_of_pages: the given-up room's pages are still reserved, as they must be while the write
+    may land). Negative control: the old order (pages freed at once) gives the second prompt those
+    pages, and the late write overwrites its KV after its check: a wrong answer, silently (on main's
+    code, whose `fail` also blocked the prefill server's event loop for the held write, the second
+    prompt timed out instead: pd_prefill_unreachable)."""
+    import threading
+
+    _, colocated = servers
+    given_up, later = PROMPTS[3], "Tell me a story about a dragon and a knight, " * 2
+    pages = -(-prompt_tokens(colocated, given_up) // 16) + 1
+    later_tokens = prompt_tokens(colocated, later)
+    assert later_tokens > 16, later_tokens  # two pages at least: more than the spare one
+    payload = body(later, stream=True, max_tokens=pages * 16 - later_tokens - 1)
+    expected = answer(colocated, payload)
+    direct = ("--disaggregation-transfer", "direct")
+    with pd_pair(prefill_args=direct, decode_args=(*direct, "--num-pages", str(pages))) as pair:
+        write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch, first_only=True)
+        give_up_during_the_write(write, monkeypatch)
+        if planted is not None:
+            planted(pair.decode_state.pd, monkeypatch)
+        reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(given_up), timeout=60)
+        assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_planted", reply.text
+        time.sleep(0.3)  # what the decode side frees at once is free by now
+        decoding, result = threading.Event(), {}
+        reader = threading.Thread(target=lambda: result.update(streamed(pair.router, payload, decoding)))
+        reader.start()
+        try:
+            assert decoding.wait(60)
+        finally:
+            write.release()
+        reader.join(60)
+        if planted is None:  # one page free, the second prompt needs two at least
+            assert (result["status"], result["code"]) == (503, "pd_out_of_pages"), result
+        else:  # served, no error anywhere, and wrong
+            assert result["status"] == 200 and result["code"] is None and result["answer"] != expected, result
+        assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+        assert answer(pair.router, payload) == expected  # the pool is whole again

@@ -5,6 +5,8 @@ a timeout error instead of a hang. The pd-stale-bootstrap fault is the negative 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -148,3 +150,154 @@ def test_a_room_given_up_before_it_opened_refuses_a_late_open_at_once_then_is_fo
         assert registry.open_rooms == 1
 
     run(scenario())
+
+
+# ---- a failure that meets a KV write in progress; the decode side's close ----------------------------
+
+WRITE_S = 0.3  # how long the planted write holds its room's lock
+
+
+def write_in_progress(room) -> threading.Event:
+    """A writer thread holding `room.lock` for WRITE_S, as `PrefillSide._write` holds it while Mooncake
+    writes; the returned event is set once it holds it."""
+    holding = threading.Event()
+
+    def write() -> None:
+        with room.lock:
+            holding.set()
+            time.sleep(WRITE_S)
+
+    threading.Thread(target=write, daemon=True).start()
+    assert holding.wait(5)
+    return holding
+
+
+def opened(registry: BootstrapRegistry, room: str = "room-1"):
+    session = registry.register("decode-0", "life-1", pool(1000))
+    return registry.open(room, "decode-0", session.session_id, [0])
+
+
+def test_a_failure_during_a_write_does_not_block_the_loop_and_fails_the_room_once_the_write_ended():
+    """`fail` meets a write in progress (the prefill server's caller or the decode side went away):
+    it returns at once, the event loop serving every other room meanwhile, and the room's waiters
+    (the decode side's error line, on which it frees the pages) hear of the failure only once the
+    write ended, with later writes barred. Negative control: the old `fail` waited for the room's lock
+    on the event loop (the call took the whole write)."""
+    async def scenario() -> tuple[float, bool, float, bool]:
+        registry = BootstrapRegistry()
+        room = opened(registry)
+        write_in_progress(room)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        registry.fail("room-1", RoomFailed("room room-1: the decode side stopped waiting"))
+        returned = loop.time() - started
+        failed_during_write = room.done.done()
+        with pytest.raises(RoomFailed):
+            await asyncio.wait_for(asyncio.shield(room.done), 5)
+        return returned, failed_during_write, loop.time() - started, room.closed
+
+    returned, failed_during_write, failed_after, closed = run(scenario())
+    assert returned < WRITE_S / 3, f"fail blocked the event loop for {returned:.3f} s"
+    assert not failed_during_write and failed_after >= WRITE_S * 0.9 and closed
+
+
+def test_a_timed_out_wait_for_the_kv_answers_only_once_the_write_in_progress_ended():
+    """wait_done's deadline meets a write in progress: its timeout error (the decode side's error line,
+    on which it frees the pages) comes only once the write ended. Negative control: raising as soon as
+    `fail` returned (the deferred failure not awaited) answers during the write."""
+    async def scenario(await_the_write: bool) -> float:
+        registry = BootstrapRegistry()
+        room = opened(registry)
+        write_in_progress(room)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if not await_the_write:  # the planted bug
+            registry.fail("room-1", BootstrapTimeout("room room-1: deadline"))
+            return loop.time() - started
+        with pytest.raises(BootstrapTimeout):
+            await registry.wait_done("room-1", 0.01)
+        return loop.time() - started
+
+    assert run(scenario(True)) >= WRITE_S * 0.9
+    assert run(scenario(False)) < WRITE_S / 3
+
+
+def test_closing_a_room_answers_once_its_write_ended_without_blocking_the_loop():
+    """The decode side's close meets a write in progress: `close_room` returns True only once the
+    write ended (then the room is closed and failed), while the event loop keeps running."""
+    async def scenario() -> tuple[bool, float, int, bool]:
+        registry = BootstrapRegistry()
+        room = opened(registry)
+        write_in_progress(room)
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.ensure_future(tick())
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        closed = await registry.close_room("room-1", RoomFailed("room room-1: given up"), 5.0)
+        ticker.cancel()
+        with pytest.raises(RoomFailed):
+            room.done.result()
+        return closed, loop.time() - started, ticks, room.closed
+
+    closed, took, ticks, barred = run(scenario())
+    assert closed and barred and took >= WRITE_S * 0.9
+    assert ticks >= 10, f"the event loop ran {ticks} times in {took:.2f} s"
+
+
+def test_closing_a_room_whose_write_outlasts_the_deadline_is_not_confirmed():
+    async def scenario() -> tuple[bool, bool]:
+        registry = BootstrapRegistry()
+        room = opened(registry)
+        write_in_progress(room)
+        return await registry.close_room("room-1", RoomFailed("room room-1: given up"), 0.05), room.done.done()
+
+    assert run(scenario()) == (False, False)
+
+
+def test_closing_a_room_before_it_opened_or_its_request_arrived_refuses_the_late_open():
+    """The decode side closes a room its prefill server has not opened yet (its /pd/transfer call is
+    still on its way), or has not even heard of (the prompt not arrived): the late open fails, and so
+    does the prompt's wait for the room, at once."""
+    async def scenario() -> None:
+        registry = BootstrapRegistry()
+        session = registry.register("decode-0", "life-1", pool(1000))
+        registry.expect("room-1")
+        for room in ("room-1", "room-2"):  # arrived / not arrived yet
+            assert await registry.close_room(room, RoomFailed(f"room {room}: given up"), 1.0)
+            registry.expect(room)
+            with pytest.raises(RoomFailed, match="given up"):
+                await registry.wait_opened(room, 5.0)
+            with pytest.raises(RoomFailed, match="given up"):
+                registry.open(room, "decode-0", session.session_id, [0])
+        assert registry.open_rooms == 0
+
+    run(scenario())
+
+
+def test_a_close_after_the_room_failed_and_was_forgotten_still_waits_for_the_write():
+    """The decode side hung up (its wait_done cancelled: the room failed, then forgotten) while the
+    write was in progress; its close arrives after that: it still waits for the write, not only for
+    the rooms the registry still lists."""
+    async def scenario() -> tuple[bool, float]:
+        registry = BootstrapRegistry()
+        room = opened(registry)
+        write_in_progress(room)
+        waiting = asyncio.ensure_future(registry.wait_done("room-1", 5.0))
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # the decode side's connection went away
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert registry.open_rooms == 0  # forgotten
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        closed = await registry.close_room("room-1", RoomFailed("room room-1: given up"), 5.0)
+        return closed, loop.time() - started
+
+    closed, took = run(scenario())
+    assert closed and took >= WRITE_S * 0.5

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime.config import EngineConfig
-from runtime.disagg.decode import DecodeSide, prefilled_request
+from runtime.disagg.decode import DecodeSide, RoomLink, prefilled_request
 from runtime.disagg.metrics import PDMetrics
 from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 from runtime.disagg.staging import StagingArena
@@ -88,7 +88,7 @@ def test_shutdown_with_the_kv_landing_queued_frees_the_pages_and_the_slot(decode
         answer = Answered({**prefill_reply(65), "digest": "-", "kv_bytes": 0})
         decode.bridge.announce_prefilled("r1")
         side._spawn(side._verify_then_admit(decode.state, "room-1", req, answer, 0.0, staging,  # type: ignore[arg-type]
-                                            asyncio.Queue(), NO_TRACE))
+                                            asyncio.Queue(), NO_TRACE), side._verifying)
         await asyncio.sleep(0.05)
         assert answer.closed and decode.arena.slots_in_use == 1  # the KV's word is in, its landing queued
         decode.bridge.stop()
@@ -105,6 +105,7 @@ class Answered:
 
     def __init__(self, result: dict) -> None:
         self.result, self.closed = result, False
+        self.link = RoomLink("http://127.0.0.1:9", "room-1")  # its last line is in: no write can land now
 
     async def line(self, want: str) -> dict:
         assert want == "done"
