@@ -136,12 +136,13 @@ def build_state(args: argparse.Namespace):
     engine = start_engine(loaded, cfg, faults=FaultSet.from_env(env, args.inject_fault), env=env, overlap=overlap,
                           tp=args.tp, disaggregation=args.disaggregation_mode)
     template = ChatTemplate.for_model(Path(loaded.path) if loaded.path else None)
+    api_key = args.api_key or env.server_api_key
     pd = None
     if args.disaggregation_mode:
         from runtime.disagg.setup import build_pd_side
 
-        pd = build_pd_side(args, engine)
-    return ServerState(loaded, engine, template, env, api_key=args.api_key or env.server_api_key,
+        pd = build_pd_side(args, engine, api_key)
+    return ServerState(loaded, engine, template, env, api_key=api_key,
                        max_concurrent_requests=args.max_concurrent_requests, pd=pd)
 
 

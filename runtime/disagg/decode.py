@@ -64,8 +64,11 @@ class DecodeSide:
     mode = "decode"
 
     def __init__(self, engine: Engine, transfer: KVTransfer, name: str, metrics: PDMetrics, timeout_s: float,
-                 faults: FaultSet) -> None:
+                 faults: FaultSet, api_key: str | None = None) -> None:
+        """`api_key`: the bearer key this server shows the prefill servers' /pd routes (a pair shares
+        the key its clients use: the router forwards theirs to both servers)."""
         self.engine, self.transfer, self.name, self.metrics = engine, transfer, name, metrics
+        self.api_key = api_key
         self.timeout_s = timeout_s
         self.faults = faults
         self.sessions: dict[str, str] = {}  # prefill URL -> our current session id there
@@ -86,7 +89,9 @@ class DecodeSide:
         loop = asyncio.get_running_loop()
         if self._client is None or self._client[0] is not loop:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self._client = (loop, httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s + 5), limits=limits))
+            headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key is not None else None
+            self._client = (loop, httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s + 5), limits=limits,
+                                                    headers=headers))
         return self._client[1]
 
     async def aclose(self) -> None:

@@ -23,7 +23,8 @@ def transfer_mode(args: argparse.Namespace, device: str) -> str:
     return mode
 
 
-def build_pd_side(args: argparse.Namespace, engine: Engine):
+def build_pd_side(args: argparse.Namespace, engine: Engine, api_key: str | None = None):
+    """`api_key`: the server's own (`--api-key`): a decode server shows it to its prefill servers."""
     if args.tp > 1:
         raise ValueError("--disaggregation-mode with --tp > 1 is not supported yet (one KV pool per server)")
     kv, cfg = engine.kv, engine.cfg
@@ -44,4 +45,4 @@ def build_pd_side(args: argparse.Namespace, engine: Engine):
     if args.disaggregation_mode == "prefill":
         return PrefillSide(engine, transfer, BootstrapRegistry(engine.faults), metrics, args.disaggregation_timeout)
     name = args.disaggregation_name or f"http://{args.host}:{args.port}"
-    return DecodeSide(engine, transfer, name, metrics, args.disaggregation_timeout, engine.faults)
+    return DecodeSide(engine, transfer, name, metrics, args.disaggregation_timeout, engine.faults, api_key=api_key)

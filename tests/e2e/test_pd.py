@@ -184,6 +184,22 @@ def test_router_metrics_sum_the_pairs_pages_and_preemptions(servers):
         assert sample(pair.router, name) == sample(pair.prefill, name) + sample(pair.decode, name)
 
 
+def test_a_pair_with_an_api_key_serves_keyed_clients_and_refuses_the_rest():
+    """Both servers started with `--api-key`: the router forwards the client's key to both, and the
+    decode server shows its own key to the prefill server's /pd routes (it sent none: every request of
+    a keyed pair failed with the prefill server's 401 from /pd/register)."""
+    key = "pd-test-key"
+    with pd_pair(prefill_args=("--api-key", key), decode_args=("--api-key", key)) as pair:
+        payload = body(PROMPTS[2])
+        keyed = httpx.post(f"{pair.router}/v1/chat/completions", json=payload, timeout=120,
+                           headers={"authorization": f"Bearer {key}"})
+        assert keyed.status_code == 200, keyed.text
+        assert keyed.json()["choices"][0]["message"]["content"]
+        unkeyed = httpx.post(f"{pair.router}/v1/chat/completions", json=payload, timeout=120)
+        assert unkeyed.status_code == 401, unkeyed.text
+        assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
 def test_servers_refuse_requests_that_bypass_the_router(servers):
     pair, _ = servers
     for url in (pair.prefill, pair.decode):
