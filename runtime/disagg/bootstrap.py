@@ -253,11 +253,7 @@ class BootstrapRegistry:
 def _bar_writes(entry: Room, timeout_s: float | None) -> bool:
     """Set `entry.closed` under its lock, waiting up to `timeout_s` for a write in progress (0: not at
     all, None: as long as it takes); False when the lock stayed held."""
-    if timeout_s is None:
-        acquired = entry.lock.acquire()
-    else:
-        acquired = entry.lock.acquire(timeout=timeout_s) if timeout_s > 0 else entry.lock.acquire(blocking=False)
-    if not acquired:
+    if not entry.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
         return False
     try:
         entry.closed = True

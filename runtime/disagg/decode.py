@@ -42,7 +42,8 @@ from runtime.disagg.protocol import (
     ROOM_HEADER,
     ends_the_write,
     error_from_body,
-    read_transfer_line,
+    parse_transfer_line,
+    transfer_value,
 )
 from runtime.disagg.transfer import KVTransfer, digest_workers, kv_digest
 from runtime.engine.engine import Engine
@@ -456,11 +457,10 @@ class TransferAnswer:
         ends early a pd_upstream_error."""
         async for line in self._lines:
             if line.strip():
-                try:
-                    return read_transfer_line(line, want)
-                finally:
-                    if ends_the_write(line):
-                        self.link.may_write = False
+                parsed = parse_transfer_line(line)
+                if ends_the_write(parsed):
+                    self.link.may_write = False
+                return transfer_value(parsed, want, line)
         raise ApiError(502, f"the /pd/transfer answer ended before its {want!r} line", type="server_error",
                        code="pd_upstream_error")
 

@@ -63,14 +63,20 @@ def transfer_error(error: ApiError) -> dict:
     return {"status": error.status, **error.body()}
 
 
-def read_transfer_line(line: str, want: str) -> dict:
-    """The value of a /pd/transfer line that must be `want` ("first" or "done"); an error line, a
-    malformed line or the wrong kind raise the ApiError the decode side's client sees."""
+def parse_transfer_line(line: str) -> dict | None:
+    """A /pd/transfer line as its one-key object ({"first": ...}, {"done": ...} or {"error": ...}), or
+    None when it is not one. Parsed once: `ends_the_write` and `transfer_value` both read the result."""
     try:
         parsed = json.loads(line)
     except ValueError:
-        parsed = None
-    if not isinstance(parsed, dict) or len(parsed) != 1:
+        return None
+    return parsed if isinstance(parsed, dict) and len(parsed) == 1 else None
+
+
+def transfer_value(parsed: dict | None, want: str, line: str) -> dict:
+    """The value of a parsed /pd/transfer line that must be `want` ("first" or "done"); an error line,
+    a malformed line (None) or the wrong kind raise the ApiError the decode side's client sees."""
+    if parsed is None:
         raise ApiError(502, f"malformed /pd/transfer line: {line[:200]!r}", type="server_error",
                        code="pd_upstream_error")
     if "error" in parsed and isinstance(parsed["error"], dict):
@@ -82,11 +88,7 @@ def read_transfer_line(line: str, want: str) -> dict:
     return parsed[want]
 
 
-def ends_the_write(line: str) -> bool:
-    """Whether a /pd/transfer line says no KV write into the room is in progress or can start: the
-    result line (written) or an error line (the room failed, which bars its writes first)."""
-    try:
-        parsed = json.loads(line)
-    except ValueError:
-        return False
-    return isinstance(parsed, dict) and len(parsed) == 1 and isinstance(parsed.get("done", parsed.get("error")), dict)
+def ends_the_write(parsed: dict | None) -> bool:
+    """Whether a parsed /pd/transfer line says no KV write into the room is in progress or can start:
+    the result line (written) or an error line (the room failed, which bars its writes first)."""
+    return parsed is not None and isinstance(parsed.get("done", parsed.get("error")), dict)
