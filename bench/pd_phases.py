@@ -55,6 +55,13 @@ PD_KV_CHECK: Path = (
     ("decode.engine_accepted", "decode: digest compared, admitted"),
 )
 
+# What a traced PD request waits for before its marks are read: the last mark each side makes after
+# the first token. Both sides are needed: the router reads the prefill server's marks, then the decode
+# server's, so a decode side that had finished could be read beside a prefill snapshot taken just
+# before the prefill side's last marks (the CI host saw this once in ~30 requests).
+PD_AFTER_FIRST_TOKEN: tuple[str, ...] = tuple(
+    {mark.split(".")[0]: mark for mark, _ in PD_KV_CHECK}.values())
+
 # Runs beside PD_PATH: the decode side opens the room while the prompt computes.
 PD_ROOM_BRANCH: Path = (
     ("router.received", "start"),

@@ -32,7 +32,7 @@ import httpx
 
 from bench.pd_phases import (
     COLOCATED_PATH,
-    PD_KV_CHECK,
+    PD_AFTER_FIRST_TOKEN,
     PD_PATH,
     PD_ROOM_BRANCH,
     PD_SENDER_DIGEST,
@@ -73,7 +73,7 @@ def traced_ttft(client: httpx.Client, url: str, words: int, i: int, headers: dic
                 side: str | None, until: tuple[str, ...] = ()) -> tuple[float, dict[str, float]]:
     """`ttft` of a traced request, and its marks on every side, flattened ("router.received", ...).
     `side`: the name of a lone server's marks (colocated); None for the router, which names its own.
-    `until`: marks made after the first token (the PD decode side's KV check, PD_KV_CHECK), waited for
+    `until`: marks made after the first token (the PD pair's PD_AFTER_FIRST_TOKEN: every side's last), waited for
     up to MARKS_WAIT_S."""
     key = uuid.uuid4().hex
     mine: dict[str, float] = {}
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.phases:
                     for url, headers, side, times, marks in ((pd_url, pd_headers, None, pd, pd_marks),
                                                              (co_url, co_headers, "server", co, co_marks)):
-                        until = (PD_KV_CHECK[-1][0],) if side is None else ()
+                        until = PD_AFTER_FIRST_TOKEN if side is None else ()
                         seconds, request_marks = traced_ttft(client, url, words, i, headers, side, until)
                         times.append(seconds)
                         marks.append(request_marks)

@@ -127,14 +127,21 @@ def test_a_traced_request_has_every_phase_mark_in_path_order(servers):
     """`bench.pd_ttft --phases` reads these: every mark of the PD pair's critical path, of the decode
     side's room-opening branch and of the colocated server's path is kept, each at or after the one
     before it; an untraced request is kept by no server."""
-    from bench.pd_phases import COLOCATED_PATH, PD_KV_CHECK, PD_PATH, PD_ROOM_BRANCH, PD_SENDER_DIGEST
+    from bench.pd_phases import (
+        COLOCATED_PATH,
+        PD_AFTER_FIRST_TOKEN,
+        PD_KV_CHECK,
+        PD_PATH,
+        PD_ROOM_BRANCH,
+        PD_SENDER_DIGEST,
+    )
     from bench.pd_ttft import traced_ttft
 
     pair, colocated = servers
     with httpx.Client() as client:
         for url, side, paths in ((pair.router, None, (PD_PATH, PD_ROOM_BRANCH, PD_SENDER_DIGEST, PD_KV_CHECK)),
                                  (colocated, "server", (COLOCATED_PATH,))):
-            _, marks = traced_ttft(client, url, 8, 0, None, side, until=(PD_KV_CHECK[-1][0],) if side is None else ())
+            _, marks = traced_ttft(client, url, 8, 0, None, side, until=PD_AFTER_FIRST_TOKEN if side is None else ())
             for path in paths:
                 times = [marks[mark] for mark, _ in path]  # a KeyError names a missing mark
                 assert times == sorted(times), [(mark, marks[mark]) for mark, _ in path]
