@@ -8,10 +8,11 @@
   inside one burst moved a clean A/B pair's ratio by 30%; the median of 3 ignores one such burst.
 - TTFT at a fixed arrival rate: requests of distinct prompts sent on a fixed clock (not as a burst,
   whose p50 depends on where each request lands in the queue), one output token each; the figure
-  is the median TTFT. Distinct across trials, verdicts and gate runs too (a nonce per trial): a
-  server with a prefix cache (the embedded runtime on CPU, SGLang's radix cache) answers a prompt it
-  has seen from its cache, so a long-lived baseline server that had seen a trial's prompts in an
-  earlier verdict read 10x the TTFT of a fresh candidate (2-core CPU, 2026-12-04).
+  is the median TTFT. An A/B pair's two series run on one clock, their requests alternating. The
+  prompts are distinct across trials, verdicts and gate runs too (a nonce per trial): a server with
+  a prefix cache (the embedded runtime on CPU, SGLang's radix cache) answers a prompt it has seen
+  from its cache, so a long-lived baseline server that had seen a trial's prompts in an earlier
+  verdict read 10x the TTFT of a fresh candidate (2-core CPU, 2026-12-04).
 
 Servers this project did not write: completion tokens are the usage chunk's where the stream ends
 with one (`stream_options.include_usage`; the embedded runtime's figures and the stored baselines are
@@ -190,30 +191,36 @@ async def _decode_rate(client, target: Target, concurrency: int, max_tokens: int
     return concurrency / statistics.fmean(tpots)
 
 
-async def _ttft_at_rate(client, target: Target, rate: float, count: int, trial: str, logprobs: bool = True,
-                        counted: Counter | None = None) -> float:
-    """The median TTFT of `count` requests sent `rate` a second; `trial` names the trial's prompts
-    (the same on both sides of a pair, new to every server)."""
-    async def one(i: int) -> float:
-        await asyncio.sleep(i / rate)
-        messages, extra = _messages(target, 1 + i, salt=f"{trial}r{i}")
-        timing = await _stream(client, target, messages, extra, 1, logprobs)
+async def _ttft_on_one_clock(client, targets: list[Target], rate: float, count: int, trial: str,
+                            logprobs: bool = True, counted: list[Counter] | None = None) -> list[float]:
+    """Each target's median TTFT of `count` requests sent `rate` a second, every target's series on
+    one clock: target j's request i leaves at (i + j / n) / rate, so the targets' requests alternate
+    and a drift of the machine (a load spike on a shared runner, a clock change on the GPU) falls on
+    every target alike. Whole series one after the other read a load spike on one side only: on the
+    2-core CPU the pair's TTFT log-ratio had an sd of 0.2-0.27 that way (2026-12-04). `trial` names
+    the trial's prompts: request i carries the same prompt on every target, new to each server."""
+    n = len(targets)
+
+    async def one(j: int, i: int) -> float:
+        await asyncio.sleep((i + j / n) / rate)
+        messages, extra = _messages(targets[j], 1 + i, salt=f"{trial}r{i}")
+        timing = await _stream(client, targets[j], messages, extra, 1, logprobs)
         assert timing.first_token is not None
         if counted is not None:
-            counted[timing.counted] += 1
+            counted[j][timing.counted] += 1
         return timing.first_token - timing.started
 
-    return statistics.median(await asyncio.gather(*(one(i) for i in range(count))))
+    ttfts = await asyncio.gather(*(one(j, i) for j in range(n) for i in range(count)))
+    return [statistics.median(ttfts[j * count:(j + 1) * count]) for j in range(n)]
 
 
 async def _trials(targets: list[Target], workload: TrialWorkload, trial: int, transport=None) -> list[TrialFigures]:
     """One trial per target, their decode bursts taken in turns (round r visits the targets in
     order, round r + 1 in reverse), so a drift of the machine slower than a burst or two falls on
-    every target alike; the TTFT series then run one target after the other (two arrival clocks at
-    once would load the host twice)."""
+    every target alike; then the TTFT series of every target on one clock (`_ttft_on_one_clock`)."""
     import httpx
 
-    limits = httpx.Limits(max_connections=max((*workload.concurrency, workload.ttft_requests)) + 4)
+    limits = httpx.Limits(max_connections=max((*workload.concurrency, len(targets) * workload.ttft_requests)) + 4)
     prompts = f"t{trial}-{uuid.uuid4().hex[:12]}"  # the TTFT prompts' name: new to every server (docstring)
     counted: list[Counter] = [Counter() for _ in targets]
     figures: list[dict[str, float]] = [{} for _ in targets]
@@ -228,9 +235,10 @@ async def _trials(targets: list[Target], workload: TrialWorkload, trial: int, tr
             for i in range(len(targets)):
                 figures[i][f"decode_tok_s@{c}"] = statistics.median(bursts[i])
         if workload.ttft_rate > 0 and workload.ttft_requests:
-            for i, target in enumerate(targets):
-                figures[i][f"ttft_s@{workload.ttft_rate:g}rps"] = await _ttft_at_rate(
-                    client, target, workload.ttft_rate, workload.ttft_requests, prompts, workload.logprobs, counted[i])
+            medians = await _ttft_on_one_clock(client, targets, workload.ttft_rate, workload.ttft_requests,
+                                               prompts, workload.logprobs, counted)
+            for i, median in enumerate(medians):
+                figures[i][f"ttft_s@{workload.ttft_rate:g}rps"] = median
     return [TrialFigures(f, dict(sorted(n.items()))) for f, n in zip(figures, counted)]
 
 

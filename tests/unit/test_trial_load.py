@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
+import time
 
 import httpx
 import pytest
@@ -20,6 +22,7 @@ from canary.targets import Target
 pytestmark = pytest.mark.unit
 
 TARGET = Target("fake", "http://fake/v1", "m", False)
+A, B = Target("a", "http://a/v1", "m", False), Target("b", "http://b/v1", "m", False)
 
 
 def sse(chunks: list[dict], done: bool = True) -> bytes:
@@ -49,12 +52,13 @@ class FakeServer:
     """Answers every chat completion with `answer(body)` (SSE bytes) and keeps the request bodies."""
 
     def __init__(self, answer) -> None:
-        self.answer, self.bodies = answer, []
+        self.answer, self.bodies, self.hosts = answer, [], []
 
     def transport(self) -> httpx.MockTransport:
         def handle(request: httpx.Request) -> httpx.Response:
             body = json.loads(request.content)
             self.bodies.append(body)
+            self.hosts.append(request.url.host)
             return httpx.Response(200, content=self.answer(body), headers={"content-type": "text/event-stream"})
 
         return httpx.MockTransport(handle)
@@ -159,9 +163,44 @@ def test_ttft_prompts_are_new_to_the_server_in_every_trial():
     seen = ttft_prompts(server)
     assert len(seen) == 6 and len(set(seen)) == 6
     pair = FakeServer(lambda body: reply(body["max_tokens"]))
-    asyncio.run(trial_load._trials([TARGET, TARGET], workload, 0, transport=pair.transport()))
-    sent = ttft_prompts(pair)
-    assert sorted(sent[:3]) == sorted(sent[3:]) and len(set(sent)) == 3
+    asyncio.run(trial_load._trials([A, B], workload, 0, transport=pair.transport()))
+    sent = {host: [p for p, h in zip(ttft_prompts(pair), ttft_hosts(pair)) if h == host] for host in "ab"}
+    assert sent["a"] == sent["b"] and len(set(sent["a"])) == 3
+
+
+def ttft_hosts(server: FakeServer) -> list[str]:
+    return [h for b, h in zip(server.bodies, server.hosts) if b["max_tokens"] == 1]
+
+
+def test_a_pairs_ttft_series_share_one_clock_so_a_drift_falls_on_both_sides(monkeypatch):
+    """Each server still gets `ttft_rate` requests a second, the two servers' requests alternating. On
+    a machine that slows as the trial goes on, the pair reads the two equal servers within the drift of
+    half an interval; negative control: the series one after the other (the old trial) read the second
+    server far slower."""
+    sent: list[tuple[str, float]] = []
+    started = 0.0
+
+    async def drifting_stream(client, target, messages, extra, max_tokens, logprobs=True):
+        now = time.perf_counter()
+        sent.append((target.name, now))
+        ttft = 0.01 * math.exp(4.0 * (now - started))  # the machine slows ~4x a second
+        return trial_load._Timing(now, first_token=now + ttft, finished=now + ttft, tokens=1, counted="usage")
+
+    monkeypatch.setattr(trial_load, "_stream", drifting_stream)
+    workload = TrialWorkload(concurrency=(1,), ttft_rate=20.0, ttft_requests=6)
+
+    async def series(targets):
+        return await trial_load._ttft_on_one_clock(None, targets, workload.ttft_rate, workload.ttft_requests, "t")
+
+    started = time.perf_counter()
+    a, b = asyncio.run(series([A, B]))
+    assert [name for name, _ in sent] == ["a", "b"] * 6
+    gaps = [later - earlier for (_, earlier), (_, later) in zip(sent[::2], sent[2::2])]
+    assert all(g == pytest.approx(1 / workload.ttft_rate, abs=0.02) for g in gaps)
+    assert b / a < 1.2
+    started = time.perf_counter()
+    a, b = asyncio.run(series([A]))[0], asyncio.run(series([B]))[0]
+    assert b / a > 2
 
 
 def test_the_trials_records_say_how_tokens_were_counted():
