@@ -19,7 +19,18 @@ may be open there (its /pd/transfer call out, the answer's last line not in) has
 the prefill server first (`POST /pd/rooms/{room}/close`, which answers once no write is in progress
 or can start), beside the client's error; only then do its pages and slot go back. Freed at once,
 they could be another request's by the time a write in progress lands. A close that is not confirmed
-within the PD timeout leaves them out of the pools for good (`dsv4_pd_quarantined_pages`).
+within the PD timeout (the prefill server hangs, answers an error, or cannot be reached but did not
+refuse the connection) quarantines them: out of the pools (`dsv4_pd_quarantined_pages`), while the
+close is sent again with a growing, bounded wait (`retry_waits`); a confirmed (or refused) retry puts
+them back (`dsv4_pd_quarantines_lifted`). A network blip or a pause of the prefill server costs the
+pages for seconds, not until a restart. Shutdown stops the retries and keeps what is quarantined.
+
+A prefill server older than the close route answers it 404: it never confirms that no write can
+land, and nothing else bounds its writes from here: its room deadlines run on its own clock and bound
+its waits, not a write in progress (a transfer engine call with no deadline of ours), and the oldest
+versions did not even bar writes into a failed room. So those pages stay quarantined too, and one line
+per prefill server says to upgrade it; the close is still tried every QUARANTINE_RETRY_MAX_S, so an
+upgraded (restarted: the old process and its writes are gone) server gets them back.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import asyncio
 import base64
 import logging
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +70,18 @@ log = logging.getLogger(__name__)
 # How long the pages of a room whose prefill server refused the close (nothing listens there) are held
 # before they go back: long enough for bytes the dead sender had put on the wire to have landed.
 REFUSED_SETTLE_S = 0.5
+# The outcomes of a close (`_close_room`) after which no KV write can land in the room's pages any more
+# (refused: once REFUSED_SETTLE_S passed), so they may go back. Any other outcome quarantines them.
+RELEASING_OUTCOMES = frozenset({"closed", "refused"})
+# A quarantined room's close is sent again after QUARANTINE_RETRY_FIRST_S, then after waits growing by
+# QUARANTINE_RETRY_GROWTH up to QUARANTINE_RETRY_MAX_S, for as long as the server runs. The first retry
+# comes soon: the blips this is for (a GC pause, a network hiccup, a write that was still in progress
+# at the prefill side's deadline) are over within seconds, and the first close already waited up to
+# the PD timeout. The cap bounds what a prefill server that is gone for a long time costs (one small
+# request a minute per quarantined room) and how long its pages stay out once it is back.
+QUARANTINE_RETRY_FIRST_S = 2.0
+QUARANTINE_RETRY_GROWTH = 2.0
+QUARANTINE_RETRY_MAX_S = 60.0
 
 
 class DecodeSide:
@@ -80,6 +103,9 @@ class DecodeSide:
         self._digests = digest_workers()
         self._verifying: set[asyncio.Task] = set()  # `_verify_then_admit` of requests whose first token is out
         self._closing: set[asyncio.Task] = set()  # `_close_then_release` of rooms given up
+        self._retrying: set[asyncio.Task] = set()  # `_retry_quarantined` of rooms quarantined
+        self._stopping = False  # set by `aclose`: no close is retried from then on
+        self._no_close_route: set[str] = set()  # prefill servers told to upgrade (the 404 line, once each)
 
     def client(self) -> httpx.AsyncClient:
         """One HTTP client for every call to the prefill servers, made in the server's event loop.
@@ -98,8 +124,10 @@ class DecodeSide:
     async def aclose(self) -> None:
         """At server shutdown: end the KV checks still pending (their streams are gone with the server),
         each giving back its pages and receive slot before this returns, whether its landing or digest
-        had started or not; then stop the digest threads and close the HTTP client (its pooled
-        connections to the prefill servers)."""
+        had started or not; stop retrying the closes of quarantined rooms (their pages stay out); then
+        stop the digest threads and close the HTTP client (its pooled connections to the prefill
+        servers)."""
+        self._stopping = True
         # Checks spawned before this call take their first step first: a task cancelled before it ever
         # ran never runs its `finally`.
         await asyncio.sleep(0)
@@ -109,6 +137,9 @@ class DecodeSide:
         # admitted into them any more).
         await asyncio.sleep(0)
         await _cancel_and_wait(self._closing)
+        # Retried closes of quarantined rooms stop; their pages stay quarantined (a write may still land
+        # there, and the process is going away).
+        await _cancel_and_wait(self._retrying)
         self._digests.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             loop, client = self._client
@@ -337,7 +368,8 @@ class DecodeSide:
         """Close the room on its prefill server, then free its pages and receive slot: a KV write the
         prefill side had in progress when the room was given up would otherwise land in them after
         another request got them. No confirmation within the PD timeout (the prefill server hangs,
-        answers an error, or the network is cut): they stay out of the pools for good (`_quarantine`)."""
+        answers an error, or the network is cut): they stay out of the pools (`_quarantine`) until a
+        retried close is confirmed."""
         outcome = "unconfirmed"
         try:
             outcome = await self._close_room(link, reason)
@@ -348,14 +380,16 @@ class DecodeSide:
             outcome = "shutdown"
             raise
         finally:
-            if outcome == "unconfirmed":
-                self._quarantine(rid, pages, staging, link)
-            else:
+            if outcome in RELEASING_OUTCOMES or outcome == "shutdown":
                 self._release(state, rid, pages, staging, admitted=False)
+            else:
+                self._quarantine(state, Quarantined(rid, pages, staging, link, reason), outcome)
 
-    async def _close_room(self, link: RoomLink, reason: str) -> str:
+    async def _close_room(self, link: RoomLink, reason: str, level: int = logging.ERROR) -> str:
         """POST /pd/rooms/{room}/close, bounded by the PD timeout: "closed" once the prefill side barred
-        every write into the room, "refused" when nothing listens there, "unconfirmed" otherwise."""
+        every write into the room, "refused" when nothing listens there, "no_route" when the prefill
+        server has no such route (an older version: 404), "unconfirmed" otherwise. A close that fails
+        is logged at `level` (retries log theirs quietly)."""
         try:
             reply = await asyncio.wait_for(self._post_close(link, reason), self.timeout_s)
         except httpx.ConnectError:
@@ -365,13 +399,28 @@ class DecodeSide:
             # settle delay before the pages go back (REFUSED_SETTLE_S).
             return "refused"
         except (httpx.HTTPError, TimeoutError) as exc:
-            log.error("room %s: closing it on %s failed: %r", link.room, link.prefill, exc)
+            log.log(level, "room %s: closing it on %s failed: %r", link.room, link.prefill, exc)
             return "unconfirmed"
+        if reply.status_code == 404:
+            self._report_no_close_route(link.prefill)
+            return "no_route"
         if reply.status_code != 200:
-            log.error("room %s: %s answered the close with HTTP %d: %s", link.room, link.prefill,
-                      reply.status_code, reply.text[:300])
+            log.log(level, "room %s: %s answered the close with HTTP %d: %s", link.room, link.prefill,
+                    reply.status_code, reply.text[:300])
             return "unconfirmed"
+        self._no_close_route.discard(link.prefill)  # upgraded: a downgrade is reported again
         return "closed"
+
+    def _report_no_close_route(self, prefill: str) -> None:
+        """Say once per prefill server (per process) that it is too old to confirm a close, and what that
+        costs: every room given up while it may write stays quarantined."""
+        if prefill in self._no_close_route:
+            return
+        self._no_close_route.add(prefill)
+        log.error("prefill server %s has no room-close route (POST /pd/rooms/{room}/close answered 404): upgrade "
+                  "it. Until then the KV pages and staging slot of every room given up while it may still write "
+                  "into them stay quarantined (dsv4_pd_quarantined_pages): nothing else rules out a late write. "
+                  "Their close is tried again every %g s", prefill, QUARANTINE_RETRY_MAX_S)
 
     async def _post_close(self, link: RoomLink, reason: str) -> httpx.Response:
         """The close call, sent again once when the connection it went out on broke: a pooled connection
@@ -382,18 +431,46 @@ class DecodeSide:
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
             return await self.client().post(url, json=body)  # idempotent: closing a closed room answers at once
 
-    def _quarantine(self, rid: str, pages: list[int], staging: int | None, link: RoomLink) -> None:
-        """Keep a given-up room's pages (owned by `rid` in the pool) and receive slot out of the pools
-        for good: a late KV write may still land in them, and memory lost until a restart is better
-        than another request's KV corrupted, silently in direct mode. Counted in /metrics, logged."""
-        self.metrics.pages_in_flight.dec(len(pages))
-        self.metrics.quarantined_pages.inc(len(pages))
-        if staging is not None:
+    def _quarantine(self, state, room: Quarantined, outcome: str) -> None:
+        """Keep a given-up room's pages (owned by its rid in the pool) and receive slot out of the pools:
+        a late KV write may still land in them, and memory lost for a while is better than another
+        request's KV corrupted, silently in direct mode. Counted in /metrics, logged; the close is
+        retried (`_retry_quarantined`) until it is confirmed or the server shuts down."""
+        self.metrics.pages_in_flight.dec(len(room.pages))
+        self.metrics.quarantined_pages.inc(len(room.pages))
+        if room.staging is not None:
             self.metrics.quarantined_staging_slots.inc()
-        log.error("room %s: prefill server %s did not confirm that no KV write can land in the room any more: "
-                  "its %d KV pages%s stay out of the pool until this server restarts "
-                  "(dsv4_pd_quarantined_pages)", link.room, link.prefill, len(pages),
-                  "" if staging is None else " and its staging slot")
+        log.error("room %s: prefill server %s did not confirm that no KV write can land in the room any more "
+                  "(%s): its %d KV pages%s stay out of the pool until a later close is confirmed "
+                  "(dsv4_pd_quarantined_pages)", room.link.room, room.link.prefill, outcome, len(room.pages),
+                  "" if room.staging is None else " and its staging slot")
+        if not self._stopping:
+            self._spawn(self._retry_quarantined(state, room, outcome), self._retrying)
+
+    async def _retry_quarantined(self, state, room: Quarantined, outcome: str) -> None:
+        """Send a quarantined room's close again, waiting longer each time (`next_retry_wait`), until it
+        is confirmed or refused, then lift the quarantine. Cancelled at shutdown, it frees nothing."""
+        waits = retry_waits(QUARANTINE_RETRY_FIRST_S, QUARANTINE_RETRY_GROWTH, QUARANTINE_RETRY_MAX_S)
+        while outcome not in RELEASING_OUTCOMES:
+            await asyncio.sleep(next_retry_wait(outcome, waits))
+            outcome = await self._close_room(room.link, room.reason, level=logging.DEBUG)
+            room.tries += 1
+        if outcome == "refused":
+            await asyncio.sleep(REFUSED_SETTLE_S)
+        self._lift_quarantine(state, room, outcome)
+
+    def _lift_quarantine(self, state, room: Quarantined, outcome: str) -> None:
+        """A retried close ruled out any late write: the room's pages and receive slot go back."""
+        self.metrics.quarantined_pages.dec(len(room.pages))
+        if room.staging is not None:
+            self.metrics.quarantined_staging_slots.dec()
+        self._free_staging(room.staging)
+        state.bridge.call(lambda engine: engine.pool.free(room.rid, room.pages))
+        self.metrics.quarantines_lifted.labels(outcome).inc()
+        log.warning("room %s: prefill server %s %s its close on retry %d: the quarantine is lifted, its %d KV "
+                    "pages%s are back", room.link.room, room.link.prefill,
+                    "confirmed" if outcome == "closed" else "refused", room.tries, len(room.pages),
+                    "" if room.staging is None else " and its staging slot")
 
     def _release(self, state, rid: str, pages: list[int], staging: int | None, admitted: bool) -> None:
         """The request's KV is no longer in flight: its receive slot goes back (the KV is in the pages or
@@ -443,6 +520,34 @@ class RoomLink:
     # /pd/transfer call goes out, cleared when the prefill side refuses the room or its answer's last
     # line is in (the KV written, or the room failed, which bars writes first: BootstrapRegistry.fail).
     may_write: bool = False
+
+
+@dataclass
+class Quarantined:
+    """A given-up room whose pages and receive slot are kept out of the pools until its close is
+    confirmed (`DecodeSide._quarantine`)."""
+
+    rid: str  # the request's id: its pages are owned by it in the pool
+    pages: list[int]
+    staging: int | None
+    link: RoomLink
+    reason: str  # why it was given up: sent with each close
+    tries: int = 0  # retried closes so far
+
+
+def retry_waits(first_s: float, growth: float, max_s: float) -> Iterator[float]:
+    """The waits before each retried close: `first_s`, then each `growth` times the last, never over
+    `max_s`; endless."""
+    wait = min(first_s, max_s)
+    while True:
+        yield wait
+        wait = min(wait * growth, max_s)
+
+
+def next_retry_wait(outcome: str, waits: Iterator[float]) -> float:
+    """The wait before retrying a close that ended in `outcome`: the next of `waits`, or the longest at
+    once after a "no_route" (a missing route comes only with an upgrade, not within seconds)."""
+    return QUARANTINE_RETRY_MAX_S if outcome == "no_route" else next(waits)
 
 
 class TransferAnswer:

@@ -30,16 +30,22 @@ class PDMetrics:
 
         # Decode side: rooms given up before their KV arrived are closed on the prefill server before
         # their pages go back (`DecodeSide._close_then_release`), by outcome: "closed" (confirmed: no
-        # write can land), "refused" (no prefill server listening), "unconfirmed" (no answer in time).
+        # write can land), "refused" (no prefill server listening), "unconfirmed" (no answer in time, an
+        # error), "no_route" (a prefill server older than the close route: 404).
         self.room_closes = Counter("dsv4_pd_room_closes", "Rooms given up by the decode side and closed on "
                                    "their prefill server, by outcome", ["outcome"], registry=registry)
-        # An unconfirmed close's pages and receive slot stay out of the pools for good: a write may
-        # still land in them. Not 0 means memory lost until a restart (and a log line that says why).
+        # An unconfirmed close's pages and receive slot stay out of the pools while a write may still
+        # land in them: until a retried close is confirmed (or refused). Not 0 for long means memory
+        # lost to a prefill server that does not answer (or is too old to: a log line says which).
         self.quarantined_pages = Gauge("dsv4_pd_quarantined_pages", "KV pages kept out of the pool because "
                                        "a late KV write into them could not be ruled out", registry=registry)
         self.quarantined_staging_slots = Gauge("dsv4_pd_quarantined_staging_slots", "Staging arena slots kept "
                                                "out of the arena because a late KV write into them could not "
                                                "be ruled out", registry=registry)
+        # Quarantines lifted by a retried close, by its outcome ("closed" or "refused").
+        self.quarantines_lifted = Counter("dsv4_pd_quarantines_lifted", "Quarantined rooms whose pages and "
+                                          "staging slot went back once a retried close ruled out a late KV "
+                                          "write, by outcome", ["outcome"], registry=registry)
 
     def track_staging(self, arena) -> None:
         """Read the arena's own counts at each scrape (a StagingArena; never set by hand, so they
@@ -50,6 +56,7 @@ class PDMetrics:
     def attach(self, registry: CollectorRegistry) -> None:
         collectors: list[Collector] = [self.transfer_bytes, self.transfer_seconds, self.pages_in_flight,
                                        self.transfers, self.staging_slots_in_use, self.staging_bytes_in_use,
-                                       self.room_closes, self.quarantined_pages, self.quarantined_staging_slots]
+                                       self.room_closes, self.quarantined_pages, self.quarantined_staging_slots,
+                                       self.quarantines_lifted]
         for collector in collectors:
             registry.register(collector)

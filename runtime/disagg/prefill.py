@@ -141,8 +141,8 @@ class PrefillSide:
         left, an error, its deadline) and frees the room's pages and receive slot once this answers: so
         it answers only when no write into them is in progress or can start (`close_room`), and a 504
         (pd_write_in_progress) when a write still runs at the PD deadline: the decode side then keeps
-        those pages out of its pool for good. Our own pages come back on the request's usual path (the
-        room fails, `start` gives the request up)."""
+        those pages out of its pool until a retried close is answered. Our own pages come back on the
+        request's usual path (the room fails, `start` gives the request up)."""
         body = await request.json()
         error = RoomFailed(f"room {room}: given up by decode server {body.get('name')!r} "
                            f"({body.get('reason') or 'no reason given'})")

@@ -2,15 +2,18 @@
 error between the answer's two lines): its pages and receive slot go back only once the prefill
 server has confirmed that no KV write into them is in progress or can start (`POST
 /pd/rooms/{room}/close`). A prefill server that does not confirm in time (hangs, answers an error)
-leaves them out of the pools for good, counted in /metrics; one that refuses the connection (nothing
-listens: no writer) gets them back after a settle delay; a room the prefill side refused needs no
-close. No transfer engine: a tiny engine, a real bridge, a host staging arena and a fake prefill
+quarantines them (out of the pools, counted in /metrics) while the close is retried, waiting longer each
+time, until one is confirmed or refused; a prefill server without the close route (404) is named once
+and keeps them until it is upgraded; shutdown stops the retries. One that refuses the connection
+(nothing listens: no writer) gets them back after a settle delay; a room the prefill side refused
+needs no close. No transfer engine: a tiny engine, a real bridge, a host staging arena and a fake prefill
 server (httpx.MockTransport)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from itertools import islice
 from types import SimpleNamespace
 
 import httpx
@@ -42,11 +45,16 @@ class FakePrefill:
     """A prefill server's /pd routes: registration, a /pd/transfer answer whose first line lacks the
     sampler state (the decode side gives the room up on it) and whose second line never comes, and a
     close that answers `close` ("ok", "slow": after WRITE_S, "hang", an HTTP status, "refused", or
-    "broken": the connection breaks), and `then` from its second call on when given."""
+    "broken": the connection breaks), and `then` from its second call on when given (a list: one answer
+    per later call, its last one from then on). `closes` records each close's body, `closed_at` the
+    loop's time of each."""
 
-    def __init__(self, close: str | int = "ok", transfer_status: int = 200, then: str | int | None = None) -> None:
-        self.close, self.transfer_status, self.then = close, transfer_status, then
+    def __init__(self, close: str | int = "ok", transfer_status: int = 200,
+                 then: str | int | list[str | int] | None = None) -> None:
+        self.close, self.transfer_status = close, transfer_status
+        self.then = [then] if isinstance(then, str | int) else then
         self.closes: list[dict] = []
+        self.closed_at: list[float] = []
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -58,11 +66,12 @@ class FakePrefill:
                     "message": "room room-1: the prompt was aborted", "type": "server_error",
                     "code": "pd_transfer_failed"}})
             return httpx.Response(200, content=self._lines())
-        assert path == "/pd/rooms/room-1/close", path
+        assert path.startswith("/pd/rooms/room-") and path.endswith("/close"), path
         self.closes.append(json.loads(request.content))
+        self.closed_at.append(asyncio.get_running_loop().time())
         close = self.close
-        if len(self.closes) > 1 and self.then is not None:
-            close = self.then
+        if len(self.closes) > 1 and self.then:
+            close = self.then[min(len(self.closes) - 2, len(self.then) - 1)]
         if close == "broken":  # a pooled connection the server's death broke
             raise httpx.ReadError("", request=request)
         return await self._answer_close(close, request)
@@ -100,21 +109,23 @@ def decode(tiny):
     bridge.stop()
 
 
-async def give_up_a_room(decode, prefill: FakePrefill) -> None:
-    """One request through `DecodeSide.start` against `prefill`, given up between the answer's lines."""
+async def give_up_a_room(decode, prefill: FakePrefill, room: str = "room-1", rid: str = "r1",
+                         url: str = "http://prefill") -> None:
+    """One request `rid` through `DecodeSide.start` against `prefill` (at `url`), given up between the
+    answer's lines."""
     side = decode.side
     side._client = (asyncio.get_running_loop(), httpx.AsyncClient(transport=httpx.MockTransport(prefill)))
-    request = SimpleNamespace(headers={ROOM_HEADER: "room-1", BOOTSTRAP_HEADER: "http://prefill"})
+    request = SimpleNamespace(headers={ROOM_HEADER: room, BOOTSTRAP_HEADER: url})
     prepared = SimpleNamespace(prompt_ids=PROMPT, params=SamplingParams(max_tokens=8))
     with pytest.raises(Exception):  # noqa: B017 - whatever the client sees; what is left is the question
-        await side.start(decode.state, request, "r1", prepared)
+        await side.start(decode.state, request, rid, prepared)
 
 
-async def held(decode) -> tuple[int, int]:
-    """Pages the request still owns and staging slots in use, once the engine thread applied what was
+async def held(decode, rid: str = "r1") -> tuple[int, int]:
+    """Pages request `rid` still owns and staging slots in use, once the engine thread applied what was
     queued."""
     await decode.bridge.call(lambda engine: None)
-    return decode.engine.pool.pages_held("r1"), decode.arena.slots_in_use
+    return decode.engine.pool.pages_held(rid), decode.arena.slots_in_use
 
 
 async def closes_ended(side: DecodeSide) -> None:
@@ -148,8 +159,8 @@ def test_the_pages_and_slot_go_back_once_the_prefill_side_confirmed_the_close(de
 def test_an_unconfirmed_close_quarantines_the_pages_and_slot_within_the_deadline(decode, close):
     """The prefill server hangs past the PD timeout, or answers the close with an error (a write still
     in progress at its own deadline; a server without the route): the request's pages and receive slot
-    stay out of the pools for good, /metrics counts them, and the close ends within the deadline.
-    Negative control: the old decode side freed them at once."""
+    are quarantined (out of the pools until a retried close is confirmed), /metrics counts them, and
+    the first close ends within the deadline. Negative control: the old decode side freed them at once."""
     prefill = FakePrefill(close)
 
     async def run() -> tuple[tuple[int, int], float]:
@@ -164,7 +175,8 @@ def test_an_unconfirmed_close_quarantines_the_pages_and_slot_within_the_deadline
     assert took < TIMEOUT_S + 1.0
     assert metric(decode, "dsv4_pd_quarantined_pages") == PAGES
     assert metric(decode, "dsv4_pd_quarantined_staging_slots") == 1
-    assert metric(decode, "dsv4_pd_room_closes_total", outcome="unconfirmed") == 1
+    outcome = "no_route" if close == 404 else "unconfirmed"
+    assert metric(decode, "dsv4_pd_room_closes_total", outcome=outcome) == 1
     assert metric(decode, "dsv4_pd_pages_in_flight") == 0  # quarantined, not in flight
 
 
@@ -235,3 +247,209 @@ def test_a_close_whose_pooled_connection_broke_is_sent_again(decode):
 
     assert asyncio.run(run()) == (0, 0) and len(prefill.closes) == 2
     assert metric(decode, "dsv4_pd_room_closes_total", outcome="refused") == 1
+
+
+# ---- quarantined rooms: their close is retried ------------------------------------------------------
+
+RETRY_MAX_S = 0.1  # the longest wait between retried closes in these tests (QUARANTINE_RETRY_MAX_S)
+
+
+@pytest.fixture
+def quick_retries(monkeypatch):
+    """Retried closes within a fraction of a second (raising=False: the old decode side had none)."""
+    monkeypatch.setattr(decode_module, "QUARANTINE_RETRY_FIRST_S", 0.02, raising=False)
+    monkeypatch.setattr(decode_module, "QUARANTINE_RETRY_GROWTH", 2.0, raising=False)
+    monkeypatch.setattr(decode_module, "QUARANTINE_RETRY_MAX_S", RETRY_MAX_S, raising=False)
+    monkeypatch.setattr(decode_module, "REFUSED_SETTLE_S", 0.0)
+
+
+def free_on(outcome: str, monkeypatch) -> None:
+    """The planted bug: a close ending in `outcome` (which does not rule out a late write) frees."""
+    monkeypatch.setattr(decode_module, "RELEASING_OUTCOMES", frozenset({"closed", "refused", outcome}),
+                        raising=False)
+
+
+async def quarantines_ended(side: DecodeSide) -> None:
+    """Wait (5 s at most) for the retried closes of quarantined rooms (none on the old decode side)."""
+    await asyncio.wait_for(asyncio.gather(*getattr(side, "_retrying", ())), 5)
+
+
+async def closes_sent(prefill: FakePrefill, count: int) -> bool:
+    """Whether `prefill` got `count` closes within 5 s."""
+    for _ in range(500):
+        if len(prefill.closes) >= count:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def test_retry_waits_grow_and_are_bounded():
+    """2 s, doubling, up to 60 s, endless; a first wait over the bound is the bound; a server without
+    the close route waits the longest at once, leaving the growing waits where they were."""
+    retry_waits = decode_module.retry_waits
+    assert list(islice(retry_waits(2.0, 2.0, 60.0), 8)) == [2, 4, 8, 16, 32, 60, 60, 60]
+    assert list(islice(retry_waits(5.0, 3.0, 1.0), 2)) == [1, 1]
+    waits = retry_waits(2.0, 2.0, 60.0)
+    assert decode_module.next_retry_wait("no_route", waits) == decode_module.QUARANTINE_RETRY_MAX_S
+    assert decode_module.next_retry_wait("unconfirmed", waits) == 2.0
+
+
+def test_a_quarantined_room_goes_back_once_a_retried_close_is_confirmed(decode, quick_retries, caplog):
+    """A prefill server that answered the close with errors (a write still in progress at its deadline,
+    a pause) confirms it on the second retry: the pages and the slot go back, the gauges come down and
+    the lift is counted and logged. Negative control: the old decode side kept them for good
+    (`assert (2, 1) == (0, 0)`)."""
+    prefill = FakePrefill(504, then=[504, "ok"])
+
+    async def run() -> tuple[tuple[int, int], tuple[int, int]]:
+        await give_up_a_room(decode, prefill)
+        await closes_ended(decode.side)
+        quarantined = await held(decode)
+        await quarantines_ended(decode.side)
+        return quarantined, await held(decode)
+
+    quarantined, after = asyncio.run(run())
+    assert quarantined == (PAGES, 1)
+    assert after == (0, 0)
+    assert len(prefill.closes) == 3 and {c["reason"] for c in prefill.closes} == {prefill.closes[0]["reason"]}
+    assert metric(decode, "dsv4_pd_quarantined_pages") == 0
+    assert metric(decode, "dsv4_pd_quarantined_staging_slots") == 0
+    assert metric(decode, "dsv4_pd_quarantines_lifted_total", outcome="closed") == 1
+    assert metric(decode, "dsv4_pd_pages_in_flight") == 0
+    assert any("quarantine is lifted" in r.getMessage() and "retry 2" in r.getMessage() for r in caplog.records)
+
+
+def test_a_retried_close_that_is_refused_frees_after_the_settle_delay(decode, quick_retries, monkeypatch):
+    """The prefill server died after the first close went unanswered: the retry is refused, and the pages
+    and slot go back once the settle delay passed. Negative control: the old decode side kept them."""
+    monkeypatch.setattr(decode_module, "REFUSED_SETTLE_S", 0.2)
+    prefill = FakePrefill(504, then="refused")
+
+    async def run() -> tuple[tuple[int, int], float]:
+        await give_up_a_room(decode, prefill)
+        await closes_ended(decode.side)
+        await quarantines_ended(decode.side)
+        return await held(decode), asyncio.get_running_loop().time() - prefill.closed_at[-1]
+
+    after, since_refused = asyncio.run(run())
+    assert after == (0, 0) and since_refused >= 0.2
+    assert metric(decode, "dsv4_pd_quarantines_lifted_total", outcome="refused") == 1
+    assert metric(decode, "dsv4_pd_quarantined_pages") == 0
+
+
+def unconfirmed_retries_violations(decode) -> list[str]:
+    """What is wrong while a prefill server keeps answering the close with an error (3 retries, then
+    shutdown mid-retry): the pages or slot back, the gauges down, retries that did not stop at shutdown,
+    a shutdown that waited for a retry in flight, an error logged by asyncio."""
+    prefill, found = FakePrefill(504, then=[504, 504, 504, "hang"]), []
+    decode.side.timeout_s = 3600  # a hanging retry ends only by shutdown
+
+    async def quarantined() -> bool:
+        return await held(decode) == (PAGES, 1) and metric(decode, "dsv4_pd_quarantined_pages") == PAGES
+
+    async def run() -> None:
+        await give_up_a_room(decode, prefill)
+        await closes_ended(decode.side)
+        for sent in (1, 5):  # the first close, then 3 retries answered 504 and 1 hanging
+            if not await closes_sent(prefill, sent):
+                found.append(f"{len(prefill.closes)} closes sent, {sent} awaited")
+            if not await quarantined():
+                found.append(f"freed on an unconfirmed close: {await held(decode)} held")
+                return
+        decode.bridge.stop()
+        try:
+            await asyncio.wait_for(decode.side.aclose(), 5)
+        except TimeoutError:
+            found.append("shutdown waited for the retried close")
+        sent = len(prefill.closes)
+        await asyncio.sleep(3 * RETRY_MAX_S)
+        if [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "_retry_quarantined"]:  # type: ignore[union-attr]
+            found.append("a retried close still runs after shutdown")
+        if len(prefill.closes) != sent:
+            found.append(f"{len(prefill.closes) - sent} closes sent after shutdown")
+        if await held(decode) != (PAGES, 1) or metric(decode, "dsv4_pd_quarantined_staging_slots") != 1:
+            found.append(f"shutdown freed the quarantined room: {await held(decode)} held")
+
+    asyncio.run(run())
+    return found
+
+
+def free_on_unconfirmed(decode, monkeypatch) -> None:
+    free_on("unconfirmed", monkeypatch)
+
+
+def retries_outlive_shutdown(decode, monkeypatch) -> None:
+    """The planted bug: `aclose` leaves the retried closes running."""
+    cancel = decode_module._cancel_and_wait
+
+    async def all_but_the_retries(tasks: set[asyncio.Task]) -> None:
+        if tasks is not getattr(decode.side, "_retrying", None):
+            await cancel(tasks)
+
+    monkeypatch.setattr(decode_module, "_cancel_and_wait", all_but_the_retries)
+
+
+@pytest.mark.parametrize("planted, caught", [(None, None), (free_on_unconfirmed, "freed on an unconfirmed close"),
+                                             (retries_outlive_shutdown, "a retried close still runs")],
+                         ids=["as_built", "free_on_unconfirmed", "retries_outlive_shutdown"])
+def test_unconfirmed_retries_keep_the_pages_and_shutdown_stops_them(decode, quick_retries, monkeypatch, caplog,
+                                                                    planted, caught):
+    """Retried closes answered with an error keep the pages and slot quarantined; shutdown during a
+    retry in flight ends without waiting for it, stops every retry, frees nothing and logs no error of
+    its own. Negative controls: the old decode side never retried (`['1 closes sent, 5 awaited']`); a
+    planted free on "unconfirmed" and retries left running by `aclose` are caught."""
+    if planted is not None:
+        planted(decode, monkeypatch)
+    found = unconfirmed_retries_violations(decode)
+    if planted is None:
+        assert found == []
+        assert not [r for r in caplog.records if r.name == "asyncio"]
+        assert metric(decode, "dsv4_pd_quarantines_lifted_total", outcome="closed") == 0
+    else:
+        assert any(f.startswith(caught) for f in found), found
+
+
+def no_route_violations(decode, caplog) -> list[str]:
+    """What is wrong when two prefill servers without the close route (404) get given-up rooms (two on
+    one, one on the other), then are upgraded: not one upgrade line per server, a room freed before the
+    upgrade, a room still held after it."""
+    decode.arena = decode.side.transfer.staging = StagingArena(8 * StagingArena.ALIGN, pinned=False)
+    prefill, found = FakePrefill(404), []
+    rooms = [("room-1", "r1", "http://old-a"), ("room-2", "r2", "http://old-a"), ("room-3", "r3", "http://old-b")]
+
+    async def run() -> None:
+        for room, rid, url in rooms:
+            await give_up_a_room(decode, prefill, room, rid, url)
+        await closes_ended(decode.side)
+        upgrade = [r.getMessage() for r in caplog.records if "has no room-close route" in r.getMessage()]
+        if len(upgrade) != 2 or not all("upgrade it" in line for line in upgrade):
+            found.append(f"upgrade lines: {upgrade}")
+        if [await held(decode, rid) for _, rid, _ in rooms] != [(PAGES, 3)] * 3:
+            found.append(f"freed without a confirmed close: {[await held(decode, rid) for _, rid, _ in rooms]}")
+        prefill.close = "ok"  # upgraded
+        await quarantines_ended(decode.side)
+        if [await held(decode, rid) for _, rid, _ in rooms] != [(0, 0)] * 3:
+            found.append("still quarantined after the upgrade")
+
+    asyncio.run(run())
+    return found
+
+
+@pytest.mark.parametrize("planted", [None, "no_route"], ids=["as_built", "free_on_no_route"])
+def test_a_prefill_server_without_the_close_route_is_named_once_and_its_rooms_wait_for_its_upgrade(
+        decode, quick_retries, monkeypatch, caplog, planted):
+    """A prefill server older than the close route answers it 404: nothing rules out a late write, so
+    the rooms stay quarantined; one log line per server names it and says to upgrade it; once it is
+    upgraded, the retried closes are confirmed and every page and slot goes back. Negative controls:
+    the old decode side logged no such line and kept the pages for good; a planted free on "no_route"
+    is caught."""
+    if planted is not None:
+        free_on(planted, monkeypatch)
+    found = no_route_violations(decode, caplog)
+    if planted is None:
+        assert found == []
+        assert metric(decode, "dsv4_pd_room_closes_total", outcome="no_route") == 3
+        assert metric(decode, "dsv4_pd_quarantines_lifted_total", outcome="closed") == 3
+        assert metric(decode, "dsv4_pd_quarantined_pages") == 0
+    else:
+        assert any(f.startswith("freed without a confirmed close") for f in found), found
