@@ -1302,6 +1302,41 @@ def test_a_room_given_up_during_its_kv_write_keeps_its_pages_and_slot_until_the_
         assert any("during the write (0, 0)" in f for f in found) and any("got the given-up" in f for f in found), found
 
 
+def test_a_room_quarantined_by_a_slow_prefill_server_goes_back_once_a_retried_close_is_confirmed(servers,
+                                                                                               monkeypatch):
+    """The prefill server's KV write into a given-up room outlasts its close's wait (0.2 s here, the PD
+    timeout in production): the close answers 504 and the decode side quarantines the room's pages and
+    slot. Retried closes get 504 while the write runs; once it ended, a retry is confirmed by the real
+    close route and every page and slot is back, the gauges at 0. Negative control: the old decode side
+    kept them until a restart (`assert [0, 2] == [0, 0]`: the decode pages left after the write)."""
+    from runtime.disagg import decode
+
+    pair = servers[0]
+    registry, decode_state = pair.prefill_state.pd.registry, pair.decode_state
+    close_room = registry.close_room
+    monkeypatch.setattr(registry, "close_room", lambda room, error, timeout_s: close_room(room, error, 0.2))
+    monkeypatch.setattr(decode, "QUARANTINE_RETRY_FIRST_S", 0.1, raising=False)
+    monkeypatch.setattr(decode, "QUARANTINE_RETRY_MAX_S", 0.2, raising=False)
+    lifted = sample(decode_state, "dsv4_pd_quarantines_lifted_total", outcome="closed")
+    write = HeldWrite(pair.prefill_state.pd.transfer, monkeypatch, first_only=True)
+    rooms = opened_rooms(registry, monkeypatch)
+    give_up_during_the_write(write, monkeypatch)
+    try:
+        reply = httpx.post(f"{pair.router}/v1/chat/completions", json=body(PROMPTS[1]), timeout=60)
+        assert reply.status_code == 502 and reply.json()["error"]["code"] == "pd_planted", reply.text
+        (pages, _), = rooms.values()
+        wait_until(lambda: sample(decode_state, "dsv4_pd_quarantined_pages") == len(pages), what="the quarantine")
+        time.sleep(0.5)  # closes retried while the write runs: answered 504
+        assert (decode_state.engine.pages_in_use, decode_state.pd.transfer.staging.slots_in_use) == (len(pages), 1)
+    finally:
+        write.release()
+    assert wait_pages_free(pair.prefill_state, decode_state) == [0, 0]
+    assert wait_staging_free(pair.prefill_state, decode_state) == [0, 0]
+    assert sample(decode_state, "dsv4_pd_quarantined_pages") == 0
+    assert sample(decode_state, "dsv4_pd_quarantined_staging_slots") == 0
+    assert sample(decode_state, "dsv4_pd_quarantines_lifted_total", outcome="closed") == lifted + 1
+
+
 def prompt_tokens(url: str, prompt: str) -> int:
     reply = httpx.post(f"{url}/v1/chat/completions", json=body(prompt, max_tokens=1), timeout=60)
     assert reply.status_code == 200, reply.text
