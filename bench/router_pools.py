@@ -66,33 +66,28 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
 
 async def run(pools: int, concurrency: int, requests: int, chunks: int, chunk_s: float) -> dict:
     upstreams = Upstreams(chunks, chunk_s)
-    real = httpx.AsyncClient
 
     def client_on_upstreams(**kw) -> httpx.AsyncClient:
-        client = real(**kw)
-        client._transport._pool._network_backend = upstreams  # type: ignore[attr-defined]  # no public hook
+        client = httpx.AsyncClient(**kw)
+        # httpx has no public hook for httpcore's network backend: the pool's is swapped for ours.
+        client._transport._pool._network_backend = upstreams  # type: ignore[attr-defined]
         return client
 
-    httpx.AsyncClient = client_on_upstreams  # type: ignore[assignment,misc]  # the router's clients only
-    try:
-        app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=pools)
-        async with app.router.lifespan_context(app):  # builds the router's clients on the upstreams
-            httpx.AsyncClient = real  # type: ignore[misc]
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-            async with real(transport=httpx.ASGITransport(app=app), base_url="http://router",
-                            limits=limits, timeout=120) as client:
-                gate = asyncio.Semaphore(concurrency)
+    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=pools, make_client=client_on_upstreams)
+    async with app.router.lifespan_context(app):  # builds the router's clients on the upstreams
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
+                                     limits=limits, timeout=120) as client:
+            gate = asyncio.Semaphore(concurrency)
 
-                async def one() -> int:
-                    async with gate:
-                        reply = await client.post("/v1/chat/completions", content=BODY)
-                        return reply.status_code
+            async def one() -> int:
+                async with gate:
+                    reply = await client.post("/v1/chat/completions", content=BODY)
+                    return reply.status_code
 
-                cpu, wall = time.process_time(), time.perf_counter()
-                codes = await asyncio.gather(*(one() for _ in range(requests)))
-                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    finally:
-        httpx.AsyncClient = real  # type: ignore[misc]
+            cpu, wall = time.process_time(), time.perf_counter()
+            codes = await asyncio.gather(*(one() for _ in range(requests)))
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     if set(codes) != {200}:
         raise RuntimeError(f"pools={pools}: replies {sorted(set(codes))}")
     return dict(pools=pools, concurrency=concurrency, requests=requests, wall_s=round(wall, 3),

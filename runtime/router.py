@@ -17,7 +17,7 @@ import itertools
 import json
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import httpx
@@ -68,7 +68,11 @@ async def _settle(task: asyncio.Task) -> None:
 
 
 def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 60.0,
-                      pools: int = UPSTREAM_POOLS) -> FastAPI:
+                      pools: int = UPSTREAM_POOLS,
+                      make_client: Callable[..., httpx.AsyncClient] | None = None) -> FastAPI:
+    """The router's app. `make_client` builds each upstream pool's client from httpx.AsyncClient's
+    keyword arguments (default: httpx.AsyncClient; bench/router_pools.py puts in-memory upstreams
+    under them)."""
     if not prefill or not decode:
         raise ValueError("the router needs at least one --prefill and one --decode server")
     if pools < 1:
@@ -86,8 +90,8 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         # their decode calls waited for one - a wedge until the PD deadline. Connections beyond the
         # default 20 kept alive were closed after each use, and the next request paid a new one.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        clients[:] = [httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=limits)
-                      for _ in range(pools)]
+        make = make_client or httpx.AsyncClient
+        clients[:] = [make(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=limits) for _ in range(pools)]
         yield
         await asyncio.gather(*(client.aclose() for client in clients))
 

@@ -141,25 +141,23 @@ class RoomStream(RecordingStream):
         return await super().read(max_bytes, timeout)
 
 
-def test_more_requests_than_a_default_connection_pool_all_finish(monkeypatch):
+def test_more_requests_than_a_default_connection_pool_all_finish():
     """Each request holds two upstream connections, and its prefill call's only until its decode call
     arrives: with httpx's default cap of 100 connections, 100 prefill calls (which now leave before
     their decode calls) held them all while their decode calls waited for one - a wedge until the PD
     deadline."""
     backend = RoomBackend()
-    real = httpx.AsyncClient
 
     def room_client(**kw) -> httpx.AsyncClient:
-        client = real(**kw)
+        client = httpx.AsyncClient(**kw)
         client._transport._pool._network_backend = backend  # no public hook for the backend
         return client
 
-    monkeypatch.setattr(httpx, "AsyncClient", room_client)
-    app = create_router_app(["http://prefill:1"], ["http://decode:2"])
+    app = create_router_app(["http://prefill:1"], ["http://decode:2"], make_client=room_client)
 
     async def run() -> list[int]:
-        async with app.router.lifespan_context(app), real(transport=httpx.ASGITransport(app=app),
-                                                          base_url="http://router") as client:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                                       base_url="http://router") as client:
             replies = asyncio.gather(*(client.post("/v1/chat/completions", content=json.dumps(BODY))
                                        for _ in range(130)))
             return [reply.status_code for reply in await asyncio.wait_for(replies, 20)]
@@ -167,27 +165,25 @@ def test_more_requests_than_a_default_connection_pool_all_finish(monkeypatch):
     assert asyncio.run(run()) == [200] * 130
 
 
-def test_a_burst_spreads_its_upstream_connections_over_the_pools(monkeypatch):
+def test_a_burst_spreads_its_upstream_connections_over_the_pools():
     """httpx's pool costs O(connections^2) per request queued or released: one pool of the ~160 upstream
     connections of the 80-session gate took 82% of the router's loop on the H200. With the pools, no
     pool holds more than its share of a burst's connections (one pool held all 260 here)."""
     backend = RoomBackend()
-    real = httpx.AsyncClient
     made: list[httpx.AsyncClient] = []
 
     def room_client(**kw) -> httpx.AsyncClient:
-        client = real(**kw)
+        client = httpx.AsyncClient(**kw)
         client._transport._pool._network_backend = backend  # no public hook for the backend
         made.append(client)
         return client
 
-    monkeypatch.setattr(httpx, "AsyncClient", room_client)
     requests, pools = 130, 16
-    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=pools)
+    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=pools, make_client=room_client)
 
     async def run() -> tuple[list[int], list[int]]:
-        async with app.router.lifespan_context(app), real(transport=httpx.ASGITransport(app=app),
-                                                          base_url="http://router") as client:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                                       base_url="http://router") as client:
             replies = asyncio.gather(*(client.post("/v1/chat/completions", content=json.dumps(BODY))
                                        for _ in range(requests)))
             codes = [reply.status_code for reply in await asyncio.wait_for(replies, 20)]
