@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from bench.perf_verdict_trials import workload_arg
 from canary.perf import ratio_stats
 from canary.perf.trial_load import WORKLOAD_KEYS, TrialWorkload, measure_pair
-from canary.perf.trials import MAX_TRIALS_FACTOR, log_cost
+from canary.perf.trials import MAX_TRIALS_FACTOR, MIN_TRIALS_DEFAULT, log_cost
 from canary.provenance import device_name, git_commit
 from canary.targets import embedded_server
 from runtime.config import DEFAULT_MODEL
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             for metric in log_ratios:
                 log_ratios[metric].append(log_cost(metric, fb.figures[metric]) - log_cost(metric, fa.figures[metric]))
             print(f"  pair {pair}: " + ", ".join(f"{m} {r[-1]:+.3f}" for m, r in log_ratios.items()), flush=True)
-    cap = MAX_TRIALS_FACTOR * 6
+    cap = MAX_TRIALS_FACTOR * MIN_TRIALS_DEFAULT
     report = {"device": device_name(), "commit": git_commit(), "workload": workload.describe(),
               "pairs": args.pairs, "pair_seconds": statistics.median(seconds),
               "metrics": noise(log_ratios, args.tolerance)}

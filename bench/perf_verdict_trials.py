@@ -30,7 +30,14 @@ from pathlib import Path
 
 from canary.perf import machine_speed, ratio_stats
 from canary.perf.trial_load import WORKLOAD_KEYS, TrialWorkload
-from canary.perf.trials import MAX_TRIALS_FACTOR, ab_trials, record_trials, recorded_trials, stored_trials
+from canary.perf.trials import (
+    MAX_TRIALS_FACTOR,
+    MIN_TRIALS_DEFAULT,
+    ab_trials,
+    record_trials,
+    recorded_trials,
+    stored_trials,
+)
 from canary.provenance import device_name, git_commit
 from canary.targets import Target, embedded_server
 from runtime.config import DEFAULT_MODEL
@@ -101,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("ab", "stored", "both"), default="both")
     parser.add_argument("--slow-pct", type=float, default=10.0, help="slow-step size, %% of step time (default 10)")
     parser.add_argument("--tolerance", type=float, default=0.1)
-    parser.add_argument("--trials", type=int, default=6, help="trials (A/B: pairs) before the first look")
+    parser.add_argument("--trials", type=int, default=MIN_TRIALS_DEFAULT,
+                        help="trials (A/B: pairs) before the first look")
     parser.add_argument("--perf-workload", type=workload_arg, default=TrialWorkload(), metavar="JSON",
                         help="the trial workload, as the gate's --perf-workload takes it: changes to the default "
                              f"{json.dumps(TrialWorkload().describe())} (keys: {', '.join(WORKLOAD_KEYS)})")

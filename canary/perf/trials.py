@@ -33,6 +33,8 @@ CHECK_EVERY = 3  # after the minimum, trials are added in steps of this many unt
 # The most trials a verdict takes, as a multiple of its minimum (6 -> 36): at the noise measured on
 # the CPU and the H200 a verdict needs 10-21 pairs on average (canary/perf/ratio_stats.py's table).
 MAX_TRIALS_FACTOR = 6
+# Trials (A/B: pairs) before a verdict's first look, unless the caller says otherwise (`--perf-trials`).
+MIN_TRIALS_DEFAULT = 6
 
 
 def recorded_trials(min_trials: int) -> int:
@@ -83,7 +85,8 @@ def sequential_pair(measure: Measure) -> MeasurePair:
 
 
 def ab_trials(candidate: Target, baseline: Target, workload: TrialWorkload, tolerance: float,
-              min_pairs: int = 6, max_pairs: int = 6 * MAX_TRIALS_FACTOR, run_pair: MeasurePair = measure_pair,
+              min_pairs: int = MIN_TRIALS_DEFAULT, max_pairs: int = MIN_TRIALS_DEFAULT * MAX_TRIALS_FACTOR,
+              run_pair: MeasurePair = measure_pair,
               on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
     """Interleaved A/B pairs; more pairs (up to `max_pairs`) only while the verdict is inconclusive.
     `run_pair` measures one pair: by default its bursts alternate between the servers
@@ -147,7 +150,8 @@ def record_trials(target: Target, workload: TrialWorkload, trials: int = 8, meas
 
 
 def stored_trials(target: Target, stored: dict, workload: TrialWorkload, tolerance: float,
-                  min_trials: int = 6, max_trials: int = 6 * MAX_TRIALS_FACTOR, measure: Measure = measure_trial,
+                  min_trials: int = MIN_TRIALS_DEFAULT,
+                  max_trials: int = MIN_TRIALS_DEFAULT * MAX_TRIALS_FACTOR, measure: Measure = measure_trial,
                   probe: Probe | None = None, speed_bounds: tuple[float, float] = ratio_stats.COMPARABLE_SPEED,
                   on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
     """The candidate's trials against a `record_trials` baseline. With a probe, both sides were
