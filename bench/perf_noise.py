@@ -23,8 +23,8 @@ from contextlib import ExitStack
 
 from bench.perf_verdict_trials import workload_arg
 from canary.perf import ratio_stats
-from canary.perf.trial_load import WORKLOAD_KEYS, TrialWorkload, measure_pair
-from canary.perf.trials import MAX_TRIALS_FACTOR, MIN_TRIALS_DEFAULT, log_cost
+from canary.perf.trial_load import WORKLOAD_KEYS, TrialWorkload
+from canary.perf.trials import MAX_TRIALS_FACTOR, MIN_TRIALS_DEFAULT, ab_trials, log_cost
 from canary.provenance import device_name, git_commit
 from canary.targets import embedded_server
 from runtime.config import DEFAULT_MODEL
@@ -42,6 +42,15 @@ def pairs_needed(sd: float, tolerance: float, alpha: float = ratio_stats.ONE_SID
         if ratio_stats.t_quantile(1 - alpha, n - 1) * sd / math.sqrt(n) < limit:
             return n
     return NO_DECISION
+
+
+def pair_log_ratios(trials: list[dict], metrics: list[str]) -> dict[str, list[float]]:
+    """Per metric, each A/B pair's log cost ratio (candidate over baseline) from `ab_trials`' records."""
+    sides: dict[int, dict[str, dict]] = {}
+    for t in trials:
+        sides.setdefault(t["pair"], {})[t["side"]] = t["figures"]
+    return {m: [log_cost(m, s["candidate"][m]) - log_cost(m, s["baseline"][m]) for _, s in sorted(sides.items())]
+            for m in metrics}
 
 
 def noise(log_ratios: dict[str, list[float]], tolerance: float) -> dict[str, dict]:
@@ -68,26 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     workload: TrialWorkload = args.perf_workload
     print(f"perf noise on {device_name()} at {git_commit()}: {args.pairs} pairs of two clean servers, "
           f"workload {workload.describe()}", flush=True)
-    log_ratios: dict[str, list[float]] = {m: [] for m in workload.metrics()}
-    seconds: list[float] = []
     with ExitStack() as stack:
         a, b = (stack.enter_context(embedded_server(args.model, args.server_arg)) for _ in range(2))
-        measure_pair(a, b, workload, -2)  # warm-up: first requests pay lazy initialisation
-        for pair in range(args.pairs):
-            started = time.monotonic()
-            if pair % 2 == 0:  # the gate's order: A B, B A, ...
-                fa, fb = measure_pair(a, b, workload, 2 * pair)
-            else:
-                fb, fa = measure_pair(b, a, workload, 2 * pair)
-            seconds.append(time.monotonic() - started)
-            for metric in log_ratios:
-                log_ratios[metric].append(log_cost(metric, fb.figures[metric]) - log_cost(metric, fa.figures[metric]))
-            print(f"  pair {pair}: " + ", ".join(f"{m} {r[-1]:+.3f}" for m, r in log_ratios.items()), flush=True)
+        started = time.monotonic()
+        # The gate's own A/B pairs (warm-up, order A B, B A, ...), exactly `--pairs` of them.
+        outcome = ab_trials(b, a, workload, args.tolerance, min_pairs=args.pairs, max_pairs=args.pairs,
+                            on_trial=lambda t: print(f"  pair {t['pair']} {t['side']}: {t['figures']}", flush=True))
+        seconds = (time.monotonic() - started) / (args.pairs + 1)  # the warm-up pair included
+    log_ratios = pair_log_ratios(outcome.trials, workload.metrics())
     cap = MAX_TRIALS_FACTOR * MIN_TRIALS_DEFAULT
     report = {"device": device_name(), "commit": git_commit(), "workload": workload.describe(),
-              "pairs": args.pairs, "pair_seconds": statistics.median(seconds),
+              "pairs": args.pairs, "pair_seconds": seconds,
               "metrics": noise(log_ratios, args.tolerance)}
-    print(f"a pair takes {report['pair_seconds']:.1f} s (median); a verdict takes at most {cap} pairs")
+    print(f"a pair takes {report['pair_seconds']:.1f} s; a verdict takes at most {cap} pairs")
     for metric, m in report["metrics"].items():
         needed = "never" if m["needed"] >= NO_DECISION else str(m["needed"])
         print(f"  {metric}: sd {m['sd']:.3f}, mean {m['mean']:+.3f} -> a clean verdict needs ~{needed} pairs"

@@ -34,3 +34,15 @@ def test_noise_reports_each_metric_and_says_never_for_noise_no_count_can_resolve
     assert report["a"]["sd"] == pytest.approx(0.09) and report["a"]["mean"] == pytest.approx(0, abs=1e-12)
     assert report["a"]["needed"] == pairs_needed(0.09, 0.1)
     assert report["b"]["needed"] == NO_DECISION
+
+
+def test_pair_log_ratios_read_ab_trials_records_as_candidate_over_baseline_cost():
+    """A candidate 10% slower in decode and TTFT gives +log(1.1) on both, whichever side ran first."""
+    from bench.perf_noise import pair_log_ratios
+
+    trials = [{"pair": 0, "side": "baseline", "figures": {"decode_tok_s@8": 110.0, "ttft_s@4rps": 1.0}},
+              {"pair": 0, "side": "candidate", "figures": {"decode_tok_s@8": 100.0, "ttft_s@4rps": 1.1}},
+              {"pair": 1, "side": "candidate", "figures": {"decode_tok_s@8": 50.0, "ttft_s@4rps": 2.2}},
+              {"pair": 1, "side": "baseline", "figures": {"decode_tok_s@8": 55.0, "ttft_s@4rps": 2.0}}]
+    ratios = pair_log_ratios(trials, ["decode_tok_s@8", "ttft_s@4rps"])
+    assert all(r == pytest.approx([math.log(1.1)] * 2) for r in ratios.values())
