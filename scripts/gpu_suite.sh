@@ -119,8 +119,9 @@ GATE=($PY -m pytest -m stress --sessions 80 -p no:cacheprovider tests/stress/tes
       --server-arg=--dtype=${GATE_DTYPE:-float32} --perf-tolerance 0.1)
 # Extra gate flags for every gate section. Four driver processes by default on the GPU host: one
 # asyncio loop running the openai client cannot keep up with the GPU server (docs/results.md); the
-# perf verdict measures its own trial workload (canary/perf/trial_load.py), stored H200 baseline
-# golden/baselines/798b72dbc1342408.json.
+# perf verdict measures its own trial workload (canary/perf/trial_load.py) against a stored H200
+# baseline of that workload: none since the default became 5 rounds (twentieth session); `gate_baseline`
+# records one (bring $OUT/golden/*.json back and commit it).
 GATE+=(${GATE_ARGS:---driver-processes 4})
 if want gate_record; then
     section gate_record "${GATE_TIMEOUT:-300}" "${GATE[@]}" --golden-update

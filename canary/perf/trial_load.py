@@ -3,9 +3,11 @@
 - decode tok/s at fixed concurrency levels: C identical streamed requests sent at once, so the
   server decodes a batch of exactly C rows until they all stop together (same prompt, greedy: same
   length); the figure is C / mean TPOT, the batch's decode rate, free of prefill and of ramp-up.
-  With `rounds` > 1 the burst is sent that many times back to back and the figure is the median
-  burst's: one burst at C=8 lasts ~0.6 s on the 2-core CPU, and a load spike on a shared runner
-  inside one burst moved a clean A/B pair's ratio by 30%; the median of 3 ignores one such burst.
+  The burst is sent `rounds` times back to back (5 by default) and the figure is the median
+  burst's: one burst at C=8 lasts ~0.6 s on the 2-core CPU, and the host dips 25-35% in about 8% of
+  bursts (120 alternating bursts of two clean servers, 2026-12-04), which moves one burst's figure by
+  its whole size; a median of 5 ignores up to two dips, where a single burst carries each one into
+  the verdict's noise (docs/results.md, twentieth session).
 - TTFT at a fixed arrival rate: requests of distinct prompts sent on a fixed clock (not as a burst,
   whose p50 depends on where each request lands in the queue), one output token each; the figure
   is the median TTFT. An A/B pair's two series run on one clock, their requests alternating. The
@@ -49,7 +51,7 @@ class TrialWorkload:
     ttft_rate: float = 4.0  # requests per second for the TTFT figure (0 = no TTFT figure)
     ttft_requests: int = 8
     timeout_s: float = 120.0
-    rounds: int = 1  # decode bursts per level; the figure is the median burst's
+    rounds: int = 5  # decode bursts per level; the figure is the median burst's
     logprobs: bool = True  # ask for logprobs in the trials' requests (off: a server where they are costly)
 
     def __post_init__(self) -> None:
@@ -66,15 +68,14 @@ class TrialWorkload:
 
     def describe(self) -> dict:
         described = {"concurrency": list(self.concurrency), "max_tokens": self.max_tokens,
-                     "ttft_rate": self.ttft_rate, "ttft_requests": self.ttft_requests}
-        # Only where they differ from the defaults: the baselines recorded before `rounds` and
-        # `logprobs` existed stay comparable (the same fingerprint).
-        return (described | ({"rounds": self.rounds} if self.rounds != 1 else {})
-                | ({"logprobs": False} if not self.logprobs else {}))
+                     "ttft_rate": self.ttft_rate, "ttft_requests": self.ttft_requests, "rounds": self.rounds}
+        # `logprobs` only where off: the baselines recorded before it existed asked for them.
+        return described | ({"logprobs": False} if not self.logprobs else {})
 
     @classmethod
     def from_dict(cls, described: dict) -> TrialWorkload:
-        """`describe()`'s inverse; keys left out take their defaults (`--perf-workload '{"logprobs": false}'`)."""
+        """`describe()`'s inverse; keys left out take their defaults (`--perf-workload '{"logprobs": false}'`).
+        A stored record's workload is read by `read_recorded` instead: there a missing key has its own meaning."""
         unknown = set(described) - set(WORKLOAD_KEYS)
         if unknown:
             raise ValueError(f"unknown trial workload keys {sorted(unknown)}; known: {', '.join(WORKLOAD_KEYS)}")
@@ -95,6 +96,15 @@ class TrialWorkload:
 
 
 WORKLOAD_KEYS = ("concurrency", "max_tokens", "ttft_rate", "ttft_requests", "rounds", "logprobs")
+# What a stored record's missing key meant when it was written: until the twentieth session (2026-12-04)
+# `describe()` left `rounds` out where it was 1 (then the default); `logprobs` is left out where on.
+RECORDED_BEFORE_KEYS = {"rounds": 1, "logprobs": True}
+
+
+def read_recorded(described: dict) -> TrialWorkload:
+    """A stored record's workload (a baseline's, an A/B or trials log's): `describe()`'s output of the
+    version that wrote it, whose missing keys mean `RECORDED_BEFORE_KEYS`, not today's defaults."""
+    return TrialWorkload.from_dict(RECORDED_BEFORE_KEYS | described)
 
 
 def _is_int(value) -> bool:

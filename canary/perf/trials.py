@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 
 from canary.perf import ratio_stats
 from canary.perf.ratio_stats import INCONCLUSIVE, OK, SLOWER, RatioVerdict
-from canary.perf.trial_load import TrialFigures, TrialWorkload, higher_is_better, measure_pair, measure_trial
+from canary.perf.trial_load import (
+    TrialFigures,
+    TrialWorkload,
+    higher_is_better,
+    measure_pair,
+    measure_trial,
+    read_recorded,
+)
 from canary.targets import Target
 
 Measure = Callable[[Target, TrialWorkload, int], TrialFigures]
@@ -156,7 +163,7 @@ def stored_trials(target: Target, stored: dict, workload: TrialWorkload, toleran
                   on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
     """The candidate's trials against a `record_trials` baseline. With a probe, both sides were
     probed (a recording without one on a probed machine cannot be compared: inconclusive)."""
-    if stored.get("workload") != workload.describe():
+    if "workload" not in stored or read_recorded(stored["workload"]) != workload:
         raise ValueError(f"stored perf trials ran {stored.get('workload')}, this run {workload.describe()}")
     recorded_speed = stored.get("machine_speed")
     measure(target, workload, -1)  # warm-up
@@ -181,4 +188,4 @@ def stored_trials(target: Target, stored: dict, workload: TrialWorkload, toleran
 
 
 def workload_from(record: dict) -> TrialWorkload:
-    return TrialWorkload.from_dict(record["workload"])
+    return read_recorded(record["workload"])

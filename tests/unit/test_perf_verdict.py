@@ -13,7 +13,7 @@ import pytest
 
 from canary.perf import ratio_stats
 from canary.perf.ratio_stats import INCONCLUSIVE, OK, SLOWER, decide, difference_interval, mean_interval
-from canary.perf.trial_load import TrialFigures, TrialWorkload
+from canary.perf.trial_load import TrialFigures, TrialWorkload, read_recorded
 from canary.perf.trials import ab_trials, record_trials, sequential_pair, stored_trials
 from canary.perf.verdict import find_cliffs, sweep_levels
 from canary.targets import Target
@@ -260,14 +260,21 @@ def test_the_gate_skips_loudly_without_a_trials_baseline(tmp_path):
     assert off.notes == ["perf gate off (--perf-trials 0)"]
 
 
-def test_decode_rounds_change_the_workload_only_when_asked():
-    """Baselines recorded before `rounds` existed describe one burst; they must stay comparable."""
-    assert "rounds" not in TrialWorkload().describe()
-    three = TrialWorkload(rounds=3)
-    assert three.describe()["rounds"] == 3 and three.describe() != TrialWorkload().describe()
-    from canary.perf.trials import workload_from
-    assert workload_from({"workload": three.describe()}) == three
-    assert workload_from({"workload": TrialWorkload().describe()}) == TrialWorkload()
+def test_a_record_written_before_rounds_was_described_reads_as_one_burst():
+    """Until the twentieth session `describe()` left `rounds` out where it was 1 (then the default).
+    Such a record (the H200 baselines of that time) is a one-burst workload: never the 5-round
+    default's baseline, still the baseline of a run that asks for one burst."""
+    old = {"concurrency": [1, 8], "max_tokens": 48, "ttft_rate": 4.0, "ttft_requests": 8}
+    assert read_recorded(old) == TrialWorkload(rounds=1) != TrialWorkload()
+    assert TrialWorkload().rounds == 5 and TrialWorkload().describe()["rounds"] == 5
+    for workload in (TrialWorkload(), TrialWorkload(rounds=1), TrialWorkload(rounds=3, logprobs=False)):
+        assert read_recorded(workload.describe()) == workload
+    baseline = {**record_trials(A, TrialWorkload(concurrency=(8,), rounds=1), 12,
+                                measure=synthetic({"a": 1.0}, 0.02, 21)), "workload": old | {"concurrency": [8]}}
+    with pytest.raises(ValueError, match="stored perf trials ran"):
+        stored_trials(A, baseline, TrialWorkload(concurrency=(8,)), TOL, measure=synthetic({"a": 1.0}, 0.02, 22))
+    assert stored_trials(A, baseline, TrialWorkload(concurrency=(8,), rounds=1), TOL,
+                         measure=synthetic({"a": 1.0}, 0.02, 23)).status == OK
     with pytest.raises(ValueError, match="rounds"):
         TrialWorkload(rounds=0)
 

@@ -119,10 +119,10 @@ def test_logprobs_are_asked_for_by_default_and_left_out_on_request():
 
 
 def test_logprobs_off_changes_the_workload_description_only_when_off():
-    """Stored baselines' fingerprints hold `describe()`: the default must describe as before
-    `logprobs` existed (the same five keys; `rounds` only when not 1)."""
+    """Stored baselines' fingerprints hold `describe()`: logprobs on must describe as before
+    `logprobs` existed (no key for it)."""
     assert TrialWorkload().describe() == {"concurrency": [1, 8], "max_tokens": 48, "ttft_rate": 4.0,
-                                          "ttft_requests": 8}
+                                          "ttft_requests": 8, "rounds": 5}
     off = TrialWorkload(logprobs=False)
     assert off.describe() == {**TrialWorkload().describe(), "logprobs": False}
     assert workload_from({"workload": off.describe()}) == off
