@@ -14,10 +14,19 @@ pages into a peer's pool, in one of two modes (both sides must use the same one)
 The engine is Mooncake's `TransferEngine` over TCP (RDMA where a NIC exists): both sides register
 their memory once at start-up, the peer's addresses come with its bootstrap registration
 (`PoolDescriptor`), and a write is a one-sided put into them.
+
+A write that returned has landed: Mooncake's TCP transport acknowledges a write once the receiver
+applied its last byte (its "v2" framing, in the pinned 0.3.13.post1; RDMA's reliable connections
+complete on the remote's acknowledgement too). The PD sides rely on it: a room's pages go back to the
+decode pool as soon as the prefill side says its write ended or can no longer start
+(runtime/disagg/decode.py), and a late byte would land in another request's KV. `MC_TCP_PROTO=1`
+(the legacy framing, which completes once the last byte left the sender's socket) breaks that: on
+loopback 11 of 20 64 MiB writes returned before their last byte landed; `KVTransfer` refuses it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +85,15 @@ def mooncake_engine_class():
     except ImportError as exc:  # the wheel is missing, or libibverbs/librdmacm are
         raise TransferUnavailable(f"{INSTALL_HINT} ({exc})") from None
     return TransferEngine
+
+
+def unacknowledged_writes(env: dict[str, str] | None = None) -> str | None:
+    """Why this process's writes would return before they landed (see the module doc), or None."""
+    if (os.environ if env is None else env).get("MC_TCP_PROTO") == "1":
+        return ("MC_TCP_PROTO=1 selects Mooncake's legacy TCP framing, whose writes complete before they "
+                "landed: a KV page given back after its write ended could still receive its bytes and corrupt "
+                "another request's KV. Unset it (both PD sides run the same Mooncake version)")
+    return None
 
 
 def unavailable_reason() -> str | None:
@@ -192,6 +210,9 @@ class KVTransfer:
         unsupported = mode_unsupported(mode, latent.device)
         if unsupported:
             raise TransferUnavailable(unsupported)
+        unacknowledged = unacknowledged_writes()
+        if unacknowledged:
+            raise ValueError(unacknowledged)
         self.latent, self.index_keys, self.page_size, self.mode = latent, index_keys, page_size, mode
         self.faults = faults
         self.engine = mooncake_engine_class()()
