@@ -21,7 +21,7 @@ or can start), beside the client's error; only then do its pages and slot go bac
 they could be another request's by the time a write in progress lands. A close that is not confirmed
 within the PD timeout (the prefill server hangs, answers an error, or cannot be reached but did not
 refuse the connection) quarantines them: out of the pools (`dsv4_pd_quarantined_pages`), while the
-close is sent again with a growing, bounded wait (`retry_waits`); a confirmed (or refused) retry puts
+close is sent again with a growing, bounded, jittered wait (`retry_waits`); a confirmed (or refused) retry puts
 them back (`dsv4_pd_quarantines_lifted`). A network blip or a pause of the prefill server costs the
 pages for seconds, not until a restart. Shutdown stops the retries and keeps what is quarantined.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import random
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ RELEASING_OUTCOMES = frozenset({"closed", "refused"})
 QUARANTINE_RETRY_FIRST_S = 2.0
 QUARANTINE_RETRY_GROWTH = 2.0
 QUARANTINE_RETRY_MAX_S = 60.0
+# Each wait is shortened by up to this share, at random: the rooms one blip quarantined together (a
+# prefill server that stalled for a few seconds) would otherwise send their closes in step, every time.
+QUARANTINE_RETRY_JITTER = 0.25
 
 
 class DecodeSide:
@@ -544,10 +548,12 @@ def retry_waits(first_s: float, growth: float, max_s: float) -> Iterator[float]:
         wait = min(wait * growth, max_s)
 
 
-def next_retry_wait(outcome: str, waits: Iterator[float]) -> float:
+def next_retry_wait(outcome: str, waits: Iterator[float], rand: Callable[[], float] = random.random) -> float:
     """The wait before retrying a close that ended in `outcome`: the next of `waits`, or the longest at
-    once after a "no_route" (a missing route comes only with an upgrade, not within seconds)."""
-    return QUARANTINE_RETRY_MAX_S if outcome == "no_route" else next(waits)
+    once after a "no_route" (a missing route comes only with an upgrade, not within seconds), less up
+    to QUARANTINE_RETRY_JITTER of it (`rand()` in [0, 1) says how much)."""
+    wait = QUARANTINE_RETRY_MAX_S if outcome == "no_route" else next(waits)
+    return wait * (1.0 - QUARANTINE_RETRY_JITTER * rand())
 
 
 class TransferAnswer:

@@ -290,8 +290,20 @@ def test_retry_waits_grow_and_are_bounded():
     assert list(islice(retry_waits(2.0, 2.0, 60.0), 8)) == [2, 4, 8, 16, 32, 60, 60, 60]
     assert list(islice(retry_waits(5.0, 3.0, 1.0), 2)) == [1, 1]
     waits = retry_waits(2.0, 2.0, 60.0)
-    assert decode_module.next_retry_wait("no_route", waits) == decode_module.QUARANTINE_RETRY_MAX_S
-    assert decode_module.next_retry_wait("unconfirmed", waits) == 2.0
+    exact = lambda: 0.0  # noqa: E731  (no jitter)
+    assert decode_module.next_retry_wait("no_route", waits, exact) == decode_module.QUARANTINE_RETRY_MAX_S
+    assert decode_module.next_retry_wait("unconfirmed", waits, exact) == 2.0
+    assert decode_module.next_retry_wait("unconfirmed", waits, lambda: 0.999) == pytest.approx(
+        4.0 * (1 - decode_module.QUARANTINE_RETRY_JITTER), rel=1e-3)
+
+
+def test_rooms_quarantined_together_do_not_retry_in_step():
+    """One blip quarantines many rooms at once; their retried closes spread over the last quarter of
+    each wait instead of reaching the prefill server together (the old waits were all equal)."""
+    first = [decode_module.next_retry_wait("unconfirmed", decode_module.retry_waits(2.0, 2.0, 60.0))
+             for _ in range(50)]
+    assert all(1.5 <= w <= 2.0 for w in first)
+    assert max(first) - min(first) > 0.2 and len(set(first)) == 50
 
 
 def test_a_quarantined_room_goes_back_once_a_retried_close_is_confirmed(decode, quick_retries, caplog):
