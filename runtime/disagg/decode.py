@@ -164,7 +164,12 @@ class DecodeSide:
                 "name": self.name, "instance": self.instance, "pool": self.transfer.descriptor().to_dict()})
             if reply.status_code != 200:
                 raise error_from_body(reply.status_code, _json(reply), f"registering with {prefill} failed")
-            self.sessions[prefill] = reply.json()["session_id"]
+            registered = reply.json()
+            if registered.get("room_close"):
+                self._no_close_route.discard(prefill)  # upgraded: a downgrade is reported again
+            else:  # an older prefill server: say so now, not at the first room given up there
+                self._report_no_close_route(prefill, "its /pd/register answer does not offer one")
+            self.sessions[prefill] = registered["session_id"]
             return self.sessions[prefill]
 
     async def _open_room(self, link: RoomLink, pages: list[int], staging: int | None,
@@ -406,7 +411,7 @@ class DecodeSide:
             log.log(level, "room %s: closing it on %s failed: %r", link.room, link.prefill, exc)
             return "unconfirmed"
         if reply.status_code == 404:
-            self._report_no_close_route(link.prefill)
+            self._report_no_close_route(link.prefill, "POST /pd/rooms/{room}/close answered 404")
             return "no_route"
         if reply.status_code != 200:
             log.log(level, "room %s: %s answered the close with HTTP %d: %s", link.room, link.prefill,
@@ -415,16 +420,16 @@ class DecodeSide:
         self._no_close_route.discard(link.prefill)  # upgraded: a downgrade is reported again
         return "closed"
 
-    def _report_no_close_route(self, prefill: str) -> None:
+    def _report_no_close_route(self, prefill: str, evidence: str) -> None:
         """Say once per prefill server (per process) that it is too old to confirm a close, and what that
         costs: every room given up while it may write stays quarantined."""
         if prefill in self._no_close_route:
             return
         self._no_close_route.add(prefill)
-        log.error("prefill server %s has no room-close route (POST /pd/rooms/{room}/close answered 404): upgrade "
-                  "it. Until then the KV pages and staging slot of every room given up while it may still write "
-                  "into them stay quarantined (dsv4_pd_quarantined_pages): nothing else rules out a late write. "
-                  "Their close is tried again every %g s", prefill, QUARANTINE_RETRY_MAX_S)
+        log.error("prefill server %s has no room-close route (%s): upgrade it. Until then the KV pages and "
+                  "staging slot of every room given up while it may still write into them stay quarantined "
+                  "(dsv4_pd_quarantined_pages): nothing else rules out a late write. Their close is tried again "
+                  "every %g s", prefill, evidence, QUARANTINE_RETRY_MAX_S)
 
     async def _post_close(self, link: RoomLink, reason: str) -> httpx.Response:
         """The close call, sent again once when the connection it went out on broke: a pooled connection

@@ -110,7 +110,9 @@ class PrefillSide:
             if mismatch:
                 raise ApiError(409, f"decode and prefill servers cannot exchange KV: {mismatch}",
                                type="server_error", code="pd_mode_mismatch")
-            return {"session_id": session.session_id, "version": session.version}
+            # `room_close`: this server confirms room closes (POST /pd/rooms/{room}/close), so a decode
+            # server knows at once whether the rooms it gives up here can get their pages back.
+            return {"session_id": session.session_id, "version": session.version, "room_close": True}
 
         @app.post("/pd/transfer")
         async def transfer(request: Request) -> Response:

@@ -50,8 +50,10 @@ class FakePrefill:
     loop's time of each."""
 
     def __init__(self, close: str | int = "ok", transfer_status: int = 200,
-                 then: str | int | list[str | int] | None = None) -> None:
+                 then: str | int | list[str | int] | None = None, offers_close: bool | None = None) -> None:
         self.close, self.transfer_status = close, transfer_status
+        # Whether /pd/register offers the close route: not where the close answers 404 (an older server).
+        self.offers_close = close != 404 if offers_close is None else offers_close
         self.then = [then] if isinstance(then, str | int) else then
         self.closes: list[dict] = []
         self.closed_at: list[float] = []
@@ -59,7 +61,8 @@ class FakePrefill:
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path == "/pd/register":
-            return httpx.Response(200, json={"session_id": "s-1", "version": 1})
+            return httpx.Response(200, json={"session_id": "s-1", "version": 1}
+                                  | ({"room_close": True} if self.offers_close else {}))
         if path == "/pd/transfer":
             if self.transfer_status != 200:
                 return httpx.Response(self.transfer_status, json={"error": {
@@ -465,3 +468,21 @@ def test_a_prefill_server_without_the_close_route_is_named_once_and_its_rooms_wa
         assert metric(decode, "dsv4_pd_quarantined_pages") == 0
     else:
         assert any(f.startswith("freed without a confirmed close") for f in found), found
+
+
+@pytest.mark.parametrize("offers", [True, False])
+def test_a_prefill_server_without_the_close_route_is_named_when_it_registers(decode, caplog, offers):
+    """A prefill server's /pd/register answer says whether it confirms room closes: one that does not
+    (an older version) is named at registration, before any room is given up there, where it costs
+    quarantined pages; one that does is not. Negative control: named only at its first 404 before."""
+    async def run() -> None:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(FakePrefill(offers_close=offers)))
+        assert await decode.side._session(client, "http://prefill") == "s-1"
+        await client.aclose()
+
+    asyncio.run(run())
+    named = [r.getMessage() for r in caplog.records if "has no room-close route" in r.getMessage()]
+    if offers:
+        assert named == []
+    else:
+        assert len(named) == 1 and "http://prefill" in named[0] and "does not offer one" in named[0]
