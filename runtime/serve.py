@@ -27,6 +27,7 @@ from runtime.config import EngineConfig  # noqa: E402
 from runtime.faults import KNOWN_FAULTS, FaultSet, UnknownFaultError  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from other machines only when asked for
+STARTUP_FAILURE_RC = 3  # uvicorn's own exit status for a server that could not start
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     import runtime.distributed.tp_engine  # noqa: F401  (build_state's imports: torch and the engine)
     import runtime.models.loader  # noqa: F401
     from runtime.server.app import create_app
+    from runtime.server.serving import RuntimeServer, before_stop_listening
 
     if latch.release():
         return INTERRUPTED_RC
@@ -164,11 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=5,
-                    # Longer than clients keep idle connections (httpx: 5 s, uvicorn's own default): a
-                    # server closing a keep-alive connection as the client reuses it drops a request.
-                    timeout_keep_alive=75)
+        config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                timeout_graceful_shutdown=5,
+                                # Longer than clients keep idle connections (httpx: 5 s, uvicorn's own default):
+                                # a server closing a keep-alive connection as the client reuses it drops a request.
+                                timeout_keep_alive=75)
+        server = RuntimeServer(config, before_stop_listening(state))
+        server.run()
+        if not server.started:  # as `uvicorn.run` does: a server that could not start (its port taken)
+            return STARTUP_FAILURE_RC
     finally:
         state.engine.shutdown()  # stops TP worker processes; a no-op at --tp 1
     return 0

@@ -14,7 +14,8 @@ for the room to be opened, writes the KV and completes it. Every wait has a dead
 timed out or gave up) stays failed for `forget_s`, so a late open is refused at once instead of
 waiting out its own deadline. A decode side that gives a room up before its KV arrived closes it
 (`close_room`): the room fails once no write into its pages is in progress, before the decode side
-frees them.
+frees them. A prefill server shutting down drains (`drain`) before it stops listening: a decode side
+that then finds nothing listening ("connection refused") knows no write of it is still in progress.
 
 All methods run on the prefill server's event loop (the engine thread completes rooms through
 `loop.call_soon_threadsafe`).
@@ -27,9 +28,11 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
-from runtime.disagg.protocol import BootstrapError, BootstrapTimeout, RoomFailed, StaleSessionError
+from runtime.disagg.protocol import BootstrapError, BootstrapTimeout, PrefillStopping, RoomFailed, StaleSessionError
 from runtime.disagg.transfer import PoolDescriptor
 from runtime.faults import NO_FAULTS, FaultSet
+
+DRAIN_POLL_S = 0.02  # how often `drain` looks whether the open rooms have finished
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class BootstrapRegistry:
         # Failed rooms whose failure waits for a write in progress (`fail`), kept here until it ended even
         # once `close` forgot them: the decode side's close must still find and wait for that write.
         self._writing: dict[str, Room] = {}
+        self.stopping = False  # set by `drain`: no room opens any more
 
     # ---- sessions -------------------------------------------------------------------------------
     def register(self, name: str, instance: str, pool: PoolDescriptor) -> Session:
@@ -118,6 +122,8 @@ class BootstrapRegistry:
 
     def open(self, room: str, name: str, session_id: str, dst_pages: list[int],
              staging_offset: int | None = None) -> Room:
+        if self.stopping:
+            raise PrefillStopping(f"room {room}: the prefill server is shutting down and opens no new room")
         session = self.current(name, session_id)
         if room in self.rooms:
             raise BootstrapError(f"room {room} is already open")
@@ -234,6 +240,24 @@ class BootstrapRegistry:
             return False
         self.fail(room, error)
         return True
+
+    async def drain(self, wait_s: float, write_timeout_s: float) -> list[str]:
+        """A graceful shutdown's step before the server stops listening: open no new room, give the open
+        ones up to `wait_s` to finish, then fail the rest once no write into their pages is in progress
+        (each waited out for up to `write_timeout_s`, off the event loop). A decode side whose close finds
+        the server gone ("connection refused") frees the room's pages after a short settle delay
+        (runtime/disagg/decode.py); had the server stopped listening first, a write of its could still
+        be landing in them then. Returns the rooms whose write outlasted `write_timeout_s`."""
+        self.stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while (self.rooms or self._writing) and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = list(dict.fromkeys([*self.rooms, *self._writing]))
+        closed = await asyncio.gather(*(self.close_room(
+            room, PrefillStopping(f"room {room}: the prefill server shut down before its KV was written"),
+            write_timeout_s) for room in left))
+        return [room for room, ok in zip(left, closed) if not ok]
 
     def _forget(self, room: str, opened: asyncio.Future) -> None:
         if self._opened.get(room) is opened:

@@ -46,6 +46,9 @@ from runtime.server.request_body import until_disconnected
 from runtime.server.trace import NO_TRACE, Trace
 
 log = logging.getLogger(__name__)
+# How long a graceful shutdown lets the open rooms finish before it fails them (`drain`): uvicorn's own
+# grace for open connections (runtime/serve.py), which the rooms' requests are among.
+DRAIN_WAIT_S = 5.0
 
 
 @dataclass
@@ -90,6 +93,14 @@ class PrefillSide:
         self._sending: set[asyncio.Task] = set()  # writes of held KV in progress (a reference each)
         # The sender's KV digests, each beside its write (`_write`): both read the same owned pages.
         self._digests = digest_workers()
+
+    async def drain(self) -> None:
+        """At a graceful shutdown, before the server stops listening (runtime/server/serving.py): the
+        open rooms finish or fail, and no KV write is left in progress (`BootstrapRegistry.drain`)."""
+        stuck = await self.registry.drain(DRAIN_WAIT_S, self.timeout_s)
+        if stuck:
+            log.error("shutting down with KV writes still in progress into rooms %s after %g s: their decode "
+                      "servers may free those pages while the writes land", stuck, self.timeout_s)
 
     async def aclose(self) -> None:
         """At server shutdown: stop the digest threads (the decode side closes an HTTP client here)."""

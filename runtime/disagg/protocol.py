@@ -37,9 +37,17 @@ class RoomFailed(BootstrapError):
     code = "pd_transfer_failed"
 
 
+class PrefillStopping(BootstrapError):
+    """The prefill server is shutting down: it opens no new room (runtime/disagg/bootstrap.py `drain`)."""
+
+    code = "pd_prefill_stopping"
+
+
 def api_error(exc: BootstrapError) -> ApiError:
-    """A bootstrap failure as the client sees it: 504 for a timeout, 409 for a stale session, else 502."""
-    status = 504 if isinstance(exc, BootstrapTimeout) else 409 if exc.code == "pd_stale_session" else 502
+    """A bootstrap failure as the client sees it: 504 for a timeout, 409 for a stale session, 503 for a
+    prefill server shutting down, else 502."""
+    status = (504 if isinstance(exc, BootstrapTimeout) else 409 if exc.code == "pd_stale_session"
+              else 503 if isinstance(exc, PrefillStopping) else 502)
     return ApiError(status, str(exc), type="server_error", code=exc.code)
 
 

@@ -12,12 +12,16 @@ from canary.targets import free_port
 
 
 @contextmanager
-def serve_in_thread(app) -> Iterator[str]:
-    """Serve an ASGI app (lifespan included, so the engine bridge runs) on a free loopback port."""
+def serve_in_thread(app, before_stop_listening=None) -> Iterator[str]:
+    """Serve an ASGI app (lifespan included, so the engine bridge runs) on a free loopback port, under
+    the server `runtime.serve` runs (`before_stop_listening`: runtime/server/serving.py)."""
     import uvicorn
 
+    from runtime.server.serving import RuntimeServer
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = RuntimeServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"),
+                           before_stop_listening)
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -22,9 +22,10 @@ def server_state(*args: str):
 @contextmanager
 def serve_state(state) -> Iterator[str]:
     from runtime.server.app import create_app
+    from runtime.server.serving import before_stop_listening
 
     try:
-        with serve_in_thread(create_app(state)) as url:
+        with serve_in_thread(create_app(state), before_stop_listening(state)) as url:
             yield url
     finally:
         state.engine.shutdown()

@@ -77,3 +77,63 @@ def test_a_decode_server_shut_down_during_the_kv_check_frees_every_page_and_slot
                 release_queue.set()
             decode_server.close()
     assert freed == (initial, 0)
+
+
+@pytest.mark.parametrize("planted", [None, "no_drain"], ids=["as_built", "stops_listening_at_once"])
+def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_it_ended(planted, monkeypatch):
+    """A prefill server is shut down (gracefully) while its KV write into a room is in progress, and the
+    decode side then gives that room up: its close must not find the server gone while the write still
+    runs, or it frees the room's pages after the settle delay and the write lands in another request's
+    KV. As built the server drains first (runtime/disagg/bootstrap.py `drain`): the pages stay held
+    until the write ended, then all come back. Negative control: a server that stops listening at once
+    (the old shutdown) lets the decode side free them while the write is held."""
+    from runtime.disagg import decode as decode_module
+    from runtime.disagg import prefill as prefill_module
+    from runtime.server.errors import ApiError
+    from tests.e2e.test_pd import HeldWrite, wait_pages_free
+
+    common = ("--disaggregation-timeout", "20")
+    prefill_state = server_state("--disaggregation-mode", "prefill", *common)
+    decode_state = server_state("--disaggregation-mode", "decode", *common)
+    monkeypatch.setattr(prefill_module, "DRAIN_WAIT_S", 0.2)
+    if planted == "no_drain":
+        async def no_drain() -> None:
+            return None
+
+        monkeypatch.setattr(prefill_state.pd, "drain", no_drain)
+    write = HeldWrite(prefill_state.pd.transfer, monkeypatch, first_only=True)
+    shutting_down = threading.Event()
+    build = decode_module.prefilled_request
+
+    def give_up_once_the_prefill_server_is_stopping(*args, **kwargs):
+        monkeypatch.setattr(decode_module, "prefilled_request", build)
+        assert write.started.wait(30) and shutting_down.wait(30)
+        time.sleep(0.3)  # the old shutdown has closed its listening socket by now
+        raise ApiError(502, "planted: the decode side gives the room up", type="server_error", code="pd_planted")
+
+    monkeypatch.setattr(decode_module, "prefilled_request", give_up_once_the_prefill_server_is_stopping)
+    with ExitStack() as stack:
+        prefill_server = ExitStack()
+        prefill = prefill_server.enter_context(serve_state(prefill_state))
+        decode = stack.enter_context(serve_state(decode_state))
+        router = stack.enter_context(serve_in_thread(create_router_app([prefill], [decode], timeout_s=60)))
+        client = threading.Thread(target=lambda: httpx.post(f"{router}/v1/chat/completions",
+                                                            json=body(PROMPTS[0]), timeout=60), daemon=True)
+        stopper = threading.Thread(target=prefill_server.close, daemon=True)
+        try:
+            client.start()
+            assert write.started.wait(30), "the prefill side never started the KV write"
+            stopper.start()
+            shutting_down.set()
+            time.sleep(1.5)  # the decode side gave up 0.3 s in, and heard back (or not) from its close
+            during = decode_state.engine.pages_in_use  # the given-up room's pages, while the write is held
+        finally:
+            write.release()
+            shutting_down.set()
+        client.join(30)
+        stopper.join(30)
+        after = wait_pages_free(decode_state)
+    if planted is None:
+        assert during > 0 and after == [0], (during, after)
+    else:
+        assert during == 0, during

@@ -301,3 +301,43 @@ def test_a_close_after_the_room_failed_and_was_forgotten_still_waits_for_the_wri
 
     closed, took = run(scenario())
     assert closed and took >= WRITE_S * 0.5
+
+
+def test_draining_opens_no_room_lets_open_rooms_finish_and_ends_with_no_write_in_progress():
+    """A graceful shutdown's `drain`, before the server stops listening: a new open is refused by name
+    (503 pd_prefill_stopping), a room that completes within the wait completes normally, and a room
+    whose write is in progress at the wait's end is failed once that write ended: when `drain`
+    returns, no write is in progress and none can start. Negative control: the old shutdown had no
+    such step (the decode side's close then found nothing listening while the write ran)."""
+    from runtime.disagg.protocol import PrefillStopping, api_error
+
+    async def scenario() -> dict:
+        registry = BootstrapRegistry()
+        finishing, writing = opened(registry, "room-1"), opened(registry, "room-2")
+        holding = write_in_progress(writing)
+        assert holding.wait(5)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, registry.complete, "room-1", {"digest": "d"})
+        loop.call_later(0.1, registry.close, "room-1")  # its /pd/transfer answer went out
+        started = loop.time()
+        stuck = await registry.drain(wait_s=0.15, write_timeout_s=5.0)
+        took = loop.time() - started
+        session = registry.sessions["decode-0"]
+        with pytest.raises(PrefillStopping) as refused:
+            registry.open("room-3", "decode-0", session.session_id, [1])
+        return {"stuck": stuck, "took": took, "finished": finishing.done.result(), "barred": writing.closed,
+                "failed": type(writing.done.exception()), "refused": api_error(refused.value).status}
+
+    out = run(scenario())
+    assert out["stuck"] == [] and out["took"] >= WRITE_S * 0.9
+    assert out["finished"] == {"digest": "d"} and out["barred"] and out["failed"] is PrefillStopping
+    assert out["refused"] == 503
+
+
+def test_draining_names_a_room_whose_write_outlasts_its_deadline():
+    async def scenario() -> list[str]:
+        registry = BootstrapRegistry()
+        assert write_in_progress(opened(registry)).wait(5)
+        return await registry.drain(wait_s=0.0, write_timeout_s=0.05)
+
+    assert run(scenario()) == ["room-1"]
