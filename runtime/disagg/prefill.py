@@ -37,7 +37,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.disagg.bootstrap import BootstrapError, BootstrapRegistry, BootstrapTimeout, Room, RoomFailed
 from runtime.disagg.metrics import PDMetrics
-from runtime.disagg.protocol import ROOM_HEADER, TRANSFER_MEDIA_TYPE, api_error, transfer_error, transfer_line
+from runtime.disagg.protocol import (
+    ROOM_HEADER,
+    TRANSFER_MEDIA_TYPE,
+    PrefillStopping,
+    api_error,
+    transfer_error,
+    transfer_line,
+)
 from runtime.disagg.transfer import KVTransfer, PoolDescriptor, digest_workers, kv_digest, mode_mismatch
 from runtime.engine.engine import Engine, StepResult
 from runtime.server.bridge import Accepted, Rejected
@@ -182,6 +189,8 @@ class PrefillSide:
         if not room_id:
             raise bad_request("this is a PD prefill server: requests come through `python -m runtime.router` "
                               f"(no {ROOM_HEADER} header)")
+        if self.registry.stopping:  # its room could not open: no prompt computed for nobody
+            raise api_error(PrefillStopping(f"room {room_id}: the prefill server is shutting down"))
         self.registry.expect(room_id)
         with self._lock:
             self.pending[rid] = Pending(room_id, asyncio.get_running_loop(), state, trace=trace)

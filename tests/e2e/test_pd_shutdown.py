@@ -125,7 +125,11 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
             assert write.started.wait(30), "the prefill side never started the KV write"
             stopper.start()
             shutting_down.set()
-            time.sleep(1.5)  # the decode side gave up 0.3 s in, and heard back (or not) from its close
+            time.sleep(1.0)  # the decode side gave up 0.3 s in, and heard back (or not) from its close
+            # A request arriving meanwhile: refused by name while the server drains (the old one had
+            # stopped listening: the router could not reach it).
+            late = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[1]), timeout=30)
+            time.sleep(0.5)
             during = decode_state.engine.pages_in_use  # the given-up room's pages, while the write is held
         finally:
             write.release()
@@ -133,7 +137,10 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
         client.join(30)
         stopper.join(30)
         after = wait_pages_free(decode_state)
+    late_error = (late.status_code, late.json()["error"]["code"])
     if planted is None:
         assert during > 0 and after == [0], (during, after)
+        assert late_error == (503, "pd_prefill_stopping"), late.text
     else:
         assert during == 0, during
+        assert late_error != (503, "pd_prefill_stopping"), late.text
