@@ -6,7 +6,9 @@
 Each chat request gets a fresh room id and goes, unchanged, to one prefill server and one decode server
 (round robin) with the room and the prefill server's URL in two headers (runtime/disagg/protocol.py).
 The client gets the decode server's answer, streamed through byte for byte; a request either side
-fails reaches the client as an OpenAI-shaped error (the decode side reports the prefill side's).
+fails reaches the client as an OpenAI-shaped error (the decode side reports the prefill side's). A
+prefill server that took nothing of a request (shutting down, or down) is passed over for a moment and
+the request offered to the next one, up to MAX_PREFILL_TRIES servers: the client has had nothing yet.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ PAIR_SUMS = {"dsv4_kv_pages_in_use": "dsv4_pd_upstream_kv_pages_in_use",
 # the colocated server's 2,372 tok/s and 0.05 s). A request's two calls go through one of this many
 # pools, picked in turn, so each pool holds about 1/UPSTREAM_POOLS of the connections.
 UPSTREAM_POOLS = 16
+# Prefill servers a request is offered to when the ones before took nothing of it (shutting down, or
+# down: `_prefill_refused`), nothing having reached its client yet; each try costs a decode call.
+MAX_PREFILL_TRIES = 3
+# How long a prefill server that took nothing of a request is passed over by the next requests: a
+# server draining for a shutdown refuses everything for up to its grace period (5 s, runtime/serve.py),
+# and a server that is down stays down; a retry after this shows whether it is back.
+PREFILL_REST_S = 2.0
 
 
 def _kind(name: str) -> str:
@@ -78,6 +87,17 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
     if pools < 1:
         raise ValueError(f"the router needs at least one upstream connection pool, got {pools}")
     pick_prefill, pick_decode = itertools.cycle(prefill), itertools.cycle(decode)
+    resting: dict[str, float] = {}  # prefill URL -> the loop time until which requests pass it over
+
+    def next_prefill() -> str:
+        """The next prefill server in turn that is not resting (`PREFILL_REST_S`); the next in turn when
+        all are."""
+        now = asyncio.get_running_loop().time()
+        for _ in range(len(prefill)):
+            url = next(pick_prefill)
+            if resting.get(url, 0.0) <= now:
+                return url
+        return next(pick_prefill)
     pick_pool = itertools.cycle(range(pools))
     clients: list[httpx.AsyncClient] = []  # clients[0] also carries the GETs (health, metrics, traces)
     traces = TraceLog()
@@ -171,36 +191,21 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             stream = json.loads(body).get("stream") is True
         except (ValueError, AttributeError):
             stream = False  # the servers answer the malformed body with their own 400
-        prefill_url, decode_url = next(pick_prefill), next(pick_decode)
-        headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
+        decode_url = next(pick_decode)
         client = clients[next(pick_pool)]
-        # The prompt's call (the critical path) leaves whole before the decode call starts (which only
-        # opens the room, and has the prompt's compute time to do it). httpx writes a request's headers
-        # and its body in two writes with a yield between them: when both calls started at once, the
-        # decode call's headers went out in that yield and the prompt's body after them, so the prefill
-        # server's handler, started by the headers, waited for its body: 0.7-3.8 ms on the 2-core CPU
-        # (`bench.pd_ttft --phases`, "prefill: body read"), 0.1-1.3 ms since.
-        prefill_sent = asyncio.Event()  # set once the prompt's body is written, or its call has ended
-        prefill_call = asyncio.create_task(client.post(
-            f"{prefill_url}/v1/chat/completions", content=_signalling(body, prefill_sent),
-            headers={**headers, "content-length": str(len(body))}))
-        prefill_call.add_done_callback(lambda _: prefill_sent.set())
-
-        async def open_decode() -> httpx.Response:
-            await prefill_sent.wait()
-            trace.mark("prefill_sent")
-            return await client.send(client.build_request("POST", f"{decode_url}/v1/chat/completions",
-                                                          content=body, headers=headers), stream=True)
-
-        decode_call = asyncio.create_task(open_decode())
-        try:
-            reply = await decode_call
-        except httpx.HTTPError as exc:
-            prefill_call.cancel()
-            await _settle(prefill_call)
-            return _unreachable("decode", decode_url, exc)
-        trace.mark("decode_headers")
-        if reply.status_code != 200 or not stream:
+        for attempt in range(min(len(prefill), MAX_PREFILL_TRIES)):
+            prefill_url = next_prefill()
+            headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
+            prefill_call, prompt_sent = _send_prompt(client, prefill_url, body, headers)
+            try:
+                reply = await _open_decode(client, decode_url, body, headers, prompt_sent, trace)
+            except httpx.HTTPError as exc:
+                prefill_call.cancel()
+                await _settle(prefill_call)
+                return _unreachable("decode", decode_url, exc)
+            trace.mark("decode_headers")
+            if reply.status_code == 200 and stream:
+                return StreamingResponse(_pass_through(reply, prefill_call, trace), media_type="text/event-stream")
             content = await reply.aread()
             await reply.aclose()
             if reply.status_code != 200:
@@ -208,10 +213,55 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                 # which then frees the prompt's KV it holds for the room at once, not at its deadline.
                 prefill_call.cancel()
             await _settle(prefill_call)
+            if reply.status_code != 200 and attempt + 1 < min(len(prefill), MAX_PREFILL_TRIES) and \
+                    _prefill_refused(content, prefill_call):
+                trace.mark("prefill_retried")
+                resting[prefill_url] = asyncio.get_running_loop().time() + PREFILL_REST_S
+                continue  # nothing reached the client yet: another prefill server may take it
             return Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
-        return StreamingResponse(_pass_through(reply, prefill_call, trace), media_type="text/event-stream")
+        raise AssertionError("unreachable: the last try returns")
 
     return app
+
+
+def _send_prompt(client: httpx.AsyncClient, prefill_url: str, body: bytes,
+                 headers: dict[str, str]) -> tuple[asyncio.Task, asyncio.Event]:
+    """The prompt's call to the prefill server, as a task (it answers once the room is done or failed),
+    and the event set once the prompt's body is written (or the call has ended)."""
+    sent = asyncio.Event()
+    call = asyncio.create_task(client.post(f"{prefill_url}/v1/chat/completions", content=_signalling(body, sent),
+                                           headers={**headers, "content-length": str(len(body))}))
+    call.add_done_callback(lambda _: sent.set())
+    return call, sent
+
+
+async def _open_decode(client: httpx.AsyncClient, decode_url: str, body: bytes, headers: dict[str, str],
+                       prompt_sent: asyncio.Event, trace: Trace) -> httpx.Response:
+    """The decode call, streamed, once the prompt's call has left whole. The prompt's call is the
+    critical path; the decode call only opens the room, and has the prompt's compute time to do it.
+    httpx writes a request's headers and its body in two writes with a yield between them: when both
+    calls started at once, the decode call's headers went out in that yield and the prompt's body after
+    them, so the prefill server's handler, started by the headers, waited for its body: 0.7-3.8 ms on
+    the 2-core CPU (`bench.pd_ttft --phases`, "prefill: body read"), 0.1-1.3 ms since."""
+    await prompt_sent.wait()
+    trace.mark("prefill_sent")
+    return await client.send(client.build_request("POST", f"{decode_url}/v1/chat/completions", content=body,
+                                                  headers=headers), stream=True)
+
+
+def _prefill_refused(decode_error: bytes, prefill_call: asyncio.Task) -> bool:
+    """Whether a failed pair's prefill server took nothing of the request: it is shutting down (the
+    decode side reports its 503 `pd_prefill_stopping`) or nothing listens there (the prompt's call
+    could not connect). Then no room was opened and no KV written, and the client has had nothing:
+    the request may go to another prefill server."""
+    if prefill_call.done() and not prefill_call.cancelled() and \
+            isinstance(prefill_call.exception(), httpx.ConnectError):
+        return True
+    try:
+        error = json.loads(decode_error).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "pd_prefill_stopping"
 
 
 async def _signalling(body: bytes, sent: asyncio.Event) -> AsyncIterator[bytes]:

@@ -214,3 +214,69 @@ def test_a_traced_request_is_read_back_from_the_router_and_both_upstreams(monkey
         assert marks["received"] <= marks["decode_headers"] <= marks["first_token_relayed"]
         router.post("/v1/chat/completions", content=json.dumps(BODY))  # untraced: no header goes upstream
         assert [header for _, _, header in seen[-2:]] == [None, None]
+
+
+def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, str]] | None = None):
+    """Mock upstreams: prefill servers by host, each "ok", "stopping" (its 503, and the decode side's
+    report of it) or "down" (nothing listens); one decode server streaming SSE unless the prefill server
+    named in the request's bootstrap header is not ok (or `decode_error` names an error for that
+    server). Returns (the router app, the log of (host, bootstrap host) per upstream request)."""
+    from runtime.disagg.protocol import BOOTSTRAP_HEADER
+
+    seen: list[tuple[str, str]] = []
+
+    def error(status: int, code: str) -> httpx.Response:
+        return httpx.Response(status, json={"error": {"message": "planted", "type": "server_error", "code": code}})
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        host, bootstrap = request.url.host, httpx.URL(request.headers[BOOTSTRAP_HEADER]).host
+        seen.append((host, bootstrap))
+        state = prefill_state.get(bootstrap, "ok")
+        if host in prefill_state:
+            if state == "down":
+                raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+            return error(503, "pd_prefill_stopping") if state == "stopping" else httpx.Response(200, json={})
+        if (decode_error or {}).get(bootstrap):
+            return error(*(decode_error or {})[bootstrap])
+        if state == "stopping":
+            return error(503, "pd_prefill_stopping")
+        if state == "down":
+            return error(502, "pd_prefill_unreachable")
+        return httpx.Response(200, stream=httpx.ByteStream(SSE), headers={"content-type": "text/event-stream"})
+
+    transport = httpx.MockTransport(answer)
+    app = create_router_app([f"http://{host}:1" for host in prefill_state], ["http://decode:2"],
+                            make_client=lambda **kw: httpx.AsyncClient(transport=transport, **kw))
+    return app, seen
+
+
+@pytest.mark.parametrize("state", ["stopping", "down"])
+def test_a_request_a_prefill_server_takes_nothing_of_goes_to_the_next_one(state):
+    """A prefill server shutting down (503 pd_prefill_stopping) or down (nothing listens) took nothing of
+    the request and the client has had nothing: the router offers it to the next prefill server, and
+    passes the first over for the next requests (PREFILL_REST_S). Every request is served. Negative
+    control: the old router answered the error to every request it sent there."""
+    app, seen = pd_fleet({"prefill-a": state, "prefill-b": "ok"})
+    with TestClient(app) as router:
+        replies = [router.post("/v1/chat/completions", content=json.dumps(BODY)) for _ in range(4)]
+    assert [(r.status_code, r.content) for r in replies] == [(200, SSE)] * 4
+    decode_calls = [bootstrap for host, bootstrap in seen if host == "decode"]
+    assert decode_calls == ["prefill-a", "prefill-b", "prefill-b", "prefill-b", "prefill-b"]
+
+
+def test_a_failure_after_the_prefill_server_took_the_request_is_not_retried():
+    """A KV that arrived corrupt (or any error but the two above) may come after the prefill server
+    computed the prompt: the router answers it as it is and offers the request to no one else."""
+    app, seen = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"}, decode_error={"prefill-a": (502, "pd_kv_corrupt")})
+    with TestClient(app) as router:
+        first = router.post("/v1/chat/completions", content=json.dumps(BODY))
+    assert (first.status_code, first.json()["error"]["code"]) == (502, "pd_kv_corrupt")
+    assert {bootstrap for _, bootstrap in seen} == {"prefill-a"}
+
+
+def test_with_every_prefill_server_stopping_the_client_gets_the_error():
+    app, seen = pd_fleet({"prefill-a": "stopping", "prefill-b": "stopping"})
+    with TestClient(app) as router:
+        reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
+    assert (reply.status_code, reply.json()["error"]["code"]) == (503, "pd_prefill_stopping")
+    assert sorted(bootstrap for host, bootstrap in seen if host == "decode") == ["prefill-a", "prefill-b"]
