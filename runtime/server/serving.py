@@ -10,6 +10,7 @@ if no write of this server can still land in them (runtime/disagg/bootstrap.py `
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -17,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import uvicorn
 
 log = logging.getLogger(__name__)
+FORCE_EXIT_POLL_S = 0.1  # how often the shutdown step looks for a second signal (uvicorn's force_exit)
 
 
 class RuntimeServer(uvicorn.Server):
@@ -27,10 +29,16 @@ class RuntimeServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.before_stop_listening is not None:
-            try:
-                await self.before_stop_listening()
-            except Exception:  # the shutdown goes on: a server that cannot stop is worse
-                log.exception("the step before the server stops listening failed")
+            step = asyncio.ensure_future(self.before_stop_listening())
+            while not step.done():
+                if self.force_exit:  # a second Ctrl-C / SIGTERM: stop now, as uvicorn does
+                    step.cancel()
+                    log.warning("forced exit: the server stops listening without finishing its shutdown step")
+                    break
+                await asyncio.wait({step}, timeout=FORCE_EXIT_POLL_S)
+            if step.done() and not step.cancelled() and step.exception() is not None:
+                # The shutdown goes on: a server that cannot stop is worse.
+                log.error("the step before the server stops listening failed", exc_info=step.exception())
         await super().shutdown(sockets)
 
 
