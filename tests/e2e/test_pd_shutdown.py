@@ -144,3 +144,48 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
     else:
         assert during == 0, during
         assert late_error != (503, "pd_prefill_stopping"), late.text
+
+
+@pytest.mark.parametrize("tries", [None, 1], ids=["as_built", "router_without_retry"])
+def test_one_of_two_prefill_servers_stopped_under_load_costs_no_request(tries, monkeypatch):
+    """A rolling restart's first half: requests keep coming through the router while one of its two
+    prefill servers is stopped (gracefully). The stopping server finishes what it took, refuses the rest
+    by name while it drains, then nothing listens; the router offers each request it refused to the
+    other server. Every request is answered, each the same text as the first answer to its prompt, and
+    no page is left in use. Negative control: a router that offers a request to one prefill server only
+    (`MAX_PREFILL_TRIES` = 1) answers some of them with the stopping server's error."""
+    import runtime.router as router_module
+    from tests.e2e.test_pd import PROMPTS, wait_pages_free
+
+    if tries is not None:
+        monkeypatch.setattr(router_module, "MAX_PREFILL_TRIES", tries)
+    common = ("--disaggregation-timeout", "20")
+    prefill_states = [server_state("--disaggregation-mode", "prefill", *common) for _ in range(2)]
+    decode_state = server_state("--disaggregation-mode", "decode", *common)
+    replies: list[tuple[int, str]] = []
+    with ExitStack() as stack:
+        stopping = ExitStack()
+        prefills = [stopping.enter_context(serve_state(prefill_states[0])),
+                    stack.enter_context(serve_state(prefill_states[1]))]
+        decode = stack.enter_context(serve_state(decode_state))
+        router = stack.enter_context(serve_in_thread(create_router_app(prefills, [decode], timeout_s=60)))
+
+        def ask(i: int) -> None:
+            reply = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[i % 3], max_tokens=8), timeout=60)
+            replies.append((reply.status_code, reply.json()["choices"][0]["message"]["content"]
+                            if reply.status_code == 200 else reply.json()["error"]["code"]))
+
+        for i in range(6):
+            ask(i)
+        stopper = threading.Thread(target=stopping.close, daemon=True)
+        stopper.start()  # the drain, then the sockets closed, then its engine stopped
+        for i in range(6, 24):
+            ask(i)
+        stopper.join(30)
+        left = wait_pages_free(prefill_states[1], decode_state)
+    failed = [(i, r) for i, r in enumerate(replies) if r[0] != 200]
+    if tries is None:
+        assert failed == [] and left == [0, 0], (failed, left)
+        assert all(replies[i][1] == replies[i % 3][1] for i in range(len(replies))), replies
+    else:
+        assert failed, replies
