@@ -3,8 +3,8 @@
 (`pytest -m stress --pd`). The router's /metrics sums both sides' KV pages, so the gate's leak check
 covers the pair.
 
-`RestartablePDPair`: the same three processes on fixed ports, each PD side killable and restartable in
-place (the PD chaos test, the PD fault gate)."""
+`RestartablePDPair`: the same three processes on fixed ports, each PD side killable (or stoppable) and
+restartable in place (the PD chaos test, the PD fault gate)."""
 
 from __future__ import annotations
 
@@ -130,10 +130,17 @@ class RestartablePDPair:
             pass
         self._sides.pop(role).close()
 
-    def restart_side(self, role: str) -> float:
-        """Kill the side and start it again on its port; the seconds from the kill to healthy."""
+    def stop_side(self, role: str) -> None:
+        """Stop the side as an operator does (SIGTERM: its graceful shutdown, a prefill server's drain
+        included; SIGKILL only past the grace period), and reap it."""
+        self.targets.pop(role)
+        self._sides.pop(role).close()
+
+    def restart_side(self, role: str, graceful: bool = False) -> float:
+        """Kill (or with `graceful`, stop) the side and start it again on its port; the seconds from the
+        signal to healthy."""
         started = time.monotonic()
-        self.kill_side(role)
+        (self.stop_side if graceful else self.kill_side)(role)
         self.start_side(role)
         return time.monotonic() - started
 

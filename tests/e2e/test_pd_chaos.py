@@ -1,7 +1,8 @@
 """Issue 16's PD chaos run: concurrent sessions through the router of a prefill/decode pair (three
 processes, canary/pd_target.py `RestartablePDPair`), 10% of the requests aborted by their client
-mid-stream, the decode server SIGKILLed and restarted (a decode-only restart) and then the prefill
-server, while the sessions keep sending. It must end with:
+mid-stream, the decode server SIGKILLed and restarted (a decode-only restart), then the prefill
+server, then the prefill server stopped gracefully (SIGTERM: it drains, runtime/disagg/bootstrap.py)
+and started again, while the sessions keep sending. It must end with:
 
 - 0 hangs: every request answered within its bound (canary/pd_chaos.py `chat`);
 - every failed request named: an OpenAI-shaped error (status + body, or a `data:` error chunk);
@@ -44,6 +45,8 @@ SESSIONS = int(os.environ.get("PD_CHAOS_SESSIONS", "80"))
 FAULTS = tuple(f for f in os.environ.get("PD_CHAOS_FAULTS", "").split(",") if f)
 ABORT_RATIO = 0.1
 RECOVERY_S = 10.0
+# (side, graceful) in order: SIGKILL the decode server, SIGKILL the prefill server, SIGTERM the prefill server.
+RESTARTS = (("decode", False), ("prefill", False), ("prefill", True))
 PHASE_DEADLINE_S = 300.0  # a phase that cannot reach its successes fails the test instead of waiting on
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "2+2=", "Name three colours.",
            "Explain photosynthesis briefly.", "Tell me a story " * 12, "List the planets.", "Say hello."]
@@ -95,15 +98,16 @@ def test_pd_pair_survives_aborts_and_a_restart_of_each_side(tmp_path):
         for thread in sessions.threads:
             thread.start()
         try:
-            for phase, role in enumerate(("decode", "prefill"), start=1):
+            for phase, (role, graceful) in enumerate(RESTARTS, start=1):
                 sessions.wait_successes(phase * SESSIONS)
-                down_s = pair.restart_side(role)
+                down_s = pair.restart_side(role, graceful=graceful)
                 healthy_at = time.monotonic()
                 recovery_s, last = pd_chaos.seconds_until_serving(pair.router, MODEL, PROMPTS[0], RECOVERY_S)
-                restarts.append({"role": role, "kill_to_healthy_s": down_s, "recovery_s": recovery_s,
+                restarts.append({"role": role + (" (graceful)" if graceful else ""), "kill_to_healthy_s": down_s,
+                                 "recovery_s": recovery_s,
                                  "last_probe": f"{last.kind} {last.code or ''} {last.detail[:200]}",
                                  "healthy_at": healthy_at})
-            sessions.wait_successes(3 * SESSIONS)
+            sessions.wait_successes((len(RESTARTS) + 1) * SESSIONS)
         finally:
             sessions.stop.set()
             for thread in sessions.threads:
