@@ -5,6 +5,7 @@ from stopping (uvicorn waits only for open connections) while the check is still
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -90,7 +91,7 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
     from runtime.disagg import decode as decode_module
     from runtime.disagg import prefill as prefill_module
     from runtime.server.errors import ApiError
-    from tests.e2e.test_pd import HeldWrite, wait_pages_free
+    from tests.e2e.test_pd import HeldWrite, wait_pages_free, wait_until
 
     common = ("--disaggregation-timeout", "20")
     prefill_state = server_state("--disaggregation-mode", "prefill", *common)
@@ -102,19 +103,33 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
 
         monkeypatch.setattr(prefill_state.pd, "drain", no_drain)
     write = HeldWrite(prefill_state.pd.transfer, monkeypatch, first_only=True)
-    shutting_down = threading.Event()
+    shutting_down, gave_up = threading.Event(), threading.Event()
     build = decode_module.prefilled_request
+    port = 0  # the prefill server's, once it serves
+
+    def stopping_or_refusing() -> bool:
+        """The prefill server has begun its shutdown: it drains (as built) or refuses connections (the
+        old order). Under load uvicorn notices its exit flag a while after it was set."""
+        if prefill_state.pd.registry.stopping:
+            return True
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return False
+        except OSError:
+            return True
 
     def give_up_once_the_prefill_server_is_stopping(*args, **kwargs):
         monkeypatch.setattr(decode_module, "prefilled_request", build)
         assert write.started.wait(30) and shutting_down.wait(30)
-        time.sleep(0.3)  # the old shutdown has closed its listening socket by now
+        wait_until(stopping_or_refusing, what="the prefill server's shutdown")
+        gave_up.set()
         raise ApiError(502, "planted: the decode side gives the room up", type="server_error", code="pd_planted")
 
     monkeypatch.setattr(decode_module, "prefilled_request", give_up_once_the_prefill_server_is_stopping)
     with ExitStack() as stack:
         prefill_server = ExitStack()
         prefill = prefill_server.enter_context(serve_state(prefill_state))
+        port = httpx.URL(prefill).port
         decode = stack.enter_context(serve_state(decode_state))
         router = stack.enter_context(serve_in_thread(create_router_app([prefill], [decode], timeout_s=60)))
         client = threading.Thread(target=lambda: httpx.post(f"{router}/v1/chat/completions",
@@ -125,12 +140,12 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
             assert write.started.wait(30), "the prefill side never started the KV write"
             stopper.start()
             shutting_down.set()
-            time.sleep(1.0)  # the decode side gave up 0.3 s in, and heard back (or not) from its close
+            assert gave_up.wait(30), "the decode side never gave the room up"
+            time.sleep(1.0)  # its close: answered once the write ended (as built), or refused + 0.5 s settle
+            during = decode_state.engine.pages_in_use  # the given-up room's pages, while the write is held
             # A request arriving meanwhile: refused by name while the server drains (the old one had
             # stopped listening: the router could not reach it).
             late = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[1]), timeout=30)
-            time.sleep(0.5)
-            during = decode_state.engine.pages_in_use  # the given-up room's pages, while the write is held
         finally:
             write.release()
             shutting_down.set()
