@@ -9,6 +9,7 @@ The client gets the decode server's answer, streamed through byte for byte; a re
 fails reaches the client as an OpenAI-shaped error (the decode side reports the prefill side's). A
 prefill server that took nothing of a request (shutting down, or down) is passed over for a moment and
 the request offered to the next one, up to MAX_PREFILL_TRIES servers: the client has had nothing yet.
+Likewise a decode server that cannot be reached: the same room goes to the next one (MAX_DECODE_TRIES).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import itertools
 import json
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
 import httpx
@@ -52,10 +53,13 @@ UPSTREAM_POOLS = 16
 # Prefill servers a request is offered to when the ones before took nothing of it (shutting down, or
 # down: `_prefill_refused`), nothing having reached its client yet; each try costs a decode call.
 MAX_PREFILL_TRIES = 3
-# How long a prefill server that took nothing of a request is passed over by the next requests: a
+# Decode servers a request's room is offered to when the ones before could not be reached (nothing
+# listens: the room was not opened, and the prompt's call waits for whichever decode server opens it).
+MAX_DECODE_TRIES = 3
+# How long an upstream that took nothing of a request is passed over by the next requests: a prefill
 # server draining for a shutdown refuses everything for up to its grace period (5 s, runtime/serve.py),
 # and a server that is down stays down; a retry after this shows whether it is back.
-PREFILL_REST_S = 2.0
+UPSTREAM_REST_S = 2.0
 
 
 def _kind(name: str) -> str:
@@ -87,17 +91,20 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
     if pools < 1:
         raise ValueError(f"the router needs at least one upstream connection pool, got {pools}")
     pick_prefill, pick_decode = itertools.cycle(prefill), itertools.cycle(decode)
-    resting: dict[str, float] = {}  # prefill URL -> the loop time until which requests pass it over
+    resting: dict[str, float] = {}  # upstream URL -> the loop time until which requests pass it over
 
-    def next_prefill() -> str:
-        """The next prefill server in turn that is not resting (`PREFILL_REST_S`); the next in turn when
-        all are."""
+    def next_up(pick: Iterator[str], count: int) -> str:
+        """The next server of `pick` in turn that is not resting (`UPSTREAM_REST_S`); the next in turn
+        when all are."""
         now = asyncio.get_running_loop().time()
-        for _ in range(len(prefill)):
-            url = next(pick_prefill)
+        for _ in range(count):
+            url = next(pick)
             if resting.get(url, 0.0) <= now:
                 return url
-        return next(pick_prefill)
+        return next(pick)
+
+    def rest(url: str) -> None:
+        resting[url] = asyncio.get_running_loop().time() + UPSTREAM_REST_S
     pick_pool = itertools.cycle(range(pools))
     clients: list[httpx.AsyncClient] = []  # clients[0] also carries the GETs (health, metrics, traces)
     traces = TraceLog()
@@ -191,14 +198,32 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             stream = json.loads(body).get("stream") is True
         except (ValueError, AttributeError):
             stream = False  # the servers answer the malformed body with their own 400
-        decode_url = next(pick_decode)
+        decode_url = next_up(pick_decode, len(decode))
         client = clients[next(pick_pool)]
+
+        async def decode_reply(headers: dict[str, str], prompt_sent: asyncio.Event) -> httpx.Response:
+            """The decode call, offered to the next decode server while nothing listens where it goes: no
+            room was opened there, so the prompt's call (which waits for any decode server to open its
+            room) stands, and another decode server may open it."""
+            nonlocal decode_url
+            tries = min(len(decode), MAX_DECODE_TRIES)
+            for decode_try in range(tries):
+                try:
+                    return await _open_decode(client, decode_url, body, headers, prompt_sent, trace)
+                except httpx.ConnectError:
+                    rest(decode_url)
+                    if decode_try + 1 == tries:
+                        raise
+                    trace.mark("decode_retried")
+                    decode_url = next_up(pick_decode, len(decode))
+            raise AssertionError("unreachable: the last try returns or raises")
+
         for attempt in range(min(len(prefill), MAX_PREFILL_TRIES)):
-            prefill_url = next_prefill()
+            prefill_url = next_up(pick_prefill, len(prefill))
             headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
             prefill_call, prompt_sent = _send_prompt(client, prefill_url, body, headers)
             try:
-                reply = await _open_decode(client, decode_url, body, headers, prompt_sent, trace)
+                reply = await decode_reply(headers, prompt_sent)
             except httpx.HTTPError as exc:
                 prefill_call.cancel()
                 await _settle(prefill_call)
@@ -216,7 +241,7 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             if reply.status_code != 200 and attempt + 1 < min(len(prefill), MAX_PREFILL_TRIES) and \
                     _prefill_refused(content, prefill_call):
                 trace.mark("prefill_retried")
-                resting[prefill_url] = asyncio.get_running_loop().time() + PREFILL_REST_S
+                rest(prefill_url)
                 continue  # nothing reached the client yet: another prefill server may take it
             return Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
         raise AssertionError("unreachable: the last try returns")

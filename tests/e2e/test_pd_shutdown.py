@@ -204,3 +204,45 @@ def test_one_of_two_prefill_servers_stopped_under_load_costs_no_request(tries, m
         assert all(replies[i][1] == replies[i % 3][1] for i in range(len(replies))), replies
     else:
         assert failed, replies
+
+
+@pytest.mark.parametrize("tries", [None, 1], ids=["as_built", "router_without_retry"])
+def test_one_of_two_decode_servers_stopped_costs_no_request(tries, monkeypatch):
+    """With one of its two decode servers stopped, the router hands each room it sends there to the other
+    (nothing listened, so no room was opened; the prompt's call stands). Every request is answered with
+    the text the pair gave before, and no page is left in use. Negative control: a router that offers a
+    room to one decode server only (`MAX_DECODE_TRIES` = 1) answers some requests 502."""
+    import runtime.router as router_module
+    from tests.e2e.test_pd import PROMPTS, wait_pages_free
+
+    if tries is not None:
+        monkeypatch.setattr(router_module, "MAX_DECODE_TRIES", tries)
+    common = ("--disaggregation-timeout", "20")
+    prefill_state = server_state("--disaggregation-mode", "prefill", *common)
+    decode_states = [server_state("--disaggregation-mode", "decode", "--disaggregation-name", f"decode-{i}", *common)
+                     for i in range(2)]
+    replies: list[tuple[int, str]] = []
+    with ExitStack() as stack:
+        stopping = ExitStack()
+        prefill = stack.enter_context(serve_state(prefill_state))
+        decodes = [stopping.enter_context(serve_state(decode_states[0])),
+                   stack.enter_context(serve_state(decode_states[1]))]
+        router = stack.enter_context(serve_in_thread(create_router_app([prefill], decodes, timeout_s=60)))
+
+        def ask(i: int) -> None:
+            reply = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[i % 3], max_tokens=8), timeout=60)
+            replies.append((reply.status_code, reply.json()["choices"][0]["message"]["content"]
+                            if reply.status_code == 200 else reply.json()["error"]["code"]))
+
+        for i in range(6):
+            ask(i)
+        stopping.close()
+        for i in range(6, 18):
+            ask(i)
+        left = wait_pages_free(prefill_state, decode_states[1])
+    failed = [(i, r) for i, r in enumerate(replies) if r[0] != 200]
+    if tries is None:
+        assert failed == [] and left == [0, 0], (failed, left)
+        assert all(replies[i][1] == replies[i % 3][1] for i in range(len(replies))), replies
+    else:
+        assert failed and all(r == (502, "pd_upstream_unreachable") for _, r in failed), failed

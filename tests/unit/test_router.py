@@ -216,11 +216,13 @@ def test_a_traced_request_is_read_back_from_the_router_and_both_upstreams(monkey
         assert [header for _, _, header in seen[-2:]] == [None, None]
 
 
-def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, str]] | None = None):
+def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, str]] | None = None,
+             decode_state: dict[str, str] | None = None):
     """Mock upstreams: prefill servers by host, each "ok", "stopping" (its 503, and the decode side's
-    report of it) or "down" (nothing listens); one decode server streaming SSE unless the prefill server
-    named in the request's bootstrap header is not ok (or `decode_error` names an error for that
-    server). Returns (the router app, the log of (host, bootstrap host) per upstream request)."""
+    report of it) or "down" (nothing listens); decode servers by host (`decode_state`, default one "ok"
+    server), "down" or streaming SSE unless the prefill server named in the request's bootstrap header
+    is not ok (or `decode_error` names an error for that server). Returns (the router app, the log of
+    (host, bootstrap host) per upstream request)."""
     from runtime.disagg.protocol import BOOTSTRAP_HEADER
 
     seen: list[tuple[str, str]] = []
@@ -231,12 +233,14 @@ def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, s
     def answer(request: httpx.Request) -> httpx.Response:
         host, bootstrap = request.url.host, httpx.URL(request.headers[BOOTSTRAP_HEADER]).host
         seen.append((host, bootstrap))
+        if (decode_state or {}).get(host) == "down":
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
         state = prefill_state.get(bootstrap, "ok")
-        if host in prefill_state:
+        if host in prefill_state:  # the prompt's call
             if state == "down":
                 raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
             return error(503, "pd_prefill_stopping") if state == "stopping" else httpx.Response(200, json={})
-        if (decode_error or {}).get(bootstrap):
+        if (decode_error or {}).get(bootstrap):  # a decode server's answer from here on
             return error(*(decode_error or {})[bootstrap])
         if state == "stopping":
             return error(503, "pd_prefill_stopping")
@@ -245,7 +249,8 @@ def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, s
         return httpx.Response(200, stream=httpx.ByteStream(SSE), headers={"content-type": "text/event-stream"})
 
     transport = httpx.MockTransport(answer)
-    app = create_router_app([f"http://{host}:1" for host in prefill_state], ["http://decode:2"],
+    app = create_router_app([f"http://{host}:1" for host in prefill_state],
+                            [f"http://{host}:2" for host in decode_state or {"decode": "ok"}],
                             make_client=lambda **kw: httpx.AsyncClient(transport=transport, **kw))
     return app, seen
 
@@ -254,7 +259,7 @@ def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, s
 def test_a_request_a_prefill_server_takes_nothing_of_goes_to_the_next_one(state):
     """A prefill server shutting down (503 pd_prefill_stopping) or down (nothing listens) took nothing of
     the request and the client has had nothing: the router offers it to the next prefill server, and
-    passes the first over for the next requests (PREFILL_REST_S). Every request is served. Negative
+    passes the first over for the next requests (UPSTREAM_REST_S). Every request is served. Negative
     control: the old router answered the error to every request it sent there."""
     app, seen = pd_fleet({"prefill-a": state, "prefill-b": "ok"})
     with TestClient(app) as router:
@@ -280,3 +285,15 @@ def test_with_every_prefill_server_stopping_the_client_gets_the_error():
         reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
     assert (reply.status_code, reply.json()["error"]["code"]) == (503, "pd_prefill_stopping")
     assert sorted(bootstrap for host, bootstrap in seen if host == "decode") == ["prefill-a", "prefill-b"]
+
+
+def test_a_decode_server_nothing_listens_on_hands_the_room_to_the_next_one():
+    """The first decode server is down: the request's room goes to the next decode server, and the
+    prompt's call stands (no prompt computed twice); the down server is passed over for the next
+    requests. Negative control: the old router answered 502 pd_upstream_unreachable to every request
+    it sent there."""
+    app, seen = pd_fleet({"prefill": "ok"}, decode_state={"decode-a": "down", "decode-b": "ok"})
+    with TestClient(app) as router:
+        replies = [router.post("/v1/chat/completions", content=json.dumps(BODY)) for _ in range(3)]
+    assert [(r.status_code, r.content) for r in replies] == [(200, SSE)] * 3
+    assert [host for host, _ in seen] == ["prefill", "decode-a", "decode-b"] + ["prefill", "decode-b"] * 2
