@@ -161,6 +161,19 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
         assert late_error != (503, "pd_prefill_stopping"), late.text
 
 
+def ask_in_turn(router: str, turns: range) -> list[tuple[int, str]]:
+    """One request after another through `router`, turn i asking the canary prompt i % 3: (status, the
+    answer's text or the error's code) each."""
+    from tests.e2e.test_pd import PROMPTS
+
+    replies = []
+    for i in turns:
+        reply = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[i % 3], max_tokens=8), timeout=60)
+        replies.append((reply.status_code, reply.json()["choices"][0]["message"]["content"]
+                        if reply.status_code == 200 else reply.json()["error"]["code"]))
+    return replies
+
+
 @pytest.mark.parametrize("tries", [None, 1], ids=["as_built", "router_without_retry"])
 def test_one_of_two_prefill_servers_stopped_under_load_costs_no_request(tries, monkeypatch):
     """A rolling restart's first half: requests keep coming through the router while one of its two
@@ -170,7 +183,7 @@ def test_one_of_two_prefill_servers_stopped_under_load_costs_no_request(tries, m
     no page is left in use. Negative control: a router that offers a request to one prefill server only
     (`MAX_PREFILL_TRIES` = 1) answers some of them with the stopping server's error."""
     import runtime.router as router_module
-    from tests.e2e.test_pd import PROMPTS, wait_pages_free
+    from tests.e2e.test_pd import wait_pages_free
 
     if tries is not None:
         monkeypatch.setattr(router_module, "MAX_PREFILL_TRIES", tries)
@@ -185,17 +198,10 @@ def test_one_of_two_prefill_servers_stopped_under_load_costs_no_request(tries, m
         decode = stack.enter_context(serve_state(decode_state))
         router = stack.enter_context(serve_in_thread(create_router_app(prefills, [decode], timeout_s=60)))
 
-        def ask(i: int) -> None:
-            reply = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[i % 3], max_tokens=8), timeout=60)
-            replies.append((reply.status_code, reply.json()["choices"][0]["message"]["content"]
-                            if reply.status_code == 200 else reply.json()["error"]["code"]))
-
-        for i in range(6):
-            ask(i)
+        replies += ask_in_turn(router, range(6))
         stopper = threading.Thread(target=stopping.close, daemon=True)
         stopper.start()  # the drain, then the sockets closed, then its engine stopped
-        for i in range(6, 24):
-            ask(i)
+        replies += ask_in_turn(router, range(6, 24))
         stopper.join(30)
         left = wait_pages_free(prefill_states[1], decode_state)
     failed = [(i, r) for i, r in enumerate(replies) if r[0] != 200]
@@ -213,7 +219,7 @@ def test_one_of_two_decode_servers_stopped_costs_no_request(tries, monkeypatch):
     the text the pair gave before, and no page is left in use. Negative control: a router that offers a
     room to one decode server only (`MAX_DECODE_TRIES` = 1) answers some requests 502."""
     import runtime.router as router_module
-    from tests.e2e.test_pd import PROMPTS, wait_pages_free
+    from tests.e2e.test_pd import wait_pages_free
 
     if tries is not None:
         monkeypatch.setattr(router_module, "MAX_DECODE_TRIES", tries)
@@ -229,16 +235,9 @@ def test_one_of_two_decode_servers_stopped_costs_no_request(tries, monkeypatch):
                    stack.enter_context(serve_state(decode_states[1]))]
         router = stack.enter_context(serve_in_thread(create_router_app([prefill], decodes, timeout_s=60)))
 
-        def ask(i: int) -> None:
-            reply = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[i % 3], max_tokens=8), timeout=60)
-            replies.append((reply.status_code, reply.json()["choices"][0]["message"]["content"]
-                            if reply.status_code == 200 else reply.json()["error"]["code"]))
-
-        for i in range(6):
-            ask(i)
+        replies += ask_in_turn(router, range(6))
         stopping.close()
-        for i in range(6, 18):
-            ask(i)
+        replies += ask_in_turn(router, range(6, 18))
         left = wait_pages_free(prefill_state, decode_states[1])
     failed = [(i, r) for i, r in enumerate(replies) if r[0] != 200]
     if tries is None:
