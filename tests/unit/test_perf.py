@@ -68,17 +68,27 @@ def test_a_baseline_belongs_to_its_kernels_and_its_trial_workload():
     assert len({fingerprint(plain), fingerprint(cached), fingerprint(pair)}) == 3
 
 
-def test_the_stored_baselines_are_filed_under_their_own_keys():
-    """Control for the rule above: each stored baseline's file name is the fingerprint of the key it
-    holds, so a key that grew a field for servers that have it still finds the old files."""
+def test_the_stored_baselines_are_filed_under_their_own_keys(tmp_path):
+    """Control for the rule above: a baseline's file name is the fingerprint of the key it holds, read
+    back from its JSON (a key the JSON changes, or a file renamed or edited by hand, would hash another
+    way), for one recorded now as the gate records it (`--baseline-update`) and for every committed one
+    (none since the default workload became 5 bursts a level: the H200's are to be recorded again)."""
     import json
     from pathlib import Path
 
+    from canary.gate import trials_fingerprint
+    from canary.perf.trial_load import TrialWorkload
+    from canary.perf.verdict import save_trials_baseline
     from canary.provenance import fingerprint
+    from canary.targets import Target
 
-    files = sorted((Path(__file__).resolve().parents[2] / "golden" / "baselines").glob("*.json"))
-    assert files
-    for path in files:
+    key = trials_fingerprint(Target("t", "http://x/v1", "canary-moe-v2", True),
+                             {"model": "m", "engine_config": {"dtype": "bfloat16"}, "prefix_cache": True},
+                             TrialWorkload(concurrency=(1, 8), logprobs=False))
+    recorded = tmp_path / f"{fingerprint(key)}.json"
+    save_trials_baseline(recorded, key, {"workload": TrialWorkload().describe(), "trials": [], "machine_speed": None})
+    committed = sorted((Path(__file__).resolve().parents[2] / "golden" / "baselines").glob("*.json"))
+    for path in [recorded, *committed]:
         assert fingerprint(json.loads(path.read_text())["fingerprint"]) == path.stem, path.name
 
 
