@@ -73,8 +73,10 @@ class RestartablePDPair:
     ROLES = ("prefill", "decode")
 
     def __init__(self, model: str, args: Sequence[str] = (), *, faults: Sequence[str] = (), log_dir: Path,
-                 timeout_s: float = 10.0, router_timeout_s: float = 60.0, startup_timeout_s: float = 120.0) -> None:
-        self.model, self.faults, self.log_dir = model, tuple(faults), log_dir
+                 timeout_s: float = 10.0, router_timeout_s: float = 60.0, startup_timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None) -> None:
+        """`env`: extra environment of both PD sides (e.g. the `slow-step` fault's DSV4_SLOW_STEP_MS)."""
+        self.model, self.faults, self.log_dir, self.env = model, tuple(faults), log_dir, env
         self.startup_timeout_s, self.router_timeout_s = startup_timeout_s, router_timeout_s
         # One deadline for every PD wait, short enough that a wedged room turns into an error quickly.
         self.args = (*args, "--disaggregation-timeout", f"{timeout_s:g}")
@@ -115,8 +117,8 @@ class RestartablePDPair:
         mode = ["--disaggregation-mode", role] + (["--disaggregation-name", "decode-0"] if role == "decode" else [])
         stack = ExitStack()
         self.targets[role] = stack.enter_context(embedded_server(
-            self.model, [*self.args, *mode], faults=self.faults, log_dir=self.log_dir, port=self.ports[role],
-            startup_timeout_s=self.startup_timeout_s))
+            self.model, [*self.args, *mode], faults=self.faults, env=self.env, log_dir=self.log_dir,
+            port=self.ports[role], startup_timeout_s=self.startup_timeout_s))
         self._sides[role] = stack
         return self.targets[role]
 
