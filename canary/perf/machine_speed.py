@@ -4,10 +4,11 @@ The perf gate's stored baselines are wall-clock figures. Shared 2-core runners d
 one host to the next and from one minute to the next (this probe measured 1.9 and then 2.5 ms per
 block within seconds on one runner), and an unchanged runtime once failed the CPU gate on TTFT by
 54% on a slower runner. The perf trials therefore probe the machine just before and just after each
-trial, store the probes with a baseline when they record one, and normalize every trial's cost by
-its probe (canary/perf/trials.py). The probe shares nothing with the runtime, so a slower build is
-still a slower build; only a slower machine is forgiven, and only within
-ratio_stats.COMPARABLE_SPEED: beyond it the verdict is inconclusive (a loaded runner read 0.16x).
+trial and store the probes with a baseline when they record one; a stored verdict whose machine
+reads beyond the tolerance of the recording's is inconclusive (ratio_stats.speed_not_comparable: a
+loaded runner read 0.16x). The probe guards the comparison and no longer scales it: within one
+host it moved 3-11% while the server's figures did not (canary/perf/trials.py). It shares nothing
+with the runtime, so a slower build never reads as a slower machine.
 """
 
 from __future__ import annotations
