@@ -1,7 +1,7 @@
 """The perf verdict's error rates, measured: N clean runs and N runs of a server slowed by a known
 percentage (`slow-step`, DSV4_SLOW_STEP_PCT), each a whole verdict (canary/perf/trials.py), in the
 A/B form (a clean baseline server beside the candidate) and/or the stored form (a trials baseline
-recorded once from the clean server, compared with the machine-speed probe on CPU).
+recorded once from the clean server, compared raw behind the machine-speed probe's guard on CPU).
 
 Issue 17's bar: 20 clean runs with 0 alarms, the 10% slowdown caught in >= 19 of 20. A clean run
 "alarms" on any verdict but ok (inconclusive fails the gate too); a slowed run is "caught" when
