@@ -57,8 +57,9 @@ MAX_PREFILL_TRIES = 3
 # listens: the room was not opened, and the prompt's call waits for whichever decode server opens it).
 MAX_DECODE_TRIES = 3
 # How long an upstream that took nothing of a request is passed over by the next requests: a prefill
-# server draining for a shutdown refuses everything for up to its grace period (5 s, runtime/serve.py),
-# and a server that is down stays down; a retry after this shows whether it is back.
+# server draining for a shutdown refuses everything for up to its grace period (5 s, `GRACEFUL_SHUTDOWN_S`
+# in runtime/server/serving.py), and a server that is down stays down; a retry after this shows whether
+# it is back.
 UPSTREAM_REST_S = 2.0
 
 
