@@ -190,7 +190,7 @@ class PrefillSide:
             raise bad_request("this is a PD prefill server: requests come through `python -m runtime.router` "
                               f"(no {ROOM_HEADER} header)")
         if self.registry.stopping:  # its room could not open: no prompt computed for nobody
-            raise api_error(PrefillStopping(f"room {room_id}: the prefill server is shutting down"))
+            raise api_error(PrefillStopping(room_id))
         self.registry.expect(room_id)
         with self._lock:
             self.pending[rid] = Pending(room_id, asyncio.get_running_loop(), state, trace=trace)
