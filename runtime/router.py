@@ -20,8 +20,9 @@ import itertools
 import json
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -57,9 +58,11 @@ MAX_PREFILL_TRIES = 3
 # listens: the room was not opened, and the prompt's call waits for whichever decode server opens it).
 MAX_DECODE_TRIES = 3
 # How long an upstream that took nothing of a request is passed over by the next requests: a prefill
-# server draining for a shutdown refuses everything for up to its grace period (5 s, runtime/serve.py),
-# and a server that is down stays down; a retry after this shows whether it is back.
+# server draining for a shutdown refuses everything for up to its grace period (5 s, `GRACEFUL_SHUTDOWN_S`
+# in runtime/server/serving.py), and a server that is down stays down; a retry after this shows whether
+# it is back.
 UPSTREAM_REST_S = 2.0
+Answer = TypeVar("Answer")  # what one upstream's try gives the request (`offer`)
 
 
 def _kind(name: str) -> str:
@@ -105,6 +108,22 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
 
     def rest(url: str) -> None:
         resting[url] = asyncio.get_running_loop().time() + UPSTREAM_REST_S
+
+    async def offer(url: str, pick: Iterator[str], count: int, tries: int,
+                    send: Callable[[str], Awaitable[tuple[Answer, bool]]], trace: Trace, retried: str) -> Answer:
+        """`send` a request to `url`, then, while the server took nothing of it (`send` says so beside its
+        answer), to the next server of `pick` (`count` servers) not resting, up to `tries` servers in all.
+        A server that took nothing rests before the next is picked, and the trace is marked `retried`;
+        the last server's answer is returned as it came, took nothing or not, and that server not rested."""
+        for left in reversed(range(tries)):
+            answer, took_nothing = await send(url)
+            if not (left and took_nothing):
+                return answer
+            rest(url)
+            trace.mark(retried)
+            url = next_up(pick, count)
+        raise AssertionError("unreachable: the last try returns")
+
     pick_pool = itertools.cycle(range(pools))
     clients: list[httpx.AsyncClient] = []  # clients[0] also carries the GETs (health, metrics, traces)
     traces = TraceLog()
@@ -205,21 +224,25 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             """The decode call, offered to the next decode server while nothing listens where it goes: no
             room was opened there, so the prompt's call (which waits for any decode server to open its
             room) stands, and another decode server may open it."""
-            nonlocal decode_url
-            tries = min(len(decode), MAX_DECODE_TRIES)
-            for decode_try in range(tries):
-                try:
-                    return await _open_decode(client, decode_url, body, headers, prompt_sent, trace)
-                except httpx.ConnectError:
-                    rest(decode_url)
-                    if decode_try + 1 == tries:
-                        raise
-                    trace.mark("decode_retried")
-                    decode_url = next_up(pick_decode, len(decode))
-            raise AssertionError("unreachable: the last try returns or raises")
 
-        for attempt in range(min(len(prefill), MAX_PREFILL_TRIES)):
-            prefill_url = next_up(pick_prefill, len(prefill))
+            async def decode_try(url: str) -> tuple[httpx.Response | httpx.ConnectError, bool]:
+                nonlocal decode_url
+                decode_url = url  # the server a failure names (`_unreachable`)
+                try:
+                    return await _open_decode(client, url, body, headers, prompt_sent, trace), False
+                except httpx.ConnectError as exc:
+                    return exc, True
+
+            reply = await offer(decode_url, pick_decode, len(decode), min(len(decode), MAX_DECODE_TRIES),
+                                decode_try, trace, "decode_retried")
+            if isinstance(reply, httpx.ConnectError):
+                rest(decode_url)  # the last server tried rests too, as those before it did (`offer`)
+                raise reply
+            return reply
+
+        async def prefill_try(prefill_url: str) -> tuple[Response, bool]:
+            """The request through `prefill_url` and a decode server: the client's answer, and whether the
+            prefill server took nothing of it (`_prefill_refused`), the client having had nothing yet."""
             headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
             prefill_call, prompt_sent = _send_prompt(client, prefill_url, body, headers)
             try:
@@ -227,10 +250,11 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             except httpx.HTTPError as exc:
                 prefill_call.cancel()
                 await _settle(prefill_call)
-                return _unreachable("decode", decode_url, exc)
+                return _unreachable("decode", decode_url, exc), False
             trace.mark("decode_headers")
             if reply.status_code == 200 and stream:
-                return StreamingResponse(_pass_through(reply, prefill_call, trace), media_type="text/event-stream")
+                return StreamingResponse(_pass_through(reply, prefill_call, trace),
+                                         media_type="text/event-stream"), False
             content = await reply.aread()
             await reply.aclose()
             if reply.status_code != 200:
@@ -238,13 +262,12 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                 # which then frees the prompt's KV it holds for the room at once, not at its deadline.
                 prefill_call.cancel()
             await _settle(prefill_call)
-            if reply.status_code != 200 and attempt + 1 < min(len(prefill), MAX_PREFILL_TRIES) and \
-                    _prefill_refused(content, prefill_call):
-                trace.mark("prefill_retried")
-                rest(prefill_url)
-                continue  # nothing reached the client yet: another prefill server may take it
-            return Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
-        raise AssertionError("unreachable: the last try returns")
+            answer = Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+            # Nothing reached the client yet: another prefill server may take a request this one refused.
+            return answer, reply.status_code != 200 and _prefill_refused(content, prefill_call)
+
+        return await offer(next_up(pick_prefill, len(prefill)), pick_prefill, len(prefill),
+                           min(len(prefill), MAX_PREFILL_TRIES), prefill_try, trace, "prefill_retried")
 
     return app
 

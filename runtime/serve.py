@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     import runtime.distributed.tp_engine  # noqa: F401  (build_state's imports: torch and the engine)
     import runtime.models.loader  # noqa: F401
     from runtime.server.app import create_app
-    from runtime.server.serving import RuntimeServer, before_stop_listening
+    from runtime.server.serving import GRACEFUL_SHUTDOWN_S, RuntimeServer, before_stop_listening
 
     if latch.release():
         return INTERRUPTED_RC
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                timeout_graceful_shutdown=5,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 # Longer than clients keep idle connections (httpx: 5 s, uvicorn's own default):
                                 # a server closing a keep-alive connection as the client reuses it drops a request.
                                 timeout_keep_alive=75)

@@ -123,7 +123,7 @@ class BootstrapRegistry:
     def open(self, room: str, name: str, session_id: str, dst_pages: list[int],
              staging_offset: int | None = None) -> Room:
         if self.stopping:
-            raise PrefillStopping(f"room {room}: the prefill server is shutting down and opens no new room")
+            raise PrefillStopping(room)
         session = self.current(name, session_id)
         if room in self.rooms:
             raise BootstrapError(f"room {room} is already open")
@@ -255,8 +255,7 @@ class BootstrapRegistry:
             await asyncio.sleep(DRAIN_POLL_S)
         left = list(dict.fromkeys([*self.rooms, *self._writing]))
         closed = await asyncio.gather(*(self.close_room(
-            room, PrefillStopping(f"room {room}: the prefill server shut down before its KV was written"),
-            write_timeout_s) for room in left))
+            room, PrefillStopping(room, was_open=True), write_timeout_s) for room in left))
         return [room for room, ok in zip(left, closed) if not ok]
 
     def _forget(self, room: str, opened: asyncio.Future) -> None:

@@ -47,15 +47,13 @@ from runtime.disagg.protocol import (
 )
 from runtime.disagg.transfer import KVTransfer, PoolDescriptor, digest_workers, kv_digest, mode_mismatch
 from runtime.engine.engine import Engine, StepResult
+from runtime.server import serving
 from runtime.server.bridge import Accepted, Rejected
 from runtime.server.errors import ApiError, bad_request
 from runtime.server.request_body import until_disconnected
 from runtime.server.trace import NO_TRACE, Trace
 
 log = logging.getLogger(__name__)
-# How long a graceful shutdown lets the open rooms finish before it fails them (`drain`): uvicorn's own
-# grace for open connections (runtime/serve.py), which the rooms' requests are among.
-DRAIN_WAIT_S = 5.0
 
 
 @dataclass
@@ -103,8 +101,10 @@ class PrefillSide:
 
     async def drain(self) -> None:
         """At a graceful shutdown, before the server stops listening (runtime/server/serving.py): the
-        open rooms finish or fail, and no KV write is left in progress (`BootstrapRegistry.drain`)."""
-        stuck = await self.registry.drain(DRAIN_WAIT_S, self.timeout_s)
+        open rooms finish or fail, and no KV write is left in progress (`BootstrapRegistry.drain`). The
+        rooms get the grace uvicorn gives open connections (`serving.GRACEFUL_SHUTDOWN_S`, read here at
+        each call)."""
+        stuck = await self.registry.drain(serving.GRACEFUL_SHUTDOWN_S, self.timeout_s)
         if stuck:
             log.error("shutting down with KV writes still in progress into rooms %s after %g s: their decode "
                       "servers may free those pages while the writes land", stuck, self.timeout_s)
@@ -190,7 +190,7 @@ class PrefillSide:
             raise bad_request("this is a PD prefill server: requests come through `python -m runtime.router` "
                               f"(no {ROOM_HEADER} header)")
         if self.registry.stopping:  # its room could not open: no prompt computed for nobody
-            raise api_error(PrefillStopping(f"room {room_id}: the prefill server is shutting down"))
+            raise api_error(PrefillStopping(room_id))
         self.registry.expect(room_id)
         with self._lock:
             self.pending[rid] = Pending(room_id, asyncio.get_running_loop(), state, trace=trace)

@@ -38,9 +38,14 @@ class RoomFailed(BootstrapError):
 
 
 class PrefillStopping(BootstrapError):
-    """The prefill server is shutting down: it opens no new room (runtime/disagg/bootstrap.py `drain`)."""
+    """The prefill server is shutting down: it opens no new room, and fails each room still open when
+    the drain's wait ends (`was_open`) (runtime/disagg/bootstrap.py `drain`)."""
 
     code = "pd_prefill_stopping"
+
+    def __init__(self, room: str, *, was_open: bool = False) -> None:
+        super().__init__(f"room {room}: the prefill server shut down before its KV was written" if was_open
+                         else f"room {room}: the prefill server is shutting down and opens no new room")
 
 
 def api_error(exc: BootstrapError) -> ApiError:

@@ -87,9 +87,9 @@ def mooncake_engine_class():
     return TransferEngine
 
 
-def unacknowledged_writes(env: dict[str, str] | None = None) -> str | None:
+def unacknowledged_writes() -> str | None:
     """Why this process's writes would return before they landed (see the module doc), or None."""
-    if (os.environ if env is None else env).get("MC_TCP_PROTO") == "1":
+    if os.environ.get("MC_TCP_PROTO") == "1":
         return ("MC_TCP_PROTO=1 selects Mooncake's legacy TCP framing, whose writes complete before they "
                 "landed: a KV page given back after its write ended could still receive its bytes and corrupt "
                 "another request's KV. Unset it (both PD sides run the same Mooncake version)")

@@ -19,6 +19,10 @@ import uvicorn
 
 log = logging.getLogger(__name__)
 FORCE_EXIT_POLL_S = 0.1  # how often the shutdown step looks for a second signal (uvicorn's force_exit)
+# How long a graceful shutdown lets open connections finish (uvicorn's `timeout_graceful_shutdown`,
+# runtime/serve.py), and a PD prefill server's open rooms before that (runtime/disagg/prefill.py `drain`):
+# the rooms' requests are among those connections.
+GRACEFUL_SHUTDOWN_S = 5
 
 
 class RuntimeServer(uvicorn.Server):

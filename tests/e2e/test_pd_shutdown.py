@@ -89,14 +89,14 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
     until the write ended, then all come back. Negative control: a server that stops listening at once
     (the old shutdown) lets the decode side free them while the write is held."""
     from runtime.disagg import decode as decode_module
-    from runtime.disagg import prefill as prefill_module
+    from runtime.server import serving as serving_module
     from runtime.server.errors import ApiError
     from tests.e2e.test_pd import HeldWrite, wait_pages_free, wait_until
 
     common = ("--disaggregation-timeout", "20")
     prefill_state = server_state("--disaggregation-mode", "prefill", *common)
     decode_state = server_state("--disaggregation-mode", "decode", *common)
-    monkeypatch.setattr(prefill_module, "DRAIN_WAIT_S", 0.2)
+    monkeypatch.setattr(serving_module, "GRACEFUL_SHUTDOWN_S", 0.2)  # the drain's wait (prefill `drain`)
     if planted == "no_drain":
         async def no_drain() -> None:
             return None

@@ -233,6 +233,7 @@ def test_a_transfer_refuses_the_legacy_tcp_framing(monkeypatch):
     monkeypatch.setenv("MC_TCP_PROTO", "1")
     with pytest.raises(ValueError, match="MC_TCP_PROTO=1 selects Mooncake's legacy TCP framing"):
         sender()
-    assert transfer.unacknowledged_writes({"MC_TCP_PROTO": "2"}) is None
+    monkeypatch.setenv("MC_TCP_PROTO", "2")
+    assert transfer.unacknowledged_writes() is None
     monkeypatch.delenv("MC_TCP_PROTO")
     sender().close()
