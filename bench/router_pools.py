@@ -73,7 +73,8 @@ async def run(pools: int, concurrency: int, requests: int, chunks: int, chunk_s:
         client._transport._pool._network_backend = upstreams  # type: ignore[attr-defined]
         return client
 
-    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=pools, make_client=client_on_upstreams)
+    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=pools, make_client=client_on_upstreams,
+                            health_every_s=None)  # the in-memory upstreams answer chat calls only
     async with app.router.lifespan_context(app):  # builds the router's clients on the upstreams
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",

@@ -1,7 +1,7 @@
 """The PD router: one OpenAI-compatible front for prefill and decode servers.
 
     python -m runtime.router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]
-        [--host 127.0.0.1] [--port 30000] [--timeout S] [--upstream-pools N]
+        [--host 127.0.0.1] [--port 30000] [--timeout S] [--upstream-pools N] [--health-every S]
 
 Each chat request gets a fresh room id and goes, unchanged, to one prefill server and one decode server
 (round robin) with the room and the prefill server's URL in two headers (runtime/disagg/protocol.py).
@@ -10,6 +10,9 @@ fails reaches the client as an OpenAI-shaped error (the decode side reports the 
 prefill server that took nothing of a request (shutting down, or down) is passed over for a moment and
 the request offered to the next one, up to MAX_PREFILL_TRIES servers: the client has had nothing yet.
 Likewise a decode server that cannot be reached: the same room goes to the next one (MAX_DECODE_TRIES).
+Every upstream's /health is polled in the background (runtime/router_health.py): a server failing it
+is passed over until it passes again, and the router's own /health is 200 only while each role has a
+healthy server.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
+from runtime.router_health import HEALTH_EVERY_S, UpstreamHealth
 from runtime.server.errors import ApiError
 from runtime.server.prometheus_text import parse_samples, sample_sum
 from runtime.server.trace import NO_TRACE, TRACE_HEADER, Trace, TraceLog
@@ -84,11 +88,11 @@ async def _settle(task: asyncio.Task) -> None:
 
 
 def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 60.0,
-                      pools: int = UPSTREAM_POOLS,
+                      pools: int = UPSTREAM_POOLS, health_every_s: float | None = HEALTH_EVERY_S,
                       make_client: Callable[..., httpx.AsyncClient] | None = None) -> FastAPI:
     """The router's app. `make_client` builds each upstream pool's client from httpx.AsyncClient's
     keyword arguments (default: httpx.AsyncClient; bench/router_pools.py puts in-memory upstreams
-    under them)."""
+    under them). `health_every_s`: the upstreams' /health poll period; None polls nothing."""
     if not prefill or not decode:
         raise ValueError("the router needs at least one --prefill and one --decode server")
     if pools < 1:
@@ -96,13 +100,15 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
     pick_prefill, pick_decode = itertools.cycle(prefill), itertools.cycle(decode)
     resting: dict[str, float] = {}  # upstream URL -> the loop time until which requests pass it over
 
+    health = UpstreamHealth({"prefill": prefill, "decode": decode}, health_every_s)
+
     def next_up(pick: Iterator[str], count: int) -> str:
-        """The next server of `pick` in turn that is not resting (`UPSTREAM_REST_S`); the next in turn
-        when all are."""
+        """The next server of `pick` in turn that is neither resting (`UPSTREAM_REST_S`) nor failing
+        its health polls (runtime/router_health.py); the next in turn when all are."""
         now = asyncio.get_running_loop().time()
         for _ in range(count):
             url = next(pick)
-            if resting.get(url, 0.0) <= now:
+            if resting.get(url, 0.0) <= now and health.healthy(url):
                 return url
         return next(pick)
 
@@ -113,13 +119,15 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                     send: Callable[[str], Awaitable[tuple[Answer, bool]]], trace: Trace, retried: str) -> Answer:
         """`send` a request to `url`, then, while the server took nothing of it (`send` says so beside its
         answer), to the next server of `pick` (`count` servers) not resting, up to `tries` servers in all.
-        A server that took nothing rests before the next is picked, and the trace is marked `retried`;
-        the last server's answer is returned as it came, took nothing or not, and that server not rested."""
+        A server that took nothing rests (the last one too); the trace is marked `retried` before each
+        next server. The last server's answer is returned as it came, took nothing or not."""
         for left in reversed(range(tries)):
             answer, took_nothing = await send(url)
-            if not (left and took_nothing):
+            if not took_nothing:
                 return answer
             rest(url)
+            if not left:
+                return answer
             trace.mark(retried)
             url = next_up(pick, count)
         raise AssertionError("unreachable: the last try returns")
@@ -138,13 +146,21 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         make = make_client or httpx.AsyncClient
         clients[:] = [make(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=limits) for _ in range(pools)]
+        # One poll before serving, so the router's /health is the pair's from its first answer.
+        await health.poll_once(check_health)
+        poller = asyncio.create_task(health.run(check_health))
         yield
+        poller.cancel()
+        await asyncio.gather(poller, return_exceptions=True)
         await asyncio.gather(*(client.aclose() for client in clients))
+
+    async def check_health(url: str) -> int:
+        return (await clients[0].get(f"{url}/health", timeout=health.timeout_s)).status_code
 
     app = FastAPI(title="dsv4 PD router", lifespan=lifespan)
 
     async def proxy_get(request: Request, path: str) -> Response:
-        url = next(pick_decode)
+        url = next_up(pick_decode, len(decode))
         try:
             reply = await clients[0].get(f"{url}{path}", headers=_forwarded(request))
         except httpx.HTTPError as exc:
@@ -153,8 +169,11 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                         media_type=reply.headers.get("content-type"))
 
     @app.get("/health")
-    async def health(request: Request) -> Response:
-        return await proxy_get(request, "/health")
+    async def health_route() -> Response:
+        """200 while at least one prefill and one decode server pass their health polls, else 503
+        naming the role with none; each upstream's last poll in the body."""
+        status, body = health.report()
+        return Response(json.dumps(body), status_code=status, media_type="application/json")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -182,7 +201,8 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                         lines.append(f'{series}{{role="{role}",url="{url}"}} {value}')
         head = [line for name, value in sums.items()
                 for line in (f"# TYPE {name.removesuffix('_total')} {_kind(name)}", f"{name} {value}")]
-        return Response("\n".join([*head, *lines]) + "\n", media_type="text/plain; version=0.0.4")
+        return Response("\n".join([*head, *lines, *health.metric_lines()]) + "\n",
+                        media_type="text/plain; version=0.0.4")
 
     @app.get("/server_info")
     async def server_info(request: Request) -> Response:
@@ -236,7 +256,6 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             reply = await offer(decode_url, pick_decode, len(decode), min(len(decode), MAX_DECODE_TRIES),
                                 decode_try, trace, "decode_retried")
             if isinstance(reply, httpx.ConnectError):
-                rest(decode_url)  # the last server tried rests too, as those before it did (`offer`)
                 raise reply
             return reply
 
@@ -349,14 +368,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream-pools", type=int, default=UPSTREAM_POOLS, metavar="N",
                         help="upstream connection pools a request's calls are spread over (httpx's pool costs "
                              "O(connections^2) per request: a few small pools keep a busy router's loop free)")
+    parser.add_argument("--health-every", type=float, default=HEALTH_EVERY_S, metavar="S",
+                        help="seconds between polls of each upstream's /health (a failing server is passed over)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     import uvicorn
 
     if args.upstream_pools < 1:
         parser.error(f"--upstream-pools must be at least 1, got {args.upstream_pools}")
+    if not args.health_every > 0:
+        parser.error(f"--health-every must be positive, got {args.health_every}")
     strip = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
-    app = create_router_app(*strip, timeout_s=args.timeout, pools=args.upstream_pools)
+    app = create_router_app(*strip, timeout_s=args.timeout, pools=args.upstream_pools,
+                            health_every_s=args.health_every)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=75)
     return 0
 

@@ -196,7 +196,10 @@ def test_one_of_two_prefill_servers_stopped_under_load_costs_no_request(tries, m
         prefills = [stopping.enter_context(serve_state(prefill_states[0])),
                     stack.enter_context(serve_state(prefill_states[1]))]
         decode = stack.enter_context(serve_state(decode_state))
-        router = stack.enter_context(serve_in_thread(create_router_app(prefills, [decode], timeout_s=60)))
+        # No health polls: the test is of the request path's retries (a poll would pass the stopped server
+        # over within a second, and the control's failures would depend on when it ran).
+        router = stack.enter_context(serve_in_thread(create_router_app(prefills, [decode], timeout_s=60,
+                                                                       health_every_s=None)))
 
         replies += ask_in_turn(router, range(6))
         stopper = threading.Thread(target=stopping.close, daemon=True)
@@ -233,7 +236,8 @@ def test_one_of_two_decode_servers_stopped_costs_no_request(tries, monkeypatch):
         prefill = stack.enter_context(serve_state(prefill_state))
         decodes = [stopping.enter_context(serve_state(decode_states[0])),
                    stack.enter_context(serve_state(decode_states[1]))]
-        router = stack.enter_context(serve_in_thread(create_router_app([prefill], decodes, timeout_s=60)))
+        router = stack.enter_context(serve_in_thread(create_router_app([prefill], decodes, timeout_s=60,
+                                                                       health_every_s=None)))  # as above
 
         replies += ask_in_turn(router, range(6))
         stopping.close()

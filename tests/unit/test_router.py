@@ -26,6 +26,8 @@ def mock_upstreams(monkeypatch, seen: list[tuple[str, str, str | None]]) -> None
 
     def answer(request: httpx.Request) -> httpx.Response:
         role = request.url.host
+        if request.url.path == "/health":  # the router's background polls (tested on their own below)
+            return httpx.Response(200, json={"status": "ok"})
         seen.append((role, request.url.path, request.headers.get(TRACE_HEADER)))
         if request.url.path.startswith("/debug/trace/"):
             return httpx.Response(200, json={"marks": {"received": 1.0 if role == "prefill" else 2.0}})
@@ -96,7 +98,7 @@ def test_the_prompt_leaves_whole_before_the_decode_call_starts(monkeypatch):
         return real(transport=transport, **kw)
 
     monkeypatch.setattr(httpx, "AsyncClient", recording_client)
-    with TestClient(create_router_app(["http://prefill:1"], ["http://decode:2"])) as router:
+    with TestClient(create_router_app(["http://prefill:1"], ["http://decode:2"], health_every_s=None)) as router:
         for _ in range(2):
             reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
             assert reply.status_code == 200 and reply.content == SSE
@@ -153,7 +155,7 @@ def test_more_requests_than_a_default_connection_pool_all_finish():
         client._transport._pool._network_backend = backend  # no public hook for the backend
         return client
 
-    app = create_router_app(["http://prefill:1"], ["http://decode:2"], make_client=room_client)
+    app = create_router_app(["http://prefill:1"], ["http://decode:2"], make_client=room_client, health_every_s=None)
 
     async def run() -> list[int]:
         async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -179,7 +181,8 @@ def test_a_burst_spreads_its_upstream_connections_over_the_pools():
         return client
 
     requests, pools = 130, 16
-    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=pools, make_client=room_client)
+    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=pools, make_client=room_client,
+                            health_every_s=None)
 
     async def run() -> tuple[list[int], list[int]]:
         async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -251,7 +254,8 @@ def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, s
     transport = httpx.MockTransport(answer)
     app = create_router_app([f"http://{host}:1" for host in prefill_state],
                             [f"http://{host}:2" for host in decode_state or {"decode": "ok"}],
-                            make_client=lambda **kw: httpx.AsyncClient(transport=transport, **kw))
+                            make_client=lambda **kw: httpx.AsyncClient(transport=transport, **kw),
+                            health_every_s=None)  # the request path's retries alone
     return app, seen
 
 
