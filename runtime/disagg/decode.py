@@ -90,6 +90,7 @@ QUARANTINE_RETRY_JITTER = 0.25
 
 class DecodeSide:
     mode = "decode"
+    draining = False  # a decode server has no drain step: at shutdown its requests end with its engine
 
     def __init__(self, engine: Engine, transfer: KVTransfer, name: str, metrics: PDMetrics, timeout_s: float,
                  faults: FaultSet, api_key: str | None = None) -> None:

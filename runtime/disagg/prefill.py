@@ -99,6 +99,11 @@ class PrefillSide:
         # The sender's KV digests, each beside its write (`_write`): both read the same owned pages.
         self._digests = digest_workers()
 
+    @property
+    def draining(self) -> bool:
+        """Whether a graceful shutdown has begun: no room opens any more (the server's /health says 503)."""
+        return self.registry.stopping
+
     async def drain(self) -> None:
         """At a graceful shutdown, before the server stops listening (runtime/server/serving.py): the
         open rooms finish or fail, and no KV write is left in progress (`BootstrapRegistry.drain`). The

@@ -117,6 +117,10 @@ def create_app(state: ServerState) -> FastAPI:
         if not state.bridge.alive:
             # No detail on the one open route: the cause is in the log and in /server_info (keyed).
             return JSONResponse({"status": "engine down"}, status_code=503)
+        if state.pd is not None and state.pd.draining:
+            # A prefill server draining for a shutdown takes no new prompt: a router's health poll
+            # passes it over before any request is refused (runtime/router_health.py).
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

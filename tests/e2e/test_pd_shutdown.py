@@ -146,6 +146,11 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
             # A request arriving meanwhile: refused by name while the server drains (the old one had
             # stopped listening: the router could not reach it).
             late = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[1]), timeout=30)
+            try:  # and its /health says so, for the routers' polls (runtime/router_health.py)
+                health = httpx.get(f"{prefill}/health", timeout=5)
+                health_seen: tuple[int, str] | str = (health.status_code, health.json()["status"])
+            except httpx.HTTPError as exc:
+                health_seen = repr(exc)
         finally:
             write.release()
             shutting_down.set()
@@ -156,6 +161,7 @@ def test_a_prefill_server_shut_down_during_a_kv_write_stops_listening_only_once_
     if planted is None:
         assert during > 0 and after == [0], (during, after)
         assert late_error == (503, "pd_prefill_stopping"), late.text
+        assert health_seen == (503, "draining"), health_seen
     else:
         assert during == 0, during
         assert late_error != (503, "pd_prefill_stopping"), late.text
