@@ -29,6 +29,17 @@ def device_name() -> str:
     return f"cpu:{platform.processor() or platform.machine()}x{torch.get_num_threads()}"
 
 
+def gpu_identity() -> str | None:
+    """The GPU this process computes on, by name and UUID (one physical GPU, so one host), or None on a
+    machine without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return f"{props.name} {getattr(props, 'uuid', 'without a UUID')}"
+
+
 def versions() -> dict[str, str]:
     import torch
 

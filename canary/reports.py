@@ -210,7 +210,8 @@ def _verdicts(trials: dict[str, Any]) -> str:
     """Each metric's slowdown with its interval (canary/perf/ratio_stats.py RatioVerdict)."""
     return f"tolerance {trials['tolerance'] * 100:.0f}%; " + "; ".join(
         f"{v['metric']} {(v['ratio'] - 1) * 100:+.1f}% [{(v['low'] - 1) * 100:+.1f}%, {(v['high'] - 1) * 100:+.1f}%] "
-        f"over {v['trials']} trials ({v['status']})" for v in trials["verdicts"])
+        f"over {v['trials']} trials ({v['status']})" if v["trials"] else f"{v['metric']} {v['status']} ({v['reason']})"
+        for v in trials["verdicts"])
 
 
 def _perf_line(summary: dict[str, Any]) -> str:

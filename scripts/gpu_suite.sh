@@ -119,14 +119,22 @@ GATE=($PY -m pytest -m stress --sessions 80 -p no:cacheprovider tests/stress/tes
       --server-arg=--dtype=${GATE_DTYPE:-float32} --perf-tolerance 0.1)
 # Extra gate flags for every gate section. Four driver processes by default on the GPU host: one
 # asyncio loop running the openai client cannot keep up with the GPU server (docs/results.md); the
-# perf verdict measures its own trial workload (canary/perf/trial_load.py) against a stored H200
-# baseline of that workload: none since the default became 5 rounds (twentieth session); `gate_baseline`
-# records one (bring $OUT/golden/*.json back and commit it).
+# perf verdict measures its own trial workload (canary/perf/trial_load.py) against a stored baseline
+# of that workload, which judges the GPU it was recorded on only (canary/gate.py `recorded_elsewhere`:
+# across H200 machine starts an unchanged build failed 3 of 3): SECTIONS="gate_baseline gate" records
+# one and judges a fresh server against it in one call; on another GPU the verdict is inconclusive.
 GATE+=(${GATE_ARGS:---driver-processes 4})
 if want gate_record; then
     section gate_record "${GATE_TIMEOUT:-300}" "${GATE[@]}" --golden-update
     mkdir -p "$OUT/golden"
     cp golden/transcripts/stress-*.*-*.jsonl "$OUT/golden/" 2>/dev/null
+    find golden/baselines -newer "$OUT/gpu.txt" -name "*.json" -exec cp {} "$OUT/golden/" \;
+fi
+# The same gate recording this GPU's perf baseline only (golden transcripts still checked); before `gate`,
+# which then judges a fresh server against it on the same GPU.
+if want gate_baseline; then
+    section gate_baseline "${GATE_TIMEOUT:-300}" "${GATE[@]}" --baseline-update --report-dir "$OUT/gate_baseline"
+    mkdir -p "$OUT/golden"
     find golden/baselines -newer "$OUT/gpu.txt" -name "*.json" -exec cp {} "$OUT/golden/" \;
 fi
 # GATE_RUNS fresh servers one after the other (the gate's tok/s spreads ~25% from run to run on the H200).
@@ -135,12 +143,6 @@ if want gate; then
         name=gate; [ "${GATE_RUNS:-1}" -gt 1 ] && name=gate_$run
         section "$name" "${GATE_TIMEOUT:-300}" "${GATE[@]}" --report-dir "$OUT/$name"
     done
-fi
-# The same gate recording this hardware's perf baseline only (golden transcripts still checked).
-if want gate_baseline; then
-    section gate_baseline "${GATE_TIMEOUT:-300}" "${GATE[@]}" --baseline-update --report-dir "$OUT/gate_baseline"
-    mkdir -p "$OUT/golden"
-    find golden/baselines -newer "$OUT/gpu.txt" -name "*.json" -exec cp {} "$OUT/golden/" \;
 fi
 # A/B against another build on this same GPU: the baseline server runs from AB_TREE (a copy of an
 # older commit's runtime/ and golden/models, carried into the call), the candidate is this checkout;

@@ -137,6 +137,8 @@ class RatioVerdict:
     reason: str
 
     def describe(self) -> str:
+        if not self.trials:
+            return f"{self.metric}: no trials, tolerance {self.tolerance * 100:.0f}%: {self.status} ({self.reason})"
         return (f"{self.metric}: {(self.ratio - 1) * 100:+.1f}% slower "
                 f"[{(self.low - 1) * 100:+.1f}%, {(self.high - 1) * 100:+.1f}%], {self.trials} trials, "
                 f"tolerance {self.tolerance * 100:.0f}%: {self.status} ({self.reason})")

@@ -164,13 +164,17 @@ def record_trials(target: Target, workload: TrialWorkload, trials: int = 8, meas
 def stored_trials(target: Target, stored: dict, workload: TrialWorkload, tolerance: float,
                   min_trials: int = MIN_TRIALS_DEFAULT,
                   max_trials: int = MIN_TRIALS_DEFAULT * MAX_TRIALS_FACTOR, measure: Measure = measure_trial,
-                  probe: Probe | None = None,
+                  probe: Probe | None = None, not_comparable: str | None = None,
                   on_trial: Callable[[dict], None] | None = None) -> TrialsOutcome:
     """The candidate's trials against a `record_trials` baseline. With a probe, both sides must have
     been probed (a recording without one on a probed machine cannot be compared: inconclusive) and
-    read within the tolerance of each other (`ratio_stats.speed_not_comparable`)."""
+    read within the tolerance of each other (`ratio_stats.speed_not_comparable`). `not_comparable`:
+    why the caller knows the machine is not the recording's (then no trial runs: inconclusive)."""
     if "workload" not in stored or read_recorded(stored["workload"]) != workload:
         raise ValueError(f"stored perf trials ran {stored.get('workload')}, this run {workload.describe()}")
+    if not_comparable:
+        return TrialsOutcome("stored", INCONCLUSIVE, [ratio_stats.decide(m, None, tolerance, not_comparable)
+                                                      for m in workload.metrics()], [], tolerance)
     recorded_speed = stored.get("machine_speed")
     measure(target, workload, -1)  # warm-up
     runs: list[dict] = []

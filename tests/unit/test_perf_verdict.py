@@ -6,6 +6,7 @@ flags the seeds' 9% bucket cliff and not a flat plateau."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -305,3 +306,48 @@ def test_a_decode_figure_is_the_median_burst(monkeypatch):
     monkeypatch.setattr(trial_load, "_decode_rate", fake_rate)
     figures = trial_load.measure_trial(A, TrialWorkload(concurrency=(8,), ttft_rate=0.0, rounds=3))
     assert figures.figures == {"decode_tok_s@8": 110.0}
+
+
+def test_a_gpu_baseline_judges_the_gpu_it_was_recorded_on_only(tmp_path, monkeypatch):
+    """On a GPU host the stored verdict is valid on the recording's GPU only: across H200 machine starts
+    an unchanged build failed 3 of 3 stored verdicts (issue 17). Another GPU (or a baseline that names
+    none) is inconclusive at once, by name, with no trial run. Negative control: the same baseline on
+    the recording's GPU is judged as usual, and a slower build there is caught."""
+    import canary.gate as gate_module
+    import canary.perf.trials as trials_module
+    from canary.gate import GateOutcome, gate_perf
+
+    embedded = Target("canary", "http://a/v1", "m", True)
+    path, costs = tmp_path / "baseline.json", {"canary": 1.0}
+    measure = synthetic(costs, 0.01, 21)
+    monkeypatch.setattr(trials_module, "measure_trial", measure)
+    monkeypatch.setattr(gate_module, "probes_this_machine", lambda target: False)
+    gpu = {"now": "NVIDIA H200 GPU-1111"}
+    monkeypatch.setattr(gate_module, "gpu_identity", lambda: gpu["now"])
+    gate_perf(embedded, {}, path, TOL, True, GateOutcome(), min_trials=4, workload=WORKLOAD)
+    assert json.loads(path.read_text())["gpu"] == "NVIDIA H200 GPU-1111"
+
+    gpu["now"] = "NVIDIA H200 GPU-2222"
+    calls = len(measure.calls)
+    elsewhere = GateOutcome()
+    gate_perf(embedded, {}, path, TOL, False, elsewhere, min_trials=4, workload=WORKLOAD)
+    assert len(measure.calls) == calls and not elsewhere.passed
+    assert elsewhere.summary["perf_gate"]["status"] == INCONCLUSIVE
+    assert all(f.startswith("[perf-inconclusive] ") and "recorded on GPU NVIDIA H200 GPU-1111" in f
+               and "this run is on GPU NVIDIA H200 GPU-2222" in f for f in elsewhere.failures)
+    unnamed = {k: v for k, v in json.loads(path.read_text()).items() if k != "gpu"}
+    (tmp_path / "unnamed.json").write_text(json.dumps(unnamed))
+    old = GateOutcome()
+    gate_perf(embedded, {}, tmp_path / "unnamed.json", TOL, False, old, min_trials=4, workload=WORKLOAD)
+    assert old.failures and all("not named" in f for f in old.failures)
+
+    gpu["now"] = "NVIDIA H200 GPU-1111"
+    same = GateOutcome()
+    gate_perf(embedded, {}, path, TOL, False, same, min_trials=4, workload=WORKLOAD)
+    assert same.passed and same.summary["perf_gate"]["status"] == OK
+    costs["canary"] = 1.1
+    slower = GateOutcome()
+    gate_perf(embedded, {}, path, TOL, False, slower, min_trials=4, workload=WORKLOAD)
+    assert slower.failures and all(f.startswith("[perf-regression] ") for f in slower.failures)
+    # An external server's machine is not ours to name: its baseline is judged wherever the harness runs.
+    assert gate_module.recorded_elsewhere(A, {"gpu": "NVIDIA H200 GPU-1111"}) is None
