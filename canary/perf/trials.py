@@ -24,6 +24,7 @@ and cost x machine speed is the same on a faster or slower machine.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,16 +71,35 @@ class TrialsOutcome:
     verdicts: list[RatioVerdict]
     trials: list[dict] = field(default_factory=list)  # each side's figures (and probe) in run order
     tolerance: float = 0.1
+    # Stored form: seconds since the baseline was recorded (None: not known). On a shared CPU host a
+    # stored verdict an hour from its recording raised a false alarm where those within 40 minutes
+    # raised none (docs/results.md, twenty-first session): an alarm's line says how old its baseline is.
+    baseline_age_s: float | None = None
 
     def failures(self) -> list[str]:
         """Gate failure lines: every metric that is slower or inconclusive, each with its interval."""
         tag = {SLOWER: "[perf-regression]", INCONCLUSIVE: "[perf-inconclusive]"}
         label = "A/B " if self.mode == "ab" else ""
-        return [f"{tag[v.status]} {label}{v.describe()}" for v in self.verdicts if v.status != OK]
+        age = "" if self.baseline_age_s is None else f"; baseline recorded {_age(self.baseline_age_s)} ago"
+        return [f"{tag[v.status]} {label}{v.describe()}{age}" for v in self.verdicts if v.status != OK]
 
     def summary(self) -> dict:
         return {"mode": self.mode, "status": self.status, "tolerance": self.tolerance,
-                "verdicts": ratio_stats.verdict_dicts(self.verdicts), "trials": self.trials}
+                "verdicts": ratio_stats.verdict_dicts(self.verdicts), "trials": self.trials,
+                **({} if self.baseline_age_s is None else {"baseline_age_s": round(self.baseline_age_s)})}
+
+
+def _age(seconds: float) -> str:
+    minutes = max(0, round(seconds / 60))
+    if minutes < 120:
+        return f"{minutes} min"
+    return f"{minutes / 60:.0f} h" if minutes < 72 * 60 else f"{minutes / 1440:.0f} days"
+
+
+def _baseline_age(stored: dict) -> float | None:
+    """Seconds since a stored baseline was recorded; None for one recorded before baselines said when."""
+    recorded_at = stored.get("recorded_at")
+    return None if recorded_at is None else time.time() - recorded_at
 
 
 def _decided(verdicts: list[RatioVerdict]) -> bool:
@@ -157,7 +177,7 @@ def record_trials(target: Target, workload: TrialWorkload, trials: int = 8, meas
         if on_trial:
             on_trial(runs[-1])
     speeds = [t["machine_speed"] for t in runs if t["machine_speed"]]
-    return {"workload": workload.describe(), "trials": runs,
+    return {"workload": workload.describe(), "trials": runs, "recorded_at": time.time(),
             "machine_speed": math.exp(sum(map(math.log, speeds)) / len(speeds)) if speeds else None}
 
 
@@ -173,8 +193,8 @@ def stored_trials(target: Target, stored: dict, workload: TrialWorkload, toleran
     if "workload" not in stored or read_recorded(stored["workload"]) != workload:
         raise ValueError(f"stored perf trials ran {stored.get('workload')}, this run {workload.describe()}")
     if not_comparable:
-        return TrialsOutcome("stored", INCONCLUSIVE, [ratio_stats.decide(m, None, tolerance, not_comparable)
-                                                      for m in workload.metrics()], [], tolerance)
+        unjudged = [ratio_stats.decide(m, None, tolerance, not_comparable) for m in workload.metrics()]
+        return TrialsOutcome("stored", INCONCLUSIVE, unjudged, [], tolerance, _baseline_age(stored))
     recorded_speed = stored.get("machine_speed")
     measure(target, workload, -1)  # warm-up
     runs: list[dict] = []
@@ -193,7 +213,7 @@ def stored_trials(target: Target, stored: dict, workload: TrialWorkload, toleran
             for m in workload.metrics()]
         if why or _decided(verdicts):
             break
-    return TrialsOutcome("stored", ratio_stats.overall(verdicts), verdicts, runs, tolerance)
+    return TrialsOutcome("stored", ratio_stats.overall(verdicts), verdicts, runs, tolerance, _baseline_age(stored))
 
 
 def workload_from(record: dict) -> TrialWorkload:

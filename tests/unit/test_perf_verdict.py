@@ -351,3 +351,23 @@ def test_a_gpu_baseline_judges_the_gpu_it_was_recorded_on_only(tmp_path, monkeyp
     assert slower.failures and all(f.startswith("[perf-regression] ") for f in slower.failures)
     # An external server's machine is not ours to name: its baseline is judged wherever the harness runs.
     assert gate_module.recorded_elsewhere(A, {"gpu": "NVIDIA H200 GPU-1111"}) is None
+
+
+def test_a_stored_verdicts_alarm_says_how_old_its_baseline_is():
+    """On a shared host a stored verdict an hour from its recording raised a false alarm where those
+    within 40 minutes raised none: the alarm's line names the baseline's age (an older baseline,
+    recorded before baselines said when, has no age)."""
+    import time
+
+    baseline = record_trials(A, WORKLOAD, 8, measure=synthetic({"a": 1.0}, 0.01, 31))
+    assert abs(baseline["recorded_at"] - time.time()) < 60
+    hour_old = {**baseline, "recorded_at": baseline["recorded_at"] - 3600}
+    slower = stored_trials(A, hour_old, WORKLOAD, TOL, measure=synthetic({"a": 1.1}, 0.01, 32))
+    assert slower.status == SLOWER and all(f.endswith("; baseline recorded 60 min ago") for f in slower.failures())
+    assert 3590 < slower.summary()["baseline_age_s"] < 3700
+    days_old = {**baseline, "recorded_at": baseline["recorded_at"] - 5 * 86400}
+    assert stored_trials(A, days_old, WORKLOAD, TOL, measure=synthetic({"a": 1.1}, 0.01, 33)).failures()[0].endswith(
+        "recorded 5 days ago")
+    undated = {k: v for k, v in baseline.items() if k != "recorded_at"}
+    unknown = stored_trials(A, undated, WORKLOAD, TOL, measure=synthetic({"a": 1.1}, 0.01, 34))
+    assert "recorded" not in unknown.failures()[0] and "baseline_age_s" not in unknown.summary()
