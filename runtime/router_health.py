@@ -50,8 +50,7 @@ class UpstreamHealth:
         self.upstreams = {url: UpstreamState(role) for role, urls in roles.items() for url in urls}
 
     def healthy(self, url: str) -> bool:
-        state = self.upstreams.get(url)
-        return state is None or state.healthy
+        return self.upstreams[url].healthy
 
     async def poll_once(self, check: Check) -> None:
         if self.every_s is None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -190,7 +191,7 @@ def speed_not_comparable(probe_ratios: Sequence[float], tolerance: float) -> str
     build's, and scaling by the probe was measured to be worse (canary/perf/trials.py)."""
     if not probe_ratios or not all(math.isfinite(r) and r > 0 for r in probe_ratios):
         return "machine not comparable: a speed probe failed or read nothing"
-    ratio = math.exp(sum(map(math.log, probe_ratios)) / len(probe_ratios))
+    ratio = statistics.geometric_mean(probe_ratios)
     if abs(math.log(ratio)) <= math.log1p(tolerance):
         return None
     return (f"machine not comparable: speed probe {ratio:.2f}x the recording machine's, beyond the "

@@ -24,6 +24,7 @@ and cost x machine speed is the same on a faster or slower machine.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -178,7 +179,7 @@ def record_trials(target: Target, workload: TrialWorkload, trials: int = 8, meas
             on_trial(runs[-1])
     speeds = [t["machine_speed"] for t in runs if t["machine_speed"]]
     return {"workload": workload.describe(), "trials": runs, "recorded_at": time.time(),
-            "machine_speed": math.exp(sum(map(math.log, speeds)) / len(speeds)) if speeds else None}
+            "machine_speed": statistics.geometric_mean(speeds) if speeds else None}
 
 
 def stored_trials(target: Target, stored: dict, workload: TrialWorkload, tolerance: float,
