@@ -121,7 +121,7 @@ def time_ms(fn, *args, iters: int) -> float:
 def machine_rates() -> dict:
     """HBM read bandwidth (a 4 GiB reduction) and bf16 matmul rate (8192^3), measured here."""
     big = torch.ones(2 * 1024**3, dtype=torch.bfloat16, device="cuda")
-    read_ms = time_ms(lambda: big.sum(dtype=torch.float32), iters=10)
+    read_ms = time_ms(lambda big=big: big.sum(dtype=torch.float32), iters=10)
     del big
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     mm_ms = time_ms(torch.mm, a, a, iters=10)

@@ -67,8 +67,9 @@ def graph_us(calls, reps: int = 15) -> float:
 def measure_ceilings() -> dict:
     big = torch.randn(2**29, device="cuda", dtype=torch.float32)  # 2 GiB, many times the L2
     # The faster of two reductions over the same bytes: the ceiling must not be an underestimate.
-    read_us = min(graph_us([lambda: big.sum()], reps=10), graph_us([lambda: big.view(torch.bfloat16).sum()], reps=10),
-                  graph_us([lambda: big.amax()], reps=10))
+    read_us = min(graph_us([lambda big=big: big.sum()], reps=10),
+                  graph_us([lambda big=big: big.view(torch.bfloat16).sum()], reps=10),
+                  graph_us([lambda big=big: big.amax()], reps=10))
     del big
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -150,8 +151,8 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
                 torch_us = None
                 if name == "bf16":
                     bf16_us[split] = us
-                    torch_us = graph_us([lambda x=x, i=i, w=w: _torch_moe(x, w13, w2, i, w) for x, i, w in inputs[:2]],
-                                        reps=5)
+                    torch_us = graph_us([lambda x=x, i=i, w=w, w13=w13, w2=w2: _torch_moe(x, w13, w2, i, w)
+                                         for x, i, w in inputs[:2]], reps=5)
                 roof = roofline_us(bytes_moved, flops, ceilings)
                 rows.append(dict(kernel="fused_moe", variant=name, I=inter, bs=batch, split_k=split, us=us,
                                  roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
@@ -159,7 +160,7 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
                                  speedup_vs_bf16=bf16_us[split] / us if name != "bf16" else None, config=best_cfg))
                 if vs is not None and split == default_split:  # the deployment's split, on the same inputs
                     vs.moe(rows[-1], packed, inputs, best_cfg, split, reference=(
-                        lambda x, i, w: _torch_moe(x, w13, w2, i, w)) if name == "bf16" else None)
+                        lambda x, i, w, w13=w13, w2=w2: _torch_moe(x, w13, w2, i, w)) if name == "bf16" else None)
                 print(json.dumps(rows[-1]), flush=True)
         del variants, w13, w2
         torch.cuda.empty_cache()
@@ -216,9 +217,9 @@ def bench_mla(ceilings, rows: list, vs=None) -> None:
                 calls_in = mla_inputs(batch, heads, topk, gen, cache.shape[0])
                 bytes_moved, flops = mla_bytes_flops(batch, heads, selected)
                 roof = roofline_us(bytes_moved, flops, ceilings)
-                torch_us = graph_us([lambda q=q, s=s: _torch_mla(q, cache, s, latent, scale) for q, s in calls_in[:2]],
-                                    reps=5)
-                us = graph_us([lambda q=q, s=s: attention.sparse_mla_decode(q, cache, s, latent, scale)
+                torch_us = graph_us([lambda q=q, s=s, c=cache: _torch_mla(q, c, s, latent, scale)
+                                     for q, s in calls_in[:2]], reps=5)
+                us = graph_us([lambda q=q, s=s, c=cache: attention.sparse_mla_decode(q, c, s, latent, scale)
                                for q, s in calls_in])
                 spread = attention.spreads(batch, -(-heads // launch["block_h"]) * launch["v_split"],
                                            launch["num_splits"], cache.device)
@@ -227,8 +228,8 @@ def bench_mla(ceilings, rows: list, vs=None) -> None:
                 for spread_, merge in ((True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory")):
                     try:
                         modes_us[f"{'spread' if spread_ else 'gathered'}/{merge}"] = graph_us(
-                            [lambda q=q, s=s, sp=spread_, m=merge: attention.sparse_mla_decode(
-                                q, cache, s, latent, scale, spread=sp, merge=m) for q, s in calls_in], reps=8)
+                            [lambda q=q, s=s, sp=spread_, m=merge, c=cache: attention.sparse_mla_decode(
+                                q, c, s, latent, scale, spread=sp, merge=m) for q, s in calls_in], reps=8)
                     except Exception as err:  # noqa: BLE001 - one mode failing must not lose the row
                         print(f"  mla mode spread={spread_} merge={merge}: {type(err).__name__}: {str(err)[:200]}")
                 rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch,
@@ -237,7 +238,7 @@ def bench_mla(ceilings, rows: list, vs=None) -> None:
                                  speedup_vs_torch=torch_us / us, launch=launch, modes_us=modes_us))
                 if vs is not None:
                     vs.mla(rows[-1], calls_in, cache, latent, scale,
-                           reference=lambda q, s: _torch_mla(q, cache, s, latent, scale))
+                           reference=lambda q, s, c=cache: _torch_mla(q, c, s, latent, scale))
                 print(json.dumps(rows[-1]), flush=True)
                 print(f"  mla H={heads} top-{topk} bs={batch} modes us: "
                       + " ".join(f"{k} {v:.1f}" for k, v in modes_us.items()), flush=True)

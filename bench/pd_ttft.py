@@ -33,6 +33,7 @@ import httpx
 from bench.pd_phases import (
     COLOCATED_PATH,
     PD_AFTER_FIRST_TOKEN,
+    PD_KV_CHECK,
     PD_PATH,
     PD_ROOM_BRANCH,
     PD_SENDER_DIGEST,
