@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
+from runtime.server.trace import CPU_SUFFIX
+
 Path = Sequence[tuple[str, str]]
 
 PD_PATH: Path = (
@@ -88,6 +90,29 @@ COLOCATED_PATH: Path = (
     ("server.first_token_out", "first token into the stream"),
     ("client.first_token", "server -> client"),
 )
+
+
+# Spans also marked on their thread's CPU clock (runtime/server/app.py): side, first mark, last mark,
+# label. The loop thread's CPU time beside the span's wall time: a span that took longer on one server
+# than on another while its CPU time matched was waiting (for the GIL, for a core), not working.
+CPU_SPANS: tuple[tuple[str, str, str, str], ...] = (
+    ("prefill", "parsed", "prepared", "prefill: template, tokenize"),
+    ("decode", "parsed", "prepared", "decode: template, tokenize"),
+    ("server", "parsed", "prepared", "colocated: template, tokenize"),
+)
+
+
+def cpu_and_wall_ms(rows: list[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per CPU_SPANS span the requests have: the median thread CPU and wall time, in ms."""
+    out: dict[str, dict[str, float]] = {}
+    for side, first, last, label in CPU_SPANS:
+        cpu_start, cpu_end = f"{side}.{first}{CPU_SUFFIX}", f"{side}.{last}{CPU_SUFFIX}"
+        found = [row for row in rows if cpu_start in row and cpu_end in row]
+        if found:
+            out[label] = {
+                "cpu_ms": round(statistics.median(r[cpu_end] - r[cpu_start] for r in found) * 1e3, 2),
+                "wall_ms": round(statistics.median(r[f"{side}.{last}"] - r[f"{side}.{first}"] for r in found) * 1e3, 2)}
+    return out
 
 
 def flatten(marks_by_side: Mapping[str, Mapping[str, float]]) -> dict[str, float]:

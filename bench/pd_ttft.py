@@ -37,6 +37,7 @@ from bench.pd_phases import (
     PD_PATH,
     PD_ROOM_BRANCH,
     PD_SENDER_DIGEST,
+    cpu_and_wall_ms,
     flatten,
     medians_ms,
     phases,
@@ -97,6 +98,7 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
               "pd_sender_digest_ms": medians_ms([phases(PD_SENDER_DIGEST, m) for m in pd_marks], PD_SENDER_DIGEST),
               "pd_kv_check_ms": medians_ms([phases(PD_KV_CHECK, m) for m in pd_marks], PD_KV_CHECK),
               "colocated_path_ms": medians_ms([phases(COLOCATED_PATH, m) for m in co_marks], COLOCATED_PATH)}
+    report["loop_thread_cpu_ms"] = cpu_and_wall_ms(pd_marks + co_marks)
     slack = [s for s in map(room_slack_ms, pd_marks) if s is not None]
     if slack:
         report["room_open_before_kv_held_ms"] = round(statistics.median(slack), 2)
@@ -109,6 +111,8 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
         print(f"  {title}: (sum {sum(report[key].values()):.2f})")
         for phase, ms in report[key].items():
             print(f"    {ms:8.2f}  {phase}")
+    for label, figures in report["loop_thread_cpu_ms"].items():
+        print(f"  {label}: the event loop thread's CPU {figures['cpu_ms']:.2f} ms of {figures['wall_ms']:.2f} ms wall")
     if slack:
         print(f"  the room was open {report['room_open_before_kv_held_ms']:.2f} ms before the prompt's KV "
               f"(negative: the KV waited for it)")

@@ -166,7 +166,9 @@ def create_app(state: ServerState) -> FastAPI:
         trace.mark("received")
         req = await _parse_body(request, state.env.server_max_body_bytes, trace)
         trace.mark("parsed")
+        trace.mark_cpu("parsed")
         prepared = _prepare(state, req)
+        trace.mark_cpu("prepared")
         trace.mark("prepared")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         # Prompts are user data: only at debug level, which an operator switches on deliberately.

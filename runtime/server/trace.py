@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 TRACE_HEADER = "x-dsv4-trace"
 TRACES_KEPT = 256  # enough for a bench's run; an old trace is dropped, never a reason to grow
+CPU_SUFFIX = "@cpu"  # a mark on its thread's CPU clock (`Trace.mark_cpu`), not on the monotonic one
 
 
 class Trace:
@@ -31,10 +32,16 @@ class Trace:
         self.key = key
         self.marks: dict[str, float] = {}
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, at: float | None = None) -> None:
         # A plain dict write: the engine thread and worker threads mark too, the GIL keeps it whole.
         if name not in self.marks:
-            self.marks[name] = time.monotonic()
+            self.marks[name] = time.monotonic() if at is None else at
+
+    def mark_cpu(self, name: str) -> None:
+        """A mark on the calling thread's CPU clock (`time.thread_time()`), kept as "NAME@cpu": it
+        compares only with another @cpu mark of the same thread. Beside the wall-clock marks of the
+        same span it tells a phase that worked from one that waited (for the GIL, for a core)."""
+        self.mark(f"{name}{CPU_SUFFIX}", time.thread_time())
 
     def headers(self) -> dict[str, str]:
         """What carries this trace to the next server on the request's path."""
@@ -42,7 +49,10 @@ class Trace:
 
 
 class _NoTrace(Trace):
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, at: float | None = None) -> None:
+        pass
+
+    def mark_cpu(self, name: str) -> None:
         pass
 
     def headers(self) -> dict[str, str]:

@@ -1,0 +1,44 @@
+"""A traced span's thread-CPU marks (Trace.mark_cpu) and bench.pd_phases' reading of them: what tells a
+phase that waited from one that worked (the PD prefill server's template + tokenize on the H200)."""
+
+from __future__ import annotations
+
+import time
+
+from bench.pd_phases import cpu_and_wall_ms
+from runtime.server.trace import NO_TRACE, Trace, TraceLog
+
+
+def _span(trace: Trace, work) -> None:
+    trace.mark("parsed")
+    trace.mark_cpu("parsed")
+    work()
+    trace.mark_cpu("prepared")
+    trace.mark("prepared")
+
+
+def _busy(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_a_span_that_waits_shows_its_wall_time_but_not_as_cpu() -> None:
+    waited, worked = Trace("a"), Trace("b")
+    _span(waited, lambda: time.sleep(0.05))  # the control: a sleeping span is not CPU
+    _span(worked, lambda: _busy(0.05))
+    rows = [{f"prefill.{k}": v for k, v in waited.marks.items()}, {f"server.{k}": v for k, v in worked.marks.items()}]
+    figures = cpu_and_wall_ms(rows)
+    prefill, colocated = figures["prefill: template, tokenize"], figures["colocated: template, tokenize"]
+    assert prefill["wall_ms"] >= 50 and prefill["cpu_ms"] < 10
+    # Busy on a loaded host can lose the core for a while; most of the span is still CPU.
+    assert colocated["wall_ms"] >= 50 and colocated["cpu_ms"] > 0.5 * colocated["wall_ms"]
+    assert "decode: template, tokenize" not in figures  # no marks from that side: no row
+
+
+def test_cpu_marks_are_kept_apart_from_the_monotonic_ones_and_untraced_requests_make_none() -> None:
+    trace = TraceLog().start({"x-dsv4-trace": "k"})
+    _span(trace, lambda: None)
+    assert set(trace.marks) == {"parsed", "parsed@cpu", "prepared@cpu", "prepared"}
+    _span(NO_TRACE, lambda: None)
+    assert NO_TRACE.marks == {}
