@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from runtime.server.trace import CPU_SUFFIX
+from runtime.server.trace import CPU_SUFFIX, PROCESS_CPU_SUFFIX
 
 Path = Sequence[tuple[str, str]]
 
@@ -103,15 +103,20 @@ CPU_SPANS: tuple[tuple[str, str, str, str], ...] = (
 
 
 def cpu_and_wall_ms(rows: list[Mapping[str, float]]) -> dict[str, dict[str, float]]:
-    """Per CPU_SPANS span the requests have: the median thread CPU and wall time, in ms."""
+    """Per CPU_SPANS span the requests have: the median wall time, the loop thread's CPU time and the
+    CPU time of the server's other threads in the span (the process's less the thread's), in ms."""
     out: dict[str, dict[str, float]] = {}
     for side, first, last, label in CPU_SPANS:
-        cpu_start, cpu_end = f"{side}.{first}{CPU_SUFFIX}", f"{side}.{last}{CPU_SUFFIX}"
-        found = [row for row in rows if cpu_start in row and cpu_end in row]
+        def span(row: Mapping[str, float], suffix: str) -> float:
+            return row[f"{side}.{last}{suffix}"] - row[f"{side}.{first}{suffix}"]  # noqa: B023 - used at once
+
+        found = [row for row in rows if all(f"{side}.{mark}{suffix}" in row for mark in (first, last)
+                                            for suffix in ("", CPU_SUFFIX, PROCESS_CPU_SUFFIX))]
         if found:
-            out[label] = {
-                "cpu_ms": round(statistics.median(r[cpu_end] - r[cpu_start] for r in found) * 1e3, 2),
-                "wall_ms": round(statistics.median(r[f"{side}.{last}"] - r[f"{side}.{first}"] for r in found) * 1e3, 2)}
+            out[label] = {name: round(statistics.median(values(row) for row in found) * 1e3, 2) for name, values in (
+                ("wall_ms", lambda row: span(row, "")),
+                ("cpu_ms", lambda row: span(row, CPU_SUFFIX)),
+                ("other_threads_cpu_ms", lambda row: span(row, PROCESS_CPU_SUFFIX) - span(row, CPU_SUFFIX)))}
     return out
 
 

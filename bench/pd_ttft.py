@@ -112,7 +112,8 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
         for phase, ms in report[key].items():
             print(f"    {ms:8.2f}  {phase}")
     for label, figures in report["loop_thread_cpu_ms"].items():
-        print(f"  {label}: the event loop thread's CPU {figures['cpu_ms']:.2f} ms of {figures['wall_ms']:.2f} ms wall")
+        print(f"  {label}: {figures['wall_ms']:.2f} ms wall, the event loop thread's CPU {figures['cpu_ms']:.2f} ms, "
+              f"the server's other threads' CPU {figures['other_threads_cpu_ms']:.2f} ms")
     if slack:
         print(f"  the room was open {report['room_open_before_kv_held_ms']:.2f} ms before the prompt's KV "
               f"(negative: the KV waited for it)")

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 TRACE_HEADER = "x-dsv4-trace"
 TRACES_KEPT = 256  # enough for a bench's run; an old trace is dropped, never a reason to grow
 CPU_SUFFIX = "@cpu"  # a mark on its thread's CPU clock (`Trace.mark_cpu`), not on the monotonic one
+PROCESS_CPU_SUFFIX = "@proc"  # the same, on the process's CPU clock (every thread of it)
 
 
 class Trace:
@@ -38,10 +39,13 @@ class Trace:
             self.marks[name] = time.monotonic() if at is None else at
 
     def mark_cpu(self, name: str) -> None:
-        """A mark on the calling thread's CPU clock (`time.thread_time()`), kept as "NAME@cpu": it
-        compares only with another @cpu mark of the same thread. Beside the wall-clock marks of the
-        same span it tells a phase that worked from one that waited (for the GIL, for a core)."""
+        """Marks on CPU clocks: the calling thread's (`time.thread_time()`, kept as "NAME@cpu") and the
+        whole process's (`time.process_time()`, "NAME@proc"); each compares only with its own kind,
+        taken on the same thread. Beside the wall-clock marks of the same span they tell a phase that
+        worked from one that waited, and what it waited for: a wait while the process's other threads
+        ran is the GIL's; a wait while nothing here ran is a core's (or I/O)."""
         self.mark(f"{name}{CPU_SUFFIX}", time.thread_time())
+        self.mark(f"{name}{PROCESS_CPU_SUFFIX}", time.process_time())
 
     def headers(self) -> dict[str, str]:
         """What carries this trace to the next server on the request's path."""

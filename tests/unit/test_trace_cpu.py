@@ -3,6 +3,7 @@ phase that waited from one that worked (the PD prefill server's template + token
 
 from __future__ import annotations
 
+import threading
 import time
 
 from bench.pd_phases import cpu_and_wall_ms
@@ -36,9 +37,31 @@ def test_a_span_that_waits_shows_its_wall_time_but_not_as_cpu() -> None:
     assert "decode: template, tokenize" not in figures  # no marks from that side: no row
 
 
+def test_a_span_that_waits_for_another_thread_of_its_process_shows_that_threads_cpu() -> None:
+    contended, alone = Trace("a"), Trace("b")
+    stop = threading.Event()
+
+    def spin() -> None:  # pure Python: it holds the GIL for its switch intervals
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        _span(contended, lambda: _busy(0.05))
+    finally:
+        stop.set()
+        spinner.join()
+    _span(alone, lambda: _busy(0.05))  # the control: nothing else of this process runs
+    figures = cpu_and_wall_ms([{f"prefill.{k}": v for k, v in contended.marks.items()},
+                               {f"server.{k}": v for k, v in alone.marks.items()}])
+    assert figures["prefill: template, tokenize"]["other_threads_cpu_ms"] > 10
+    assert figures["colocated: template, tokenize"]["other_threads_cpu_ms"] < 5
+
+
 def test_cpu_marks_are_kept_apart_from_the_monotonic_ones_and_untraced_requests_make_none() -> None:
     trace = TraceLog().start({"x-dsv4-trace": "k"})
     _span(trace, lambda: None)
-    assert set(trace.marks) == {"parsed", "parsed@cpu", "prepared@cpu", "prepared"}
+    assert set(trace.marks) == {"parsed", "parsed@cpu", "parsed@proc", "prepared@cpu", "prepared@proc", "prepared"}
     _span(NO_TRACE, lambda: None)
     assert NO_TRACE.marks == {}
