@@ -102,7 +102,7 @@ CPU_SPANS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
-def cpu_and_wall_ms(rows: list[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+def cpu_and_wall_ms(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str, float]]:
     """Per CPU_SPANS span the requests have: the median wall time, the loop thread's CPU time and the
     CPU time of the server's other threads in the span (the process's less the thread's), in ms."""
     out: dict[str, dict[str, float]] = {}

@@ -27,6 +27,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -93,7 +94,8 @@ def traced_ttft(client: httpx.Client, url: str, words: int, i: int, headers: dic
 
 def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[dict[str, float]]) -> dict:
     """The phase medians of one prompt size, printed and returned."""
-    report = {"pd_path_ms": medians_ms([phases(PD_PATH, m) for m in pd_marks], PD_PATH),
+    report: dict[str, Any] = {
+              "pd_path_ms": medians_ms([phases(PD_PATH, m) for m in pd_marks], PD_PATH),
               "pd_room_branch_ms": medians_ms([phases(PD_ROOM_BRANCH, m) for m in pd_marks], PD_ROOM_BRANCH),
               "pd_sender_digest_ms": medians_ms([phases(PD_SENDER_DIGEST, m) for m in pd_marks], PD_SENDER_DIGEST),
               "pd_kv_check_ms": medians_ms([phases(PD_KV_CHECK, m) for m in pd_marks], PD_KV_CHECK),
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="the report as JSON")
     args = parser.parse_args(argv)
     server_args = tuple(args.server_arg)
-    rows = {}
+    rows: dict[int, dict[str, Any]] = {}
     with ExitStack() as stack:
         client = stack.enter_context(httpx.Client())
         pd_headers: dict[str, str] | None = None
