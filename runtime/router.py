@@ -55,9 +55,12 @@ PAIR_SUMS = {"dsv4_kv_pages_in_use": "dsv4_pd_upstream_kv_pages_in_use",
 # the colocated server's 2,372 tok/s and 0.05 s). A request's two calls go through one of this many
 # pools, picked in turn, so each pool holds about 1/UPSTREAM_POOLS of the connections.
 UPSTREAM_POOLS = 16
-# Prefill servers a request is offered to when the ones before took nothing of it (shutting down, or
-# down: `_prefill_refused`), nothing having reached its client yet; each try costs a decode call.
+# Prefill servers a request is offered to when the ones before took nothing of it (shutting down, down
+# or out of the decode side's reach: `_prefill_refused`), nothing having reached its client yet; each
+# try costs a decode call.
 MAX_PREFILL_TRIES = 3
+# The decode side's errors that say the prefill server took nothing of a request (`_prefill_refused`).
+PREFILL_REFUSED_CODES = frozenset({"pd_prefill_stopping", "pd_prefill_unreachable"})
 # Decode servers a request's room is offered to when the ones before could not be reached (nothing
 # listens: the room was not opened, and the prompt's call waits for whichever decode server opens it).
 MAX_DECODE_TRIES = 3
@@ -317,10 +320,13 @@ async def _open_decode(client: httpx.AsyncClient, decode_url: str, body: bytes, 
 
 
 def _prefill_refused(decode_error: bytes, prefill_call: asyncio.Task) -> bool:
-    """Whether a failed pair's prefill server took nothing of the request: it is shutting down (the
-    decode side reports its 503 `pd_prefill_stopping`) or nothing listens there (the prompt's call
-    could not connect). Then no room was opened and no KV written, and the client has had nothing:
-    the request may go to another prefill server."""
+    """Whether a failed pair's request may go to another prefill server: the client has had nothing,
+    and the prefill server kept nothing of it. So when it is shutting down (the decode side reports its
+    503 `pd_prefill_stopping`), nothing listens there (the prompt's call could not connect), or the
+    decode side could not reach it (502 `pd_prefill_unreachable`: its room was not opened, or its
+    answer broke off, so no KV landed; the prompt's call, hung up by the caller, frees what the
+    prefill server holds for it). The last happens in a rolling restart: a prompt sent over a kept-alive
+    connection reaches a server whose listening socket closed before the decode side's room call."""
     if prefill_call.done() and not prefill_call.cancelled() and \
             isinstance(prefill_call.exception(), httpx.ConnectError):
         return True
@@ -328,7 +334,7 @@ def _prefill_refused(decode_error: bytes, prefill_call: asyncio.Task) -> bool:
         error = json.loads(decode_error).get("error")
     except (ValueError, AttributeError):
         return False
-    return isinstance(error, dict) and error.get("code") == "pd_prefill_stopping"
+    return isinstance(error, dict) and error.get("code") in PREFILL_REFUSED_CODES
 
 
 async def _signalling(body: bytes, sent: asyncio.Event) -> AsyncIterator[bytes]:

@@ -273,6 +273,21 @@ def test_a_request_a_prefill_server_takes_nothing_of_goes_to_the_next_one(state)
     assert decode_calls == ["prefill-a", "prefill-b", "prefill-b", "prefill-b", "prefill-b"]
 
 
+def test_a_prefill_server_the_decode_side_cannot_reach_is_passed_over():
+    """A rolling restart's race (CI, 2026-12-05): the prompt went over a kept-alive connection to a
+    prefill server whose listening socket then closed, so the decode side's room call could not connect
+    and it answered 502 pd_prefill_unreachable. No room opened, no KV landed, the client has had
+    nothing: the router offers the request to the next prefill server. Negative control: the router
+    before this answered the 502 to the client."""
+    app, seen = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"},
+                         decode_error={"prefill-a": (502, "pd_prefill_unreachable")})
+    with TestClient(app) as router:
+        replies = [router.post("/v1/chat/completions", content=json.dumps(BODY)) for _ in range(3)]
+    assert [(r.status_code, r.content) for r in replies] == [(200, SSE)] * 3
+    assert [bootstrap for host, bootstrap in seen if host == "decode"] == ["prefill-a", "prefill-b", "prefill-b",
+                                                                           "prefill-b"]
+
+
 def test_a_failure_after_the_prefill_server_took_the_request_is_not_retried():
     """A KV that arrived corrupt (or any error but the two above) may come after the prefill server
     computed the prompt: the router answers it as it is and offers the request to no one else."""
