@@ -11,6 +11,9 @@ export CUBLAS_WORKSPACE_CONFIG=:4096:8
 PY=${PY:-python}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
 status=0
+# The pytest sections run with -v: each test's outcome is a line of the log as it ends, so a section cut
+# off by its limit still names what failed (pytest's -q summary comes only at the end: a cut-off run of
+# the twenty-second session lost its one failure's name).
 section() {  # section NAME TIMEOUT_S COMMAND...
     local name=$1 limit=$2; shift 2
     echo "=== $name ($(date +%T))"
@@ -54,9 +57,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 KERNEL_TEST_FILES=${KERNEL_TEST_FILES:-tests/kernels/test_triton_kernels.py tests/kernels/test_moe_align.py \
     tests/kernels/test_graph_static.py tests/kernels/test_fused_glue.py tests/kernels/test_indexer_topk.py \
     tests/kernels/test_mla_prefill.py}
-(want graph_tests || want kernel_tests) && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q \
+(want graph_tests || want kernel_tests) && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -v \
     -p no:cacheprovider --run-gpu -n "${KERNEL_TEST_WORKERS:-4}" $KERNEL_TEST_FILES ${KERNEL_TEST_K:+-k "$KERNEL_TEST_K"}
-want graph_tests && section graph_runner_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider --run-gpu \
+want graph_tests && section graph_runner_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
     tests/gpu/test_graph_gpu.py
 want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $PY -m bench.decode_step --model canary \
     --sawtooth 1,16,17,32,33,48,49,64,65,96,97,128 --out "$OUT/decode_canary.json"
@@ -102,7 +105,7 @@ want bench_decode_slice && section bench_decode_slice "${BENCH_TIMEOUT:-90}" $PY
 want prefill_variants_slice && section prefill_variants_slice "${PREFILL_TIMEOUT:-240}" $PY -m bench.decode_step \
     --model dsv4-slice --batch-sizes 1,16 --iters 10 --prefill-iters "${PREFILL_ITERS:-10}" --prefill-variants --out "$OUT/prefill_variants_slice.json"
 # ---- the engine on the GPU (issues 7, 8): graphs + multi-stream through Engine.step(), overlap
-want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider \
+want engine_tests && section engine_tests "${ENGINE_TEST_TIMEOUT:-300}" $PY -m pytest -v -p no:cacheprovider \
     --run-gpu ${ENGINE_TEST_FILES:-tests/gpu/test_engine_gpu.py tests/gpu/test_device_draw_gpu.py tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_slice_prefill_chunks_gpu.py} -rA \
     ${ENGINE_TEST_K:+-k "$ENGINE_TEST_K"}
 want idle_canary && section idle_canary "${BENCH_TIMEOUT:-120}" $PY -m bench.idle_time --model canary \
@@ -211,7 +214,7 @@ fi
 want pd_gpu && section pd_transfer_gpu_dsv4 "${PD_BENCH_TIMEOUT:-60}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape dsv4 --repeats 5 --out "$OUT/pd_transfer_gpu.json"
 want pd_gpu && section pd_transfer_gpu_canary "${PD_BENCH_TIMEOUT:-60}" $PY -m bench.pd_transfer --device cuda --mode staged --tokens 2048 --shape canary --repeats 5 --out "$OUT/pd_transfer_gpu_canary.json"
 # `pd_gpu_tests` alone: the GPU PD tests without the transfer benches.
-(want pd_gpu || want pd_gpu_tests) && section pd_gpu_tests "${PD_TEST_TIMEOUT:-360}" $PY -m pytest -q -p no:cacheprovider --run-gpu -rA ${PD_TEST_FILES:-tests/gpu/test_pd_gpu.py tests/unit/test_pd_staging.py tests/unit/test_pd_transfer.py}
+(want pd_gpu || want pd_gpu_tests) && section pd_gpu_tests "${PD_TEST_TIMEOUT:-360}" $PY -m pytest -v -p no:cacheprovider --run-gpu -rA ${PD_TEST_FILES:-tests/gpu/test_pd_gpu.py tests/unit/test_pd_staging.py tests/unit/test_pd_transfer.py}
 # TTFT of the PD pair (two server processes on the one GPU, plus the router) against a colocated server
 # process. pd_gpu and pd_gpu_ttft each fill most of one 10-minute device call: run them in two calls.
 want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.pd_ttft --repeats 10 --words 8,400 --server-arg=--dtype=float32 --out "$OUT/pd_ttft_gpu.json"
