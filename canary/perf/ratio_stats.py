@@ -30,6 +30,12 @@ metrics: 4 alarms in 300 clean runs, 300 of 300 slowed runs caught):
     10% slower: caught 100%    100%    100%
     pairs, mean        10      15      21
 
+Since 2026-12-05 the cap is 72 pairs (canary/perf/trials.py `MAX_TRIALS_FACTOR`): one clean H200
+verdict of 11 read a pair's sd of 0.114 and ended inconclusive at 36. The same simulation, two metrics,
+600 runs a cell, cap 36 -> 72: clean ok 99.3 -> 99.3% / 98.8 -> 99.0% / 84.8 -> 98.8% at sd 0.06 /
+0.09 / 0.12 (inconclusive 14.2% -> 0 at 0.12; "slower" stays 0.7-1.2%, the early looks' draws), 10%
+slower caught 99.5-100%.
+
 Pure arithmetic on floats (no scipy on the device image): the t quantile comes from integrating the
 density, which is plenty exact for a verdict.
 """
