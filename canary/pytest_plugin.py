@@ -61,7 +61,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the slowdown the perf verdict must catch (default 0.1, CPU and GPU alike): 'slower' when the "
              "trials' interval excludes no slowdown, 'ok' when it excludes this one, else 'inconclusive' (fails)")
     add("--perf-trials", type=int, default=6, metavar="N",
-        help="perf verdict: trials (A/B: interleaved pairs) before the first look, up to 6N while inconclusive "
+        help="perf verdict: trials (A/B: interleaved pairs) before the first look, up to 12N while inconclusive "
              "(default 6; 0 switches the perf gate off)")
     add("--perf-workload", default=None, metavar="JSON",
         help="perf verdict: the trial workload's changes from the default (keys concurrency, max_tokens, ttft_rate, "
