@@ -107,17 +107,23 @@ def cpu_and_wall_ms(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str, 
     CPU time of the server's other threads in the span (the process's less the thread's), in ms."""
     out: dict[str, dict[str, float]] = {}
     for side, first, last, label in CPU_SPANS:
-        def span(row: Mapping[str, float], suffix: str) -> float:
+        def span(row: Mapping[str, float], suffix: str = "") -> float:
             return row[f"{side}.{last}{suffix}"] - row[f"{side}.{first}{suffix}"]  # noqa: B023 - used at once
 
         found = [row for row in rows if all(f"{side}.{mark}{suffix}" in row for mark in (first, last)
                                             for suffix in ("", CPU_SUFFIX, PROCESS_CPU_SUFFIX))]
-        if found:
-            out[label] = {name: round(statistics.median(values(row) for row in found) * 1e3, 2) for name, values in (
-                ("wall_ms", lambda row: span(row, "")),
-                ("cpu_ms", lambda row: span(row, CPU_SUFFIX)),
-                ("other_threads_cpu_ms", lambda row: span(row, PROCESS_CPU_SUFFIX) - span(row, CPU_SUFFIX)))}
+        if not found:
+            continue
+        thread = [span(row, CPU_SUFFIX) for row in found]
+        # The two clocks are read one after the other: a difference of a few microseconds either way is 0.
+        others = [max(0.0, span(row, PROCESS_CPU_SUFFIX) - cpu) for row, cpu in zip(found, thread)]
+        out[label] = {"wall_ms": _median_ms([span(row) for row in found]), "cpu_ms": _median_ms(thread),
+                      "other_threads_cpu_ms": _median_ms(others)}
     return out
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return round(statistics.median(seconds) * 1e3, 2)
 
 
 def flatten(marks_by_side: Mapping[str, Mapping[str, float]]) -> dict[str, float]:

@@ -95,12 +95,12 @@ def traced_ttft(client: httpx.Client, url: str, words: int, i: int, headers: dic
 def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[dict[str, float]]) -> dict:
     """The phase medians of one prompt size, printed and returned."""
     report: dict[str, Any] = {
-              "pd_path_ms": medians_ms([phases(PD_PATH, m) for m in pd_marks], PD_PATH),
-              "pd_room_branch_ms": medians_ms([phases(PD_ROOM_BRANCH, m) for m in pd_marks], PD_ROOM_BRANCH),
-              "pd_sender_digest_ms": medians_ms([phases(PD_SENDER_DIGEST, m) for m in pd_marks], PD_SENDER_DIGEST),
-              "pd_kv_check_ms": medians_ms([phases(PD_KV_CHECK, m) for m in pd_marks], PD_KV_CHECK),
-              "colocated_path_ms": medians_ms([phases(COLOCATED_PATH, m) for m in co_marks], COLOCATED_PATH)}
-    report["loop_thread_cpu_ms"] = cpu_and_wall_ms(pd_marks + co_marks)
+        "pd_path_ms": medians_ms([phases(PD_PATH, m) for m in pd_marks], PD_PATH),
+        "pd_room_branch_ms": medians_ms([phases(PD_ROOM_BRANCH, m) for m in pd_marks], PD_ROOM_BRANCH),
+        "pd_sender_digest_ms": medians_ms([phases(PD_SENDER_DIGEST, m) for m in pd_marks], PD_SENDER_DIGEST),
+        "pd_kv_check_ms": medians_ms([phases(PD_KV_CHECK, m) for m in pd_marks], PD_KV_CHECK),
+        "colocated_path_ms": medians_ms([phases(COLOCATED_PATH, m) for m in co_marks], COLOCATED_PATH),
+        "loop_thread_cpu_ms": cpu_and_wall_ms(pd_marks + co_marks)}
     slack = [s for s in map(room_slack_ms, pd_marks) if s is not None]
     if slack:
         report["room_open_before_kv_held_ms"] = round(statistics.median(slack), 2)
