@@ -224,8 +224,8 @@ want pd_phases && section pd_phases "${PD_TTFT_TIMEOUT:-300}" $PY -m bench.pd_tt
     --words 8,100,400 --phases --server-arg=--dtype=float32 --out "$OUT/pd_phases_gpu.json"
 # The same, 400-word prompts only, under py-spy (every server process, every thread, GIL holders marked
 # with --gil off: all samples; 1,000 Hz fell behind on the H200 host, hence 250 by default; needs py-spy's
-# wheel in .whl): where the prefill server's template +
-# tokenize spends 3x the colocated server's time on the H200 (docs/results.md, "Seventeenth session").
+# wheel in .whl): where the prefill server's template + tokenize spent 3x the colocated server's time on
+# the H200 (docs/results.md, "Seventeenth session"; not seen again in the twenty-second).
 want pd_phases_profile && section pd_phases_profile "${PD_TTFT_TIMEOUT:-300}" /tmp/site/bin/py-spy record \
     --subprocesses --threads --idle --rate "${PD_PROFILE_RATE:-250}" --format raw -o "$OUT/pd_phases_profile.txt" -- \
     $PY -m bench.pd_ttft --repeats "${PD_PHASES_REPEATS:-10}" --words 400 --phases --server-arg=--dtype=float32 \
