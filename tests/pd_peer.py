@@ -6,12 +6,16 @@ answers each stdin line until stdin closes:
 - {"reserve": num_pages}: the offset of a new receive slot for that many pages (staged);
 - {"receive": [offset, page ids]}: scatter that slot into those pages and free it, answers "ok";
 - {"slots_in_use": null}: how many receive slots are held.
+
+`raw_receiver` is the other kind of peer: a bare Mooncake engine with a shared-memory buffer
+registered, for the test that stops the receiving process while a write is in flight.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from multiprocessing import shared_memory
 
 import torch
 
@@ -37,6 +41,22 @@ def answer(transfer: KVTransfer, command) -> object:
         transfer.staging.free(offset)
         return "ok"
     return transfer.staging.slots_in_use
+
+
+def raw_receiver(shm_name: str, size: int, conn) -> None:
+    """Register the shared-memory buffer `shm_name` with an engine of this process, send the engine's
+    RPC port and the buffer's address through `conn`, and wait for a word on `conn` to exit."""
+    from runtime.disagg.transfer import mooncake_engine_class
+
+    shm = shared_memory.SharedMemory(name=shm_name)
+    buffer = torch.frombuffer(shm.buf, dtype=torch.uint8)
+    engine = mooncake_engine_class()()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert engine.register_memory(buffer.data_ptr(), size) == 0
+    conn.send((engine.get_rpc_port(), buffer.data_ptr()))
+    conn.recv()
+    del buffer
+    shm.close()
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ complete on the remote's acknowledgement too). The PD sides rely on it: a room's
 decode pool as soon as the prefill side says its write ended or can no longer start
 (runtime/disagg/decode.py), and a late byte would land in another request's KV. `MC_TCP_PROTO=1`
 (the legacy framing, which completes once the last byte left the sender's socket) breaks that: on
-loopback 11 of 20 64 MiB writes returned before their last byte landed; `KVTransfer` refuses it.
+loopback 11 of 20 64 MiB writes returned before their last byte landed, and a write into a receiver
+process stopped with SIGSTOP returns at once (tests/unit/test_pd_transfer.py); `KVTransfer` refuses it.
 """
 
 from __future__ import annotations

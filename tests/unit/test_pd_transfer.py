@@ -6,10 +6,14 @@ sender's), pages outside the request stay untouched, and the oracles fire on pla
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
 import zlib
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import pytest
@@ -195,38 +199,76 @@ def test_a_closed_pool_refuses_writes(mode):
     dst.close()  # idempotent
 
 
-def _writes_returned_before_landing(tries: int, mib: int = 64) -> int:
-    """Write a `mib` MiB buffer between two engines of this process `tries` times, each with a new
-    fill value, and count the writes whose last byte was not there yet when the write returned."""
+# How long a write into a stopped receiver gets to return. An acknowledged write cannot return
+# while no thread of the receiver runs, however long it waits; the legacy framing returns at once
+# (its bytes fit the loopback socket buffers), so a second tells the two apart on any host.
+STOPPED_RECEIVER_S = 1.0
+# Small enough to sit in loopback's socket buffers while the receiver is stopped.
+STOPPED_WRITE_BYTES = 64 << 10
+
+
+def _write_to_a_stopped_receiver() -> tuple[bool, bool]:
+    """Write into another process's registered memory while that process is stopped (SIGSTOP), after
+    one write with it running (so the connection and the peer's segment are open). Returns whether
+    the write returned while the receiver was stopped - then it returned before landing, since no
+    receiving thread could run - and whether every byte was there once the receiver ran again and
+    the write returned. Timing-free: the receiver is not slow, it is stopped."""
     engine_class = transfer.mooncake_engine_class()
-    sides = []
-    for _ in range(2):
+    size = STOPPED_WRITE_BYTES
+    shm = shared_memory.SharedMemory(create=True, size=size)
+    landing = torch.frombuffer(shm.buf, dtype=torch.uint8)
+    landing.fill_(0)
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    receiver = context.Process(target=pd_peer.raw_receiver, args=(shm.name, size, theirs), daemon=True)
+    receiver.start()
+    try:
+        assert ours.poll(60), "the receiving process did not come up"
+        port, address = ours.recv()
         engine = engine_class()
         assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-        sides.append(engine)
-    sender_engine, receiver_engine = sides
-    size = mib << 20
-    src, dst = torch.empty(size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)
-    assert sender_engine.register_memory(src.data_ptr(), size) == 0
-    assert receiver_engine.register_memory(dst.data_ptr(), size) == 0
-    peer = f"127.0.0.1:{receiver_engine.get_rpc_port()}"
-    early = 0
-    for fill in range(1, tries + 1):
-        src.fill_(fill)
-        assert sender_engine.transfer_sync_write(peer, src.data_ptr(), dst.data_ptr(), size) == 0
-        early += int(dst[-1]) != fill  # read at once: the receiving thread may still be copying
-    return early
+        source = torch.full((size,), 1, dtype=torch.uint8)
+        assert engine.register_memory(source.data_ptr(), size) == 0
+        peer = f"127.0.0.1:{port}"
+        assert engine.transfer_sync_write(peer, source.data_ptr(), address, size) == 0
+        assert bool((landing == 1).all()), "a write to a running receiver did not land"
+        source.fill_(2)
+        os.kill(receiver.pid, signal.SIGSTOP)
+        outcome: dict[str, int] = {}
+        writer = threading.Thread(
+            target=lambda: outcome.update(rc=engine.transfer_sync_write(peer, source.data_ptr(), address, size)),
+            daemon=True)
+        writer.start()
+        writer.join(STOPPED_RECEIVER_S)
+        returned_while_stopped = not writer.is_alive()
+        os.kill(receiver.pid, signal.SIGCONT)
+        writer.join(30)
+        assert not writer.is_alive(), "the write did not return after the receiver ran again"
+        assert outcome["rc"] == 0
+        return returned_while_stopped, bool((landing == 2).all())
+    finally:
+        if receiver.is_alive():
+            os.kill(receiver.pid, signal.SIGCONT)
+            ours.send(None)
+            receiver.join(10)
+        if receiver.is_alive():
+            receiver.kill()
+        del landing
+        shm.close()
+        shm.unlink()
 
 
 def test_a_write_that_returned_has_landed(monkeypatch):
     """What the decode side's page reuse rests on (runtime/disagg/transfer.py's module doc): once a
-    write returned on the sender, every byte is in the receiver's memory. Negative control: the
+    write returned on the sender, every byte is in the receiver's memory. The receiver is stopped
+    while the write is in flight, so this holds on any host, fast or slow. Negative control: the
     legacy framing (MC_TCP_PROTO=1), which completes when the last byte left the sender's socket,
-    returns early (11 of 20 writes on the 2-core host)."""
+    returns while the receiver is stopped."""
     monkeypatch.delenv("MC_TCP_PROTO", raising=False)
-    assert _writes_returned_before_landing(20) == 0
+    assert _write_to_a_stopped_receiver() == (False, True)
     monkeypatch.setenv("MC_TCP_PROTO", "1")
-    assert _writes_returned_before_landing(40) > 0
+    returned_while_stopped, _ = _write_to_a_stopped_receiver()
+    assert returned_while_stopped
 
 
 def test_a_transfer_refuses_the_legacy_tcp_framing(monkeypatch):
