@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from contextlib import ExitStack
 
 import httpx
@@ -149,6 +150,32 @@ def test_a_traced_request_has_every_phase_mark_in_path_order(servers):
     kept = [len(s.traces) for s in states]
     answer(pair.router, body(PROMPTS[0], stream=True))
     assert [len(s.traces) for s in states] == kept
+
+
+def test_a_room_answers_once_open_and_a_hang_up_before_its_first_line_fails_it(servers):
+    """/pd/transfer's headers go out as soon as the room is open, not with the prompt's first line:
+    then they are off the first token's path (the line alone reached the decode side in 0.25 ms on the
+    2-core host, headers and line together in 1.2). A room whose prompt never comes here answers 200
+    at once; the decode side hanging up before the first line fails the room and forgets it at once,
+    not at the PD timeout (20 s here). The old answer, which sent no header before the first line,
+    fails the first assertion (the read times out)."""
+    pair, _ = servers
+    registry = pair.prefill_state.pd.registry
+    pool = pair.decode_state.pd.transfer.descriptor()
+    probe = uuid.uuid4().hex
+    registered = httpx.post(f"{pair.prefill}/pd/register", timeout=30,
+                            json={"name": f"probe-{probe}", "instance": probe, "pool": pool.to_dict()})
+    assert registered.status_code == 200, registered.text
+    room = f"room-{probe}"
+    request = {"room": room, "name": f"probe-{probe}", "session_id": registered.json()["session_id"],
+               "dst_pages": [0], "staging_offset": 0 if pool.mode == "staged" else None}
+    with httpx.stream("POST", f"{pair.prefill}/pd/transfer", json=request, timeout=5) as reply:
+        assert reply.status_code == 200
+        assert room in registry.rooms
+    deadline = time.monotonic() + 5
+    while room in registry.rooms and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert room not in registry.rooms, "the room outlived its decode side's hang-up"
 
 
 def test_decode_side_reuses_one_http_client(servers, monkeypatch):
