@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import time
+from typing import Any
 
 import torch
 
@@ -135,7 +136,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting new shapes after this long (0: no limit)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    report = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "shapes": []}
+    report: dict[str, Any] = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "shapes": []}
     start = time.monotonic()
     # Biggest weights first: they decide most of a step's GEMM time.
     for name, (n, k) in decode_shapes(SLICE).items():

@@ -28,6 +28,7 @@ from canary.provenance import device_name, git_commit
 from runtime.config import EngineConfig, default_model
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
+from runtime.engine.static_runner import StaticModelRunner
 from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.models.loader import LoadedModel, load_model
@@ -35,10 +36,14 @@ from runtime.models.loader import LoadedModel, load_model
 
 def without_device_work(engine: Engine) -> None:
     """Every forward returns rows of one precomputed logits table (the sampler still runs)."""
-    table = torch.randn(engine.runner.max_rows, engine.loaded.config.vocab_size,
+    runner = engine.runner
+    if not isinstance(runner, StaticModelRunner):
+        raise TypeError(f"host_step times the static (GPU) runner's path, got {type(runner).__name__}")
+    table = torch.randn(runner.max_rows, engine.loaded.config.vocab_size,
                         generator=torch.Generator().manual_seed(0))
-    engine.runner.graphs.forward = lambda inp: table[:inp.batch_size]
-    engine.runner.graphs.eager = lambda chunk: table[:chunk.batch_size]
+    # Instance attributes that shadow this GraphRunner's methods (a deliberate monkeypatch).
+    vars(runner.graphs).update(forward=lambda inp: table[:inp.batch_size],
+                               eager=lambda chunk: table[:chunk.batch_size])
 
 
 def measure(loaded: LoadedModel, bs: int, overlap: bool, steps: int, prompt_len: int, repeats: int,

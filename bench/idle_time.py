@@ -22,7 +22,7 @@ from canary.provenance import git_commit
 from runtime.config import EngineConfig, default_model
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
-from runtime.engine.static_runner import StepTimeline
+from runtime.engine.static_runner import StaticModelRunner, StepTimeline
 from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.models.loader import LoadedModel, load_model
@@ -40,6 +40,8 @@ def measure(loaded: LoadedModel, bs: int, overlap: bool, steps: int, prompt_len:
     cfg = EngineConfig(device="cuda", dtype="bfloat16", num_pages=max(256, bs * (prompt_len + steps + 64) // 16),
                        max_running_requests=max(bs, 1), max_model_len=2048)
     engine = Engine(loaded, cfg, FaultSet(), Env(), overlap=overlap)
+    # The step timeline and the graph replays are the static (GPU) runner's, which cuda picks.
+    assert isinstance(engine.runner, StaticModelRunner), type(engine.runner).__name__
     rng = random.Random(bs)
     params = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
     for _ in range(bs):

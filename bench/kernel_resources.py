@@ -12,11 +12,13 @@ not be the device image's: treat the numbers as leads, and time on the GPU (benc
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile for real (no device is needed to compile)
@@ -32,7 +34,7 @@ SIGNATURE = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16",
                  stride_qt="i32", stride_qh="i32", stride_kv="i32", stride_idx="i32", stride_ot="i32", stride_oh="i32")
 # The dsv4-slice deployment (H=64: 16-head blocks, 64-position blocks, 5 chunks, bf16 chunk sums)
 # and the knobs bench.mla_sweep --free times.
-VARIANTS = {
+VARIANTS: dict[str, dict[str, int | bool]] = {
     "deployment (gathered, registers) w4 s2": dict(),
     "gathered, memory fold w4 s2": dict(STREAM=True),
     "gathered w4 s1": dict(stages=1),
@@ -148,9 +150,12 @@ def main() -> None:
     rows = {}
     print(f"triton {triton.__version__}; per thread: registers, spill bytes stored/loaded; per program: shared "
           "bytes; programs per SM (registers, shared memory)")
-    variants = TWO_PASS_VARIANTS if args.two_pass else VARIANTS
-    for name, knobs in variants.items():
-        rows[name] = r = two_pass_resources(*knobs) if args.two_pass else resources(knobs)
+    # Each variant's compile, run in turn below (the two tables' entries have different shapes).
+    variants: dict[str, Callable[[], dict]] = (
+        {name: functools.partial(two_pass_resources, *knobs) for name, knobs in TWO_PASS_VARIANTS.items()}
+        if args.two_pass else {name: functools.partial(resources, knobs) for name, knobs in VARIANTS.items()})
+    for name, compile_variant in variants.items():
+        rows[name] = r = compile_variant()
         print(f"{name:<40} {r['mma']:<8} regs {r['registers']} spills {r['spill_store_bytes']}/{r['spill_load_bytes']} "
               f"shared {r['shared_bytes']} -> {r.get('programs_per_sm')} per SM ({r['ptxas']})", flush=True)
     if args.out:

@@ -114,7 +114,10 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
         for e0 in range(0, experts, 32):  # chunks: the float32 staging stays small
             a, b = elementwise.quantize_weight_blocks(w13[e0:e0 + 32])
             c, d = elementwise.quantize_weight_blocks(w2[e0:e0 + 32])
-            q13.append(a), s13.append(b), q2.append(c), s2.append(d)
+            q13.append(a)
+            s13.append(b)
+            q2.append(c)
+            s2.append(d)
         variants = {"bf16": moe.PackedMoE(w13, w2),
                     "fp8_w8a8": moe.PackedMoE(torch.cat(q13), torch.cat(q2), w13_scale=torch.cat(s13),
                                               w2_scale=torch.cat(s2))}
@@ -270,7 +273,7 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
             print(f"  select {launch}: {type(err).__name__}: {str(err)[:200]}", flush=True)
     if not by_launch:
         return dict(select_error="no launch compiled (see the lines above)")
-    launch = min(by_launch, key=by_launch.get)
+    launch = min(by_launch, key=by_launch.__getitem__)
     tied = torch.zeros_like(logits)
     same = all(torch.equal(a, b) for x in (logits, tied) for a, b in zip(ours(x, positions, launch),
                                                                           by_sort(x, positions)))

@@ -31,6 +31,7 @@ import argparse
 import json
 import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,13 +52,14 @@ CANDIDATES = {  # most likely first: a run cut short by its timeout loses the le
          (16, 64, 128, 4, 2, 4), (16, 32, 64, 4, 2, 1), (16, 64, 4096, 4, 2, 1), (16, 64, 128, 4, 3, 1),
          (16, 32, 32, 4, 3, 1), (16, 64, 128, 8, 2, 1), (16, 64, 64, 8, 2, 1), (16, 16, 32, 4, 2, 1)],
 }
-MODES = {"ticket": dict(spread=True, merge="ticket"), "kernel": dict(spread=True, merge="kernel"),
-         "gathered": dict(spread=False, merge="registers"), "memory": dict(spread=False, merge="memory")}
+MODES: dict[str, dict[str, Any]] = {  # sparse_mla_decode's keyword arguments
+    "ticket": dict(spread=True, merge="ticket"), "kernel": dict(spread=True, merge="kernel"),
+    "gathered": dict(spread=False, merge="registers"), "memory": dict(spread=False, merge="memory")}
 PREFILL_ROWS = 4096
 TWO_PASS = "two-pass"  # --variants' name for the two-pass prefill rows of --rowsum-mma
 
 
-def launch_of(candidate: tuple, selected: int) -> dict:
+def launch_of(candidate: tuple, selected: int) -> dict[str, Any]:
     """A candidate's sparse_mla_decode knobs. Its optional 8th element is the latent's column groups
     (mla_grouped: 1 or 4; 0 or absent: default_launch's for the head count)."""
     block_h, block_s, chunk, warps, stages, v_split, *rest = candidate
@@ -117,7 +119,8 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
 # session": 256-290 KB of 227 KB shared memory): BLOCK_H 64 through memory, at 4 or 8 warps, and
 # BLOCK_H 64 with 2 column blocks loaded a third time ("bh64/w8/v2+stages1" is its 1-stage form),
 # and with 4 column blocks (251 KB, "Eighth session").
-FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout still answers it
+# The newest question first: a run cut short by its timeout still answers it.
+FREE_VARIANTS: dict[str, dict[str, Any]] = {
     # Registers (issue 15, bs 32-128 at H=64, where SGLang's one-accumulator kernel was 16-20% faster):
     # the latent in four column groups (mla_grouped; deployed at H=64 since the sixteenth session),
     # with 8 warps or 3 stages, the spread mode of each, and the ungrouped kernel (column_groups=1).
@@ -165,7 +168,7 @@ FREE_VARIANTS = {  # the newest question first: a run cut short by its timeout s
 # The two-pass prefill form (runtime/kernels/triton/mla_prefill.py): the rowsum_mma deployment's
 # bits by construction, timed at 4,096 rows only (a prefill form). Its launch shapes: scores pass
 # (BLOCK_H, warps, stages) / values pass (BLOCK_H x BLOCK_V columns, warps, stages).
-TWO_PASS_VARIANTS = {
+TWO_PASS_VARIANTS: dict[str, dict[str, Any]] = {
     # The first H200 sweep (docs/results.md, "Ninth session"): 4 warps a pass beat 8 (2,771 vs 3,239 us),
     # 32-head score programs gather each row twice (3,571). Around the 4-warp launch now:
     "two-pass/s64w4/v64x128w4": dict(scores_block_h=64, scores_warps=4, values_block_h=64, block_v=128,
@@ -191,7 +194,7 @@ def two_pass_rows(heads: int, topk: int, cache: torch.Tensor, prepared: dict, ch
     inputs, scale = prepared["inputs"][PREFILL_ROWS][:2], (MLA_LATENT + MLA_ROPE) ** -0.5
     rows = []
     for name, knobs in TWO_PASS_VARIANTS.items():
-        row = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={})
+        row: dict[str, Any] = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={})
         try:
             row["same_bits"] = all(torch.equal(mla_prefill.sparse_mla_two_pass(q, cache, s, MLA_LATENT, scale, **knobs),
                                                w) for (q, s), w in zip(checks, want))
@@ -230,6 +233,7 @@ def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepar
     want = [run(q, s) for q, s in checks]
     free = {name: knobs for name, knobs in FREE_VARIANTS.items() if variants is None or name in variants}
     rows = []
+    order: list[tuple[str, dict[str, Any] | None]]  # None: the two-pass rows
     if rowsum_mma:  # the newest question first (after the deployment's own row, its time the yardstick)
         # --variants without "two-pass" leaves the prefill form out (a decode-knob question only).
         two_pass = [("two-pass", None)] if variants is None or TWO_PASS in variants else []
@@ -240,7 +244,7 @@ def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepar
         if knobs is None:
             rows += two_pass_rows(heads, topk, cache, prepared, checks, want)
             continue
-        row = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={})
+        row: dict[str, Any] = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={})
         try:
             row["same_bits"] = all(torch.equal(run(q, s, **knobs), w) for (q, s), w in zip(checks, want))
             for b in batches:

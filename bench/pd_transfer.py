@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             src_pages, dst_pages = list(range(pages)), list(range(pages, 2 * pages))
         totals, gathers, writes, scatters, stats = [], [], [], [], None
         # The receive slot, as the decode side reserves one per request (the arena holds the pool's KV)
-        offset = dst.staging.allocate(dst.staged_bytes(pages)) if dst.staging else None
+        staging = dst.staging  # None in direct mode
+        offset = staging.allocate(dst.staged_bytes(pages)) if staging else None
         for _ in range(args.repeats):
             stats = src.write_pages(dst.descriptor(), src_pages, dst_pages, staging_offset=offset)
             scatter = dst.receive_staged(offset, dst_pages) if offset is not None else 0.0
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             writes.append(stats.seconds - stats.gather_seconds)
             scatters.append(scatter)
         assert stats is not None
-        if offset is not None:
-            dst.staging.free(offset)
+        if staging is not None and offset is not None:
+            staging.free(offset)
         same = kv_digest(src.latent, src.index_keys, src_pages, PAGE_SIZE, args.tokens) == kv_digest(
             dst.latent, dst.index_keys, dst_pages, PAGE_SIZE, args.tokens)
         median = statistics.median(totals)

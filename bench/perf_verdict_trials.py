@@ -72,7 +72,7 @@ def by_metric(rows: list[dict], mode: str, kind: str) -> dict[str, dict]:
         if r["mode"] == mode and r["kind"] == kind:
             for v in r.get("verdicts", []):
                 seen.setdefault(v["metric"], []).append(v)
-    out = {}
+    out: dict[str, dict[str, float]] = {}  # counts, and the median width (a ratio)
     for metric, verdicts in seen.items():
         statuses = [v["status"] for v in verdicts]
         widths = sorted(v["high"] - v["low"] for v in verdicts if v["trials"])

@@ -115,6 +115,11 @@ def _capability() -> tuple[int, int]:
     return torch.cuda.get_device_capability() if _cuda() else (0, 0)
 
 
+def _bool_env(name: str, default: str = "false") -> bool:
+    """SGLang's get_bool_env_var: its default is a string ("true"/"false"), as the variable's text."""
+    return os.environ.get(name, default).lower() in ("1", "true")
+
+
 class _Env:
     """One entry of SGLang's env registry (envs.X.get()): every flag off, as in a default server."""
 
@@ -138,7 +143,7 @@ def _stub_defs() -> dict[str, dict]:
             is_sm90_supported=lambda: _capability() >= (9, 0), is_gfx95_supported=lambda: False,
             get_device_name=lambda device_id=0: torch.cuda.get_device_name(device_id) if _cuda() else "cpu",
             get_device_core_count=core_count, ceil_align=lambda x, a: (x + a - 1) // a * a,
-            get_bool_env_var=lambda name, default="false": os.environ.get(name, default).lower() in ("1", "true")),
+            get_bool_env_var=_bool_env),
         "sglang.srt.utils.patch_torch": dict(register_fake_if_exists=lambda name: (lambda fn: fn)),
         "sglang.srt.environ": dict(envs=_EnvRegistry()),
         "sglang.srt.batch_invariant_ops": dict(is_batch_invariant_mode_enabled=lambda: False),
@@ -375,7 +380,7 @@ class VsSGLang:
     POLICY = ("alignment/metadata kernels timed on NEITHER side (MoE token-expert alignment computed "
               "before capture for both; ours with alignment: ours_full_us; sparse MLA has none)")
 
-    def __init__(self, graph_us):
+    def __init__(self, graph_us) -> None:
         self.graph_us = graph_us
         self.sgl = load()
         self.mla_workspace: list = []

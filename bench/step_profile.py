@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -54,7 +55,8 @@ def main() -> None:
                   {"moe_kernel": "triton", "attention_kernel": "triton"})
     passes = {f"decode_bs{n}": bench.inputs(n, context) for n in sizes}
     passes[f"prefill_{PREFILL_ROWS}"] = bench.prefill(PREFILL_ROWS, min(context, PREFILL_ROWS))
-    report = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "page": PAGE, "passes": {}}
+    report: dict[str, Any] = {"commit": git_commit(), "device": torch.cuda.get_device_name(), "page": PAGE,
+                              "passes": {}}
     for name, inp in passes.items():
         table = kernel_table(bench.runner.eager, inp, args.iters)
         # The pass's wall time outside the profiler beside its kernels' sum: the difference is the

@@ -32,8 +32,11 @@ def replies(tokenizer, limit: int) -> list[tuple[list[int], list[list[tuple[int,
         row = json.loads(line)
         ids = [tid(t) for t in row["tokens"]]
         tops = [[(tid(t), lp) for t, lp in top] for top in row["top_logprobs"]]
-        if None not in ids and all(i is not None for top in tops for i, _ in top):
-            out.append((ids, tops))
+        # Kept only where every text is one token: the lists without the Nones are then the same lists.
+        known_ids = [i for i in ids if i is not None]
+        known_tops = [[(i, lp) for i, lp in top if i is not None] for top in tops]
+        if known_ids == ids and known_tops == tops:
+            out.append((known_ids, known_tops))
     return out
 
 
