@@ -197,6 +197,41 @@ def test_a_burst_spreads_its_upstream_connections_over_the_pools():
     assert len(held) == pools and sum(held) >= requests  # a burst this size opens connections (the mock
     # answers a prefill call only once its decode call arrived: each request holds two at once)
     assert max(held) <= 2 * -(-requests // pools), held
+    assert app.state.pool_loads.in_flight == [0] * pools
+
+
+def test_requests_one_at_a_time_all_take_the_first_pool_and_give_it_back():
+    """One request at a time finds pool 0's kept-alive connections: taken in turn over the 16 pools,
+    a quiet router's requests found their pool's connections expired (httpx keeps them 5 s) and paid a
+    new one before the prompt left. Each pool is given back once its request is over, streamed or not,
+    and a client that hangs up mid-stream gives it back too. Under the old turn-taking the requests'
+    calls went through pools 0, 1, 2, ..."""
+    used: list[int] = []
+
+    def numbered_client(**kw) -> httpx.AsyncClient:
+        number = len(made)
+
+        def answer(request: httpx.Request) -> httpx.Response:
+            if request.url.path != "/health":
+                used.append(number)
+            if request.url.host == "prefill":
+                return httpx.Response(200, json={})
+            return httpx.Response(200, stream=httpx.ByteStream(SSE), headers={"content-type": "text/event-stream"})
+
+        made.append(httpx.AsyncClient(transport=httpx.MockTransport(answer), **kw))
+        return made[-1]
+
+    made: list[httpx.AsyncClient] = []
+    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=4, make_client=numbered_client,
+                            health_every_s=None)
+    with TestClient(app) as router:
+        for stream in (True, False, True, False, True):
+            reply = router.post("/v1/chat/completions", content=json.dumps({**BODY, "stream": stream}))
+            assert reply.status_code == 200
+        with router.stream("POST", "/v1/chat/completions", content=json.dumps(BODY)) as reply:
+            next(reply.iter_bytes())  # hang up after the first bytes
+        assert used == [0] * 12, used
+        assert app.state.pool_loads.in_flight == [0] * 4
 
 
 def test_the_router_refuses_no_pools():
