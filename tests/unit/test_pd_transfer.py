@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -207,6 +208,26 @@ STOPPED_RECEIVER_S = 1.0
 STOPPED_WRITE_BYTES = 64 << 10
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every thread of it is stopped: kill() returns before they are (a
+    thread stops when it next handles the signal), and on a loaded host a receiving thread woken by
+    the write's bytes could otherwise still answer it (seen once in 15 writes with both cores busy)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not all(_thread_state(stat) in "tT" for stat in Path(f"/proc/{pid}/task").glob("*/stat")):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
+def _thread_state(stat: Path) -> str:
+    """The state letter of /proc/PID/task/TID/stat (after the parenthesised name, which may hold spaces);
+    a thread gone meanwhile reads as stopped (it cannot run)."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "T"
+
+
 def _write_to_a_stopped_receiver() -> tuple[bool, bool]:
     """Write into another process's registered memory while that process is stopped (SIGSTOP), after
     one write with it running (so the connection and the peer's segment are open). Returns whether
@@ -231,9 +252,13 @@ def _write_to_a_stopped_receiver() -> tuple[bool, bool]:
         assert engine.register_memory(source.data_ptr(), size) == 0
         peer = f"127.0.0.1:{port}"
         assert engine.transfer_sync_write(peer, source.data_ptr(), address, size) == 0
-        assert bool((landing == 1).all()), "a write to a running receiver did not land"
+        # Only to open the connection; the legacy framing may return before it landed, so wait for it.
+        deadline = time.monotonic() + 30
+        while not bool((landing == 1).all()):
+            assert time.monotonic() < deadline, "a write to a running receiver never landed"
+            time.sleep(0.001)
         source.fill_(2)
-        os.kill(receiver.pid, signal.SIGSTOP)
+        _stop(receiver.pid)
         outcome: dict[str, int] = {}
         writer = threading.Thread(
             target=lambda: outcome.update(rc=engine.transfer_sync_write(peer, source.data_ptr(), address, size)),
