@@ -182,20 +182,15 @@ class PrefillSide:
         """/pd/transfer's body: the outcome line once the prompt finished, then the result line once the
         KV is written (an error line in place of either). The decode side hanging up cancels this,
         which fails the room (`wait_first`, `wait_done`): no write lands."""
-        try:
-            first = await self.registry.wait_first(room, self.timeout_s)
-        except BootstrapError as exc:
-            yield transfer_line(error=transfer_error(api_error(exc)))
-            return
-        trace.mark("first_replying")
-        yield transfer_line(first=first)
-        try:
-            result = await self.registry.wait_done(room, self.timeout_s)
-        except BootstrapError as exc:
-            yield transfer_line(error=transfer_error(api_error(exc)))
-            return
-        trace.mark("transfer_replying")
-        yield transfer_line(done=result)
+        for line, wait, mark in (("first", self.registry.wait_first, "first_replying"),
+                                 ("done", self.registry.wait_done, "transfer_replying")):
+            try:
+                value = await wait(room, self.timeout_s)
+            except BootstrapError as exc:
+                yield transfer_line(error=transfer_error(api_error(exc)))
+                return
+            trace.mark(mark)
+            yield transfer_line(**{line: value})
 
     # ---- the chat path -----------------------------------------------------------------------------
     async def start(self, state, request: Request, rid: str, prepared, trace: Trace = NO_TRACE) -> Response:
