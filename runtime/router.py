@@ -281,7 +281,7 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             stream = False  # the servers answer the malformed body with their own 400
         decode_url = next_up(pick_decode, len(decode))
         pool = loads.take()
-        request.scope.setdefault("state", {})[POOL_KEY] = pool  # given back by `loads.releasing`
+        request.scope.setdefault("state", {})[POOL_KEY] = pool  # given back by `GiveBackPools`
         client = clients[pool]
 
         async def decode_reply(headers: dict[str, str], prompt_sent: asyncio.Event) -> httpx.Response:
