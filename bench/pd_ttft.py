@@ -32,8 +32,10 @@ from typing import Any
 import httpx
 
 from bench.pd_phases import (
+    COLOCATED_COMPUTE,
     COLOCATED_PATH,
     PD_AFTER_FIRST_TOKEN,
+    PD_COMPUTE,
     PD_KV_CHECK,
     PD_PATH,
     PD_ROOM_BRANCH,
@@ -41,6 +43,7 @@ from bench.pd_phases import (
     cpu_and_wall_ms,
     flatten,
     medians_ms,
+    overhead_ms,
     phases,
     room_slack_ms,
 )
@@ -94,17 +97,23 @@ def traced_ttft(client: httpx.Client, url: str, words: int, i: int, headers: dic
 
 def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[dict[str, float]]) -> dict:
     """The phase medians of one prompt size, printed and returned."""
+    pd_rows = [phases(PD_PATH, m) for m in pd_marks]
+    co_rows = [phases(COLOCATED_PATH, m) for m in co_marks]
     report: dict[str, Any] = {
-        "pd_path_ms": medians_ms([phases(PD_PATH, m) for m in pd_marks], PD_PATH),
+        "pd_overhead_ms": overhead_ms(pd_rows, PD_COMPUTE),
+        "colocated_overhead_ms": overhead_ms(co_rows, COLOCATED_COMPUTE),
+        "pd_path_ms": medians_ms(pd_rows, PD_PATH),
         "pd_room_branch_ms": medians_ms([phases(PD_ROOM_BRANCH, m) for m in pd_marks], PD_ROOM_BRANCH),
         "pd_sender_digest_ms": medians_ms([phases(PD_SENDER_DIGEST, m) for m in pd_marks], PD_SENDER_DIGEST),
         "pd_kv_check_ms": medians_ms([phases(PD_KV_CHECK, m) for m in pd_marks], PD_KV_CHECK),
-        "colocated_path_ms": medians_ms([phases(COLOCATED_PATH, m) for m in co_marks], COLOCATED_PATH),
+        "colocated_path_ms": medians_ms(co_rows, COLOCATED_PATH),
         "loop_thread_cpu_ms": cpu_and_wall_ms(pd_marks + co_marks)}
     slack = [s for s in map(room_slack_ms, pd_marks) if s is not None]
     if slack:
         report["room_open_before_kv_held_ms"] = round(statistics.median(slack), 2)
     print(f"--- {words} words: medians in ms ---")
+    print(f"  overhead (the path less its prompt step): PD {report['pd_overhead_ms']}, colocated "
+          f"{report['colocated_overhead_ms']}")
     for title, key in (("PD critical path", "pd_path_ms"),
                        ("PD decode side, opening the room (beside the prompt)", "pd_room_branch_ms"),
                        ("PD sender's digest (beside the write)", "pd_sender_digest_ms"),
