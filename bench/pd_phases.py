@@ -153,7 +153,7 @@ def medians_ms(rows: list[dict[str, float]], path: Path) -> dict[str, float]:
     for _, phase in path[1:]:
         values = [row[phase] for row in rows if phase in row]
         if values:
-            out[phase] = round(statistics.median(values) * 1e3, 2)
+            out[phase] = _median_ms(values)
     return out
 
 
@@ -163,7 +163,7 @@ def overhead_ms(rows: Sequence[Mapping[str, float]], compute: str) -> float | No
     the TTFT ratio, which the prompt step's own noise moves (9.6-12.8 ms at 8 words on the 2-core host,
     where the pair adds ~4 ms). `rows`: `phases` of one path per request."""
     values = [sum(row.values()) - row[compute] for row in rows if compute in row]
-    return round(statistics.median(values) * 1e3, 2) if values else None
+    return _median_ms(values) if values else None
 
 
 def room_slack_ms(marks: Mapping[str, float]) -> float | None:

@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from runtime.disagg.transfer import KVTransfer, kv_digest
+from runtime.disagg.transfer import KVTransfer, kv_digest, tcp_engine
 
 LAYERS, SLOTS, LATENT, INDEX, PAGE = 2, 64, 12, 4, 8
 
@@ -46,12 +46,9 @@ def answer(transfer: KVTransfer, command) -> object:
 def raw_receiver(shm_name: str, size: int, conn) -> None:
     """Register the shared-memory buffer `shm_name` with an engine of this process, send the engine's
     RPC port and the buffer's address through `conn`, and wait for a word on `conn` to exit."""
-    from runtime.disagg.transfer import mooncake_engine_class
-
     shm = shared_memory.SharedMemory(name=shm_name)
     buffer = torch.frombuffer(shm.buf, dtype=torch.uint8)
-    engine = mooncake_engine_class()()
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    engine = tcp_engine()
     assert engine.register_memory(buffer.data_ptr(), size) == 0
     conn.send((engine.get_rpc_port(), buffer.data_ptr()))
     conn.recv()

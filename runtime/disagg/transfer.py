@@ -88,6 +88,15 @@ def mooncake_engine_class():
     return TransferEngine
 
 
+def tcp_engine(host: str = "127.0.0.1"):
+    """A Mooncake TransferEngine listening on `host` over TCP, ready to register memory. P2PHANDSHAKE:
+    peers exchange segment metadata directly, no metadata server (etcd) to run."""
+    engine = mooncake_engine_class()()
+    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise TransferUnavailable(f"Mooncake TransferEngine.initialize({host!r}, tcp) failed")
+    return engine
+
+
 def unacknowledged_writes() -> str | None:
     """Why this process's writes would return before they landed (see the module doc), or None."""
     if os.environ.get("MC_TCP_PROTO") == "1":
@@ -216,10 +225,7 @@ class KVTransfer:
             raise ValueError(unacknowledged)
         self.latent, self.index_keys, self.page_size, self.mode = latent, index_keys, page_size, mode
         self.faults = faults
-        self.engine = mooncake_engine_class()()
-        # P2PHANDSHAKE: peers exchange segment metadata directly, no metadata server (etcd) to run.
-        if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
-            raise TransferUnavailable(f"Mooncake TransferEngine.initialize({host!r}, tcp) failed")
+        self.engine = tcp_engine(host)
         self.staging: StagingArena | None = None
         registered = [latent, index_keys]
         if mode == "staged":

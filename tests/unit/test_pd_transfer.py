@@ -235,7 +235,6 @@ def _write_to_a_stopped_receiver(wait_s: float) -> tuple[bool, bool]:
     the write returned within `wait_s` while the receiver was stopped - then it returned before landing, since no
     receiving thread could run - and whether every byte was there once the receiver ran again and
     the write returned. Timing-free: the receiver is not slow, it is stopped."""
-    engine_class = transfer.mooncake_engine_class()
     size = STOPPED_WRITE_BYTES
     shm = shared_memory.SharedMemory(create=True, size=size)
     landing = torch.frombuffer(shm.buf, dtype=torch.uint8)
@@ -247,8 +246,7 @@ def _write_to_a_stopped_receiver(wait_s: float) -> tuple[bool, bool]:
     try:
         assert ours.poll(60), "the receiving process did not come up"
         port, address = ours.recv()
-        engine = engine_class()
-        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        engine = transfer.tcp_engine()
         source = torch.full((size,), 1, dtype=torch.uint8)
         assert engine.register_memory(source.data_ptr(), size) == 0
         peer = f"127.0.0.1:{port}"
