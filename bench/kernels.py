@@ -294,7 +294,19 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
         p = torch.full_like(positions, width - 1)
         by_width[width] = graph_us([lambda x=x, p=p: triton_topk.select_slots(x, p, SELECT_WINDOW, topk)] * 3)
     out["select_default_us_by_width"] = by_width
+    out["select_launch_us"] = _selection_launch_us(logits, positions, topk)
     return out
+
+
+def _selection_launch_us(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> dict:
+    """Each of the default selection's launches, as the difference between graphs of its first n and n - 1
+    launches (each launch alone would not do: the finish moves the candidates in place, so replaying it
+    without the candidates pass reads a row it already moved)."""
+    launches, _ = triton_topk.selection_launches(logits, positions, SELECT_WINDOW, topk)
+    names = list(launches)
+    prefix_us = [0.0] + [graph_us([lambda n=n: [launches[name]() for name in names[:n]]] * 3)
+                         for n in range(1, len(names) + 1)]
+    return {name: prefix_us[n + 1] - prefix_us[n] for n, name in enumerate(names)}
 
 
 def bench_indexer(ceilings, rows: list) -> None:

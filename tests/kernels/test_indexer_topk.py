@@ -351,7 +351,8 @@ _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
     "_finish_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "counts_ptr": "*i32",
                         "scratch_ptr": "*i64", "out_ptr": "*i64", "ok_ptr": "*i1", "n_segments": "i32",
                         "stride_s": "i32", "stride_counts": "i32", "stride_scratch": "i32", "stride_out": "i32",
-                        "stride_ok": "i32"}, ("WINDOW_P2", "TOPK_P2", "SEGMENT", "SMALL_BLOCK", "RANK_ORDER")),
+                        "stride_ok": "i32"}, ("WINDOW_P2", "TOPK_P2", "SEGMENT", "SEGMENTS_P2", "GATHER", "SMALL_BLOCK",
+                                               "RANK_ORDER")),
 }
 
 
@@ -375,8 +376,8 @@ def compile_for_sm90(module: str, name: str, signature: dict, constants: dict):
 @pytest.mark.parametrize("window, k, group, rank_order", [(128, 512, 64, False), (0, 1, 1, True)])
 def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_order):
     every = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
-                 TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=4096, SMALL_BLOCK=1024,
-                 RANK_ORDER=rank_order)
+                 TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=4096, SEGMENTS_P2=16,
+                 GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order)
     signature, own = _KERNELS[kernel]
     constants = {name: every[name] for name in ("WINDOW", "TOPK", *own)}
     done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants)

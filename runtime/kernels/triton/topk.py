@@ -25,6 +25,8 @@ Batch invariance is trivial: every program works on one row, nothing depends on 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -147,7 +149,8 @@ def _candidates_kernel(scores_ptr, pos_ptr, bound_ptr, scratch_ptr, counts_ptr, 
 def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_ptr, ok_ptr, n_segments,
                    stride_s, stride_counts, stride_scratch, stride_out, stride_ok,
                    WINDOW: tl.constexpr, WINDOW_P2: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                   SEGMENT: tl.constexpr, SMALL_BLOCK: tl.constexpr, RANK_ORDER: tl.constexpr):
+                   SEGMENT: tl.constexpr, SEGMENTS_P2: tl.constexpr, GATHER: tl.constexpr,
+                   SMALL_BLOCK: tl.constexpr, RANK_ORDER: tl.constexpr):
     """One program per row: the TOPK-th key among the candidates, the chosen, their order, the window."""
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
@@ -165,22 +168,33 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
             key = _order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
             tl.store(chosen + cols, _packed(key, cols), mask=inside)
     else:
-        # The segments' candidates, moved down to one run in position order. In place: a segment's
-        # run lands at or below where it lies (every earlier segment holds at most SEGMENT), so no
-        # chunk overwrites one not yet read; the barriers keep a chunk's loads before its stores.
-        n_cand = 0
-        n_above = 0
-        for segment in range(0, n_segments):
-            count = tl.load(counts_ptr + row * stride_counts + 2 * segment)
-            if n_cand != segment * SEGMENT:
-                for start in range(0, count, SMALL_BLOCK):
-                    idx = start + small
-                    moved = tl.load(scratch + segment * SEGMENT + idx, mask=idx < count)
-                    tl.debug_barrier()
-                    tl.store(scratch + n_cand + idx, moved, mask=idx < count)
-                    tl.debug_barrier()
-            n_cand += count
-            n_above += tl.load(counts_ptr + row * stride_counts + 2 * segment + 1)
+        # The segments' candidates, moved down to one run in position order. Every segment's count
+        # is read in one load and its run's start is their exclusive sum, so a chunk of the run finds
+        # each element's segment by comparison, in registers: the move is ceil(n_cand / GATHER)
+        # chunks, not a dependent count load and a move per segment (16 at 64K positions: ~1.5 us
+        # each, most of the selection's width-dependent time on the H200). In place: an element
+        # lands at or below where it lies (every earlier segment holds at most SEGMENT), so no chunk
+        # overwrites one not yet read; the barriers keep a chunk's loads before its stores.
+        seg = tl.arange(0, SEGMENTS_P2)
+        seg_ok = seg < n_segments
+        counts = tl.load(counts_ptr + row * stride_counts + 2 * seg, mask=seg_ok, other=0)
+        n_cand = tl.sum(counts, 0)
+        n_above = tl.sum(tl.load(counts_ptr + row * stride_counts + 2 * seg + 1, mask=seg_ok, other=0), 0)
+        # Past the last segment the start is beyond every index, so no element maps there.
+        starts = tl.where(seg_ok, _exclusive_cumsum(counts), 2147483647)
+        gather = tl.arange(0, GATHER)
+        for start in range(0, n_cand, GATHER):
+            idx = start + gather
+            inside = idx < n_cand
+            # An element's segment: the last one starting at or before it (an empty segment shares
+            # its start with the next, and the later of them holds the element).
+            at_or_before = starts[None, :] <= idx[:, None]
+            src_seg = tl.sum(at_or_before.to(tl.int32), 1) - 1
+            src_start = tl.sum(tl.where(seg[None, :] == src_seg[:, None], starts[None, :], 0), 1)
+            moved = tl.load(scratch + src_seg.to(tl.int64) * SEGMENT + (idx - src_start), mask=inside)
+            tl.debug_barrier()
+            tl.store(scratch + idx, moved, mask=inside)
+            tl.debug_barrier()
         tl.debug_barrier()  # the scratch row is read back by other threads of this program
 
         bound = tl.load(bound_ptr + row)
@@ -230,6 +244,11 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
     tl.store(ok_ptr + row * stride_ok + w, window_pos >= 0, mask=w < WINDOW)
 
 
+# The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
+# (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
+GATHER_CELLS = 16384
+
+
 def group_size(width: int, topk: int, group: int | None = None) -> int:
     """Positions per pass-1 maximum: a power of two leaving at least topk groups (the bound needs
     them), by default about max(1024, 2 * topk) groups (few candidates, a cheap select over the maxima)."""
@@ -252,6 +271,19 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     out: (positions, valid) buffers to fill; scratch: [B, L] int64 workspace (tests poison both).
     rank_order: order the chosen by counting instead of tl.sort (the same order; by default under
     the interpreter only, where tl.sort takes seconds a row; on a GPU the sort is cheaper)."""
+    launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order)
+    for launch in launches.values():
+        launch()
+    return result
+
+
+def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int,
+                       group: int | None = None, segment: int | None = None,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
+                       rank_order: bool | None = None,
+                       ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
+    """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
+    (positions, valid) they fill. The arguments are select_slots'."""
     rows, width = scores.shape
     chosen = min(topk, width)
     if out is None:
@@ -260,12 +292,13 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     sel, ok = out
     assert sel.shape == ok.shape == (rows, window + chosen) and sel.dtype == torch.int64 and ok.dtype == torch.bool
     if rows == 0:
-        return sel, ok
+        return {}, out
     if chosen == 0:
-        window_pos = positions[:, None] - window + 1 + torch.arange(window, device=scores.device)[None, :]
-        sel.copy_(window_pos.clamp(min=0))
-        ok.copy_(window_pos >= 0)
-        return sel, ok
+        def window_only() -> None:
+            window_pos = positions[:, None] - window + 1 + torch.arange(window, device=scores.device)[None, :]
+            sel.copy_(window_pos.clamp(min=0))
+            ok.copy_(window_pos >= 0)
+        return {"window": window_only}, out
     assert width < 2**31
     scores, positions = scores.contiguous().float(), positions.contiguous()
     group = group_size(width, topk, group)
@@ -277,20 +310,25 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     maxima = torch.empty(rows, triton.cdiv(width, group), dtype=torch.int64, device=scores.device)
     bound = torch.empty(rows, dtype=torch.int64, device=scores.device)
     counts = torch.empty(rows, 2 * n_segments, dtype=torch.int32, device=scores.device)  # (candidates, above)
+    segments_p2 = max(2, triton.next_power_of_2(n_segments))
     small_block = 64 if INTERPRETED else 1024  # the ~k candidates: a whole 4096-lane histogram would waste 3/4
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
     # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
-    _maxima_kernel[(rows, n_segments)](scores, positions, maxima, width, scores.stride(0), maxima.stride(0),
-                                        WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8)
-    _bound_kernel[(rows,)](maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
-                           SMALL_BLOCK=small_block, num_warps=8)
-    _candidates_kernel[(rows, n_segments)](scores, positions, bound, scratch, counts, width, scores.stride(0),
-                                            scratch.stride(0), counts.stride(0), WINDOW=window, TOPK=chosen,
-                                            SEGMENT=segment, num_warps=8)
-    _finish_kernel[(rows,)](
-        scores, positions, bound, counts, scratch, sel, ok, n_segments, scores.stride(0), counts.stride(0),
-        scratch.stride(0), sel.stride(0), ok.stride(0), WINDOW=window,
-        WINDOW_P2=triton.next_power_of_2(max(window, 1)), TOPK=chosen, TOPK_P2=max(2, triton.next_power_of_2(chosen)),
-        SEGMENT=segment, SMALL_BLOCK=small_block, RANK_ORDER=INTERPRETED if rank_order is None else rank_order,
-        num_warps=8)
-    return sel, ok
+    return {
+        "maxima": lambda: _maxima_kernel[(rows, n_segments)](
+            scores, positions, maxima, width, scores.stride(0), maxima.stride(0),
+            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8),
+        "bound": lambda: _bound_kernel[(rows,)](
+            maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
+            SMALL_BLOCK=small_block, num_warps=8),
+        "candidates": lambda: _candidates_kernel[(rows, n_segments)](
+            scores, positions, bound, scratch, counts, width, scores.stride(0), scratch.stride(0), counts.stride(0),
+            WINDOW=window, TOPK=chosen, SEGMENT=segment, num_warps=8),
+        "finish": lambda: _finish_kernel[(rows,)](
+            scores, positions, bound, counts, scratch, sel, ok, n_segments, scores.stride(0), counts.stride(0),
+            scratch.stride(0), sel.stride(0), ok.stride(0), WINDOW=window,
+            WINDOW_P2=triton.next_power_of_2(max(window, 1)), TOPK=chosen,
+            TOPK_P2=max(2, triton.next_power_of_2(chosen)), SEGMENT=segment, SEGMENTS_P2=segments_p2,
+            GATHER=max(16, min(small_block, GATHER_CELLS // segments_p2)), SMALL_BLOCK=small_block,
+            RANK_ORDER=INTERPRETED if rank_order is None else rank_order, num_warps=8),
+    }, out
