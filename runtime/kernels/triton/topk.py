@@ -4,14 +4,15 @@ torch.sort of a whole [B, L] score matrix (select_slots' stable descending sort)
 over every key of every row to keep 512 of them. Here each row finds its k-th largest score by
 selection on an order-preserving 32-bit key of the float instead:
   1. (_maxima_kernel) the maximum key of every GROUP consecutive positions (>= k groups);
-  2. (_bound_kernel) the k-th largest of those maxima (a radix select over ~1024 of them) bounds
-     the k-th largest key from below;
+  2. (_bound_kernel) the k-th largest of those maxima (a sort of ~1024 of them in registers, or a
+     radix select) bounds the k-th largest key from below;
   3. (_candidates_kernel) the elements at or above the bound (k plus a few, unless scores tie
      massively) are compacted, in position order, into a scratch row;
-  4. (_finish_kernel) a radix select (four 8-bit digit histograms) over them finds the k-th key
-     exactly (the bound itself when fewer than k lie above it: ties at the top cost no histogram);
-     every candidate above it and the lowest-position ones equal to it are chosen, then sorted in
-     registers by (score descending, position ascending).
+  4. (_finish_kernel) the segments' runs are gathered into one; at most 2k of them are sorted in
+     registers by (score descending, position ascending) and the first k kept; more (massive ties)
+     go through a radix select (four 8-bit digit histograms) that finds the k-th key exactly (the
+     bound itself when fewer than k lie above it: ties at the top cost no histogram), every
+     candidate above it and the lowest-position ones equal to it are chosen, then sorted.
 Steps 1 and 3 read the row and run SEGMENT positions a program, so one row's passes spread over
 the GPU (a single program per row left most SMs idle at decode batch sizes and spent its time
 streaming the row); 2 and 4 work on ~1024 and ~k elements, one program a row. tl.histogram
@@ -113,14 +114,22 @@ def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxi
 
 @triton.jit
 def _bound_kernel(maxima_ptr, pos_ptr, bound_ptr, n_groups, stride_maxima,
-                  WINDOW: tl.constexpr, TOPK: tl.constexpr, SMALL_BLOCK: tl.constexpr):
+                  WINDOW: tl.constexpr, TOPK: tl.constexpr, SMALL_BLOCK: tl.constexpr, SORT_GROUPS: tl.constexpr):
     """The TOPK-th largest group maximum of a row: a lower bound of its TOPK-th largest key (TOPK
-    distinct elements, those maxima, reach it; group_size leaves at least TOPK groups)."""
+    distinct elements, those maxima, reach it; group_size leaves at least TOPK groups). SORT_GROUPS
+    (a power of two >= the groups, or 0): sort the maxima in registers and read the TOPK-th, in
+    place of the four histogram rounds (the same key)."""
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:
-        bound, _ = _radix_select(maxima_ptr + row * stride_maxima, n_groups, TOPK, SMALL_BLOCK)
-        tl.store(bound_ptr + row, bound)
+        if SORT_GROUPS > 0:
+            g = tl.arange(0, SORT_GROUPS)
+            maxima = tl.load(maxima_ptr + row * stride_maxima + g, mask=g < n_groups, other=-9223372036854775808)
+            kth = tl.sum(tl.where(g == TOPK - 1, tl.sort(maxima, descending=True), 0), 0)
+            tl.store(bound_ptr + row, (kth >> 32) + 2147483648)
+        else:
+            bound, _ = _radix_select(maxima_ptr + row * stride_maxima, n_groups, TOPK, SMALL_BLOCK)
+            tl.store(bound_ptr + row, bound)
 
 
 @triton.jit
@@ -146,12 +155,44 @@ def _candidates_kernel(scores_ptr, pos_ptr, bound_ptr, scratch_ptr, counts_ptr, 
 
 
 @triton.jit
+def _choose(scratch, chosen, bound_at, n_cand, n_above, TOPK: tl.constexpr, SMALL_BLOCK: tl.constexpr):
+    """The TOPK largest of the n_cand candidates of the scratch row (in position order), stored packed
+    at `chosen` in position order: the TOPK-th key by radix select (or the bound itself when fewer than
+    TOPK lie above it), then every candidate above it and the lowest-position ones equal to it."""
+    small = tl.arange(0, SMALL_BLOCK)
+    bound = tl.load(bound_at)
+    if n_above < TOPK:  # the bound is the TOPK-th key itself (many ties at the top): no histograms
+        prefix = bound
+        need = TOPK - n_above
+    else:
+        prefix, need = _radix_select(scratch, n_cand, TOPK, SMALL_BLOCK)
+
+    # prefix is now the TOPK-th largest key: take every candidate above it and the first `need`
+    # equal to it (the lowest positions: the scratch row is in position order).
+    n_chosen = 0
+    ties = 0
+    for start in range(0, n_cand, SMALL_BLOCK):
+        idx = start + small
+        inside = idx < n_cand
+        packed = tl.load(scratch + idx, mask=inside, other=0)
+        ukey = (packed >> 32) + 2147483648
+        equal = inside & (ukey == prefix)
+        take = (inside & (ukey > prefix)) | (equal & (ties + _exclusive_cumsum(equal) < need))
+        tl.store(chosen + n_chosen + _exclusive_cumsum(take), packed, mask=take)
+        n_chosen += tl.sum(take.to(tl.int32), 0)
+        ties += tl.sum(equal.to(tl.int32), 0)
+
+
+@triton.jit
 def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_ptr, ok_ptr, n_segments,
                    stride_s, stride_counts, stride_scratch, stride_out, stride_ok,
                    WINDOW: tl.constexpr, WINDOW_P2: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
                    SEGMENT: tl.constexpr, SEGMENTS_P2: tl.constexpr, GATHER: tl.constexpr,
-                   SMALL_BLOCK: tl.constexpr, RANK_ORDER: tl.constexpr):
-    """One program per row: the TOPK-th key among the candidates, the chosen, their order, the window."""
+                   SMALL_BLOCK: tl.constexpr, RANK_ORDER: tl.constexpr, SORT_CAP: tl.constexpr):
+    """One program per row: the TOPK-th key among the candidates, the chosen, their order, the window.
+    SORT_CAP (a power of two >= TOPK, or 0): a row of at most this many candidates sorts them all in
+    registers and keeps the first TOPK, in place of the radix select, the choice and the sort of the
+    chosen (the same positions in the same order: both rank by the packed (key, position))."""
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     last = pos - WINDOW  # the last candidate position of the top-k part
@@ -159,6 +200,7 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
     chosen = out_ptr + row * stride_out + WINDOW  # packed (key, position) of the chosen until the sort
     scratch = scratch_ptr + row * stride_scratch
     small = tl.arange(0, SMALL_BLOCK)
+    ordered = (row * 0).to(tl.int32)  # 1 once the chosen are stored in their final order (SORT_CAP)
 
     if last + 1 <= TOPK:
         # At most TOPK candidates, all at positions < TOPK: the answer is positions [0, TOPK), ordered.
@@ -197,53 +239,53 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
             tl.debug_barrier()
         tl.debug_barrier()  # the scratch row is read back by other threads of this program
 
-        bound = tl.load(bound_ptr + row)
-        if n_above < TOPK:  # the bound is the TOPK-th key itself (many ties at the top): no histograms
-            prefix = bound
-            need = TOPK - n_above
+        if SORT_CAP > 0:
+            if n_cand <= SORT_CAP:
+                c = tl.arange(0, SORT_CAP)
+                ranked = tl.sort(tl.load(scratch + c, mask=c < n_cand, other=-9223372036854775808), descending=True)
+                cols = 4294967295 - (ranked & 4294967295)
+                tl.store(chosen + c, cols, mask=c < TOPK)
+                tl.store(ok_ptr + row * stride_ok + WINDOW + c, cols <= last, mask=c < TOPK)
+                ordered += 1
+            else:
+                _choose(scratch, chosen, bound_ptr + row, n_cand, n_above, TOPK, SMALL_BLOCK)
         else:
-            prefix, need = _radix_select(scratch, n_cand, TOPK, SMALL_BLOCK)
-
-        # prefix is now the TOPK-th largest key: take every candidate above it and the first `need`
-        # equal to it (the lowest positions: the scratch row is in position order).
-        n_chosen = 0
-        ties = 0
-        for start in range(0, n_cand, SMALL_BLOCK):
-            idx = start + small
-            inside = idx < n_cand
-            packed = tl.load(scratch + idx, mask=inside, other=0)
-            ukey = (packed >> 32) + 2147483648
-            equal = inside & (ukey == prefix)
-            take = (inside & (ukey > prefix)) | (equal & (ties + _exclusive_cumsum(equal) < need))
-            tl.store(chosen + n_chosen + _exclusive_cumsum(take), packed, mask=take)
-            n_chosen += tl.sum(take.to(tl.int32), 0)
-            ties += tl.sum(equal.to(tl.int32), 0)
+            _choose(scratch, chosen, bound_ptr + row, n_cand, n_above, TOPK, SMALL_BLOCK)
     tl.debug_barrier()  # the chosen were stored by other threads of this program
 
-    j = tl.arange(0, TOPK_P2)
-    packed = tl.load(chosen + j, mask=j < TOPK, other=-9223372036854775808)
-    if RANK_ORDER:
-        # Each value's rank = how many chosen values exceed it (they are distinct): the same order
-        # as the sort, in whole-tensor steps (the interpreter runs tl.sort's swaps one by one).
-        rank = tl.zeros([TOPK_P2], dtype=tl.int32)
-        for c0 in range(0, TOPK, 32):
-            c = c0 + tl.arange(0, 32)
-            theirs = tl.load(chosen + c, mask=c < TOPK, other=-9223372036854775808)
-            rank += tl.sum((theirs[None, :] > packed[:, None]).to(tl.int32), axis=1)
-        tl.debug_barrier()  # every read of the chosen before the first write
-        dest = rank
-    else:
-        packed = tl.sort(packed, descending=True)
-        dest = j
-    cols = 4294967295 - (packed & 4294967295)
-    tl.store(chosen + dest, cols, mask=j < TOPK)
-    tl.store(ok_ptr + row * stride_ok + WINDOW + dest, cols <= last, mask=j < TOPK)
+    if ordered == 0:
+        j = tl.arange(0, TOPK_P2)
+        packed = tl.load(chosen + j, mask=j < TOPK, other=-9223372036854775808)
+        if RANK_ORDER:
+            # Each value's rank = how many chosen values exceed it (they are distinct): the same order
+            # as the sort, in whole-tensor steps (the interpreter runs tl.sort's swaps one by one).
+            rank = tl.zeros([TOPK_P2], dtype=tl.int32)
+            for c0 in range(0, TOPK, 32):
+                c = c0 + tl.arange(0, 32)
+                theirs = tl.load(chosen + c, mask=c < TOPK, other=-9223372036854775808)
+                rank += tl.sum((theirs[None, :] > packed[:, None]).to(tl.int32), axis=1)
+            tl.debug_barrier()  # every read of the chosen before the first write
+            dest = rank
+        else:
+            packed = tl.sort(packed, descending=True)
+            dest = j
+        cols = 4294967295 - (packed & 4294967295)
+        tl.store(chosen + dest, cols, mask=j < TOPK)
+        tl.store(ok_ptr + row * stride_ok + WINDOW + dest, cols <= last, mask=j < TOPK)
     w = tl.arange(0, WINDOW_P2)
     window_pos = last + 1 + w
     tl.store(out_ptr + row * stride_out + w, tl.maximum(window_pos, 0), mask=w < WINDOW)
     tl.store(ok_ptr + row * stride_ok + w, window_pos >= 0, mask=w < WINDOW)
 
 
+# Sorts in registers in place of radix selects (same output; which is faster is the H200's to say:
+# bench.kernels' select_variants_us). The bound sorts up to this many group maxima (group_size keeps
+# about max(1024, 2 * k)); a row's candidates (k plus a few, unless scores tie) are sorted whole when
+# they are at most SORT_CAP_FACTOR * k (rounded up to a power of two), else radix-selected as before.
+SORT_BOUND = True
+SORT_FINISH = True
+SORT_GROUPS_MAX = 4096
+SORT_CAP_FACTOR = 2
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
 GATHER_CELLS = 16384
@@ -262,16 +304,20 @@ def group_size(width: int, topk: int, group: int | None = None) -> int:
 
 def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int, group: int | None = None,
                  segment: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 scratch: torch.Tensor | None = None,
-                 rank_order: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scratch: torch.Tensor | None = None, rank_order: bool | None = None,
+                 sort_bound: bool | None = None, sort_finish: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
     passes over the row (a power of two >= group). Every group and segment gives the same output.
     out: (positions, valid) buffers to fill; scratch: [B, L] int64 workspace (tests poison both).
     rank_order: order the chosen by counting instead of tl.sort (the same order; by default under
-    the interpreter only, where tl.sort takes seconds a row; on a GPU the sort is cheaper)."""
-    launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order)
+    the interpreter only, where tl.sort takes seconds a row; on a GPU the sort is cheaper).
+    sort_bound / sort_finish: the bound by a sort of the group maxima, and a row's top-k by one sort of
+    its candidates when they are at most SORT_CAP_FACTOR * k (`SORT_BOUND` / `SORT_FINISH` on a GPU
+    by default, off under the interpreter): the same output either way."""
+    launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
+                                          sort_bound, sort_finish)
     for launch in launches.values():
         launch()
     return result
@@ -280,7 +326,8 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
 def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int,
                        group: int | None = None, segment: int | None = None,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
-                       rank_order: bool | None = None,
+                       rank_order: bool | None = None, sort_bound: bool | None = None,
+                       sort_finish: bool | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
     (positions, valid) they fill. The arguments are select_slots'."""
@@ -312,6 +359,11 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     counts = torch.empty(rows, 2 * n_segments, dtype=torch.int32, device=scores.device)  # (candidates, above)
     segments_p2 = max(2, triton.next_power_of_2(n_segments))
     small_block = 64 if INTERPRETED else 1024  # the ~k candidates: a whole 4096-lane histogram would waste 3/4
+    groups_p2 = triton.next_power_of_2(maxima.shape[1])
+    sort_groups = groups_p2 if (SORT_BOUND and not INTERPRETED if sort_bound is None else sort_bound) \
+        and groups_p2 <= SORT_GROUPS_MAX else 0
+    sort_cap = SORT_CAP_FACTOR * max(2, triton.next_power_of_2(chosen)) \
+        if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
     # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
     return {
@@ -320,7 +372,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
             WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8),
         "bound": lambda: _bound_kernel[(rows,)](
             maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
-            SMALL_BLOCK=small_block, num_warps=8),
+            SMALL_BLOCK=small_block, SORT_GROUPS=sort_groups, num_warps=8),
         "candidates": lambda: _candidates_kernel[(rows, n_segments)](
             scores, positions, bound, scratch, counts, width, scores.stride(0), scratch.stride(0), counts.stride(0),
             WINDOW=window, TOPK=chosen, SEGMENT=segment, num_warps=8),
@@ -330,5 +382,5 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
             WINDOW_P2=triton.next_power_of_2(max(window, 1)), TOPK=chosen,
             TOPK_P2=max(2, triton.next_power_of_2(chosen)), SEGMENT=segment, SEGMENTS_P2=segments_p2,
             GATHER=max(16, min(small_block, GATHER_CELLS // segments_p2)), SMALL_BLOCK=small_block,
-            RANK_ORDER=INTERPRETED if rank_order is None else rank_order, num_warps=8),
+            RANK_ORDER=INTERPRETED if rank_order is None else rank_order, SORT_CAP=sort_cap, num_warps=8),
     }, out
