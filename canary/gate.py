@@ -268,7 +268,7 @@ def run_gate(target: Target, options: DriverOptions, *, golden_update: bool = Fa
              perf_tolerance: float = 0.1, near_tie: float = 0.05, progress: bool = True,
              on_request_done: Callable[[RequestRecord], None] | None = None,
              differential_sample: int = differential.DEFAULT_SAMPLE, deterministic: bool | None = None,
-             perf_trials_min: int = 6, perf_gate: bool = True, calibrate: bool = False,
+             perf_trials_min: int = perf_trials.MIN_TRIALS_DEFAULT, perf_gate: bool = True, calibrate: bool = False,
              perf_workload: TrialWorkload = PERF_WORKLOAD) -> GateOutcome:
     """`deterministic`: the load-vs-solo oracle in exact mode; None = exact for the embedded runtime
     (batch-invariant by construction, so a near-tie flipped by load is its bug), near-ties benign elsewhere.

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from canary.oracles.differential import DEFAULT_SAMPLE  # stdlib imports only
+from canary.perf.ratio_stats import MIN_TRIALS_DEFAULT  # stdlib only too
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class CanaryOptions:
     processes: int = 1  # driver processes (DriverOptions.processes)
     differential_sample: int = DEFAULT_SAMPLE
     deterministic: bool | None = None  # None: exact for the embedded runtime only (canary/gate.py run_gate)
-    perf_trials: int = 6  # perf verdict: trials (A/B: pairs) before the first look (canary/perf/trials.py)
+    perf_trials: int = MIN_TRIALS_DEFAULT  # perf verdict: trials (A/B: pairs) before the first look
     # The workload mix (canary/workload.py); 0 here, the gate's defaults come from the plugin.
     sampled_ratio: float = 0.0
     stop_ratio: float = 0.0

@@ -15,6 +15,7 @@ import pytest
 
 from canary.options import CanaryOptions
 from canary.oracles.differential import DEFAULT_SAMPLE  # stdlib imports only: `pytest --help` stays fast
+from canary.perf.ratio_stats import MAX_TRIALS_FACTOR, MIN_TRIALS_DEFAULT  # stdlib only, as above
 from canary.workload import (
     DEFAULT_ABORT_RATIO,
     DEFAULT_MULTIBYTE_RATIO,
@@ -60,9 +61,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--perf-tolerance", type=float, default=0.1,
         help="the slowdown the perf verdict must catch (default 0.1, CPU and GPU alike): 'slower' when the "
              "trials' interval excludes no slowdown, 'ok' when it excludes this one, else 'inconclusive' (fails)")
-    add("--perf-trials", type=int, default=6, metavar="N",
-        help="perf verdict: trials (A/B: interleaved pairs) before the first look, up to 12N while inconclusive "
-             "(default 6; 0 switches the perf gate off)")
+    add("--perf-trials", type=int, default=MIN_TRIALS_DEFAULT, metavar="N",
+        help=f"perf verdict: trials (A/B: interleaved pairs) before the first look, up to {MAX_TRIALS_FACTOR}N while "
+             f"inconclusive (default {MIN_TRIALS_DEFAULT}; 0 switches the perf gate off)")
     add("--perf-workload", default=None, metavar="JSON",
         help="perf verdict: the trial workload's changes from the default (keys concurrency, max_tokens, ttft_rate, "
              "ttft_requests, rounds, logprobs), e.g. '{\"concurrency\": [1], \"max_tokens\": 16, \"logprobs\": false}' "

@@ -48,6 +48,16 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+# The most trials a verdict takes, as a multiple of its minimum (6 -> 72). At the noise measured on
+# the CPU and the H200 a verdict needs 10-21 pairs on average (the table above), but
+# the noise of one verdict's pairs varies: on the H200 (2026-12-05, 11 clean A/B verdicts) a pair's
+# decode@8 log-ratio sd ranged 0.04-0.125. Simulated (tests/unit/test_perf_verdict.py), at sd 0.114 a
+# cap of 36 pairs left 9% of clean verdicts inconclusive, 72 none; the bounds' alpha is unchanged, so
+# more pairs only let a noisy run decide, at the cost of time in those runs alone.
+MAX_TRIALS_FACTOR = 12
+# Trials (A/B: pairs) before a verdict's first look, unless the caller says otherwise (`--perf-trials`).
+MIN_TRIALS_DEFAULT = 6
+
 OK, SLOWER, INCONCLUSIVE = "ok", "slower", "inconclusive"
 # Each bound of a verdict's interval: a clean metric is called slower, or a tolerance-sized slowdown
 # ok, with at most this probability at one look (looks every few trials add to it: the table above).

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from canary.perf import ratio_stats
-from canary.perf.ratio_stats import INCONCLUSIVE, OK, SLOWER, RatioVerdict
+from canary.perf.ratio_stats import INCONCLUSIVE, MAX_TRIALS_FACTOR, MIN_TRIALS_DEFAULT, OK, SLOWER, RatioVerdict
 from canary.perf.trial_load import (
     TrialFigures,
     TrialWorkload,
@@ -46,15 +46,6 @@ Measure = Callable[[Target, TrialWorkload, int], TrialFigures]
 MeasurePair = Callable[[Target, Target, TrialWorkload, int], tuple[TrialFigures, TrialFigures]]
 Probe = Callable[[], float]
 CHECK_EVERY = 3  # after the minimum, trials are added in steps of this many until the verdict decides
-# The most trials a verdict takes, as a multiple of its minimum (6 -> 72). At the noise measured on
-# the CPU and the H200 a verdict needs 10-21 pairs on average (canary/perf/ratio_stats.py's table), but
-# the noise of one verdict's pairs varies: on the H200 (2026-12-05, 11 clean A/B verdicts) a pair's
-# decode@8 log-ratio sd ranged 0.04-0.125. Simulated (tests/unit/test_perf_verdict.py), at sd 0.114 a
-# cap of 36 pairs left 9% of clean verdicts inconclusive, 72 none; the bounds' alpha is unchanged, so
-# more pairs only let a noisy run decide, at the cost of time in those runs alone.
-MAX_TRIALS_FACTOR = 12
-# Trials (A/B: pairs) before a verdict's first look, unless the caller says otherwise (`--perf-trials`).
-MIN_TRIALS_DEFAULT = 6
 
 
 def recorded_trials(min_trials: int) -> int:
