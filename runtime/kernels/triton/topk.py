@@ -97,19 +97,30 @@ def _radix_select(packed_ptr, n, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def store_group_maxima(maxima_row, scores, first, last, width, LANES: tl.constexpr, GROUP: tl.constexpr):
+    """The packed maximum key of every GROUP consecutive positions among LANES scores of a row at
+    positions first + [0, LANES) (first a multiple of GROUP), stored at group index in `maxima_row`.
+    Shared with the indexer logits kernel, which computes them from the logits it writes."""
+    cols = first + tl.arange(0, LANES)
+    inside = cols < width
+    key = _order_key(scores, cols, last)
+    # Lanes past the row get key 0, below every element's.
+    group_max = tl.max(tl.reshape(tl.where(inside, key, 0), [LANES // GROUP, GROUP]), axis=1)
+    g = first // GROUP + tl.arange(0, LANES // GROUP)
+    tl.store(maxima_row + g, _packed(group_max, g), mask=g * GROUP < width)
+
+
+@triton.jit
 def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxima,
                    WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr):
     """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions."""
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:  # rows with at most TOPK candidates take positions [0, TOPK) (_finish_kernel)
-        cols = tl.program_id(1) * SEGMENT + tl.arange(0, SEGMENT)
-        inside = cols < width
-        key = _order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
-        # Lanes past the row get key 0, below every element's.
-        group_max = tl.max(tl.reshape(tl.where(inside, key, 0), [SEGMENT // GROUP, GROUP]), axis=1)
-        g = tl.program_id(1) * (SEGMENT // GROUP) + tl.arange(0, SEGMENT // GROUP)
-        tl.store(maxima_ptr + row * stride_maxima + g, _packed(group_max, g), mask=g * GROUP < width)
+        first = tl.program_id(1) * SEGMENT
+        cols = first + tl.arange(0, SEGMENT)
+        scores = tl.load(scores_ptr + row * stride_s + cols, mask=cols < width, other=float("-inf"))
+        store_group_maxima(maxima_ptr + row * stride_maxima, scores, first, last, width, SEGMENT, GROUP)
 
 
 @triton.jit
@@ -305,7 +316,8 @@ def group_size(width: int, topk: int, group: int | None = None) -> int:
 def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int, group: int | None = None,
                  segment: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  scratch: torch.Tensor | None = None, rank_order: bool | None = None,
-                 sort_bound: bool | None = None, sort_finish: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sort_bound: bool | None = None, sort_finish: bool | None = None,
+                 maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
@@ -315,9 +327,9 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     the interpreter only, where tl.sort takes seconds a row; on a GPU the sort is cheaper).
     sort_bound / sort_finish: the bound by a sort of the group maxima, and a row's top-k by one sort of
     its candidates when they are at most SORT_CAP_FACTOR * k (`SORT_BOUND` / `SORT_FINISH` on a GPU
-    by default, off under the interpreter): the same output either way."""
+    by default, off under the interpreter): the same output either way. maxima: see selection_launches."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
-                                          sort_bound, sort_finish)
+                                          sort_bound, sort_finish, maxima)
     for launch in launches.values():
         launch()
     return result
@@ -327,10 +339,12 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
                        group: int | None = None, segment: int | None = None,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
                        rank_order: bool | None = None, sort_bound: bool | None = None,
-                       sort_finish: bool | None = None,
+                       sort_finish: bool | None = None, maxima: torch.Tensor | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
-    (positions, valid) they fill. The arguments are select_slots'."""
+    (positions, valid) they fill. The arguments are select_slots'; maxima: the pass-1 group maxima
+    already computed (int64 [B, ceil(L / group)], `store_group_maxima` at `group_size`), whose launch
+    is then left out (indexer.logits_and_selection)."""
     rows, width = scores.shape
     chosen = min(topk, width)
     if out is None:
@@ -354,7 +368,11 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     n_segments = triton.cdiv(width, segment)
     if scratch is None:
         scratch = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
-    maxima = torch.empty(rows, triton.cdiv(width, group), dtype=torch.int64, device=scores.device)
+    given = maxima is not None
+    if maxima is None:
+        maxima = torch.empty(rows, triton.cdiv(width, group), dtype=torch.int64, device=scores.device)
+    assert maxima.shape == (rows, triton.cdiv(width, group)) and maxima.dtype == torch.int64, \
+        f"maxima {tuple(maxima.shape)} {maxima.dtype}: want ({rows}, {triton.cdiv(width, group)}) int64"
     bound = torch.empty(rows, dtype=torch.int64, device=scores.device)
     counts = torch.empty(rows, 2 * n_segments, dtype=torch.int32, device=scores.device)  # (candidates, above)
     segments_p2 = max(2, triton.next_power_of_2(n_segments))
@@ -366,10 +384,11 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
     # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
-    return {
+    launches = {} if given else {
         "maxima": lambda: _maxima_kernel[(rows, n_segments)](
             scores, positions, maxima, width, scores.stride(0), maxima.stride(0),
-            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8),
+            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8)}
+    return launches | {
         "bound": lambda: _bound_kernel[(rows,)](
             maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
             SMALL_BLOCK=small_block, SORT_GROUPS=sort_groups, num_warps=8),
