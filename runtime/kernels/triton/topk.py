@@ -4,15 +4,15 @@ torch.sort of a whole [B, L] score matrix (select_slots' stable descending sort)
 over every key of every row to keep 512 of them. Here each row finds its k-th largest score by
 selection on an order-preserving 32-bit key of the float instead:
   1. (_maxima_kernel) the maximum key of every GROUP consecutive positions (>= k groups);
-  2. (_bound_kernel) the k-th largest of those maxima (a sort of ~1024 of them in registers, or a
-     radix select) bounds the k-th largest key from below;
+  2. (_bound_kernel) the k-th largest of those maxima (a radix select over ~1024 of them, or with
+     SORT_BOUND a sort in registers) bounds the k-th largest key from below;
   3. (_candidates_kernel) the elements at or above the bound (k plus a few, unless scores tie
      massively) are compacted, in position order, into a scratch row;
-  4. (_finish_kernel) the segments' runs are gathered into one; at most 2k of them are sorted in
-     registers by (score descending, position ascending) and the first k kept; more (massive ties)
-     go through a radix select (four 8-bit digit histograms) that finds the k-th key exactly (the
-     bound itself when fewer than k lie above it: ties at the top cost no histogram), every
-     candidate above it and the lowest-position ones equal to it are chosen, then sorted.
+  4. (_finish_kernel) the segments' runs are gathered into one; a radix select (four 8-bit digit
+     histograms) finds the k-th key exactly (the bound itself when fewer than k lie above it: ties
+     at the top cost no histogram), every candidate above it and the lowest-position ones equal to
+     it are chosen, then sorted in registers by (score descending, position ascending). With
+     SORT_FINISH a row of at most 2k candidates is instead sorted whole and its first k kept.
 Steps 1 and 3 read the row and run SEGMENT positions a program, so one row's passes spread over
 the GPU (a single program per row left most SMs idle at decode batch sizes and spent its time
 streaming the row); 2 and 4 work on ~1024 and ~k elements, one program a row. tl.histogram
@@ -290,11 +290,12 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
 
 
 # Sorts in registers in place of radix selects (same output; which is faster is the H200's to say:
-# bench.kernels' select_variants_us). The bound sorts up to this many group maxima (group_size keeps
-# about max(1024, 2 * k)); a row's candidates (k plus a few, unless scores tie) are sorted whole when
-# they are at most SORT_CAP_FACTOR * k (rounded up to a power of two), else radix-selected as before.
-SORT_BOUND = True
-SORT_FINISH = True
+# bench.kernels' select_variants_us; off until it has, the radix selects being the measured path).
+# The bound sorts up to this many group maxima (group_size keeps about max(1024, 2 * k)); a row's
+# candidates (k plus a few, unless scores tie) are sorted whole when they are at most
+# SORT_CAP_FACTOR * k (rounded up to a power of two), else radix-selected.
+SORT_BOUND = False
+SORT_FINISH = False
 SORT_GROUPS_MAX = 4096
 SORT_CAP_FACTOR = 2
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
@@ -326,8 +327,8 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     rank_order: order the chosen by counting instead of tl.sort (the same order; by default under
     the interpreter only, where tl.sort takes seconds a row; on a GPU the sort is cheaper).
     sort_bound / sort_finish: the bound by a sort of the group maxima, and a row's top-k by one sort of
-    its candidates when they are at most SORT_CAP_FACTOR * k (`SORT_BOUND` / `SORT_FINISH` on a GPU
-    by default, off under the interpreter): the same output either way. maxima: see selection_launches."""
+    its candidates when they are at most SORT_CAP_FACTOR * k (by default `SORT_BOUND` / `SORT_FINISH`
+    on a GPU, off under the interpreter): the same output either way. maxima: see selection_launches."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
                                           sort_bound, sort_finish, maxima)
     for launch in launches.values():
