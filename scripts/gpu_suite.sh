@@ -69,6 +69,14 @@ want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.st
 # and the decode GEMM tile sweep (which configs keep the default's bits, and their times)
 want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_vs.json" \
     --only "${KERNELS_ONLY:-mla,indexer}" --batches 1,8,32,64,128 --vs-sglang
+# The indexer's selection and logits (issue 15 item 4): their GPU tests, then the bench alone (no SGLang
+# wheel: the selection's launches one by one, its radix-vs-sort variants, the logits' eviction policies,
+# logits_and_selection beside the two apart) and the logits loop taken apart (bench/indexer_anatomy.py).
+want indexer_tests && section indexer_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
+    -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_indexer_topk.py tests/kernels/test_triton_kernels.py -k "indexer or select or sort"
+want bench_indexer && section bench_indexer "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_indexer.json" \
+    --only indexer
+want indexer_anatomy && section indexer_anatomy "${BENCH_TIMEOUT:-90}" $PY -m bench.indexer_anatomy --out "$OUT/indexer_anatomy.json"
 # Do mma.sync (tiles under 64 rows) and wgmma add alike, and do row sums depend on the warps? (the
 # MLA kernel's BLOCK_H and the MoE's BLOCK_M could then follow the batch)
 want mma_bits && section mma_bits "${BENCH_TIMEOUT:-90}" $PY -m bench.mma_bits --out "$OUT/mma_bits.json"
