@@ -352,18 +352,11 @@ def bench_indexer(ceilings, rows: list) -> None:
         ours_both_us = graph_us([lambda: triton_topk.select_slots(logits_fn(), positions, SELECT_WINDOW, topk,
                                                                   group=group, segment=block)] * 3) \
             if "select_launch" in selection else None
-        # The same with the selection's first pass (group maxima) done by the logits kernel (same bits).
-        fused_fn = lambda q=q, keys=keys, scale=scale: indexer.logits_and_selection(  # noqa: E731
-            q, w, keys, page_table, lens, page_size, SELECT_WINDOW, topk, key_scale=scale)
-        fused_same = all(torch.equal(a, b) for a, b in zip(fused_fn()[1], triton_topk.select_slots(
-            logits, positions, SELECT_WINDOW, topk)))
-        fused_us = graph_us([fused_fn] * 3)
         bytes_moved = batch * context * (key_bytes + 4)
         flops = 2 * batch * heads * dim * context
         roof = roofline_us(bytes_moved, flops, ceilings)
         rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
-                         logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us,
-                         logits_and_selection_fused_us=fused_us, fused_same_selection=fused_same, **selection,
+                         logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
                          logits_us_by_key_evict={name: us for name, (us, _) in by_evict.items()},
                          logits_key_evict_same_bits=all(same for _, same in by_evict.values()),
                          roofline_us=roof,

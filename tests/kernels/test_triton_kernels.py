@@ -19,7 +19,6 @@ from canary.oracles.tolerances import assert_close_to_reference
 from canary.oracles.topk_compare import wrong_topk_indices
 from runtime.kernels import cuda_torch, reference
 from runtime.kernels.triton import INTERPRETED, attention, elementwise, glue, indexer, matmul, moe
-from runtime.kernels.triton import topk as topk_kernels
 
 pytestmark = pytest.mark.kernels
 
@@ -696,38 +695,6 @@ def test_indexer_blocks_per_program_keep_the_bits(seed, queries, context, dtype)
     outs = [_run_indexer(q, w, keys, table, lens, 16, blocks=b) for b in (1, 2, 8)]
     assert not torch.isnan(outs[0]).any()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-@settings(max_examples=4 if ON_GPU else 3, deadline=None)
-@given(seed=SEEDS, queries=st.sampled_from([1, 3]), context=st.sampled_from([65, 150, 300]),
-       page_size=st.sampled_from([16, 64]), window=st.sampled_from([0, 8]), topk=st.sampled_from([4, 24, 40]),
-       group=st.sampled_from([None, 1, 8, 64]))
-@example(seed=1, queries=3, context=300, page_size=16, window=8, topk=24, group=8)  # 10 blocks, groups within each
-@example(seed=2, queries=3, context=300, page_size=16, window=8, topk=4, group=64)  # groups span blocks: 2nd pass
-def test_indexer_logits_and_selection_equal_the_two_apart(seed, queries, context, page_size, window, topk, group):
-    """`logits_and_selection` (the selection's group maxima computed by the logits kernel as it writes
-    each block) gives the same logits and the same selection, bit for bit, as `indexer_logits` followed
-    by `topk.select_slots`, whose first pass reads the logits back; queries of several lengths, so
-    rows end inside blocks, past them (-inf blocks) and below k + window (positions [0, k))."""
-    q, w, keys, table, lens, _ = _indexer_case(seed, queries, 4, 16, context, page_size, torch.float32)
-    positions = (lens - 1).to(torch.int64)
-    logits = _run_indexer(q, w, keys, table, lens, page_size)
-    expected = topk_kernels.select_slots(logits, positions, window, topk, group=group, segment=64)
-    width = logits.shape[1]
-    group = topk_kernels.group_size(width, topk, group)
-    # Poisoned: int64 max is the packed key of a NaN at position 0, above every real maximum.
-    maxima = torch.full((queries, -(-width // group)), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
-    fused_logits, selection = indexer.logits_and_selection(q, w, keys, table, lens, page_size, window, topk,
-                                                           group=group, segment=64, maxima_out=maxima)
-    assert torch.equal(fused_logits, logits)
-    assert all(torch.equal(a, b) for a, b in zip(selection, expected)), f"selection differs (group {group})"
-    if indexer.BLOCK_L % group == 0:  # the logits kernel wrote the maxima: the selection's own first pass's bits
-        own = torch.full_like(maxima, torch.iinfo(torch.int64).max)
-        topk_kernels._maxima_kernel[(queries, -(-width // 64))](
-            logits, positions, own, width, logits.stride(0), own.stride(0), WINDOW=window, TOPK=min(topk, width),
-            GROUP=group, SEGMENT=max(64, group))
-        rows = positions - window + 1 > topk  # the rows whose maxima the selection reads
-        assert torch.equal(maxima[rows], own[rows]), "group maxima differ from the selection's first pass"
 
 
 def test_indexer_spreads_small_steps_over_more_programs():

@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.triton import INTERPRETED, topk
-from runtime.kernels.triton.topk import store_group_maxima
+from runtime.kernels.triton import INTERPRETED
 
 # Positions are cut into blocks of BLOCK_L, up to MAX_BLOCKS of them walked by one program. A step of
 # few queries would then run a handful of programs that walk their blocks one after another (bs 1 at
@@ -22,7 +21,6 @@ from runtime.kernels.triton.topk import store_group_maxima
 # blocks a program, more programs share the work. Which program computes a block never changes a
 # logit's bits (every block runs the same operations on its own positions).
 MAX_BLOCKS = 8
-BLOCK_L = 32 if INTERPRETED else 128  # positions a block (the interpreter's small tests need several)
 SPREAD_PROGRAMS = 256  # fewer blocks a program (down to 1) until a call has at least this many programs
 
 
@@ -39,15 +37,12 @@ def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int =
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr, maxima_ptr,
+def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr,
                     heads, dim, page_size, width, stride_qt, stride_qh, stride_w, stride_key, stride_table, stride_out,
-                    stride_maxima, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KEY_EVICT: tl.constexpr,
-                    GROUP: tl.constexpr, WINDOW: tl.constexpr):
+                    KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KEY_EVICT: tl.constexpr):
     # One program: BLOCKS consecutive blocks of BLOCK_L positions of one query, q held throughout.
     # Scores as keys @ q^T ([positions, heads]): the head sum then stays inside a warp.
-    # GROUP > 0: also the selection's pass-1 maxima of the logits written (topk.store_group_maxima),
-    # for the query at position length - 1 with a window of WINDOW.
     query = tl.program_id(0).to(tl.int64)
     length = tl.load(lens_ptr + query)
     offs_h = tl.arange(0, BLOCK_H)
@@ -64,14 +59,9 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
     # causal triangle) is such blocks; a valid position's logit is computed exactly as before.
     first = tl.program_id(1) * BLOCKS * BLOCK_L
     live = tl.minimum(BLOCKS, tl.maximum(0, tl.cdiv(length - first, BLOCK_L)))
-    last = length.to(tl.int64) - 1 - WINDOW  # the selection's last top-k candidate (GROUP > 0)
     for block in range(live, BLOCKS):
         offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
-        dead = tl.full((BLOCK_L,), float("-inf"), tl.float32)
-        tl.store(out_row + offs_l, dead, mask=offs_l < width)
-        if GROUP > 0:
-            store_group_maxima(maxima_ptr + query * stride_maxima, dead, first + block * BLOCK_L, last, width,
-                               BLOCK_L, GROUP)
+        tl.store(out_row + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32), mask=offs_l < width)
     for block in range(0, live):
         offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
         valid = offs_l < length
@@ -83,43 +73,33 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
         logits = tl.sum(scores * w[None, :], axis=1)
         if KEY_SCALE:
             logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
-        logits = tl.where(valid, logits, float("-inf"))
-        tl.store(out_row + offs_l, logits, mask=offs_l < width)
-        if GROUP > 0:
-            store_group_maxima(maxima_ptr + query * stride_maxima, logits, first + block * BLOCK_L, last, width,
-                               BLOCK_L, GROUP)
+        tl.store(out_row + offs_l, tl.where(valid, logits, float("-inf")), mask=offs_l < width)
 
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, blocks: int | None = None,
-                   key_evict: str = KEY_EVICT, maxima: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
+                   key_evict: str = KEY_EVICT) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
     blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits.
-    key_evict: the key loads' L2 eviction policy ("" or "evict_first"; benches): the same bits.
-    maxima: (buffer, group, window): also write the selection's pass-1 group maxima into buffer, int64
-    [T, ceil(L / group)], for each query at position seq_lens - 1 (logits_and_selection)."""
+    key_evict: the key loads' L2 eviction policy ("" or "evict_first"; benches): the same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
         out = torch.empty(tokens, length, dtype=torch.float32, device=q.device)
     if tokens == 0 or length == 0:
         return out
-    block_l, max_blocks = BLOCK_L, 2 if INTERPRETED else MAX_BLOCKS
+    block_l, max_blocks = (32, 2) if INTERPRETED else (128, MAX_BLOCKS)
     blocks = blocks or blocks_per_program(tokens, length, block_l, max_blocks)
     block_h = max(16, triton.next_power_of_2(heads))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    maxima_buffer, group, window = maxima if maxima is not None else (out, 0, 0)
-    assert group == 0 or block_l % group == 0, f"group maxima of {group} positions need blocks of a multiple"
     _indexer_kernel[(tokens, triton.cdiv(length, block_l * blocks))](
         q, head_weights, key_cache, key_scale if key_scale is not None else head_weights, page_table, seq_lens, out,
-        maxima_buffer, heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0),
-        key_cache.stride(0), page_table.stride(0), out.stride(0), maxima_buffer.stride(0),
-        KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks,
+        heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0), key_cache.stride(0),
+        page_table.stride(0), out.stride(0), KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks,
         BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_L=block_l, KEY_EVICT=key_evict,
-        GROUP=group, WINDOW=window,
         num_warps=4, num_stages=1 if INTERPRETED else 3)
     return out
 
@@ -144,29 +124,3 @@ def positions_to_slots(selected: torch.Tensor, page_table: torch.Tensor, page_si
     safe = selected.clamp(min=0).to(torch.int64)
     pages = torch.gather(page_table.to(torch.int64), 1, safe // page_size)
     return torch.where(selected >= 0, pages * page_size + safe % page_size, -1).to(torch.int32)
-
-
-def logits_and_selection(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor,
-                         page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, window: int, topk_k: int,
-                         key_scale: torch.Tensor | None = None, maxima_out: torch.Tensor | None = None,
-                         **select_args) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """indexer_logits, then topk.select_slots(logits, seq_lens - 1, window, topk_k), bit for bit, with
-    the selection's first pass (the group maxima of every row) done by the logits kernel from the
-    logits it writes: one launch and one read of the [T, L] logits fewer. Where a group would span
-    blocks (rows so long that group_size exceeds BLOCK_L), the selection runs its own first pass.
-    select_args: select_slots' other keywords (sort_bound, sort_finish, out, scratch, ...); maxima_out:
-    the group maxima's buffer, int64 [T, ceil(L / group)] (tests poison it). Returns (logits, (positions,
-    valid))."""
-    tokens = q.shape[0]
-    length = page_table.shape[1] * page_size
-    positions = seq_lens.to(torch.int64) - 1
-    chosen = min(topk_k, length)
-    group = topk.group_size(length, topk_k, select_args.get("group")) if chosen else 0
-    if chosen == 0 or tokens == 0 or BLOCK_L % group:
-        logits = indexer_logits(q, head_weights, key_cache, page_table, seq_lens, page_size, key_scale=key_scale)
-        return logits, topk.select_slots(logits, positions, window, topk_k, **select_args)
-    maxima = maxima_out if maxima_out is not None else \
-        torch.empty(tokens, triton.cdiv(length, group), dtype=torch.int64, device=q.device)
-    logits = indexer_logits(q, head_weights, key_cache, page_table, seq_lens, page_size, key_scale=key_scale,
-                            maxima=(maxima, group, window))
-    return logits, topk.select_slots(logits, positions, window, topk_k, maxima=maxima, **select_args)

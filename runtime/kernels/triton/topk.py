@@ -4,15 +4,15 @@ torch.sort of a whole [B, L] score matrix (select_slots' stable descending sort)
 over every key of every row to keep 512 of them. Here each row finds its k-th largest score by
 selection on an order-preserving 32-bit key of the float instead:
   1. (_maxima_kernel) the maximum key of every GROUP consecutive positions (>= k groups);
-  2. (_bound_kernel) the k-th largest of those maxima (a radix select over ~1024 of them, or with
-     SORT_BOUND a sort in registers) bounds the k-th largest key from below;
+  2. (_bound_kernel) the k-th largest of those maxima (a radix select over ~1024 of them)
+     bounds the k-th largest key from below;
   3. (_candidates_kernel) the elements at or above the bound (k plus a few, unless scores tie
      massively) are compacted, in position order, into a scratch row;
-  4. (_finish_kernel) the segments' runs are gathered into one; a radix select (four 8-bit digit
-     histograms) finds the k-th key exactly (the bound itself when fewer than k lie above it: ties
-     at the top cost no histogram), every candidate above it and the lowest-position ones equal to
-     it are chosen, then sorted in registers by (score descending, position ascending). With
-     SORT_FINISH a row of at most 2k candidates is instead sorted whole and its first k kept.
+  4. (_finish_kernel) the segments' runs are gathered into one; a row of at most 2k candidates sorts
+     them in registers by (score descending, position ascending) and keeps the first k; more (massive
+     ties) go through a radix select (four 8-bit digit histograms) that finds the k-th key exactly
+     (the bound itself when fewer than k lie above it: ties at the top cost no histogram), every
+     candidate above it and the lowest-position ones equal to it are chosen, then sorted.
 Steps 1 and 3 read the row and run SEGMENT positions a program, so one row's passes spread over
 the GPU (a single program per row left most SMs idle at decode batch sizes and spent its time
 streaming the row); 2 and 4 work on ~1024 and ~k elements, one program a row. tl.histogram
@@ -97,30 +97,19 @@ def _radix_select(packed_ptr, n, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def store_group_maxima(maxima_row, scores, first, last, width, LANES: tl.constexpr, GROUP: tl.constexpr):
-    """The packed maximum key of every GROUP consecutive positions among LANES scores of a row at
-    positions first + [0, LANES) (first a multiple of GROUP), stored at group index in `maxima_row`.
-    Shared with the indexer logits kernel, which computes them from the logits it writes."""
-    cols = first + tl.arange(0, LANES)
-    inside = cols < width
-    key = _order_key(scores, cols, last)
-    # Lanes past the row get key 0, below every element's.
-    group_max = tl.max(tl.reshape(tl.where(inside, key, 0), [LANES // GROUP, GROUP]), axis=1)
-    g = first // GROUP + tl.arange(0, LANES // GROUP)
-    tl.store(maxima_row + g, _packed(group_max, g), mask=g * GROUP < width)
-
-
-@triton.jit
 def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxima,
                    WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr):
     """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions."""
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:  # rows with at most TOPK candidates take positions [0, TOPK) (_finish_kernel)
-        first = tl.program_id(1) * SEGMENT
-        cols = first + tl.arange(0, SEGMENT)
-        scores = tl.load(scores_ptr + row * stride_s + cols, mask=cols < width, other=float("-inf"))
-        store_group_maxima(maxima_ptr + row * stride_maxima, scores, first, last, width, SEGMENT, GROUP)
+        cols = tl.program_id(1) * SEGMENT + tl.arange(0, SEGMENT)
+        inside = cols < width
+        key = _order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
+        # Lanes past the row get key 0, below every element's.
+        group_max = tl.max(tl.reshape(tl.where(inside, key, 0), [SEGMENT // GROUP, GROUP]), axis=1)
+        g = tl.program_id(1) * (SEGMENT // GROUP) + tl.arange(0, SEGMENT // GROUP)
+        tl.store(maxima_ptr + row * stride_maxima + g, _packed(group_max, g), mask=g * GROUP < width)
 
 
 @triton.jit
@@ -236,7 +225,10 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
         # Past the last segment the start is beyond every index, so no element maps there.
         starts = tl.where(seg_ok, _exclusive_cumsum(counts), 2147483647)
         gather = tl.arange(0, GATHER)
-        for start in range(0, n_cand, GATHER):
+        # One segment (rows of at most SEGMENT positions: prefill chunks, short contexts): its run is
+        # already in place. Moving it onto itself cost 6% on a 4,096-row prefill chunk (H200).
+        moves = tl.where(n_segments > 1, n_cand, 0)
+        for start in range(0, moves, GATHER):
             idx = start + gather
             inside = idx < n_cand
             # An element's segment: the last one starting at or before it (an empty segment shares
@@ -289,13 +281,13 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
     tl.store(ok_ptr + row * stride_ok + w, window_pos >= 0, mask=w < WINDOW)
 
 
-# Sorts in registers in place of radix selects (same output; which is faster is the H200's to say:
-# bench.kernels' select_variants_us; off until it has, the radix selects being the measured path).
-# The bound sorts up to this many group maxima (group_size keeps about max(1024, 2 * k)); a row's
-# candidates (k plus a few, unless scores tie) are sorted whole when they are at most
-# SORT_CAP_FACTOR * k (rounded up to a power of two), else radix-selected.
+# Sorts in registers in place of radix selects (same output). A row's candidates (k plus a few, unless
+# scores tie) are sorted whole when they are at most SORT_CAP_FACTOR * k (rounded up to a power of two),
+# else radix-selected: on the H200 (2026-12-05, B=64, 64K positions, top-512; bench.kernels'
+# select_variants_us) 47.8 us against 52.5. The bound by a sort of up to SORT_GROUPS_MAX group maxima
+# (group_size keeps about max(1024, 2 * k)) was slower than the radix select (53.7 against 52.5): off.
 SORT_BOUND = False
-SORT_FINISH = False
+SORT_FINISH = True
 SORT_GROUPS_MAX = 4096
 SORT_CAP_FACTOR = 2
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
@@ -317,8 +309,7 @@ def group_size(width: int, topk: int, group: int | None = None) -> int:
 def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int, group: int | None = None,
                  segment: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  scratch: torch.Tensor | None = None, rank_order: bool | None = None,
-                 sort_bound: bool | None = None, sort_finish: bool | None = None,
-                 maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sort_bound: bool | None = None, sort_finish: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
@@ -328,9 +319,9 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     the interpreter only, where tl.sort takes seconds a row; on a GPU the sort is cheaper).
     sort_bound / sort_finish: the bound by a sort of the group maxima, and a row's top-k by one sort of
     its candidates when they are at most SORT_CAP_FACTOR * k (by default `SORT_BOUND` / `SORT_FINISH`
-    on a GPU, off under the interpreter): the same output either way. maxima: see selection_launches."""
+    on a GPU, off under the interpreter): the same output either way."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
-                                          sort_bound, sort_finish, maxima)
+                                          sort_bound, sort_finish)
     for launch in launches.values():
         launch()
     return result
@@ -340,12 +331,10 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
                        group: int | None = None, segment: int | None = None,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
                        rank_order: bool | None = None, sort_bound: bool | None = None,
-                       sort_finish: bool | None = None, maxima: torch.Tensor | None = None,
+                       sort_finish: bool | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
-    (positions, valid) they fill. The arguments are select_slots'; maxima: the pass-1 group maxima
-    already computed (int64 [B, ceil(L / group)], `store_group_maxima` at `group_size`), whose launch
-    is then left out (indexer.logits_and_selection)."""
+    (positions, valid) they fill. The arguments are select_slots'."""
     rows, width = scores.shape
     chosen = min(topk, width)
     if out is None:
@@ -369,11 +358,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     n_segments = triton.cdiv(width, segment)
     if scratch is None:
         scratch = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
-    given = maxima is not None
-    if maxima is None:
-        maxima = torch.empty(rows, triton.cdiv(width, group), dtype=torch.int64, device=scores.device)
-    assert maxima.shape == (rows, triton.cdiv(width, group)) and maxima.dtype == torch.int64, \
-        f"maxima {tuple(maxima.shape)} {maxima.dtype}: want ({rows}, {triton.cdiv(width, group)}) int64"
+    maxima = torch.empty(rows, triton.cdiv(width, group), dtype=torch.int64, device=scores.device)
     bound = torch.empty(rows, dtype=torch.int64, device=scores.device)
     counts = torch.empty(rows, 2 * n_segments, dtype=torch.int32, device=scores.device)  # (candidates, above)
     segments_p2 = max(2, triton.next_power_of_2(n_segments))
@@ -385,11 +370,10 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
     # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
-    launches = {} if given else {
+    return {
         "maxima": lambda: _maxima_kernel[(rows, n_segments)](
             scores, positions, maxima, width, scores.stride(0), maxima.stride(0),
-            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8)}
-    return launches | {
+            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8),
         "bound": lambda: _bound_kernel[(rows,)](
             maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
             SMALL_BLOCK=small_block, SORT_GROUPS=sort_groups, num_warps=8),
