@@ -340,11 +340,6 @@ def bench_indexer(ceilings, rows: list) -> None:
             q, w, keys, page_table, lens, page_size, key_scale=scale)
         logits = logits_fn()
         logits_us = graph_us([logits_fn] * 3)
-        by_evict = {}
-        for evict in ("", "evict_first", "evict_last"):
-            evicted = lambda q=q, keys=keys, scale=scale, evict=evict: indexer.indexer_logits(  # noqa: E731
-                q, w, keys, page_table, lens, page_size, key_scale=scale, key_evict=evict)
-            by_evict[evict or "default"] = (graph_us([evicted] * 3), torch.equal(evicted(), logits))
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
         selection = _bench_selection(logits, positions, topk)
@@ -357,8 +352,6 @@ def bench_indexer(ceilings, rows: list) -> None:
         roof = roofline_us(bytes_moved, flops, ceilings)
         rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
                          logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
-                         logits_us_by_key_evict={name: us for name, (us, _) in by_evict.items()},
-                         logits_key_evict_same_bits=all(same for _, same in by_evict.values()),
                          roofline_us=roof,
                          pct_roofline=100 * roof / logits_us))
         print(json.dumps(rows[-1]), flush=True)

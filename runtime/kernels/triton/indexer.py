@@ -24,11 +24,6 @@ MAX_BLOCKS = 8
 SPREAD_PROGRAMS = 256  # fewer blocks a program (down to 1) until a call has at least this many programs
 
 
-# The keys are read once a step, so keeping them in L2 helps no one; whether marking them first to
-# go ("evict_first") speeds the logits up is bench.kernels' logits_us_by_key_evict to say.
-KEY_EVICT = ""
-
-
 def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int = MAX_BLOCKS) -> int:
     blocks = max_blocks
     while blocks > 1 and tokens * triton.cdiv(length, block_l * blocks) < SPREAD_PROGRAMS:
@@ -40,7 +35,7 @@ def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int =
 def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr,
                     heads, dim, page_size, width, stride_qt, stride_qh, stride_w, stride_key, stride_table, stride_out,
                     KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, KEY_EVICT: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     # One program: BLOCKS consecutive blocks of BLOCK_L positions of one query, q held throughout.
     # Scores as keys @ q^T ([positions, heads]): the head sum then stays inside a warp.
     query = tl.program_id(0).to(tl.int64)
@@ -68,7 +63,7 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
         page = tl.load(table_ptr + query * stride_table + offs_l // page_size, mask=valid, other=0).to(tl.int64)
         slot = page * page_size + offs_l % page_size
         keys = tl.load(key_ptr + slot[:, None] * stride_key + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
-                       other=0.0, eviction_policy=KEY_EVICT)  # [BLOCK_L, BLOCK_D]
+                       other=0.0)  # [BLOCK_L, BLOCK_D]
         scores = tl.maximum(tl.dot(keys, q_t, input_precision=PRECISION), 0.0)  # [BLOCK_L, BLOCK_H]
         logits = tl.sum(scores * w[None, :], axis=1)
         if KEY_SCALE:
@@ -78,13 +73,11 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, blocks: int | None = None,
-                   key_evict: str = KEY_EVICT) -> torch.Tensor:
+                   out: torch.Tensor | None = None, blocks: int | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
-    blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits.
-    key_evict: the key loads' L2 eviction policy ("" or "evict_first"; benches): the same bits."""
+    blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
@@ -99,7 +92,7 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
         q, head_weights, key_cache, key_scale if key_scale is not None else head_weights, page_table, seq_lens, out,
         heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0), key_cache.stride(0),
         page_table.stride(0), out.stride(0), KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks,
-        BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_L=block_l, KEY_EVICT=key_evict,
+        BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_L=block_l,
         num_warps=4, num_stages=1 if INTERPRETED else 3)
     return out
 
