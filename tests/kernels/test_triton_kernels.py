@@ -679,9 +679,10 @@ def _indexer_case(seed, queries, heads, dim, context, page_size, dtype, dup_ever
     return q, w, keys, page_table.to(torch.int32).to(DEVICE), lens.to(torch.int32).to(DEVICE), dense
 
 
-def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None, blocks=None):
+def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None, blocks=None, full_fast=None):
     out = poisoned(q.shape[0], table.shape[1] * page_size, dtype=torch.float32)
-    indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=out, blocks=blocks)
+    indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=out, blocks=blocks,
+                           full_fast=full_fast)
     return out
 
 
@@ -695,6 +696,29 @@ def test_indexer_blocks_per_program_keep_the_bits(seed, queries, context, dtype)
     outs = [_run_indexer(q, w, keys, table, lens, 16, blocks=b) for b in (1, 2, 8)]
     assert not torch.isnan(outs[0]).any()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@settings(max_examples=4 if ON_GPU else 3, deadline=None)
+@given(seed=SEEDS, queries=st.sampled_from([2, 5]), context=st.sampled_from([64, 150, 300]),
+       page_size=st.sampled_from([16, 64]), dtype=st.sampled_from(DTYPES), blocks=st.sampled_from([1, 2]),
+       scaled=st.booleans())
+@example(seed=1, queries=5, context=300, page_size=16, dtype=torch.float32, blocks=2, scaled=True)
+def test_indexer_unmasked_full_programs_keep_the_bits(seed, queries, context, page_size, dtype, blocks, scaled):
+    """`full_fast`: programs whose every position is a key run their blocks without masks. Queries of
+    several lengths (some programs full, some partly or wholly past the length): every logit is the
+    masked kernel's bits, -inf past each length included."""
+    q, w, keys, table, lens, _ = _indexer_case(seed, queries, 4, 16, context, page_size, dtype)
+    if scaled:
+        keys, key_scale = elementwise.quantize_groups(keys.to(torch.float32)) if ON_GPU else (keys, None)
+        key_scale = key_scale[:, 0].contiguous() if key_scale is not None else torch.rand(keys.shape[0],
+                                                                                            device=DEVICE) + 0.5
+        q = q.to(keys.dtype)
+    else:
+        key_scale = None
+    masked = _run_indexer(q, w, keys, table, lens, page_size, key_scale, blocks=blocks, full_fast=False)
+    fast = _run_indexer(q, w, keys, table, lens, page_size, key_scale, blocks=blocks, full_fast=True)
+    assert not torch.isnan(fast).any(), "a position left unwritten (poison)"
+    assert torch.equal(fast, masked)
 
 
 def test_indexer_spreads_small_steps_over_more_programs():

@@ -24,6 +24,11 @@ MAX_BLOCKS = 8
 SPREAD_PROGRAMS = 256  # fewer blocks a program (down to 1) until a call has at least this many programs
 
 
+# Unmasked programs where every position is a key (_indexer_kernel): the same bits; off until the
+# H200 times it (bench.kernels' logits_other_full_fast, against the default's logits_us).
+FULL_FAST = False
+
+
 def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int = MAX_BLOCKS) -> int:
     blocks = max_blocks
     while blocks > 1 and tokens * triton.cdiv(length, block_l * blocks) < SPREAD_PROGRAMS:
@@ -32,10 +37,41 @@ def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int =
 
 
 @triton.jit
+def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim, page_size,
+                  width, stride_key, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """The logits of one block of positions offs_l, stored at out_row. MASKED: positions may lie past
+    the query's length (they get -inf) or the row's width; unmasked, every position is a key (the
+    same operations on each, so the same bits)."""
+    valid = offs_l < length
+    if MASKED:
+        page = tl.load(table_row + offs_l // page_size, mask=valid, other=0).to(tl.int64)
+    else:
+        page = tl.load(table_row + offs_l // page_size).to(tl.int64)
+    slot = page * page_size + offs_l % page_size
+    d_ok = offs_d < dim
+    if MASKED:
+        key_ok = valid[:, None] & d_ok[None, :]
+    else:
+        key_ok = d_ok[None, :]
+    keys = tl.load(key_ptr + slot[:, None] * stride_key + offs_d[None, :], mask=key_ok, other=0.0)  # [BLOCK_L, BLOCK_D]
+    scores = tl.maximum(tl.dot(keys, q_t, input_precision=PRECISION), 0.0)  # [BLOCK_L, BLOCK_H]
+    logits = tl.sum(scores * w[None, :], axis=1)
+    if KEY_SCALE:
+        if MASKED:
+            logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
+        else:
+            logits = logits * tl.load(key_scale_ptr + slot)
+    if MASKED:
+        tl.store(out_row + offs_l, tl.where(valid, logits, float("-inf")), mask=offs_l < width)
+    else:
+        tl.store(out_row + offs_l, logits)
+
+
+@triton.jit
 def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr,
                     heads, dim, page_size, width, stride_qt, stride_qh, stride_w, stride_key, stride_table, stride_out,
                     KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, FULL_FAST: tl.constexpr):
     # One program: BLOCKS consecutive blocks of BLOCK_L positions of one query, q held throughout.
     # Scores as keys @ q^T ([positions, heads]): the head sum then stays inside a warp.
     query = tl.program_id(0).to(tl.int64)
@@ -49,35 +85,40 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
     q_t = tl.trans(q)  # [BLOCK_D, BLOCK_H]
     w = tl.load(w_ptr + query * stride_w + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     out_row = out_ptr + query * stride_out
-    # Blocks wholly past the query's length hold no key: they get their -inf without loads or an MMA.
-    # In a prefill chunk a query's length is its position + 1, so on average half of every row (the
-    # causal triangle) is such blocks; a valid position's logit is computed exactly as before.
+    table_row = table_ptr + query * stride_table
     first = tl.program_id(1) * BLOCKS * BLOCK_L
-    live = tl.minimum(BLOCKS, tl.maximum(0, tl.cdiv(length - first, BLOCK_L)))
-    for block in range(live, BLOCKS):
-        offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
-        tl.store(out_row + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32), mask=offs_l < width)
-    for block in range(0, live):
-        offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
-        valid = offs_l < length
-        page = tl.load(table_ptr + query * stride_table + offs_l // page_size, mask=valid, other=0).to(tl.int64)
-        slot = page * page_size + offs_l % page_size
-        keys = tl.load(key_ptr + slot[:, None] * stride_key + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
-                       other=0.0)  # [BLOCK_L, BLOCK_D]
-        scores = tl.maximum(tl.dot(keys, q_t, input_precision=PRECISION), 0.0)  # [BLOCK_L, BLOCK_H]
-        logits = tl.sum(scores * w[None, :], axis=1)
-        if KEY_SCALE:
-            logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
-        tl.store(out_row + offs_l, tl.where(valid, logits, float("-inf")), mask=offs_l < width)
+    # FULL_FAST: a program whose every position is a key (most of a long decode row) runs a loop of
+    # BLOCKS unmasked blocks: a copy of this loop without its masks and its per-program trip count
+    # ran in 159 us where the kernel took 176 (H200, B=64, 64K fp8 keys; bench/indexer_anatomy.py).
+    if FULL_FAST and first + BLOCKS * BLOCK_L <= length:
+        for block in range(0, BLOCKS):
+            _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, first + block * BLOCK_L
+                          + tl.arange(0, BLOCK_L), offs_d, length, dim, page_size, width, stride_key,
+                          KEY_SCALE, PRECISION, MASKED=False)
+    else:
+        # Blocks wholly past the query's length hold no key: they get their -inf without loads or an
+        # MMA. In a prefill chunk a query's length is its position + 1, so on average half of every row
+        # (the causal triangle) is such blocks; a valid position's logit is computed exactly as before.
+        live = tl.minimum(BLOCKS, tl.maximum(0, tl.cdiv(length - first, BLOCK_L)))
+        for block in range(live, BLOCKS):
+            offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
+            tl.store(out_row + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32), mask=offs_l < width)
+        for block in range(0, live):
+            _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, first + block * BLOCK_L
+                          + tl.arange(0, BLOCK_L), offs_d, length, dim, page_size, width, stride_key,
+                          KEY_SCALE, PRECISION, MASKED=True)
 
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, blocks: int | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, blocks: int | None = None,
+                   full_fast: bool | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
-    blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits."""
+    blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits.
+    full_fast: programs whose every position is a key run unmasked (`FULL_FAST` by default): the
+    same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
@@ -93,7 +134,7 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
         heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0), key_cache.stride(0),
         page_table.stride(0), out.stride(0), KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks,
         BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_L=block_l,
-        num_warps=4, num_stages=1 if INTERPRETED else 3)
+        FULL_FAST=FULL_FAST if full_fast is None else full_fast, num_warps=4, num_stages=1 if INTERPRETED else 3)
     return out
 
 
