@@ -294,6 +294,11 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
         p = torch.full_like(positions, width - 1)
         by_width[width] = graph_us([lambda x=x, p=p: triton_topk.select_slots(x, p, SELECT_WINDOW, topk)] * 3)
     out["select_default_us_by_width"] = by_width
+    # A prefill chunk's selection: 4,096 rows, row t sees t + 1 positions (one segment a row).
+    chunk = torch.randn(4096, 4096, device=logits.device)
+    chunk_positions = torch.arange(4096, device=logits.device)
+    out["select_prefill_chunk_4096_us"] = graph_us(
+        [lambda: triton_topk.select_slots(chunk, chunk_positions, SELECT_WINDOW, topk)] * 3)
     out["select_launch_us"] = _selection_launch_us(logits, positions, topk)
     # The radix selects against sorts in registers (triton_topk.SORT_BOUND / SORT_FINISH), same output.
     variants = {}
