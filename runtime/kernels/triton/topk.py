@@ -213,8 +213,9 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
         # The segments' candidates, moved down to one run in position order. Every segment's count
         # is read in one load and its run's start is their exclusive sum, so a chunk of the run finds
         # each element's segment by comparison, in registers: the move is ceil(n_cand / GATHER)
-        # chunks, not a dependent count load and a move per segment (16 at 64K positions: ~1.5 us
-        # each, most of the selection's width-dependent time on the H200). In place: an element
+        # chunks, not a dependent count load and a move per segment (16 at 64K positions; on the
+        # H200 the change took 53.3 us to 51.1 at B=64: the walk was not the big cost, the
+        # candidates pass is, select_launch_us in bench.kernels). In place: an element
         # lands at or below where it lies (every earlier segment holds at most SEGMENT), so no chunk
         # overwrites one not yet read; the barriers keep a chunk's loads before its stores.
         seg = tl.arange(0, SEGMENTS_P2)
