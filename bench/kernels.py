@@ -300,15 +300,13 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
     out["select_prefill_chunk_4096_us"] = graph_us(
         [lambda: triton_topk.select_slots(chunk, chunk_positions, SELECT_WINDOW, topk)] * 3)
     out["select_launch_us"] = _selection_launch_us(logits, positions, topk)
-    # The radix selects against sorts in registers (triton_topk.SORT_BOUND / SORT_FINISH), same output.
+    # The finish's radix select against a sort in registers (triton_topk.SORT_FINISH), same output.
     variants = {}
-    for sort_bound in (False, True):
-        for sort_finish in (False, True):
-            def run(x=logits, p=positions, sort_bound=sort_bound, sort_finish=sort_finish):
-                return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, sort_bound=sort_bound,
-                                                sort_finish=sort_finish)
-            variants[f"bound_{'sort' if sort_bound else 'radix'}/finish_{'sort' if sort_finish else 'radix'}"] = \
-                (graph_us([run] * 3), all(torch.equal(a, b) for a, b in zip(run(), by_sort(logits, positions))))
+    for sort_finish in (False, True):
+        def run(x=logits, p=positions, sort_finish=sort_finish):
+            return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, sort_finish=sort_finish)
+        variants[f"finish_{'sort' if sort_finish else 'radix'}"] = \
+            (graph_us([run] * 3), all(torch.equal(a, b) for a, b in zip(run(), by_sort(logits, positions))))
     out["select_variants_us"] = {name: us for name, (us, _) in variants.items()}
     out["select_variants_same_as_sort"] = all(same for _, same in variants.values())
     return out

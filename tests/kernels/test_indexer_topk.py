@@ -85,7 +85,7 @@ def draw_positions(seed: int, rows: int, width: int) -> torch.Tensor:
 
 
 def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, rank_order=None, segment=None,
-                 sort_bound=None, sort_finish=None):
+                 sort_finish=None):
     """The kernel on poisoned buffers: positions -7, valid the opposite of the expected mask (or all
     True), workspace all int64 max (the packed key of a NaN at position 0: first if read unwritten)."""
     rows, width = scores.shape
@@ -94,8 +94,7 @@ def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, ran
     ok = (~expected_ok.to(DEVICE)) if expected_ok is not None else torch.ones(rows, s, dtype=torch.bool, device=DEVICE)
     scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
     topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, group=group, out=(sel, ok),
-                      scratch=scratch, rank_order=rank_order, segment=segment, sort_bound=sort_bound,
-                      sort_finish=sort_finish)
+                      scratch=scratch, rank_order=rank_order, segment=segment, sort_finish=sort_finish)
     return sel.cpu(), ok.cpu()
 
 
@@ -167,18 +166,17 @@ def test_the_gpu_order_tl_sort_matches_too(seed, style, k):
 
 @settings(max_examples=6)
 @given(seed=st.integers(0, 2**31 - 1), style=st.sampled_from(STYLES), k=st.sampled_from([1, 3, 16]),
-       group=st.sampled_from([None, 1, 4]), sorts=st.sampled_from([(True, True), (True, False), (False, True)]))
-@example(seed=1, style="all_equal", k=16, group=4, sorts=(True, True))  # 70 candidates > 2k: the radix finish
-@example(seed=2, style="normal", k=16, group=4, sorts=(True, True))
-@example(seed=3, style="normal", k=16, group=1, sorts=(True, False))  # the bound is the k-th key itself
-def test_the_sorts_in_place_of_the_radix_selects_match_too(seed, style, k, group, sorts):
-    """The GPU's default bound (a sort of the group maxima) and finish (one sort of a row's candidates
-    when they are at most 2k, else the radix select): small k, where the interpreter's sort is affordable."""
+       group=st.sampled_from([None, 1, 4]))
+@example(seed=1, style="all_equal", k=16, group=4)  # 70 candidates > 2k: the radix finish
+@example(seed=2, style="normal", k=16, group=4)
+@example(seed=3, style="normal", k=16, group=1)  # the bound is the k-th key itself
+def test_the_sort_in_place_of_the_finish_radix_select_matches_too(seed, style, k, group):
+    """The GPU's default finish (one sort of a row's candidates when they are at most 2k, else the
+    radix select): small k, where the interpreter's sort is affordable."""
     scores, positions = draw_scores(seed, 2, 70, style), draw_positions(seed, 2, 70)
     expected = reference_selection(scores, positions, 4, k)
-    actual = run_poisoned(scores, positions, 4, k, group, expected_ok=expected[1], segment=8, sort_bound=sorts[0],
-                          sort_finish=sorts[1])
-    assert_same_selection(actual, expected, msg=f"({style}, sorts={sorts})")
+    actual = run_poisoned(scores, positions, 4, k, group, expected_ok=expected[1], segment=8, sort_finish=True)
+    assert_same_selection(actual, expected, msg=f"({style}, sort finish)")
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -362,7 +360,7 @@ _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
     "_maxima_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "maxima_ptr": "*i64", "width": "i32",
                         "stride_s": "i32", "stride_maxima": "i32"}, ("GROUP", "SEGMENT")),
     "_bound_kernel": ({"maxima_ptr": "*i64", "pos_ptr": "*i64", "bound_ptr": "*i64", "n_groups": "i32",
-                       "stride_maxima": "i32"}, ("SMALL_BLOCK", "SORT_GROUPS")),
+                       "stride_maxima": "i32"}, ("SMALL_BLOCK",)),
     "_candidates_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "scratch_ptr": "*i64",
                             "counts_ptr": "*i32", "width": "i32", "stride_s": "i32", "stride_scratch": "i32",
                             "stride_counts": "i32"}, ("SEGMENT",)),
@@ -393,10 +391,10 @@ def compile_for_sm90(module: str, name: str, signature: dict, constants: dict):
 @pytest.mark.parametrize("kernel", sorted(_KERNELS))
 @pytest.mark.parametrize("window, k, group, rank_order, sorts", [(128, 512, 64, False, 1024), (0, 1, 1, True, 0)])
 def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_order, sorts):
-    """sorts: SORT_GROUPS and SORT_CAP (0: the radix selects)."""
+    """sorts: SORT_CAP (0: the radix select)."""
     every = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
                  TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=4096, SEGMENTS_P2=16,
-                 GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order, SORT_GROUPS=sorts, SORT_CAP=sorts)
+                 GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order, SORT_CAP=sorts)
     signature, own = _KERNELS[kernel]
     constants = {name: every[name] for name in ("WINDOW", "TOPK", *own)}
     done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants)
@@ -409,7 +407,7 @@ def test_the_bound_kernel_compiles_for_a_row_of_one_group():
     kernel n_groups == 1 (the interpreter never specializes, so only the H200 saw this fail)."""
     signature, _ = _KERNELS["_bound_kernel"]
     done = compile_for_sm90("runtime.kernels.triton.topk", "_bound_kernel", dict(signature),
-                            dict(WINDOW=0, TOPK=1, SMALL_BLOCK=1024, SORT_GROUPS=0, n_groups=1))
+                            dict(WINDOW=0, TOPK=1, SMALL_BLOCK=1024, n_groups=1))
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

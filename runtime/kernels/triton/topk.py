@@ -114,22 +114,14 @@ def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxi
 
 @triton.jit
 def _bound_kernel(maxima_ptr, pos_ptr, bound_ptr, n_groups, stride_maxima,
-                  WINDOW: tl.constexpr, TOPK: tl.constexpr, SMALL_BLOCK: tl.constexpr, SORT_GROUPS: tl.constexpr):
+                  WINDOW: tl.constexpr, TOPK: tl.constexpr, SMALL_BLOCK: tl.constexpr):
     """The TOPK-th largest group maximum of a row: a lower bound of its TOPK-th largest key (TOPK
-    distinct elements, those maxima, reach it; group_size leaves at least TOPK groups). SORT_GROUPS
-    (a power of two >= the groups, or 0): sort the maxima in registers and read the TOPK-th, in
-    place of the four histogram rounds (the same key)."""
+    distinct elements, those maxima, reach it; group_size leaves at least TOPK groups)."""
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:
-        if SORT_GROUPS > 0:
-            g = tl.arange(0, SORT_GROUPS)
-            maxima = tl.load(maxima_ptr + row * stride_maxima + g, mask=g < n_groups, other=-9223372036854775808)
-            kth = tl.sum(tl.where(g == TOPK - 1, tl.sort(maxima, descending=True), 0), 0)
-            tl.store(bound_ptr + row, (kth >> 32) + 2147483648)
-        else:
-            bound, _ = _radix_select(maxima_ptr + row * stride_maxima, n_groups, TOPK, SMALL_BLOCK)
-            tl.store(bound_ptr + row, bound)
+        bound, _ = _radix_select(maxima_ptr + row * stride_maxima, n_groups, TOPK, SMALL_BLOCK)
+        tl.store(bound_ptr + row, bound)
 
 
 @triton.jit
@@ -282,14 +274,12 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
     tl.store(ok_ptr + row * stride_ok + w, window_pos >= 0, mask=w < WINDOW)
 
 
-# Sorts in registers in place of radix selects (same output). A row's candidates (k plus a few, unless
-# scores tie) are sorted whole when they are at most SORT_CAP_FACTOR * k (rounded up to a power of two),
-# else radix-selected: on the H200 (2026-12-05, B=64, 64K positions, top-512; bench.kernels'
-# select_variants_us) 47.8 us against 52.5. The bound by a sort of up to SORT_GROUPS_MAX group maxima
-# (group_size keeps about max(1024, 2 * k)) was slower than the radix select (53.7 against 52.5): off.
-SORT_BOUND = False
+# A sort in registers in place of the finish's radix select (same output): a row's candidates (k plus a
+# few, unless scores tie) are sorted whole when they are at most SORT_CAP_FACTOR * k (rounded up to a
+# power of two), else radix-selected. On the H200 (2026-12-05, B=64, 64K positions, top-512; bench.kernels'
+# select_variants_us) 47.8 us against 52.5. (The bound by a sort of the group maxima was tried too:
+# 53.7 against the radix select's 52.5, not kept.)
 SORT_FINISH = True
-SORT_GROUPS_MAX = 4096
 SORT_CAP_FACTOR = 2
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
@@ -310,7 +300,7 @@ def group_size(width: int, topk: int, group: int | None = None) -> int:
 def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int, group: int | None = None,
                  segment: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  scratch: torch.Tensor | None = None, rank_order: bool | None = None,
-                 sort_bound: bool | None = None, sort_finish: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sort_finish: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
@@ -318,11 +308,10 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     out: (positions, valid) buffers to fill; scratch: [B, L] int64 workspace (tests poison both).
     rank_order: order the chosen by counting instead of tl.sort (the same order; by default under
     the interpreter only, where tl.sort takes seconds a row; on a GPU the sort is cheaper).
-    sort_bound / sort_finish: the bound by a sort of the group maxima, and a row's top-k by one sort of
-    its candidates when they are at most SORT_CAP_FACTOR * k (by default `SORT_BOUND` / `SORT_FINISH`
-    on a GPU, off under the interpreter): the same output either way."""
+    sort_finish: a row's top-k by one sort of its candidates when they are at most SORT_CAP_FACTOR * k
+    (by default `SORT_FINISH` on a GPU, off under the interpreter): the same output either way."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
-                                          sort_bound, sort_finish)
+                                          sort_finish)
     for launch in launches.values():
         launch()
     return result
@@ -331,8 +320,7 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
 def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int,
                        group: int | None = None, segment: int | None = None,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
-                       rank_order: bool | None = None, sort_bound: bool | None = None,
-                       sort_finish: bool | None = None,
+                       rank_order: bool | None = None, sort_finish: bool | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
     (positions, valid) they fill. The arguments are select_slots'."""
@@ -364,9 +352,6 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     counts = torch.empty(rows, 2 * n_segments, dtype=torch.int32, device=scores.device)  # (candidates, above)
     segments_p2 = max(2, triton.next_power_of_2(n_segments))
     small_block = 64 if INTERPRETED else 1024  # the ~k candidates: a whole 4096-lane histogram would waste 3/4
-    groups_p2 = triton.next_power_of_2(maxima.shape[1])
-    sort_groups = groups_p2 if (SORT_BOUND and not INTERPRETED if sort_bound is None else sort_bound) \
-        and groups_p2 <= SORT_GROUPS_MAX else 0
     sort_cap = SORT_CAP_FACTOR * max(2, triton.next_power_of_2(chosen)) \
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
@@ -377,7 +362,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
             WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8),
         "bound": lambda: _bound_kernel[(rows,)](
             maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
-            SMALL_BLOCK=small_block, SORT_GROUPS=sort_groups, num_warps=8),
+            SMALL_BLOCK=small_block, num_warps=8),
         "candidates": lambda: _candidates_kernel[(rows, n_segments)](
             scores, positions, bound, scratch, counts, width, scores.stride(0), scratch.stride(0), counts.stride(0),
             WINDOW=window, TOPK=chosen, SEGMENT=segment, num_warps=8),
