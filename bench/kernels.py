@@ -343,11 +343,16 @@ def bench_indexer(ceilings, rows: list) -> None:
             q, w, keys, page_table, lens, page_size, key_scale=scale)
         logits = logits_fn()
         logits_us = graph_us([logits_fn] * 3)
-        # Programs whose every position is a key, unmasked (indexer.FULL_FAST): same bits, faster?
-        fast_fn = lambda q=q, keys=keys, scale=scale, fast=not indexer.FULL_FAST: indexer.indexer_logits(  # noqa: E731
-            q, w, keys, page_table, lens, page_size, key_scale=scale, full_fast=fast)
-        other_full_fast = dict(us=graph_us([fast_fn] * 3), same_bits=torch.equal(fast_fn(), logits),
-                               full_fast=not indexer.FULL_FAST)
+        # The logits kernel's off-by-default switches, each pair (indexer.FULL_FAST: programs whose every
+        # position is a key run unmasked; indexer.SLOT_HINTS: the slots' runs told to the compiler): same
+        # bits as the default, faster?
+        logit_variants = {}
+        for full_fast in (False, True):
+            for slot_hints in (False, True):
+                fn = lambda q=q, keys=keys, scale=scale, f=full_fast, h=slot_hints: indexer.indexer_logits(  # noqa: E731
+                    q, w, keys, page_table, lens, page_size, key_scale=scale, full_fast=f, slot_hints=h)
+                logit_variants[f"full_fast={int(full_fast)},slot_hints={int(slot_hints)}"] = dict(
+                    us=graph_us([fn] * 3), same_bits=torch.equal(fn(), logits))
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
         selection = _bench_selection(logits, positions, topk)
@@ -360,7 +365,7 @@ def bench_indexer(ceilings, rows: list) -> None:
         roof = roofline_us(bytes_moved, flops, ceilings)
         rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
                          logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
-                         logits_other_full_fast=other_full_fast,
+                         logits_variants=logit_variants,
                          roofline_us=roof,
                          pct_roofline=100 * roof / logits_us))
         print(json.dumps(rows[-1]), flush=True)
