@@ -344,14 +344,14 @@ def bench_indexer(ceilings, rows: list) -> None:
         logits = logits_fn()
         logits_us = graph_us([logits_fn] * 3)
         # The logits kernel's off-by-default switches, each pair (indexer.FULL_FAST: programs whose every
-        # position is a key run unmasked; indexer.SLOT_HINTS: the slots' runs told to the compiler): same
+        # position is a key run unmasked; indexer.EARLY_SCALE: the key scale loaded before the keys): same
         # bits as the default, faster?
         logit_variants = {}
         for full_fast in (False, True):
-            for slot_hints in (False, True):
-                fn = lambda q=q, keys=keys, scale=scale, f=full_fast, h=slot_hints: indexer.indexer_logits(  # noqa: E731
-                    q, w, keys, page_table, lens, page_size, key_scale=scale, full_fast=f, slot_hints=h)
-                logit_variants[f"full_fast={int(full_fast)},slot_hints={int(slot_hints)}"] = dict(
+            for early in (False, True):
+                fn = lambda q=q, keys=keys, scale=scale, f=full_fast, e=early: indexer.indexer_logits(  # noqa: E731
+                    q, w, keys, page_table, lens, page_size, key_scale=scale, full_fast=f, early_scale=e)
+                logit_variants[f"full_fast={int(full_fast)},early_scale={int(early)}"] = dict(
                     us=graph_us([fn] * 3), same_bits=torch.equal(fn(), logits))
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)

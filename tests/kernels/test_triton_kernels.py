@@ -730,34 +730,17 @@ def test_indexer_unmasked_full_programs_keep_the_bits(seed, queries, context, pa
 @settings(max_examples=4 if ON_GPU else 2, deadline=None)
 @given(seed=SEEDS, queries=st.sampled_from([2, 5]), context=st.sampled_from([256, 300]),
        page_size=st.sampled_from([4, 16, 64]), dtype=st.sampled_from(DTYPES), full_fast=st.booleans())
-def test_indexer_slot_hints_keep_the_bits(seed, queries, context, page_size, dtype, full_fast):
-    """`slot_hints`: the compiler is told that aligned runs of `slot_run(page_size)` positions are
-    consecutive slots (so it may load their key scales as vectors). Pages scattered at random: every
-    logit is the unhinted kernel's bits."""
+def test_indexer_early_key_scale_keeps_the_bits(seed, queries, context, page_size, dtype, full_fast):
+    """`early_scale`: each block's key scale is loaded before its keys and their MMA (its latency beside
+    the MMA's), masked and unmasked programs: every logit is the late load's bits, -inf past each length
+    included."""
     q, w, keys, table, lens, _ = _indexer_case(seed, queries, 4, 16, context, page_size, dtype)
     keys, key_scale = _scaled_keys(keys)
     q = q.to(keys.dtype)
-    plain = _run_indexer(q, w, keys, table, lens, page_size, key_scale, full_fast=full_fast, slot_hints=False)
-    hinted = _run_indexer(q, w, keys, table, lens, page_size, key_scale, full_fast=full_fast, slot_hints=True)
-    assert not torch.isnan(hinted).any(), "a position left unwritten (poison)"
-    assert torch.equal(hinted, plain)
-
-
-def test_slot_run_divides_the_page():
-    assert [indexer.slot_run(p) for p in (1, 2, 4, 6, 16, 64, 256)] == [1, 2, 4, 2, 16, 16, 16]
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the interpreter ignores compiler hints: only a GPU compile acts on them")
-def test_indexer_slot_hints_control_a_wrong_run_reads_wrong_scales():
-    """The negative control of the test above: promising runs of 16 where pages hold 2 slots (a hint the
-    page size does not back) makes the compiled kernel read other slots' scales. If this ever passes
-    unchanged, the hints no longer reach the code and `SLOT_HINTS` times nothing."""
-    q, w, keys, table, lens, _ = _indexer_case(3, 4, 4, 16, 1024, 2, torch.float32)
-    keys, key_scale = _scaled_keys(keys)
-    q = q.to(keys.dtype)
-    plain = _run_indexer(q, w, keys, table, lens, 2, key_scale, full_fast=True, slot_hints=False)
-    wrong = _run_indexer(q, w, keys, table, lens, 2, key_scale, full_fast=True, _slot_run=16)
-    assert not torch.equal(wrong, plain)
+    late = _run_indexer(q, w, keys, table, lens, page_size, key_scale, full_fast=full_fast, early_scale=False)
+    early = _run_indexer(q, w, keys, table, lens, page_size, key_scale, full_fast=full_fast, early_scale=True)
+    assert not torch.isnan(early).any(), "a position left unwritten (poison)"
+    assert torch.equal(early, late)
 
 
 def test_indexer_spreads_small_steps_over_more_programs():

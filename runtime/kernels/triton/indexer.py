@@ -28,20 +28,12 @@ SPREAD_PROGRAMS = 256  # fewer blocks a program (down to 1) until a call has at 
 # H200 times it (bench.kernels' logits_variants, against the default's logits_us).
 FULL_FAST = False
 
-# Slot-run hints: within a page a query's positions are consecutive slots, so every aligned run of
-# `slot_run(page_size)` positions (a power of two dividing the page size, at most 16) holds consecutive
-# slots starting at a multiple of the run. Triton cannot see that through the page table's load, and
-# then gathers each per-slot key scale (and each key row) one element at a time; told, it may load them
-# in vectors. A hint changes no arithmetic (the same bits) but a wrong one reads wrong data, so the run is
-# derived from the page size alone. Off until the H200 times it (bench.kernels' logits_variants).
-SLOT_HINTS = False
-MAX_SLOT_RUN = 16
-
-
-def slot_run(page_size: int) -> int:
-    """The longest power of two (<= MAX_SLOT_RUN) dividing page_size: positions [k * run, (k + 1) * run)
-    are consecutive slots of one page, the first a multiple of run (slot = page * page_size + offset)."""
-    return min(page_size & -page_size, MAX_SLOT_RUN) if page_size > 0 else 1
+# The per-slot key scale loaded before the keys and their MMA, not after the head sum: a plain load
+# (Triton's pipeliner prefetches only the loads that feed the MMA), so issued after the MMA its latency
+# stands between one block and the next (a copy of the loop without the scale ran 145 us against 159
+# with it; bench/indexer_anatomy.py). Issued first it waits beside the MMA. The same product, the same
+# bits; off until the H200 times it (bench.kernels' logits_variants).
+EARLY_SCALE = False
 
 
 def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int = MAX_BLOCKS) -> int:
@@ -54,19 +46,21 @@ def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int =
 @triton.jit
 def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim, page_size,
                   width, stride_key, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
-                  SLOT_RUN: tl.constexpr):
+                  EARLY_SCALE: tl.constexpr):
     """The logits of one block of positions offs_l, stored at out_row. MASKED: positions may lie past
     the query's length (they get -inf) or the row's width; unmasked, every position is a key (the
-    same operations on each, so the same bits). SLOT_RUN > 1: the caller promises runs of that many
-    consecutive slots (`slot_run`)."""
+    same operations on each, so the same bits). EARLY_SCALE: the key scale's load comes first."""
     valid = offs_l < length
     if MASKED:
         page = tl.load(table_row + offs_l // page_size, mask=valid, other=0).to(tl.int64)
     else:
         page = tl.load(table_row + offs_l // page_size).to(tl.int64)
     slot = page * page_size + offs_l % page_size
-    if SLOT_RUN > 1:
-        slot = tl.max_contiguous(tl.multiple_of(slot, SLOT_RUN), SLOT_RUN)
+    if KEY_SCALE and EARLY_SCALE:
+        if MASKED:
+            key_scale = tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
+        else:
+            key_scale = tl.load(key_scale_ptr + slot)
     d_ok = offs_d < dim
     if MASKED:
         key_ok = valid[:, None] & d_ok[None, :]
@@ -75,7 +69,9 @@ def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, of
     keys = tl.load(key_ptr + slot[:, None] * stride_key + offs_d[None, :], mask=key_ok, other=0.0)  # [BLOCK_L, BLOCK_D]
     scores = tl.maximum(tl.dot(keys, q_t, input_precision=PRECISION), 0.0)  # [BLOCK_L, BLOCK_H]
     logits = tl.sum(scores * w[None, :], axis=1)
-    if KEY_SCALE:
+    if KEY_SCALE and EARLY_SCALE:
+        logits = logits * key_scale
+    elif KEY_SCALE:
         if MASKED:
             logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
         else:
@@ -91,7 +87,7 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
                     heads, dim, page_size, width, stride_qt, stride_qh, stride_w, stride_key, stride_table, stride_out,
                     KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, FULL_FAST: tl.constexpr,
-                    SLOT_RUN: tl.constexpr):
+                    EARLY_SCALE: tl.constexpr):
     # One program: BLOCKS consecutive blocks of BLOCK_L positions of one query, q held throughout.
     # Scores as keys @ q^T ([positions, heads]): the head sum then stays inside a warp.
     query = tl.program_id(0).to(tl.int64)
@@ -114,7 +110,7 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
         for block in range(0, BLOCKS):
             _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, first + block * BLOCK_L
                           + tl.arange(0, BLOCK_L), offs_d, length, dim, page_size, width, stride_key,
-                          KEY_SCALE, PRECISION, MASKED=False, SLOT_RUN=SLOT_RUN)
+                          KEY_SCALE, PRECISION, MASKED=False, EARLY_SCALE=EARLY_SCALE)
     else:
         # Blocks wholly past the query's length hold no key: they get their -inf without loads or an
         # MMA. In a prefill chunk a query's length is its position + 1, so on average half of every row
@@ -126,21 +122,20 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
         for block in range(0, live):
             _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, first + block * BLOCK_L
                           + tl.arange(0, BLOCK_L), offs_d, length, dim, page_size, width, stride_key,
-                          KEY_SCALE, PRECISION, MASKED=True, SLOT_RUN=SLOT_RUN)
+                          KEY_SCALE, PRECISION, MASKED=True, EARLY_SCALE=EARLY_SCALE)
 
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, blocks: int | None = None,
-                   full_fast: bool | None = None, slot_hints: bool | None = None,
-                   _slot_run: int | None = None) -> torch.Tensor:
+                   full_fast: bool | None = None, early_scale: bool | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
     blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits.
     full_fast: programs whose every position is a key run unmasked (`FULL_FAST` by default): the
-    same bits. slot_hints: tell the compiler the slots' runs (`SLOT_HINTS` by default): the same bits.
-    _slot_run: a run to promise instead of `slot_run(page_size)` (the tests' planted wrong hint)."""
+    same bits. early_scale: the key scale loaded before the keys (`EARLY_SCALE` by default): the same
+    bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
@@ -151,14 +146,13 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     blocks = blocks or blocks_per_program(tokens, length, block_l, max_blocks)
     block_h = max(16, triton.next_power_of_2(heads))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    hinted = SLOT_HINTS if slot_hints is None else slot_hints
-    run = _slot_run if _slot_run is not None else (slot_run(page_size) if hinted else 1)
     _indexer_kernel[(tokens, triton.cdiv(length, block_l * blocks))](
         q, head_weights, key_cache, key_scale if key_scale is not None else head_weights, page_table, seq_lens, out,
         heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0), key_cache.stride(0),
         page_table.stride(0), out.stride(0), KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks,
         BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_L=block_l,
-        FULL_FAST=FULL_FAST if full_fast is None else full_fast, SLOT_RUN=run, num_warps=4,
+        FULL_FAST=FULL_FAST if full_fast is None else full_fast,
+        EARLY_SCALE=EARLY_SCALE if early_scale is None else early_scale, num_warps=4,
         num_stages=1 if INTERPRETED else 3)
     return out
 
