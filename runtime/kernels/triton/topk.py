@@ -34,6 +34,9 @@ import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
 
+# Below every packed (key, position) value (_packed): the fill of a masked load of packed values.
+LOWEST_PACKED = tl.constexpr(-(2**63))
+
 
 @triton.jit
 def _order_key(x, cols, last):
@@ -238,7 +241,7 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
         if SORT_CAP > 0:
             if n_cand <= SORT_CAP:
                 c = tl.arange(0, SORT_CAP)
-                ranked = tl.sort(tl.load(scratch + c, mask=c < n_cand, other=-9223372036854775808), descending=True)
+                ranked = tl.sort(tl.load(scratch + c, mask=c < n_cand, other=LOWEST_PACKED), descending=True)
                 cols = 4294967295 - (ranked & 4294967295)
                 tl.store(chosen + c, cols, mask=c < TOPK)
                 tl.store(ok_ptr + row * stride_ok + WINDOW + c, cols <= last, mask=c < TOPK)
@@ -251,14 +254,14 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
 
     if ordered == 0:
         j = tl.arange(0, TOPK_P2)
-        packed = tl.load(chosen + j, mask=j < TOPK, other=-9223372036854775808)
+        packed = tl.load(chosen + j, mask=j < TOPK, other=LOWEST_PACKED)
         if RANK_ORDER:
             # Each value's rank = how many chosen values exceed it (they are distinct): the same order
             # as the sort, in whole-tensor steps (the interpreter runs tl.sort's swaps one by one).
             rank = tl.zeros([TOPK_P2], dtype=tl.int32)
             for c0 in range(0, TOPK, 32):
                 c = c0 + tl.arange(0, 32)
-                theirs = tl.load(chosen + c, mask=c < TOPK, other=-9223372036854775808)
+                theirs = tl.load(chosen + c, mask=c < TOPK, other=LOWEST_PACKED)
                 rank += tl.sum((theirs[None, :] > packed[:, None]).to(tl.int32), axis=1)
             tl.debug_barrier()  # every read of the chosen before the first write
             dest = rank
