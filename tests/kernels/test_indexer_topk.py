@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from canary.oracles.topk_compare import wrong_topk_indices
 from runtime.kernels import cuda_torch
+from runtime.kernels.triton import indexer as indexer_kernels
 from runtime.kernels.triton import topk
 
 pytestmark = pytest.mark.kernels
@@ -418,3 +419,32 @@ def test_compile_check_fails_on_code_only_the_interpreter_accepts():
     """Negative control: the constexpr reassignment the interpreter let through must fail here."""
     done = compile_for_sm90("tests.kernels.planted_compile_error", "reassigns_a_constexpr", {"out_ptr": "*i32"}, {})
     assert done.returncode != 0 and "constexpr cannot be reassigned" in done.stderr
+
+
+_INDEXER_SIGNATURE = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "key_ptr": "*fp8e4nv", "key_scale_ptr": "*fp32",
+                      "table_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": "*fp32", "heads": "i32", "dim": "i32",
+                      "page_size": "i32", "width": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_w": "i32",
+                      "stride_key": "i32", "stride_table": "i32", "stride_out": "i32"}
+
+
+def _compile_indexer_fp8(block_d: int):
+    constants = dict(KEY_SCALE=True, PRECISION="tf32", BLOCKS=2, BLOCK_H=16, BLOCK_D=block_d, BLOCK_L=128,
+                     EARLY_SCALE=True)
+    return compile_for_sm90("runtime.kernels.triton.indexer", "_indexer_kernel", dict(_INDEXER_SIGNATURE), constants)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the indexer tests compile it for real")
+def test_the_indexer_compiles_fp8_keys_narrower_than_the_mma():
+    """fp8 keys of 16 lanes (the kernel tests' width): `key_block` pads K to the fp8 MMA's 32. The H100 run of
+    the twenty-fifth session failed to compile the kernel at K 16; the interpreter never checks it."""
+    block_d = indexer_kernels.key_block(16, torch.float8_e4m3fn)
+    assert block_d == 32 and indexer_kernels.key_block(16, torch.bfloat16) == 16
+    done = _compile_indexer_fp8(block_d)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the indexer tests compile it for real")
+def test_the_indexer_fp8_compile_check_fails_at_k_16():
+    """Negative control of the test above: K 16 with fp8 operands is refused by the sm_90 compile."""
+    done = _compile_indexer_fp8(16)
+    assert done.returncode != 0 and "K >= 32" in done.stderr

@@ -24,16 +24,13 @@ MAX_BLOCKS = 8
 SPREAD_PROGRAMS = 256  # fewer blocks a program (down to 1) until a call has at least this many programs
 
 
-# Unmasked programs where every position is a key (_indexer_kernel): the same bits; off until the
-# H200 times it (bench.kernels' logits_variants, against the default's logits_us).
-FULL_FAST = False
-
 # The per-slot key scale loaded before the keys and their MMA, not after the head sum: a plain load
 # (Triton's pipeliner prefetches only the loads that feed the MMA), so issued after the MMA its latency
 # stands between one block and the next (a copy of the loop without the scale ran 145 us against 159
 # with it; bench/indexer_anatomy.py). Issued first it waits beside the MMA. The same product, the same
-# bits; off until the H200 times it (bench.kernels' logits_variants).
-EARLY_SCALE = False
+# bits. Timed on an H100 (twenty-fifth session; bench.kernels, both ways): fp8 keys 202.8 us
+# against 208.9, bf16 392.5 against 391.4 (B=64, 64K).
+EARLY_SCALE = True
 
 
 def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int = MAX_BLOCKS) -> int:
@@ -43,51 +40,39 @@ def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int =
     return blocks
 
 
+def key_block(dim: int, dtype: torch.dtype) -> int:
+    """BLOCK_D for keys of `dim` in `dtype`: at least the MMA's smallest K, 16 for 16- and 32-bit
+    operands and 32 for fp8 (sm_90 refuses an fp8 dot of K 16 at compile time: seen on the H100 with
+    16-wide test keys). Lanes past dim load zeros."""
+    return max(32 if dtype.itemsize == 1 else 16, triton.next_power_of_2(dim))
+
+
 @triton.jit
 def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim, page_size,
-                  width, stride_key, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
-                  EARLY_SCALE: tl.constexpr):
-    """The logits of one block of positions offs_l, stored at out_row. MASKED: positions may lie past
-    the query's length (they get -inf) or the row's width; unmasked, every position is a key (the
-    same operations on each, so the same bits). EARLY_SCALE: the key scale's load comes first."""
+                  width, stride_key, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, EARLY_SCALE: tl.constexpr):
+    """The logits of one block of positions offs_l, stored at out_row; -inf past the query's length,
+    nothing past the row's width. EARLY_SCALE: the key scale's load comes first."""
     valid = offs_l < length
-    if MASKED:
-        page = tl.load(table_row + offs_l // page_size, mask=valid, other=0).to(tl.int64)
-    else:
-        page = tl.load(table_row + offs_l // page_size).to(tl.int64)
+    page = tl.load(table_row + offs_l // page_size, mask=valid, other=0).to(tl.int64)
     slot = page * page_size + offs_l % page_size
     if KEY_SCALE and EARLY_SCALE:
-        if MASKED:
-            key_scale = tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
-        else:
-            key_scale = tl.load(key_scale_ptr + slot)
-    d_ok = offs_d < dim
-    if MASKED:
-        key_ok = valid[:, None] & d_ok[None, :]
-    else:
-        key_ok = d_ok[None, :]
+        key_scale = tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
+    key_ok = valid[:, None] & (offs_d < dim)[None, :]
     keys = tl.load(key_ptr + slot[:, None] * stride_key + offs_d[None, :], mask=key_ok, other=0.0)  # [BLOCK_L, BLOCK_D]
     scores = tl.maximum(tl.dot(keys, q_t, input_precision=PRECISION), 0.0)  # [BLOCK_L, BLOCK_H]
     logits = tl.sum(scores * w[None, :], axis=1)
     if KEY_SCALE and EARLY_SCALE:
         logits = logits * key_scale
     elif KEY_SCALE:
-        if MASKED:
-            logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
-        else:
-            logits = logits * tl.load(key_scale_ptr + slot)
-    if MASKED:
-        tl.store(out_row + offs_l, tl.where(valid, logits, float("-inf")), mask=offs_l < width)
-    else:
-        tl.store(out_row + offs_l, logits)
+        logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
+    tl.store(out_row + offs_l, tl.where(valid, logits, float("-inf")), mask=offs_l < width)
 
 
 @triton.jit
 def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr,
                     heads, dim, page_size, width, stride_qt, stride_qh, stride_w, stride_key, stride_table, stride_out,
                     KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, FULL_FAST: tl.constexpr,
-                    EARLY_SCALE: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, EARLY_SCALE: tl.constexpr):
     # One program: BLOCKS consecutive blocks of BLOCK_L positions of one query, q held throughout.
     # Scores as keys @ q^T ([positions, heads]): the head sum then stays inside a warp.
     query = tl.program_id(0).to(tl.int64)
@@ -103,39 +88,28 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
     out_row = out_ptr + query * stride_out
     table_row = table_ptr + query * stride_table
     first = tl.program_id(1) * BLOCKS * BLOCK_L
-    # FULL_FAST: a program whose every position is a key (most of a long decode row) runs a loop of
-    # BLOCKS unmasked blocks: a copy of this loop without its masks and its per-program trip count
-    # ran in 159 us where the kernel took 176 (H200, B=64, 64K fp8 keys; bench/indexer_anatomy.py).
-    if FULL_FAST and first + BLOCKS * BLOCK_L <= length:
-        for block in range(0, BLOCKS):
-            _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, first + block * BLOCK_L
-                          + tl.arange(0, BLOCK_L), offs_d, length, dim, page_size, width, stride_key,
-                          KEY_SCALE, PRECISION, MASKED=False, EARLY_SCALE=EARLY_SCALE)
-    else:
-        # Blocks wholly past the query's length hold no key: they get their -inf without loads or an
-        # MMA. In a prefill chunk a query's length is its position + 1, so on average half of every row
-        # (the causal triangle) is such blocks; a valid position's logit is computed exactly as before.
-        live = tl.minimum(BLOCKS, tl.maximum(0, tl.cdiv(length - first, BLOCK_L)))
-        for block in range(live, BLOCKS):
-            offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
-            tl.store(out_row + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32), mask=offs_l < width)
-        for block in range(0, live):
-            _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, first + block * BLOCK_L
-                          + tl.arange(0, BLOCK_L), offs_d, length, dim, page_size, width, stride_key,
-                          KEY_SCALE, PRECISION, MASKED=True, EARLY_SCALE=EARLY_SCALE)
+    # Blocks wholly past the query's length hold no key: they get their -inf without loads or an MMA.
+    # In a prefill chunk a query's length is its position + 1, so on average half of every row (the
+    # causal triangle) is such blocks; a valid position's logit is computed exactly as before.
+    live = tl.minimum(BLOCKS, tl.maximum(0, tl.cdiv(length - first, BLOCK_L)))
+    for block in range(live, BLOCKS):
+        offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
+        tl.store(out_row + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32), mask=offs_l < width)
+    for block in range(0, live):
+        offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
+        _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim, page_size,
+                      width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE)
 
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, blocks: int | None = None,
-                   full_fast: bool | None = None, early_scale: bool | None = None) -> torch.Tensor:
+                   early_scale: bool | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
     blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits.
-    full_fast: programs whose every position is a key run unmasked (`FULL_FAST` by default): the
-    same bits. early_scale: the key scale loaded before the keys (`EARLY_SCALE` by default): the same
-    bits."""
+    early_scale: the key scale loaded before the keys (`EARLY_SCALE` by default): the same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
@@ -146,14 +120,14 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     blocks = blocks or blocks_per_program(tokens, length, block_l, max_blocks)
     block_h = max(16, triton.next_power_of_2(heads))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_d = key_block(dim, q.dtype)
     _indexer_kernel[(tokens, triton.cdiv(length, block_l * blocks))](
         q, head_weights, key_cache, key_scale if key_scale is not None else head_weights, page_table, seq_lens, out,
         heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0), key_cache.stride(0),
         page_table.stride(0), out.stride(0), KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks,
-        BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_L=block_l,
-        FULL_FAST=FULL_FAST if full_fast is None else full_fast,
-        EARLY_SCALE=EARLY_SCALE if early_scale is None else early_scale, num_warps=4,
-        num_stages=1 if INTERPRETED else 3)
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_L=block_l,
+        EARLY_SCALE=EARLY_SCALE if early_scale is None else early_scale,
+        num_warps=4, num_stages=1 if INTERPRETED else 3)
     return out
 
 
