@@ -54,8 +54,16 @@ def workload_arg(spec: str) -> TrialWorkload:
         raise argparse.ArgumentTypeError(f"{spec!r}: {exc}") from exc
 
 
-def done_runs(out: Path) -> list[dict]:
-    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
+def done_runs(out: Path, device: str | None = None) -> list[dict]:
+    """The runs `out` holds. With `device`: refused (ValueError) when any of them ran on another machine,
+    since error rates are one machine's; a resumed series would otherwise count them as its own (the
+    twenty-fifth session's H200 series resumed on an H100 that way)."""
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
+    others = sorted({r["device"] for r in rows if device is not None and r.get("device", device) != device})
+    if others:
+        raise ValueError(f"{out} holds runs of {', '.join(others)}, and this is {device}: error rates are one "
+                         "machine's, so go on in another --out (or move this one aside)")
+    return rows
 
 
 def counts(rows: list[dict], mode: str, kind: str) -> dict[str, int]:
@@ -123,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
     workload: TrialWorkload = args.perf_workload
     modes = ["ab", "stored"] if args.mode == "both" else [args.mode]
-    rows = done_runs(args.out)
+    try:
+        rows = done_runs(args.out, device_name())
+    except ValueError as exc:
+        parser.error(str(exc))
     todo = [(mode, kind, run) for run in range(args.runs) for mode in modes for kind in ("clean", "slowed")
             if not any(r["mode"] == mode and r["kind"] == kind and r["run"] == run for r in rows)]
     print(f"perf verdict trials on {device_name()} at {git_commit()}: {len(rows)} runs done, {len(todo)} to go; "

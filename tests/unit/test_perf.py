@@ -127,3 +127,19 @@ def test_the_error_rate_report_names_the_metric_that_alarms(capsys):
     printed = capsys.readouterr().out
     assert "clean ttft_s@16rps: ok 1, slower 0, inconclusive 1" in printed
     assert "slowed decode_tok_s@8: ok 0, slower 1" in printed
+
+
+def test_the_error_rate_series_refuses_runs_of_another_machine(tmp_path):
+    """Resuming a series on another GPU (what an H100 lent in place of an H200 did) must not add its runs
+    to the first machine's error rates: the file's runs of another device are refused by name."""
+    import json
+
+    from bench.perf_verdict_trials import done_runs
+
+    out = tmp_path / "trials.jsonl"
+    row = {"mode": "ab", "kind": "clean", "run": 0, "status": "ok", "device": "NVIDIA H200"}
+    out.write_text(json.dumps(row) + "\n")
+    assert len(done_runs(out, "NVIDIA H200")) == 1 and len(done_runs(out)) == 1
+    with pytest.raises(ValueError, match="holds runs of NVIDIA H200, and this is NVIDIA H100"):
+        done_runs(out, "NVIDIA H100 80GB HBM3")
+    assert done_runs(tmp_path / "none.jsonl", "NVIDIA H100 80GB HBM3") == []
