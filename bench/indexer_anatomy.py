@@ -58,6 +58,8 @@ def _anatomy_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, out_ptr, di
             slot = page * page_size + offs_l % page_size
         else:
             slot = query * width + offs_l
+        if SCALE:  # ahead of the keys and the MMA, as the deployed kernel loads it (indexer.EARLY_SCALE)
+            key_scale = tl.load(key_scale_ptr + slot)
         keys = tl.load(key_ptr + slot[:, None] * stride_key + offs_d[None, :], mask=offs_d[None, :] < dim,
                        other=0.0)
         if MMA:
@@ -69,7 +71,7 @@ def _anatomy_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, out_ptr, di
         else:
             logits = tl.sum(keys.to(tl.float32), axis=1)
         if SCALE:
-            logits = logits * tl.load(key_scale_ptr + slot)
+            logits = logits * key_scale
         tl.store(out_ptr + query * stride_out + offs_l, logits)
 
 
