@@ -351,13 +351,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 module, name, signature, constants = sys.argv[1], sys.argv[2], eval(sys.argv[3]), eval(sys.argv[4])
+num_warps, num_stages = int(sys.argv[5]), int(sys.argv[6])
 fn = getattr(importlib.import_module(module), name)
 # A launch specializes pointers to 16-byte alignment (torch's allocations are): so does this compile,
 # or it would check code the launch never gets (vector loads appear only with the alignment known).
 aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
 signature.update({key: "constexpr" for key in constants})
 triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
-               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 print("compiled")
 """
 _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
@@ -376,7 +377,9 @@ _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
 }
 
 
-def compile_for_sm90(module: str, name: str, signature: dict, constants: dict):
+def compile_for_sm90(module: str, name: str, signature: dict, constants: dict, *, num_warps: int, num_stages: int = 3):
+    """Compile one kernel for sm_90 in a subprocess at the warps and stages its launch uses: a layout, a
+    shared-memory budget or an MMA shape can be fine at one warp count and refused at another."""
     import subprocess
     import sys
     from pathlib import Path
@@ -386,7 +389,8 @@ def compile_for_sm90(module: str, name: str, signature: dict, constants: dict):
     except ImportError:
         pytest.skip("this Triton has no NVIDIA backend")
     root = Path(__file__).resolve().parents[2]
-    return subprocess.run([sys.executable, "-c", _COMPILE, module, name, repr(signature), repr(constants)],
+    return subprocess.run([sys.executable, "-c", _COMPILE, module, name, repr(signature), repr(constants),
+                           str(num_warps), str(num_stages)],
                           capture_output=True, text=True, timeout=300, cwd=root,
                           env={**__import__("os").environ, "PYTHONPATH": str(root)})
 
@@ -401,7 +405,7 @@ def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_
                  GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order, SORT_CAP=sorts)
     signature, own = _KERNELS[kernel]
     constants = {name: every[name] for name in ("WINDOW", "TOPK", *own)}
-    done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants)
+    done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants, num_warps=8)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
@@ -411,13 +415,14 @@ def test_the_bound_kernel_compiles_for_a_row_of_one_group():
     kernel n_groups == 1 (the interpreter never specializes, so only the H200 saw this fail)."""
     signature, _ = _KERNELS["_bound_kernel"]
     done = compile_for_sm90("runtime.kernels.triton.topk", "_bound_kernel", dict(signature),
-                            dict(WINDOW=0, TOPK=1, SMALL_BLOCK=1024, n_groups=1))
+                            dict(WINDOW=0, TOPK=1, SMALL_BLOCK=1024, n_groups=1), num_warps=8)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 def test_compile_check_fails_on_code_only_the_interpreter_accepts():
     """Negative control: the constexpr reassignment the interpreter let through must fail here."""
-    done = compile_for_sm90("tests.kernels.planted_compile_error", "reassigns_a_constexpr", {"out_ptr": "*i32"}, {})
+    done = compile_for_sm90("tests.kernels.planted_compile_error", "reassigns_a_constexpr", {"out_ptr": "*i32"}, {},
+                            num_warps=4)
     assert done.returncode != 0 and "constexpr cannot be reassigned" in done.stderr
 
 
@@ -430,7 +435,8 @@ _INDEXER_SIGNATURE = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "key_ptr": "*fp8e4n
 def _compile_indexer_fp8(block_d: int):
     constants = dict(KEY_SCALE=True, PRECISION="tf32", BLOCKS=2, BLOCK_H=16, BLOCK_D=block_d, BLOCK_L=128,
                      EARLY_SCALE=True)
-    return compile_for_sm90("runtime.kernels.triton.indexer", "_indexer_kernel", dict(_INDEXER_SIGNATURE), constants)
+    return compile_for_sm90("runtime.kernels.triton.indexer", "_indexer_kernel", dict(_INDEXER_SIGNATURE), constants,
+                            num_warps=4, num_stages=3)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the indexer tests compile it for real")

@@ -582,7 +582,7 @@ def test_sparse_mla_with_skip_tail_compiles_for_the_gpu_without_one(spread, tick
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=stream, TAIL=True,
                      BLOCK_ALL=1024, ROWSUM_MMA=False)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
-                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
+                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=4, num_stages=2)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
@@ -599,8 +599,10 @@ def test_sparse_mla_with_row_sums_as_an_mma_compiles_for_the_gpu(block_h):
     constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=block_h,
                      BLOCK_S=64, BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
                      BLOCK_ALL=1024, ROWSUM_MMA=True)
+    # 16-head blocks launch at 4 warps (default_launch, H=64), 64-head ones at 8 (LARGE_BATCH_LAUNCH).
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
-                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
+                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants,
+                            num_warps=4 if block_h == 16 else 8, num_stages=2)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
@@ -618,7 +620,7 @@ def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
                      BLOCK_G=128, BLOCK_R=64, NARROW=True, SPLITS=5, TAIL=False, BLOCK_ALL=1024, ROWSUM_MMA=True)
     done = compile_for_sm90("runtime.kernels.triton.mla_grouped", "_sparse_mla_grouped_kernel",
-                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants)
+                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=4, num_stages=2)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
@@ -862,13 +864,15 @@ def test_matmul_tma_kernel_compiles_for_the_gpu_without_one(split, flatten, fuse
     cannot vouch for."""
     from tests.kernels.test_indexer_topk import compile_for_sm90
 
-    block_n = 128 if fused else 256
+    launch = matmul.config_for(4096, 2, fused=fused)  # the warps and stages a 4,096-row bf16 pass launches with
+    block_n = launch["BLOCK_N"]
     signature = {"x_desc": "tensordesc<bf16[128, 64]>", "w_desc": f"tensordesc<bf16[{block_n}, 64]>",
                  "out_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_chunk": "i32",
                  "stride_om": "i32"}
     constants = dict(SPLIT_K=split, PRECISION="tf32", BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64, PROGRAMS=132,
                      FLATTEN=flatten, FUSED=fused)
-    done = compile_for_sm90("runtime.kernels.triton.matmul", "_matmul_tma_kernel", signature, constants)
+    done = compile_for_sm90("runtime.kernels.triton.matmul", "_matmul_tma_kernel", signature, constants,
+                            num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
