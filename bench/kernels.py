@@ -323,6 +323,26 @@ def _selection_launch_us(logits: torch.Tensor, positions: torch.Tensor, topk: in
     return {name: prefix_us[n + 1] - prefix_us[n] for n, name in enumerate(names)}
 
 
+def _bench_fused_maxima(q, w, keys, scale, page_table, lens, page_size: int, positions, topk: int) -> dict:
+    """The selection's pass 1 in the logits kernel (indexer.FUSED_MAXIMA) both ways, through the entry
+    point the decode step calls (logits + selection, default launches): each time, whether both give
+    the same logits and selection, and the fused logits kernel alone (what it adds to `logits_us`)."""
+    def entry(fused: bool):
+        return indexer.logits_and_selection(q, w, keys, page_table, lens, page_size, positions, SELECT_WINDOW, topk,
+                                            key_scale=scale, fused=fused)
+    on, off = entry(True), entry(False)
+    same = torch.equal(on[0], off[0]) and all(torch.equal(a, b) for a, b in zip(on[1], off[1]))
+    width = page_table.shape[1] * page_size
+    group = triton_topk.group_size(width, topk)
+    maxima = torch.empty(q.shape[0], -(-width // group), dtype=torch.int64, device=q.device)
+    spec = indexer.GroupMaxima(maxima, positions, SELECT_WINDOW, min(topk, width), group)
+    logits_alone_us = graph_us([lambda: indexer.indexer_logits(q, w, keys, page_table, lens, page_size,
+                                                                key_scale=scale, maxima=spec)] * 3)
+    return dict(default=indexer.FUSED_MAXIMA, on_us=graph_us([lambda: entry(True)] * 3),
+                off_us=graph_us([lambda: entry(False)] * 3), same_selection=same, group=group,
+                fused_logits_alone_us=logits_alone_us)
+
+
 def bench_indexer(ceilings, rows: list) -> None:
     batch, heads, dim, context, page_size, topk = 64, 64, 128, 65536, 64, 512
     gen = torch.Generator().manual_seed(2)
@@ -356,12 +376,13 @@ def bench_indexer(ceilings, rows: list) -> None:
         ours_both_us = graph_us([lambda: triton_topk.select_slots(logits_fn(), positions, SELECT_WINDOW, topk,
                                                                   group=group, segment=block)] * 3) \
             if "select_launch" in selection else None
+        fused_maxima = _bench_fused_maxima(q, w, keys, scale, page_table, lens, page_size, positions, topk)
         bytes_moved = batch * context * (key_bytes + 4)
         flops = 2 * batch * heads * dim * context
         roof = roofline_us(bytes_moved, flops, ceilings)
         rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
                          logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
-                         logits_other_early_scale=logits_other_early_scale,
+                         logits_other_early_scale=logits_other_early_scale, fused_maxima=fused_maxima,
                          roofline_us=roof,
                          pct_roofline=100 * roof / logits_us))
         print(json.dumps(rows[-1]), flush=True)

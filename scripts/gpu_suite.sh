@@ -56,7 +56,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 # `kernel_tests` is the first half alone; KERNEL_TEST_FILES / KERNEL_TEST_K narrow it to what a change touched.
 KERNEL_TEST_FILES=${KERNEL_TEST_FILES:-tests/kernels/test_triton_kernels.py tests/kernels/test_moe_align.py \
     tests/kernels/test_graph_static.py tests/kernels/test_fused_glue.py tests/kernels/test_indexer_topk.py \
-    tests/kernels/test_mla_prefill.py}
+    tests/kernels/test_mla_prefill.py tests/kernels/test_indexer_maxima.py}
 (want graph_tests || want kernel_tests) && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -v \
     -p no:cacheprovider --run-gpu -n "${KERNEL_TEST_WORKERS:-4}" $KERNEL_TEST_FILES ${KERNEL_TEST_K:+-k "$KERNEL_TEST_K"}
 want graph_tests && section graph_runner_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
@@ -71,9 +71,10 @@ want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY 
     --only "${KERNELS_ONLY:-mla,indexer}" --batches 1,8,32,64,128 --vs-sglang
 # The indexer's selection and logits (issue 15 item 4): their GPU tests, then the bench alone (no SGLang
 # wheel: the selection's launches one by one, its radix-vs-sort variants, the logits' eviction policies,
-# logits_and_selection beside the two apart) and the logits loop taken apart (bench/indexer_anatomy.py).
+# the selection's pass 1 fused into the logits kernel both ways) and the logits loop taken apart (bench/indexer_anatomy.py).
 want indexer_tests && section indexer_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
-    -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_indexer_topk.py tests/kernels/test_triton_kernels.py -k "indexer or select or sort"
+    -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_indexer_topk.py tests/kernels/test_triton_kernels.py \
+    tests/kernels/test_indexer_maxima.py -k "indexer or select or sort or maxima"
 want bench_indexer && section bench_indexer "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_indexer.json" \
     --only indexer
 want indexer_anatomy && section indexer_anatomy "${BENCH_TIMEOUT:-90}" $PY -m bench.indexer_anatomy --out "$OUT/indexer_anatomy.json"

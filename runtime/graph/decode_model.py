@@ -85,13 +85,13 @@ class StaticDecodeModel:
                     weights[p + "shared.w_down"] = packed.shared_w2[0]
         # "triton": the paged indexer-logits kernel and the split sparse MLA decode kernel. The split
         # count is fixed here, per deployment, never per batch: a row's bits must not depend on it.
-        self.indexer_logits = self.sparse_mla = None
+        self.indexer_selection = self.sparse_mla = None
         if attention_kernel == "triton":
             from runtime.kernels.triton import attention as triton_attention
             from runtime.kernels.triton import indexer as triton_indexer
             from runtime.kernels.triton import mla_prefill
 
-            self.indexer_logits = triton_indexer.indexer_logits
+            self.indexer_selection = triton_indexer.logits_and_selection
             self.sparse_mla = mla_prefill.sparse_mla  # the one-pass kernel, or two passes for prefill chunks
             local_heads = weights["layers.0.attn.wq.weight"].shape[0] // (cfg.kv_latent_dim + cfg.rope_dim)
             self.attention_splits = triton_attention.default_num_splits(cfg.sliding_window + cfg.index_topk,
@@ -148,7 +148,7 @@ class StaticDecodeModel:
         # Every context slot of every row [B, L]: only the torch attention and indexer gather by it.
         ctx = k.context_slots(pages, self.page_size) if self.sparse_mla is None else None
         # The indexer kernel's int32 page table and key counts: converted once per step, not per layer.
-        paged = (pages.to(torch.int32), (pos + 1).to(torch.int32)) if self.indexer_logits is not None else None
+        paged = (pages.to(torch.int32), (pos + 1).to(torch.int32)) if self.indexer_selection is not None else None
         # Each residual add is fused into the norm that follows it (k.add_rms_norm), the embedding
         # gather into the first; an attention norm writes its rows into `hidden`, which the indexer
         # reads on its stream.
@@ -218,13 +218,14 @@ class StaticDecodeModel:
         k.rope_(q[..., DI - R:], pos, self.cos, self.sin)  # in place, as in _attention
         k.write_cache_rows(proj[:, HI * DI:HI * DI + DI], pos, write, self.cos, self.sin, kv.index_keys[layer], R)
         head_weights = proj[:, HI * DI + DI:] * (HI * DI) ** -0.5
-        if self.indexer_logits is not None:  # reads the paged keys in place; -inf past each row's position
+        if self.indexer_selection is not None:  # reads the paged keys in place; -inf past each row's position
             assert paged is not None
-            scores = self.indexer_logits(q, head_weights.float(), kv.index_keys[layer], *paged, self.page_size)
+            _, (selected, ok) = self.indexer_selection(q, head_weights.float(), kv.index_keys[layer], *paged,
+                                                       self.page_size, pos, cfg.sliding_window, cfg.index_topk)
         else:
             assert ctx is not None
             scores = k.indexer_scores(q, head_weights, kv.index_keys[layer][ctx])
-        selected, ok = k.select_slots(scores.float(), pos, cfg.sliding_window, cfg.index_topk)
+            selected, ok = k.select_slots(scores.float(), pos, cfg.sliding_window, cfg.index_topk)
         self.sel_pos[rows].copy_(selected)
         self.sel_ok[rows].copy_(ok)
 

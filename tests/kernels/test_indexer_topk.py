@@ -427,14 +427,18 @@ def test_compile_check_fails_on_code_only_the_interpreter_accepts():
 
 
 _INDEXER_SIGNATURE = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "key_ptr": "*fp8e4nv", "key_scale_ptr": "*fp32",
-                      "table_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": "*fp32", "heads": "i32", "dim": "i32",
-                      "page_size": "i32", "width": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_w": "i32",
-                      "stride_key": "i32", "stride_table": "i32", "stride_out": "i32"}
+                      "table_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": "*fp32", "pos_ptr": "*i64",
+                      "maxima_ptr": "*i64", "heads": "i32", "dim": "i32", "page_size": "i32", "width": "i32",
+                      "stride_qt": "i32", "stride_qh": "i32", "stride_w": "i32", "stride_key": "i32",
+                      "stride_table": "i32", "stride_out": "i32", "stride_maxima": "i32"}
 
 
-def _compile_indexer_fp8(block_d: int):
-    constants = dict(KEY_SCALE=True, PRECISION="tf32", BLOCKS=2, BLOCK_H=16, BLOCK_D=block_d, BLOCK_L=128,
-                     EARLY_SCALE=True)
+def _compile_indexer_fp8(block_d: int, maxima: bool = False):
+    """The deployment's launch (B=64, 64K: 8 blocks of 128 a program; the selection's top-512 after a
+    128-position window in groups of 64 when `maxima`)."""
+    constants = dict(KEY_SCALE=True, PRECISION="tf32", BLOCKS=8, BLOCK_H=64, BLOCK_D=block_d, BLOCK_L=128,
+                     EARLY_SCALE=True, MAXIMA=maxima, WINDOW=128 if maxima else 0, TOPK=512 if maxima else 0,
+                     GROUP=64 if maxima else 1)
     return compile_for_sm90("runtime.kernels.triton.indexer", "_indexer_kernel", dict(_INDEXER_SIGNATURE), constants,
                             num_warps=4, num_stages=3)
 
@@ -454,3 +458,11 @@ def test_the_indexer_fp8_compile_check_fails_at_k_16():
     """Negative control of the test above: K 16 with fp8 operands is refused by the sm_90 compile."""
     done = _compile_indexer_fp8(16)
     assert done.returncode != 0 and "K >= 32" in done.stderr
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the fused-maxima tests compile it for real")
+def test_the_indexer_with_the_selections_group_maxima_compiles_for_the_gpu():
+    """The logits kernel writing the selection's group maxima (indexer.GroupMaxima) at the deployment's
+    128-lane fp8 keys, through sm_90's compiler: the group max reshapes a block the MMA laid out."""
+    done = _compile_indexer_fp8(128, maxima=True)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

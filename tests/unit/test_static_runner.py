@@ -149,6 +149,49 @@ def test_static_runner_with_the_triton_indexer_and_sparse_attention(tiny):
     assert triton_attn == solo
 
 
+def test_static_runner_with_the_selections_pass_1_in_the_indexer_kernel(tiny, monkeypatch):
+    """indexer.FUSED_MAXIMA (the logits kernel writes the selection's group maxima, the selection runs on
+    them) gives the engine's tokens and logprobs bit for bit, against the same run without it."""
+    from runtime.kernels.triton import indexer as triton_indexer
+
+    prompts, params = workload(3, seed=8, long_prompt=tiny.config.sliding_window + tiny.config.index_topk + 40)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=3) for _ in params]
+    apart = run(tiny, prompts, params, **TRITON_ATTENTION)
+    calls = []
+    real = triton_indexer.indexer_logits
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("maxima") is not None)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(triton_indexer, "indexer_logits", counted)
+    monkeypatch.setattr(triton_indexer, "FUSED_MAXIMA", True)
+    fused = run(tiny, prompts, params, **TRITON_ATTENTION)
+    assert calls and all(calls), "the decode step did not take the fused path"
+    assert fused == apart
+
+
+def test_fused_pass_1_comparison_sees_wrong_maxima(tiny, monkeypatch):
+    """Negative control: group maxima that count the window's positions as top-k candidates (the window
+    one shorter: the maxima then bound the k-th key too high) make the selection miss true top-k
+    positions: fewer than k candidates reach the finish, whose unfilled slots (marked invalid) hold no
+    position, and the step fails on them; a bound only slightly high would change the output instead."""
+    from runtime.kernels.triton import indexer as triton_indexer
+
+    prompts, params = workload(3, seed=8, long_prompt=tiny.config.sliding_window + tiny.config.index_topk + 40)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=3) for _ in params]
+    apart = run(tiny, prompts, params, **TRITON_ATTENTION)
+    real = triton_indexer.indexer_logits
+
+    def planted(*args, **kwargs):
+        if kwargs.get("maxima") is not None:
+            kwargs["maxima"] = kwargs["maxima"]._replace(window=0)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(triton_indexer, "indexer_logits", planted)
+    monkeypatch.setattr(triton_indexer, "FUSED_MAXIMA", True)
+    with pytest.raises((AssertionError, RuntimeError)):
+        assert run(tiny, prompts, params, **TRITON_ATTENTION) == apart
+
+
 def test_static_runner_triton_attention_comparison_sees_a_planted_bug(tiny, monkeypatch):
     """Negative control: the same comparison fails when the Triton attention is given a wrong softmax
     scale (the classic slip of scaling by the latent width alone, without the rope dims)."""

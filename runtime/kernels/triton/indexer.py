@@ -9,11 +9,14 @@ with a positive scale), the per-slot key scale applied after the head sum.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.triton import INTERPRETED
+from runtime.kernels.triton import INTERPRETED, topk
+from runtime.kernels.triton.topk import order_key, pack_key_position
 
 # Positions are cut into blocks of BLOCK_L, up to MAX_BLOCKS of them walked by one program. A step of
 # few queries would then run a handful of programs that walk their blocks one after another (bs 1 at
@@ -33,6 +36,24 @@ SPREAD_PROGRAMS = 256  # fewer blocks a program (down to 1) until a call has at 
 EARLY_SCALE = True
 
 
+# The selection's first pass (topk._maxima_kernel: the largest order key of every GROUP positions) done
+# by the logits kernel on the logits it holds in registers, so that pass's launch and its read of the
+# [B, L] logits go (7.6 us of the selection's 47.6 at B=64, 64K on the H100). Off until timed on a GPU:
+# the block gains a cross-warp max per group and two stores (bench.kernels, logits_plus_select_fused).
+FUSED_MAXIMA = False
+
+
+class GroupMaxima(NamedTuple):
+    """Where and how the logits kernel writes the selection's group maxima (`topk.select_slots`'s
+    `maxima`): out [T, ceil(L / group)] int64; positions [T], window and topk (the chosen count,
+    min(topk, L)) as the selection gets them; group must divide the kernel's block of positions."""
+    out: torch.Tensor
+    positions: torch.Tensor
+    window: int
+    topk: int
+    group: int
+
+
 def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int = MAX_BLOCKS) -> int:
     blocks = max_blocks
     while blocks > 1 and tokens * triton.cdiv(length, block_l * blocks) < SPREAD_PROGRAMS:
@@ -48,10 +69,21 @@ def key_block(dim: int, dtype: torch.dtype) -> int:
 
 
 @triton.jit
+def _store_group_maxima(vals, start, last, width, maxima_row, BLOCK_L: tl.constexpr, GROUP: tl.constexpr):
+    """topk._maxima_kernel's output for the groups of the block starting at `start` (a multiple of GROUP),
+    from the block's stored logits `vals`: the same order keys, lanes past the row's width at key 0."""
+    cols = start + tl.arange(0, BLOCK_L)
+    key = tl.where(cols < width, order_key(vals, cols, last), 0)
+    group_max = tl.max(tl.reshape(key, [BLOCK_L // GROUP, GROUP]), axis=1)
+    g = start // GROUP + tl.arange(0, BLOCK_L // GROUP)
+    tl.store(maxima_row + g, pack_key_position(group_max, g), mask=g * GROUP < width)
+
+
+@triton.jit
 def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim, page_size,
                   width, stride_key, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, EARLY_SCALE: tl.constexpr):
-    """The logits of one block of positions offs_l, stored at out_row; -inf past the query's length,
-    nothing past the row's width. EARLY_SCALE: the key scale's load comes first."""
+    """The logits of one block of positions offs_l, stored at out_row and returned; -inf past the query's
+    length, nothing stored past the row's width. EARLY_SCALE: the key scale's load comes first."""
     valid = offs_l < length
     page = tl.load(table_row + offs_l // page_size, mask=valid, other=0).to(tl.int64)
     slot = page * page_size + offs_l % page_size
@@ -65,18 +97,27 @@ def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, of
         logits = logits * key_scale
     elif KEY_SCALE:
         logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
-    tl.store(out_row + offs_l, tl.where(valid, logits, float("-inf")), mask=offs_l < width)
+    logits = tl.where(valid, logits, float("-inf"))
+    tl.store(out_row + offs_l, logits, mask=offs_l < width)
+    return logits
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr,
+def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, out_ptr, pos_ptr, maxima_ptr,
                     heads, dim, page_size, width, stride_qt, stride_qh, stride_w, stride_key, stride_table, stride_out,
-                    KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, EARLY_SCALE: tl.constexpr):
+                    stride_maxima, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, EARLY_SCALE: tl.constexpr,
+                    MAXIMA: tl.constexpr, WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr):
     # One program: BLOCKS consecutive blocks of BLOCK_L positions of one query, q held throughout.
     # Scores as keys @ q^T ([positions, heads]): the head sum then stays inside a warp.
+    # MAXIMA: the selection's group maxima too (GroupMaxima), for rows it runs pass 1 on (more than
+    # TOPK candidates, as topk._maxima_kernel).
     query = tl.program_id(0).to(tl.int64)
     length = tl.load(lens_ptr + query)
+    last = query * 0 - 1  # the query's last top-k candidate position (MAXIMA only)
+    if MAXIMA:
+        last = tl.load(pos_ptr + query).to(tl.int64) - WINDOW
+    maxima_row = maxima_ptr + query * stride_maxima
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < heads
@@ -94,41 +135,91 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
     live = tl.minimum(BLOCKS, tl.maximum(0, tl.cdiv(length - first, BLOCK_L)))
     for block in range(live, BLOCKS):
         offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
-        tl.store(out_row + offs_l, tl.full((BLOCK_L,), float("-inf"), tl.float32), mask=offs_l < width)
+        dead = tl.full((BLOCK_L,), float("-inf"), tl.float32)
+        tl.store(out_row + offs_l, dead, mask=offs_l < width)
+        if MAXIMA:
+            if last + 1 > TOPK:
+                _store_group_maxima(dead, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
     for block in range(0, live):
         offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
-        _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim, page_size,
-                      width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE)
+        logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
+                               page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE)
+        if MAXIMA:
+            if last + 1 > TOPK:
+                _store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
 
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, blocks: int | None = None,
-                   early_scale: bool | None = None) -> torch.Tensor:
+                   early_scale: bool | None = None, maxima: GroupMaxima | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
     blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits.
-    early_scale: the key scale loaded before the keys (`EARLY_SCALE` by default): the same bits."""
+    early_scale: the key scale loaded before the keys (`EARLY_SCALE` by default): the same bits.
+    maxima: also write the selection's group maxima (GroupMaxima; `logits_and_selection` passes them on)."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
         out = torch.empty(tokens, length, dtype=torch.float32, device=q.device)
     if tokens == 0 or length == 0:
         return out
-    block_l, max_blocks = (32, 2) if INTERPRETED else (128, MAX_BLOCKS)
+    block_l, max_blocks = block_positions(), 2 if INTERPRETED else MAX_BLOCKS
     blocks = blocks or blocks_per_program(tokens, length, block_l, max_blocks)
     block_h = max(16, triton.next_power_of_2(heads))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = key_block(dim, q.dtype)
+    if maxima is not None:
+        _check_maxima(maxima, tokens, length, block_l)
+    # Without maxima their pointers are any tensor's (never read or written).
+    pos, maxima_out = (maxima.positions, maxima.out) if maxima is not None else (seq_lens, out)
     _indexer_kernel[(tokens, triton.cdiv(length, block_l * blocks))](
         q, head_weights, key_cache, key_scale if key_scale is not None else head_weights, page_table, seq_lens, out,
-        heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0), key_cache.stride(0),
-        page_table.stride(0), out.stride(0), KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks,
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_L=block_l,
-        EARLY_SCALE=EARLY_SCALE if early_scale is None else early_scale,
-        num_warps=4, num_stages=1 if INTERPRETED else 3)
+        pos, maxima_out, heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0),
+        key_cache.stride(0), page_table.stride(0), out.stride(0), maxima_out.stride(0),
+        KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks, BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_L=block_l, EARLY_SCALE=EARLY_SCALE if early_scale is None else early_scale,
+        MAXIMA=maxima is not None, WINDOW=maxima.window if maxima else 0, TOPK=maxima.topk if maxima else 0,
+        GROUP=maxima.group if maxima else 1, num_warps=4, num_stages=1 if INTERPRETED else 3)
     return out
+
+
+def block_positions() -> int:
+    """Positions per block of the logits kernel (a group of the fused maxima must divide it)."""
+    return 32 if INTERPRETED else 128
+
+
+def _check_maxima(maxima: GroupMaxima, tokens: int, length: int, block_l: int) -> None:
+    if block_l % maxima.group:
+        raise ValueError(f"group maxima of {maxima.group} positions do not tile the logits kernel's blocks of "
+                         f"{block_l}: the selection's own pass 1 must compute them")
+    want = (tokens, triton.cdiv(length, maxima.group))
+    if maxima.out.shape != want or maxima.out.dtype != torch.int64 or maxima.positions.shape != (tokens,):
+        raise ValueError(f"group maxima need out int64 {list(want)} and positions [{tokens}], got "
+                         f"{maxima.out.dtype} {list(maxima.out.shape)} and {list(maxima.positions.shape)}")
+
+
+def logits_and_selection(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor,
+                         page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, positions: torch.Tensor,
+                         window: int, k: int, key_scale: torch.Tensor | None = None, fused: bool | None = None,
+                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`indexer_logits`, then the window U top-k selection of each query (cuda_torch.select_slots):
+    (logits, (positions, valid)). fused (`FUSED_MAXIMA` by default): the logits kernel writes the
+    selection's group maxima and its first pass is skipped, where the group tiles the kernel's block;
+    the same selection either way."""
+    from runtime.kernels import cuda_torch
+
+    length = page_table.shape[1] * page_size
+    chosen = min(k, length)
+    group = topk.group_size(length, k) if chosen else 0
+    if (FUSED_MAXIMA if fused is None else fused) and chosen and block_positions() % group == 0:
+        maxima = torch.empty(q.shape[0], triton.cdiv(length, group), dtype=torch.int64, device=q.device)
+        logits = indexer_logits(q, head_weights, key_cache, page_table, seq_lens, page_size, key_scale=key_scale,
+                                maxima=GroupMaxima(maxima, positions, window, chosen, group))
+        return logits, topk.select_slots(logits, positions, window, k, group=group, maxima=maxima)
+    logits = indexer_logits(q, head_weights, key_cache, page_table, seq_lens, page_size, key_scale=key_scale)
+    return logits, cuda_torch.select_slots(logits, positions, window, k)
 
 
 def select_positions(logits: torch.Tensor, positions: torch.Tensor, window: int, topk: int) -> torch.Tensor:

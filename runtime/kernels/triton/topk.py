@@ -34,12 +34,12 @@ import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
 
-# Below every packed (key, position) value (_packed): the fill of a masked load of packed values.
+# Below every packed (key, position) value (pack_key_position): the fill of a masked load of packed values.
 LOWEST_PACKED = tl.constexpr(-(2**63))
 
 
 @triton.jit
-def _order_key(x, cols, last):
+def order_key(x, cols, last):
     """uint32 with key(a) < key(b) iff a < b as select_slots ranks them (-0.0 == +0.0, NaN highest)."""
     x = tl.where(cols <= last, x, float("-inf"))
     x = tl.where(x == 0.0, 0.0, x)
@@ -49,7 +49,7 @@ def _order_key(x, cols, last):
 
 
 @triton.jit
-def _packed(key, cols):
+def pack_key_position(key, cols):
     """(key, position) in one int64 whose descending order is key descending, then position ascending."""
     signed = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
     return (signed << 32) + (4294967295 - cols.to(tl.int64))
@@ -108,11 +108,11 @@ def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxi
     if last + 1 > TOPK:  # rows with at most TOPK candidates take positions [0, TOPK) (_finish_kernel)
         cols = tl.program_id(1) * SEGMENT + tl.arange(0, SEGMENT)
         inside = cols < width
-        key = _order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
+        key = order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
         # Lanes past the row get key 0, below every element's.
         group_max = tl.max(tl.reshape(tl.where(inside, key, 0), [SEGMENT // GROUP, GROUP]), axis=1)
         g = tl.program_id(1) * (SEGMENT // GROUP) + tl.arange(0, SEGMENT // GROUP)
-        tl.store(maxima_ptr + row * stride_maxima + g, _packed(group_max, g), mask=g * GROUP < width)
+        tl.store(maxima_ptr + row * stride_maxima + g, pack_key_position(group_max, g), mask=g * GROUP < width)
 
 
 @triton.jit
@@ -140,10 +140,10 @@ def _candidates_kernel(scores_ptr, pos_ptr, bound_ptr, scratch_ptr, counts_ptr, 
         bound = tl.load(bound_ptr + row)
         cols = segment * SEGMENT + tl.arange(0, SEGMENT)
         inside = cols < width
-        key = _order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
+        key = order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
         cand = inside & (key >= bound)
         scratch = scratch_ptr + row * stride_scratch + segment * SEGMENT
-        tl.store(scratch + _exclusive_cumsum(cand), _packed(key, cols), mask=cand)
+        tl.store(scratch + _exclusive_cumsum(cand), pack_key_position(key, cols), mask=cand)
         counts = counts_ptr + row * stride_counts + 2 * segment
         tl.store(counts, tl.sum(cand.to(tl.int32), 0))
         tl.store(counts + 1, tl.sum((cand & (key > bound)).to(tl.int32), 0))
@@ -202,8 +202,8 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
         for start in range(0, TOPK, SMALL_BLOCK):
             cols = start + small
             inside = cols < TOPK
-            key = _order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
-            tl.store(chosen + cols, _packed(key, cols), mask=inside)
+            key = order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
+            tl.store(chosen + cols, pack_key_position(key, cols), mask=inside)
     else:
         # The segments' candidates, moved down to one run in position order. Every segment's count
         # is read in one load and its run's start is their exclusive sum, so a chunk of the run finds
@@ -303,7 +303,8 @@ def group_size(width: int, topk: int, group: int | None = None) -> int:
 def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, topk: int, group: int | None = None,
                  segment: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  scratch: torch.Tensor | None = None, rank_order: bool | None = None,
-                 sort_finish: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sort_finish: bool | None = None, maxima: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
@@ -312,9 +313,11 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     rank_order: order the chosen by counting instead of tl.sort (the same order; by default under
     the interpreter only, where tl.sort takes seconds a row; on a GPU the sort is cheaper).
     sort_finish: a row's top-k by one sort of its candidates when they are at most SORT_CAP_FACTOR * k
-    (by default `SORT_FINISH` on a GPU, off under the interpreter): the same output either way."""
+    (by default `SORT_FINISH` on a GPU, off under the interpreter): the same output either way.
+    maxima: pass 1's group maxima [B, ceil(L / group)], already computed (the indexer's logits kernel
+    writes them beside the logits: indexer.GroupMaxima): its launch is skipped. `group` must be theirs."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
-                                          sort_finish)
+                                          sort_finish, maxima)
     for launch in launches.values():
         launch()
     return result
@@ -324,6 +327,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
                        group: int | None = None, segment: int | None = None,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
                        rank_order: bool | None = None, sort_finish: bool | None = None,
+                       maxima: torch.Tensor | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
     (positions, valid) they fill. The arguments are select_slots'."""
@@ -350,7 +354,12 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     n_segments = triton.cdiv(width, segment)
     if scratch is None:
         scratch = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
-    maxima = torch.empty(rows, triton.cdiv(width, group), dtype=torch.int64, device=scores.device)
+    given = maxima is not None
+    if maxima is None:
+        maxima = torch.empty(rows, triton.cdiv(width, group), dtype=torch.int64, device=scores.device)
+    elif maxima.shape != (rows, triton.cdiv(width, group)) or maxima.dtype != torch.int64:
+        raise ValueError(f"maxima of {tuple(maxima.shape)} {maxima.dtype} given, but groups of {group} positions "
+                         f"over [{rows}, {width}] scores need int64 [{rows}, {triton.cdiv(width, group)}]")
     bound = torch.empty(rows, dtype=torch.int64, device=scores.device)
     counts = torch.empty(rows, 2 * n_segments, dtype=torch.int32, device=scores.device)  # (candidates, above)
     segments_p2 = max(2, triton.next_power_of_2(n_segments))
@@ -359,10 +368,12 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
     # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
-    return {
+    launches = {} if given else {
         "maxima": lambda: _maxima_kernel[(rows, n_segments)](
             scores, positions, maxima, width, scores.stride(0), maxima.stride(0),
-            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8),
+            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8)}
+    return {
+        **launches,
         "bound": lambda: _bound_kernel[(rows,)](
             maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
             SMALL_BLOCK=small_block, num_warps=8),
