@@ -176,10 +176,16 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int,
         try:
             return triton_select_slots(scores, positions, window, topk)
         except triton_compile_errors() as err:  # a Triton build that cannot compile it: the same result by sorting
-            _TRITON_SELECT_FAILED.append(f"{type(err).__name__}: {err}")
-            warnings.warn(f"Triton top-k selection unavailable, using torch.sort: {_TRITON_SELECT_FAILED[0][:500]}",
-                          RuntimeWarning, stacklevel=2)
+            triton_select_failed(err)
     return select_slots_by_sort(scores, positions, window, topk)
+
+
+def triton_select_failed(err: Exception) -> None:
+    """Note (once, with a warning) that this Triton build cannot compile the selection: from now on
+    every caller sorts instead (`select_slots`, and the indexer's fused path)."""
+    _TRITON_SELECT_FAILED.append(f"{type(err).__name__}: {err}")
+    warnings.warn(f"Triton top-k selection unavailable, using torch.sort: {_TRITON_SELECT_FAILED[0][:500]}",
+                  RuntimeWarning, stacklevel=3)
 
 
 def select_slots_by_sort(scores: torch.Tensor, positions: torch.Tensor, window: int,

@@ -9,6 +9,8 @@ the one select_slots computes by itself and the stable sort's. Under the Triton 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import triton
@@ -16,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from runtime.kernels import cuda_torch
-from runtime.kernels.triton import elementwise, indexer, topk
+from runtime.kernels.triton import INTERPRETED, elementwise, indexer, topk
 from tests.kernels.test_triton_kernels import DEVICE, DTYPES, ON_GPU, SEEDS, _indexer_case, poisoned
 
 pytestmark = pytest.mark.kernels
@@ -51,6 +53,17 @@ def fused_run(q, w, keys, table, lens, page_size, positions, window, k, group, k
     return logits, maxima
 
 
+def pass_1(logits, positions, window, k, group) -> torch.Tensor:
+    """topk._maxima_kernel's own output on a poisoned buffer, launched as selection_launches does."""
+    rows, width = logits.shape
+    segment = max(64 if INTERPRETED else 4096, group)
+    maxima = torch.full((rows, triton.cdiv(width, group)), POISON, dtype=torch.int64, device=DEVICE)
+    topk._maxima_kernel[(rows, triton.cdiv(width, segment))](
+        logits, positions.to(DEVICE), maxima, width, logits.stride(0), maxima.stride(0), WINDOW=window,
+        TOPK=min(k, width), GROUP=group, SEGMENT=segment, num_warps=8)
+    return maxima
+
+
 def assert_maxima_match(logits, maxima, positions, window, k, group) -> None:
     """The fused maxima are pass 1's on every row it runs on (more than k candidates); the others untouched."""
     logits, maxima, positions = logits.cpu(), maxima.cpu(), positions.cpu()
@@ -64,7 +77,8 @@ def assert_maxima_match(logits, maxima, positions, window, k, group) -> None:
 @settings(max_examples=8 if ON_GPU else 5, deadline=None)
 @given(seed=SEEDS, queries=st.sampled_from([2, 5]), context=st.sampled_from([40, 150, 300]),
        page_size=st.sampled_from([4, 16]), dtype=st.sampled_from(DTYPES), window=st.sampled_from([0, 1, 8]),
-       k=st.sampled_from([1, 5, 24]), group=st.sampled_from([None, 1, 4, 32]), blocks=st.sampled_from([1, 2]))
+       k=st.sampled_from([1, 5, 24]), group=st.sampled_from([None, 1, 4, 32] + ([64, 128] if ON_GPU else [])),
+       blocks=st.sampled_from([1, 2]))
 @example(seed=1, queries=5, context=300, page_size=16, dtype=DTYPES[0], window=8, k=5, group=4, blocks=2)
 @example(seed=2, queries=5, context=150, page_size=4, dtype=DTYPES[0], window=1, k=24, group=32, blocks=1)
 def test_the_logits_kernel_writes_pass_1s_maxima(seed, queries, context, page_size, dtype, window, k, group, blocks):
@@ -79,9 +93,11 @@ def test_the_logits_kernel_writes_pass_1s_maxima(seed, queries, context, page_si
     plain = indexer.indexer_logits(q, w, keys, table, lens, page_size, blocks=blocks)
     assert torch.equal(logits, plain), "the fused maxima changed the logits"
     assert_maxima_match(logits, maxima, positions, window, k, group)
+    # The reference is pass 1: the selection's own kernel writes the same buffer (rows it skips untouched).
+    assert torch.equal(pass_1(logits, positions, window, k, group), maxima), "the fused maxima are not pass 1's"
     on_maxima = topk.select_slots(logits, positions.to(DEVICE), window, k, group=group, maxima=maxima)
     own = topk.select_slots(logits, positions.to(DEVICE), window, k, group=group)
-    by_sort = cuda_torch.select_slots_by_sort(logits.cpu(), positions, window, k)
+    by_sort = cuda_torch.select_slots_by_sort(logits.cpu(), positions.cpu(), window, k)
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(on_maxima, own)), "selection on the fused maxima differs"
     assert all(torch.equal(a.cpu(), b) for a, b in zip(own, by_sort)), "selection differs from the stable sort"
     # The entry point the decode step calls, both ways: the same logits and selection.
@@ -100,15 +116,15 @@ def test_fp8_style_scaled_keys_give_pass_1s_maxima_too():
         key_scale = key_scale[:, 0].contiguous()
         q = q.to(keys.dtype)
     else:
-        key_scale = torch.rand(keys.shape[0], device=DEVICE) + 0.5
+        key_scale = torch.rand(keys.shape[0], generator=torch.Generator().manual_seed(3)) + 0.5
     positions = (lens - 1).to(torch.int64)
     logits, maxima = fused_run(q, w, keys, table, lens, 16, positions, 8, 5, 4, key_scale=key_scale)
     assert_maxima_match(logits, maxima, positions, 8, 5, 4)
 
 
 def test_maxima_oracle_fails_on_a_window_off_by_one():
-    """Negative control: maxima written with the window one longer than the selection's mask position
-    p - window too; with groups of one position that group's maximum must differ."""
+    """Negative control: maxima written with a window one longer than the selection's (9, not 8) also
+    mask position p - 8 to -inf; with groups of one position, that group's maximum must differ."""
     q, w, keys, table, lens, _ = _indexer_case(4, 2, 4, 16, 150, 16, DTYPES[0])
     positions = (lens - 1).to(torch.int64)
     positions[:] = 149
@@ -143,6 +159,47 @@ def test_bad_maxima_are_refused_with_what_they_need():
     logits = torch.randn(2, width, device=DEVICE)
     with pytest.raises(ValueError, match="need int64"):
         topk.select_slots(logits, positions, 8, 5, group=4, maxima=short)
+
+
+def test_the_fused_path_is_taken_only_where_it_fits():
+    """Groups that do not tile the kernel's block, no top-k part, or the switch off: logits + select_slots."""
+    block = indexer.block_positions()
+    assert indexer.fuses(4 * block, 1, fused=True)  # groups of one position
+    assert not indexer.fuses(4 * block, 0, fused=True)  # window only
+    assert not indexer.fuses(4 * block, 1, fused=False)
+    wide = 2048 * block  # max(1024, 2k) groups of 2 blocks each at small k
+    assert topk.group_size(wide, 1) == 2 * block and not indexer.fuses(wide, 1, fused=True)
+
+
+@pytest.mark.parametrize("k", [0, 7, 150, 400])
+def test_fused_and_unfused_agree_at_every_top_k_width(k):
+    """k of 0 (window only), under, at and over the row's width: the same logits and selection."""
+    q, w, keys, table, lens, _ = _indexer_case(7, 3, 4, 16, 150, 16, DTYPES[0])
+    positions = (lens - 1).to(torch.int64)
+    fused = indexer.logits_and_selection(q, w, keys, table, lens, 16, positions, 8, k, fused=True)
+    unfused = indexer.logits_and_selection(q, w, keys, table, lens, 16, positions, 8, k, fused=False)
+    assert torch.equal(fused[0], unfused[0]) and all(torch.equal(a, b) for a, b in zip(fused[1], unfused[1]))
+
+
+def test_a_selection_that_does_not_compile_falls_back_to_the_sort(monkeypatch):
+    """As cuda_torch.select_slots: a Triton build that cannot compile the selection costs speed, with a
+    warning, and every later call sorts too."""
+    from triton.runtime.errors import PTXASError
+
+    def broken(*args, **kwargs):
+        raise PTXASError("planted compile failure")
+    monkeypatch.setattr(topk, "select_slots", broken)
+    monkeypatch.setattr(cuda_torch, "_TRITON_SELECT_FAILED", [])
+    q, w, keys, table, lens, _ = _indexer_case(8, 2, 4, 16, 150, 16, DTYPES[0])
+    positions = (lens - 1).to(torch.int64)
+    with pytest.warns(RuntimeWarning, match="planted compile failure"):
+        logits, got = indexer.logits_and_selection(q, w, keys, table, lens, 16, positions, 8, 5, fused=True)
+    want = cuda_torch.select_slots_by_sort(logits, positions, 8, 5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the next call skips the fused path: no second failure, no warning
+        again = indexer.logits_and_selection(q, w, keys, table, lens, 16, positions, 8, 5, fused=True)
+    assert all(torch.equal(a, b) for a, b in zip(again[1], want))
 
 
 @pytest.mark.gpu

@@ -351,14 +351,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 module, name, signature, constants = sys.argv[1], sys.argv[2], eval(sys.argv[3]), eval(sys.argv[4])
-num_warps, num_stages = int(sys.argv[5]), int(sys.argv[6])
+num_warps, num_stages, options = int(sys.argv[5]), int(sys.argv[6]), eval(sys.argv[7])
 fn = getattr(importlib.import_module(module), name)
 # A launch specializes pointers to 16-byte alignment (torch's allocations are): so does this compile,
 # or it would check code the launch never gets (vector loads appear only with the alignment known).
 aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
 signature.update({key: "constexpr" for key in constants})
 triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
-               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 print("compiled")
 """
 _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
@@ -377,9 +377,11 @@ _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
 }
 
 
-def compile_for_sm90(module: str, name: str, signature: dict, constants: dict, *, num_warps: int, num_stages: int = 3):
+def compile_for_sm90(module: str, name: str, signature: dict, constants: dict, *, num_warps: int, num_stages: int = 3,
+                     **options):
     """Compile one kernel for sm_90 in a subprocess at the warps and stages its launch uses: a layout, a
-    shared-memory budget or an MMA shape can be fine at one warp count and refused at another."""
+    shared-memory budget or an MMA shape can be fine at one warp count and refused at another. options:
+    the launch's other compile options (e.g. enable_fp_fusion=False)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -390,7 +392,7 @@ def compile_for_sm90(module: str, name: str, signature: dict, constants: dict, *
         pytest.skip("this Triton has no NVIDIA backend")
     root = Path(__file__).resolve().parents[2]
     return subprocess.run([sys.executable, "-c", _COMPILE, module, name, repr(signature), repr(constants),
-                           str(num_warps), str(num_stages)],
+                           str(num_warps), str(num_stages), repr(options)],
                           capture_output=True, text=True, timeout=300, cwd=root,
                           env={**__import__("os").environ, "PYTHONPATH": str(root)})
 

@@ -582,7 +582,8 @@ def test_sparse_mla_with_skip_tail_compiles_for_the_gpu_without_one(spread, tick
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=stream, TAIL=True,
                      BLOCK_ALL=1024, ROWSUM_MMA=False)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
-                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=4, num_stages=2)
+                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=4, num_stages=2,
+                            enable_fp_fusion=False)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
@@ -602,25 +603,30 @@ def test_sparse_mla_with_row_sums_as_an_mma_compiles_for_the_gpu(block_h):
     # 16-head blocks launch at 4 warps (default_launch, H=64), 64-head ones at 8 (LARGE_BATCH_LAUNCH).
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants,
-                            num_warps=4 if block_h == 16 else 8, num_stages=2)
+                            num_warps=4 if block_h == 16 else 8, num_stages=2, enable_fp_fusion=False)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the column-group tests compile it for real")
 @pytest.mark.parametrize("spread, ticket", [(False, False), (True, True)])
-def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket):
-    """mla_grouped's kernel at the H=64 deployment shape (gathered, spread + ticket), through sm_90's
-    compiler."""
+@pytest.mark.parametrize("block_h, warps, narrow, mma_sums", [(16, 4, True, True), (16, 8, False, False),
+                                                              (64, 8, True, True)])
+def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket, block_h, warps, narrow, mma_sums):
+    """mla_grouped's kernel (gathered, spread + ticket) through sm_90's compiler at each launch that
+    runs it on a GPU: H=64's default (16-head blocks, 4 warps, narrow partials, MMA row sums), the
+    default under 64 heads (8 warps, neither) and the large-batch / prefill launch (64-head blocks, 8 warps)."""
     from tests.kernels.test_indexer_topk import compile_for_sm90
 
-    pointers = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", part_ptr="*bf16",
-                    stats_ptr="*fp32", ticket_ptr="*i32")
+    pointers = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16",
+                    part_ptr="*bf16" if narrow else "*fp32", stats_ptr="*fp32", ticket_ptr="*i32")
     scalars = dict.fromkeys(["heads", "selected", "blocks_per_chunk", "stride_qt", "stride_qh", "stride_kv",
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
-    constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
-                     BLOCK_G=128, BLOCK_R=64, NARROW=True, SPLITS=5, TAIL=False, BLOCK_ALL=1024, ROWSUM_MMA=True)
+    constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=block_h,
+                     BLOCK_S=64, BLOCK_G=128, BLOCK_R=64, NARROW=narrow, SPLITS=5, TAIL=False, BLOCK_ALL=1024,
+                     ROWSUM_MMA=mma_sums)
     done = compile_for_sm90("runtime.kernels.triton.mla_grouped", "_sparse_mla_grouped_kernel",
-                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=4, num_stages=2)
+                            {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=warps, num_stages=2,
+                            enable_fp_fusion=False)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

@@ -39,7 +39,7 @@ EARLY_SCALE = True
 # The selection's first pass (topk._maxima_kernel: the largest order key of every GROUP positions) done
 # by the logits kernel on the logits it holds in registers, so that pass's launch and its read of the
 # [B, L] logits go (7.6 us of the selection's 47.6 at B=64, 64K on the H100). Off until timed on a GPU:
-# the block gains a cross-warp max per group and two stores (bench.kernels, logits_plus_select_fused).
+# the block gains a cross-warp max per group and a store (bench.kernels' `fused_maxima`).
 FUSED_MAXIMA = False
 
 
@@ -173,7 +173,7 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     if maxima is not None:
         _check_maxima(maxima, tokens, length, block_l)
     # Without maxima their pointers are any tensor's (never read or written).
-    pos, maxima_out = (maxima.positions, maxima.out) if maxima is not None else (seq_lens, out)
+    pos, maxima_out = (maxima.positions.contiguous(), maxima.out) if maxima is not None else (seq_lens, out)
     _indexer_kernel[(tokens, triton.cdiv(length, block_l * blocks))](
         q, head_weights, key_cache, key_scale if key_scale is not None else head_weights, page_table, seq_lens, out,
         pos, maxima_out, heads, dim, page_size, length, q.stride(0), q.stride(1), head_weights.stride(0),
@@ -195,9 +195,12 @@ def _check_maxima(maxima: GroupMaxima, tokens: int, length: int, block_l: int) -
         raise ValueError(f"group maxima of {maxima.group} positions do not tile the logits kernel's blocks of "
                          f"{block_l}: the selection's own pass 1 must compute them")
     want = (tokens, triton.cdiv(length, maxima.group))
-    if maxima.out.shape != want or maxima.out.dtype != torch.int64 or maxima.positions.shape != (tokens,):
-        raise ValueError(f"group maxima need out int64 {list(want)} and positions [{tokens}], got "
-                         f"{maxima.out.dtype} {list(maxima.out.shape)} and {list(maxima.positions.shape)}")
+    if maxima.out.shape != want or maxima.out.dtype != torch.int64 or maxima.out.stride(-1) != 1 or \
+            maxima.positions.shape != (tokens,) or maxima.out.device != maxima.positions.device:
+        raise ValueError(f"group maxima need out int64 {list(want)} with unit column stride and positions "
+                         f"[{tokens}] on its device, got {maxima.out.dtype} {list(maxima.out.shape)} (strides "
+                         f"{maxima.out.stride()}) on {maxima.out.device} and {list(maxima.positions.shape)} on "
+                         f"{maxima.positions.device}")
 
 
 def logits_and_selection(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor,
@@ -206,20 +209,33 @@ def logits_and_selection(q: torch.Tensor, head_weights: torch.Tensor, key_cache:
                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """`indexer_logits`, then the window U top-k selection of each query (cuda_torch.select_slots):
     (logits, (positions, valid)). fused (`FUSED_MAXIMA` by default): the logits kernel writes the
-    selection's group maxima and its first pass is skipped, where the group tiles the kernel's block;
-    the same selection either way."""
+    selection's group maxima and its first pass is skipped, where the group tiles the kernel's block
+    (`fuses`); the same selection either way. A Triton build that cannot compile the selection sorts,
+    as cuda_torch.select_slots does."""
     from runtime.kernels import cuda_torch
 
     length = page_table.shape[1] * page_size
-    chosen = min(k, length)
-    group = topk.group_size(length, k) if chosen else 0
-    if (FUSED_MAXIMA if fused is None else fused) and chosen and block_positions() % group == 0:
+    if fuses(length, k, fused) and not cuda_torch._TRITON_SELECT_FAILED:
+        group = topk.group_size(length, k)
         maxima = torch.empty(q.shape[0], triton.cdiv(length, group), dtype=torch.int64, device=q.device)
         logits = indexer_logits(q, head_weights, key_cache, page_table, seq_lens, page_size, key_scale=key_scale,
-                                maxima=GroupMaxima(maxima, positions, window, chosen, group))
-        return logits, topk.select_slots(logits, positions, window, k, group=group, maxima=maxima)
+                                maxima=GroupMaxima(maxima, positions, window, min(k, length), group))
+        try:
+            return logits, topk.select_slots(logits, positions, window, k, group=group, maxima=maxima)
+        except cuda_torch.triton_compile_errors() as err:
+            cuda_torch.triton_select_failed(err)
+            return logits, cuda_torch.select_slots_by_sort(logits, positions, window, k)
     logits = indexer_logits(q, head_weights, key_cache, page_table, seq_lens, page_size, key_scale=key_scale)
     return logits, cuda_torch.select_slots(logits, positions, window, k)
+
+
+def fuses(length: int, k: int, fused: bool | None = None) -> bool:
+    """Whether `logits_and_selection` takes the fused path for rows of `length` positions and top-`k`:
+    asked for (`FUSED_MAXIMA` by default), a top-k part at all, and the selection's group dividing the
+    kernel's block of positions (at 64K and top-512 the group is 64, the block 128)."""
+    if not (FUSED_MAXIMA if fused is None else fused) or min(k, length) == 0:
+        return False
+    return block_positions() % topk.group_size(length, k) == 0
 
 
 def select_positions(logits: torch.Tensor, positions: torch.Tensor, window: int, topk: int) -> torch.Tensor:

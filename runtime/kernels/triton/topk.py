@@ -357,9 +357,10 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     given = maxima is not None
     if maxima is None:
         maxima = torch.empty(rows, triton.cdiv(width, group), dtype=torch.int64, device=scores.device)
-    elif maxima.shape != (rows, triton.cdiv(width, group)) or maxima.dtype != torch.int64:
+    elif maxima.shape != (rows, triton.cdiv(width, group)) or maxima.dtype != torch.int64 or maxima.stride(-1) != 1:
         raise ValueError(f"maxima of {tuple(maxima.shape)} {maxima.dtype} given, but groups of {group} positions "
-                         f"over [{rows}, {width}] scores need int64 [{rows}, {triton.cdiv(width, group)}]")
+                         f"over [{rows}, {width}] scores need int64 [{rows}, {triton.cdiv(width, group)}], unit "
+                         f"column stride")
     bound = torch.empty(rows, dtype=torch.int64, device=scores.device)
     counts = torch.empty(rows, 2 * n_segments, dtype=torch.int32, device=scores.device)  # (candidates, above)
     segments_p2 = max(2, triton.next_power_of_2(n_segments))
