@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from runtime.kernels import cuda_torch
 from runtime.kernels.triton import INTERPRETED, elementwise, indexer, topk
+from tests.kernels.test_indexer_topk import assert_prefix_invariant
 from tests.kernels.test_triton_kernels import DEVICE, DTYPES, ON_GPU, SEEDS, _indexer_case, poisoned
 
 pytestmark = pytest.mark.kernels
@@ -200,6 +201,38 @@ def test_a_selection_that_does_not_compile_falls_back_to_the_sort(monkeypatch):
         warnings.simplefilter("error")  # the next call skips the fused path: no second failure, no warning
         again = indexer.logits_and_selection(q, w, keys, table, lens, 16, positions, 8, 5, fused=True)
     assert all(torch.equal(a, b) for a, b in zip(again[1], want))
+
+
+def test_fused_rows_do_not_depend_on_the_batch():
+    """f(x)[:n] == f(x[:n]) bit for bit, logits and selection, for several n (rows of several lengths)."""
+    q, w, keys, table, lens, _ = _indexer_case(10, 5, 4, 16, 300, 16, DTYPES[0])
+    positions = (lens - 1).to(torch.int64)
+    def run(n: int) -> tuple[torch.Tensor, ...]:
+        logits, (sel, ok) = indexer.logits_and_selection(q[:n], w[:n], keys, table[:n], lens[:n], 16, positions[:n],
+                                                         8, 24, fused=True)
+        return logits, sel, ok
+    assert_prefix_invariant(run(5), run, 5)  # its negative control: test_indexer_topk.py
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (run on the device machine: scripts/gpu_suite.sh)")
+def test_the_fused_path_under_graph_replay_and_side_stream():
+    """Captured in a CUDA graph and replayed on new inputs (lengths included), and on a side stream:
+    the eager path's logits and selection, bit for bit."""
+    from tests.kernels.test_triton_kernels import _eager_graph_and_side_stream
+
+    def make(seed):
+        q, w, keys, table, lens, _ = _indexer_case(seed, 4, 64, 128, 2000, 64, torch.bfloat16)
+        return q, w, keys, table, lens, (lens - 1).to(torch.int64)
+
+    def run(q, w, keys, table, lens, positions):
+        logits, (sel, ok) = indexer.logits_and_selection(q, w, keys, table, lens, 64, positions, 128, 512, fused=True)
+        return logits, sel, ok
+    assert indexer.fuses(2048, 512, fused=True)
+    eager, replayed, side = _eager_graph_and_side_stream(make, run)
+    for name, a, b, c in zip(("logits", "positions", "valid"), eager, replayed, side):
+        assert torch.equal(b, a), f"graph replay differs from eager ({name})"
+        assert torch.equal(c, a), f"side stream differs from eager ({name})"
 
 
 @pytest.mark.gpu
