@@ -336,11 +336,24 @@ def _bench_fused_maxima(q, w, keys, scale, page_table, lens, page_size: int, pos
     group = triton_topk.group_size(width, topk)
     maxima = torch.empty(q.shape[0], -(-width // group), dtype=torch.int64, device=q.device)
     spec = indexer.GroupMaxima(maxima, positions, SELECT_WINDOW, min(topk, width), group)
-    logits_alone_us = graph_us([lambda: indexer.indexer_logits(q, w, keys, page_table, lens, page_size,
-                                                                key_scale=scale, maxima=spec)] * 3)
-    return dict(default=indexer.FUSED_MAXIMA, on_us=graph_us([lambda: entry(True)] * 3),
-                off_us=graph_us([lambda: entry(False)] * 3), same_selection=same, group=group,
-                fused_logits_alone_us=logits_alone_us)
+    def fused_logits(cap: int | None):
+        return indexer.indexer_logits(q, w, keys, page_table, lens, page_size, key_scale=scale, maxima=spec,
+                                      register_cap=cap)
+    return dict(default=indexer.FUSED_MAXIMA, fused=indexer.fuses(width, topk, True),
+                on_us=graph_us([lambda: entry(True)] * 3), off_us=graph_us([lambda: entry(False)] * 3),
+                same_selection=same, group=group, register_cap=indexer.REGISTER_CAP[True],
+                fused_logits_alone_us=graph_us([lambda: fused_logits(None)] * 3),
+                fused_logits_uncapped_us=graph_us([lambda: fused_logits(0)] * 3))
+
+
+def _bench_register_caps(logits_fn, logits: torch.Tensor) -> dict:
+    """The unfused logits kernel at register caps (indexer.REGISTER_CAP): 96 fits 5 programs an SM (the
+    shared memory's limit) with a few spills, 128 changes nothing expected. Each: time, same bits."""
+    caps = {}
+    for cap in (96, 128):
+        caps[cap] = dict(us=graph_us([lambda cap=cap: logits_fn(register_cap=cap)] * 3),
+                         same_bits=torch.equal(logits_fn(register_cap=cap), logits))
+    return caps
 
 
 def bench_indexer(ceilings, rows: list) -> None:
@@ -359,8 +372,8 @@ def bench_indexer(ceilings, rows: list) -> None:
     w = torch.rand(batch, heads, device="cuda")
     variants = (("fp8", q8, keys8, key_scale, dim + 4), ("bf16", q16, keys16, None, 2 * dim))
     for name, q, keys, scale, key_bytes in variants:
-        logits_fn = lambda q=q, keys=keys, scale=scale: indexer.indexer_logits(  # noqa: E731
-            q, w, keys, page_table, lens, page_size, key_scale=scale)
+        logits_fn = lambda q=q, keys=keys, scale=scale, **kw: indexer.indexer_logits(  # noqa: E731
+            q, w, keys, page_table, lens, page_size, key_scale=scale, **kw)
         logits = logits_fn()
         logits_us = graph_us([logits_fn] * 3)
         # The logits kernel's speed switch (indexer.EARLY_SCALE: the key scale loaded before the keys) the
@@ -377,12 +390,14 @@ def bench_indexer(ceilings, rows: list) -> None:
                                                                   group=group, segment=block)] * 3) \
             if "select_launch" in selection else None
         fused_maxima = _bench_fused_maxima(q, w, keys, scale, page_table, lens, page_size, positions, topk)
+        logits_register_caps = _bench_register_caps(logits_fn, logits)
         bytes_moved = batch * context * (key_bytes + 4)
         flops = 2 * batch * heads * dim * context
         roof = roofline_us(bytes_moved, flops, ceilings)
         rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
                          logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
                          logits_other_early_scale=logits_other_early_scale, fused_maxima=fused_maxima,
+                         logits_register_caps=logits_register_caps,
                          roofline_us=roof,
                          pct_roofline=100 * roof / logits_us))
         print(json.dumps(rows[-1]), flush=True)

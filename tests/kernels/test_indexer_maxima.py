@@ -260,3 +260,25 @@ def test_deployment_rows_fused_and_not_select_the_same():
     fused = indexer.logits_and_selection(q, w, keys, table, lens, page_size, positions, 128, 512, key_scale, True)
     unfused = indexer.logits_and_selection(q, w, keys, table, lens, page_size, positions, 128, 512, key_scale, False)
     assert torch.equal(fused[0], unfused[0]) and all(torch.equal(a, b) for a, b in zip(fused[1], unfused[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (run on the device machine: scripts/gpu_suite.sh)")
+@pytest.mark.parametrize("with_maxima", [False, True])
+def test_register_caps_keep_the_bits(with_maxima):
+    """indexer.REGISTER_CAP (the launch's maxnreg) only moves values between registers and the stack: the
+    logits (and maxima) are the uncapped launch's bits at every cap, spills included (96)."""
+    q, w, keys, table, lens, _ = _indexer_case(11, 4, 64, 128, 3000, 64, torch.bfloat16)
+    positions = (lens - 1).to(torch.int64)
+    width = table.shape[1] * 64
+    group = topk.group_size(width, 512)
+    outs = []
+    for cap in (0, 96, 128):
+        logits = poisoned(4, width, dtype=torch.float32)
+        maxima = torch.full((4, triton.cdiv(width, group)), POISON, dtype=torch.int64, device=DEVICE)
+        spec = indexer.GroupMaxima(maxima, positions, 128, 512, group) if with_maxima else None
+        indexer.indexer_logits(q, w, keys, table, lens, 64, out=logits, maxima=spec, register_cap=cap)
+        outs.append((logits, maxima))
+    assert not torch.isnan(outs[0][0]).any()
+    for (logits, maxima), cap in zip(outs[1:], (96, 128)):
+        assert torch.equal(logits, outs[0][0]) and torch.equal(maxima, outs[0][1]), f"cap {cap} changed a bit"

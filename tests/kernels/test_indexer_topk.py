@@ -441,8 +441,9 @@ def _compile_indexer_fp8(block_d: int, maxima: bool = False):
     constants = dict(KEY_SCALE=True, PRECISION="tf32", BLOCKS=8, BLOCK_H=64, BLOCK_D=block_d, BLOCK_L=128,
                      EARLY_SCALE=True, MAXIMA=maxima, WINDOW=128 if maxima else 0, TOPK=512 if maxima else 0,
                      GROUP=64 if maxima else 1)
+    cap = indexer_kernels.REGISTER_CAP[maxima]  # the launch's register cap, as the launch passes it
     return compile_for_sm90("runtime.kernels.triton.indexer", "_indexer_kernel", dict(_INDEXER_SIGNATURE), constants,
-                            num_warps=4, num_stages=3)
+                            num_warps=4, num_stages=3, **({"maxnreg": cap} if cap else {}))
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the indexer tests compile it for real")

@@ -41,6 +41,13 @@ EARLY_SCALE = True
 # [B, L] logits go (7.6 us of the selection's 47.6 at B=64, 64K on the H100). Off until timed on a GPU:
 # the block gains a cross-warp max per group and a store (bench.kernels' `fused_maxima`).
 FUSED_MAXIMA = False
+# Registers a thread may use (the launch's `maxnreg`; None: ptxas chooses), by whether the kernel writes the
+# group maxima. Uncapped, ptxas gives the fused kernel 137 (an sm_90 compile of the deployment launch with
+# CUDA 12.8's ptxas: `.perf/regs.py`, not committed): 3 programs of 128 threads fit an SM's registers,
+# where the unfused kernel's 110 leave room for 4. Capped at 128 it takes 116 with no spill: 4 programs again.
+# (Capped at 96 the unfused kernel would fit 5, the shared memory's limit, with 20 bytes of spills a
+# thread: `bench.kernels` times that, `logits_register_caps`.) A cap changes no bit, only the allocation.
+REGISTER_CAP: dict[bool, int | None] = {False: None, True: 128}
 
 
 class GroupMaxima(NamedTuple):
@@ -152,13 +159,15 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, blocks: int | None = None,
-                   early_scale: bool | None = None, maxima: GroupMaxima | None = None) -> torch.Tensor:
+                   early_scale: bool | None = None, maxima: GroupMaxima | None = None,
+                   register_cap: int | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
     blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits.
     early_scale: the key scale loaded before the keys (`EARLY_SCALE` by default): the same bits.
-    maxima: also write the selection's group maxima (GroupMaxima; `logits_and_selection` passes them on)."""
+    maxima: also write the selection's group maxima (GroupMaxima; `logits_and_selection` passes them on).
+    register_cap: registers a thread may use (`REGISTER_CAP` by default; 0: none): the same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
@@ -181,7 +190,8 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
         KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks, BLOCK_H=block_h, BLOCK_D=block_d,
         BLOCK_L=block_l, EARLY_SCALE=EARLY_SCALE if early_scale is None else early_scale,
         MAXIMA=maxima is not None, WINDOW=maxima.window if maxima else 0, TOPK=maxima.topk if maxima else 0,
-        GROUP=maxima.group if maxima else 1, num_warps=4, num_stages=1 if INTERPRETED else 3)
+        GROUP=maxima.group if maxima else 1, num_warps=4, num_stages=1 if INTERPRETED else 3,
+        maxnreg=(REGISTER_CAP[maxima is not None] if register_cap is None else register_cap) or None)
     return out
 
 
