@@ -42,8 +42,8 @@ EARLY_SCALE = True
 # the block gains a cross-warp max per group and a store (bench.kernels' `fused_maxima`).
 FUSED_MAXIMA = False
 # Registers a thread may use (the launch's `maxnreg`; None: ptxas chooses), by whether the kernel writes the
-# group maxima. Uncapped, ptxas gives the fused kernel 137 (an sm_90 compile of the deployment launch with
-# CUDA 12.8's ptxas: `.perf/regs.py`, not committed): 3 programs of 128 threads fit an SM's registers,
+# group maxima. Uncapped, ptxas gives the fused kernel 137 (an sm_90 compile of the deployment launch by this
+# host's Triton 3.9 and CUDA 13.4 ptxas; the device's Triton 3.6 may differ): 3 programs of 128 threads fit,
 # where the unfused kernel's 110 leave room for 4. Capped at 128 it takes 116 with no spill: 4 programs again.
 # (Capped at 96 the unfused kernel would fit 5, the shared memory's limit, with 20 bytes of spills a
 # thread: `bench.kernels` times that, `logits_register_caps`.) A cap changes no bit, only the allocation.
