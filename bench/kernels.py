@@ -300,23 +300,29 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
     out["select_prefill_chunk_4096_us"] = graph_us(
         [lambda: triton_topk.select_slots(chunk, chunk_positions, SELECT_WINDOW, topk)] * 3)
     out["select_launch_us"] = _selection_launch_us(logits, positions, topk)
-    # The finish's radix select against a sort in registers (triton_topk.SORT_FINISH), same output.
+    out["select_launch_us_candidates_cap64"] = _selection_launch_us(logits, positions, topk, {"candidates": 64})
+    # The finish's radix select against a sort in registers (triton_topk.SORT_FINISH), and the candidates
+    # pass at a 64-register cap (triton_topk.REGISTER_CAPS: 4 programs an SM, not 3), same output.
     variants = {}
-    for sort_finish in (False, True):
-        def run(x=logits, p=positions, sort_finish=sort_finish):
-            return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, sort_finish=sort_finish)
-        variants[f"finish_{'sort' if sort_finish else 'radix'}"] = \
-            (graph_us([run] * 3), all(torch.equal(a, b) for a, b in zip(run(), by_sort(logits, positions))))
+    for name, kwargs in (("finish_radix", dict(sort_finish=False)), ("finish_sort", dict(sort_finish=True)),
+                         ("candidates_cap64", dict(register_caps={"candidates": 64})),
+                         ("candidates_uncapped", dict(register_caps={"candidates": None}))):
+        def run(x=logits, p=positions, kwargs=kwargs):
+            return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, **kwargs)
+        same_as_sort = all(torch.equal(a, b) for a, b in zip(run(), by_sort(logits, positions)))
+        variants[name] = (graph_us([run] * 3), same_as_sort)
     out["select_variants_us"] = {name: us for name, (us, _) in variants.items()}
     out["select_variants_same_as_sort"] = all(same for _, same in variants.values())
     return out
 
 
-def _selection_launch_us(logits: torch.Tensor, positions: torch.Tensor, topk: int) -> dict:
+def _selection_launch_us(logits: torch.Tensor, positions: torch.Tensor, topk: int,
+                         register_caps: dict[str, int | None] | None = None) -> dict:
     """Each of the default selection's launches, as the difference between graphs of its first n and n - 1
     launches (each launch alone would not do: the finish moves the candidates in place, so replaying it
-    without the candidates pass reads a row it already moved)."""
-    launches, _ = triton_topk.selection_launches(logits, positions, SELECT_WINDOW, topk)
+    without the candidates pass reads a row it already moved). register_caps: as select_slots'."""
+    launches, _ = triton_topk.selection_launches(logits, positions, SELECT_WINDOW, topk,
+                                                 register_caps=register_caps)
     names = list(launches)
     prefix_us = [0.0] + [graph_us([lambda n=n: [launches[name]() for name in names[:n]]] * 3)
                          for n in range(1, len(names) + 1)]

@@ -312,6 +312,23 @@ def test_selection_under_graph_replay_and_side_stream():
 
 
 @gpu
+def test_register_caps_keep_the_selection():
+    """topk.REGISTER_CAPS (each launch's maxnreg) moves values between registers and the stack only: every
+    launch capped low (spills included) gives the uncapped launches' output, tied rows too."""
+    rows, width, window, k = 64, 65536, 128, 512
+    for style in ("indexer", "few_values"):
+        scores = _logits_like(12, rows, width, style)
+        positions = torch.full((rows,), width - 1, dtype=torch.int64, device="cuda")
+        positions[3] = 300
+        free = dict.fromkeys(topk.REGISTER_CAPS)
+        tight = {"maxima": 32, "bound": 32, "candidates": 48, "finish": 48}
+        want = topk.select_slots(scores, positions, window, k, register_caps=free)
+        for caps in (tight, {"candidates": 64}):
+            got = topk.select_slots(scores, positions, window, k, register_caps=caps)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"caps {caps} changed the selection ({style})"
+
+
+@gpu
 def test_dispatch_falls_back_to_the_sort_with_a_warning(monkeypatch):
     """A Triton build that cannot compile the kernel must cost speed, not the decode step."""
     from triton.runtime.errors import PTXASError
@@ -408,6 +425,15 @@ def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_
     signature, own = _KERNELS[kernel]
     constants = {name: every[name] for name in ("WINDOW", "TOPK", *own)}
     done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants, num_warps=8)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU test_register_caps_keep_the_selection compiles it for real")
+def test_the_candidates_pass_compiles_under_a_register_cap():
+    """The 64-register cap bench.kernels times for the candidates pass (topk.REGISTER_CAPS)."""
+    signature, _ = _KERNELS["_candidates_kernel"]
+    done = compile_for_sm90("runtime.kernels.triton.topk", "_candidates_kernel", dict(signature),
+                            dict(WINDOW=128, TOPK=512, SEGMENT=4096), num_warps=8, maxnreg=64)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

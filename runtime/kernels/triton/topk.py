@@ -284,6 +284,12 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
 # 53.7 against the radix select's 52.5, not kept.)
 SORT_FINISH = True
 SORT_CAP_FACTOR = 2
+# Registers a thread of each launch may use (its `maxnreg`; None: ptxas chooses). The candidates pass takes
+# 79 uncapped (an sm_90 compile of the 64K launch by this host's Triton 3.9 / CUDA 13.4 ptxas;
+# `.perf/regs_topk.py`, not committed): 3 programs of 256 threads an SM, so B=64's 1,024 programs run in
+# 2.6 waves of 396. Capped at 64 it spills 4 bytes a thread and 4 programs fit: 1.9 waves of 528. Off until
+# timed (bench.kernels' `select_variants_us`, "candidates_cap64"). A cap changes no bit.
+REGISTER_CAPS: dict[str, int | None] = {"maxima": None, "bound": None, "candidates": None, "finish": None}
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
 GATHER_CELLS = 16384
@@ -304,7 +310,7 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
                  segment: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  scratch: torch.Tensor | None = None, rank_order: bool | None = None,
                  sort_finish: bool | None = None, maxima: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 register_caps: dict[str, int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
@@ -315,9 +321,10 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     sort_finish: a row's top-k by one sort of its candidates when they are at most SORT_CAP_FACTOR * k
     (by default `SORT_FINISH` on a GPU, off under the interpreter): the same output either way.
     maxima: pass 1's group maxima [B, ceil(L / group)], already computed (the indexer's logits kernel
-    writes them beside the logits: indexer.GroupMaxima): its launch is skipped. `group` must be theirs."""
+    writes them beside the logits: indexer.GroupMaxima): its launch is skipped. `group` must be theirs.
+    register_caps: each launch's register cap by name (`REGISTER_CAPS` by default): the same output."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
-                                          sort_finish, maxima)
+                                          sort_finish, maxima, register_caps)
     for launch in launches.values():
         launch()
     return result
@@ -327,7 +334,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
                        group: int | None = None, segment: int | None = None,
                        out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
                        rank_order: bool | None = None, sort_finish: bool | None = None,
-                       maxima: torch.Tensor | None = None,
+                       maxima: torch.Tensor | None = None, register_caps: dict[str, int | None] | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
     (positions, valid) they fill. The arguments are select_slots'."""
@@ -367,25 +374,27 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     small_block = 64 if INTERPRETED else 1024  # the ~k candidates: a whole 4096-lane histogram would waste 3/4
     sort_cap = SORT_CAP_FACTOR * max(2, triton.next_power_of_2(chosen)) \
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
+    caps = {**REGISTER_CAPS, **(register_caps or {})}
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
     # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
     launches = {} if given else {
         "maxima": lambda: _maxima_kernel[(rows, n_segments)](
             scores, positions, maxima, width, scores.stride(0), maxima.stride(0),
-            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8)}
+            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8, maxnreg=caps["maxima"])}
     return {
         **launches,
         "bound": lambda: _bound_kernel[(rows,)](
             maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
-            SMALL_BLOCK=small_block, num_warps=8),
+            SMALL_BLOCK=small_block, num_warps=8, maxnreg=caps["bound"]),
         "candidates": lambda: _candidates_kernel[(rows, n_segments)](
             scores, positions, bound, scratch, counts, width, scores.stride(0), scratch.stride(0), counts.stride(0),
-            WINDOW=window, TOPK=chosen, SEGMENT=segment, num_warps=8),
+            WINDOW=window, TOPK=chosen, SEGMENT=segment, num_warps=8, maxnreg=caps["candidates"]),
         "finish": lambda: _finish_kernel[(rows,)](
             scores, positions, bound, counts, scratch, sel, ok, n_segments, scores.stride(0), counts.stride(0),
             scratch.stride(0), sel.stride(0), ok.stride(0), WINDOW=window,
             WINDOW_P2=triton.next_power_of_2(max(window, 1)), TOPK=chosen,
             TOPK_P2=max(2, triton.next_power_of_2(chosen)), SEGMENT=segment, SEGMENTS_P2=segments_p2,
             GATHER=max(16, min(small_block, GATHER_CELLS // segments_p2)), SMALL_BLOCK=small_block,
-            RANK_ORDER=INTERPRETED if rank_order is None else rank_order, SORT_CAP=sort_cap, num_warps=8),
+            RANK_ORDER=INTERPRETED if rank_order is None else rank_order, SORT_CAP=sort_cap, num_warps=8,
+            maxnreg=caps["finish"]),
     }, out
