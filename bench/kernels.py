@@ -302,9 +302,10 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
     out["select_launch_us"] = _selection_launch_us(logits, positions, topk)
     out["select_launch_us_candidates_cap64"] = _selection_launch_us(logits, positions, topk, {"candidates": 64})
     # The finish's radix select against a sort in registers (triton_topk.SORT_FINISH), and the candidates
-    # pass at a 64-register cap (triton_topk.REGISTER_CAPS: 4 programs an SM, not 3), same output.
+    # pass at register caps of 80 and 64 (triton_topk.REGISTER_CAPS: 3 and 4 programs an SM, not 2), same output.
     variants = {}
     for name, kwargs in (("finish_radix", dict(sort_finish=False)), ("finish_sort", dict(sort_finish=True)),
+                         ("candidates_cap80", dict(register_caps={"candidates": 80})),
                          ("candidates_cap64", dict(register_caps={"candidates": 64})),
                          ("candidates_uncapped", dict(register_caps={"candidates": None}))):
         def run(x=logits, p=positions, kwargs=kwargs):
