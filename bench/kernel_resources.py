@@ -7,6 +7,13 @@ fewer. Spills are local-memory traffic per thread. The compiler here (this check
 not be the device image's: treat the numbers as leads, and time on the GPU (bench.mla_sweep --free).
 
     python -m bench.kernel_resources [--out resources.json] [--two-pass]
+
+The device image's compiler (Triton 3.6 with its CUDA 12.8 ptxas) runs here too, without a GPU: unpack
+its wheel beside this checkout's Triton and put it first on the path. Its counts can differ from
+Triton 3.9's: the indexer's fused-maxima kernel took 120 registers with 3.6 and 137 with 3.9.
+
+    pip download --no-deps -d /tmp/t36whl triton==3.6.0 && unzip -q -d /tmp/t36 /tmp/t36whl/triton-3.6.0-*.whl
+    PYTHONPATH=/tmp/t36:. python -m bench.kernel_resources
 """
 
 from __future__ import annotations
