@@ -42,12 +42,12 @@ EARLY_SCALE = True
 # the block gains a cross-warp max per group and a store (bench.kernels' `fused_maxima`).
 FUSED_MAXIMA = False
 # Registers a thread may use (the launch's `maxnreg`; None: ptxas chooses), by whether the kernel writes the
-# group maxima (sm_90 compiles of the deployment launch here, `.perf/regs.py`, not committed). With the
-# device's Triton 3.6 (CUDA 12.8 ptxas) the fused kernel takes 120 and the unfused 112: 4 programs of 128
-# threads an SM either way. With Triton 3.9 (CUDA 13.4) the fused kernel takes 137, and only 3 fit. Capped
-# at 128 it takes 116-118 with no spill on both: 4 programs. (Capped at 96 the unfused kernel would fit 5,
-# the shared memory's limit, with 20 bytes of spills a thread: `bench.kernels` times that,
-# `logits_register_caps`.) A cap changes no bit, only the allocation.
+# group maxima (sm_90 compiles of the deployment launch here, integers specialized as a launch does:
+# `.perf/regs.py`, not committed). With the device's Triton 3.6 (CUDA 12.8 ptxas) the fused kernel takes 117
+# and the unfused 107: 4 programs of 128 threads an SM either way. With Triton 3.9 (CUDA 13.4) the fused
+# kernel takes 138, and only 3 fit. Capped at 128 it takes 114-116 with no spill on both: 4 programs.
+# (Capped at 96 the unfused kernel would fit 5, the shared memory's limit, with 16 bytes of spills a
+# thread: `bench.kernels` times that, `logits_register_caps`.) A cap changes no bit, only the allocation.
 REGISTER_CAP: dict[bool, int | None] = {False: None, True: 128}
 
 

@@ -285,11 +285,12 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
 SORT_FINISH = True
 SORT_CAP_FACTOR = 2
 # Registers a thread of each launch may use (its `maxnreg`; None: ptxas chooses). The candidates pass takes
-# 120 uncapped with the device's Triton 3.6 and its CUDA 12.8 ptxas (an sm_90 compile of the 64K launch here;
-# 79 with Triton 3.9; `.perf/regs_topk.py`, not committed): 2 programs of 256 threads fit an SM, so B=64's
-# 1,024 programs run in 3.9 waves of 264. Capped at 80 it spills nothing and 3 fit (2.6 waves); at 64 it
-# spills 32 bytes a thread and 4 fit (1.9 waves). Off until timed (bench.kernels' `select_variants_us`,
-# "candidates_cap80" / "candidates_cap64"). A cap changes no bit.
+# 128 uncapped with the device's Triton 3.6 and its CUDA 12.8 ptxas (112 with Triton 3.9): an sm_90 compile
+# here of the 64K launch, its pointers and integers specialized as a launch does (`.perf/regs_topk.py`, not
+# committed). So 2 programs of 256 threads fit an SM, and B=64's 1,024 programs run in 3.9 waves of 264.
+# Capped at 80 it spills 72 bytes a thread and 3 fit (2.6 waves); at 64, 80 bytes and 4 fit (1.9 waves).
+# Off until timed (bench.kernels' `select_variants_us`, "candidates_cap80" / "candidates_cap64"). A cap
+# changes no bit.
 REGISTER_CAPS: dict[str, int | None] = {"maxima": None, "bound": None, "candidates": None, "finish": None}
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
