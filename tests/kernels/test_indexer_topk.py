@@ -370,12 +370,20 @@ from triton.compiler import ASTSource
 module, name, signature, constants = sys.argv[1], sys.argv[2], eval(sys.argv[3]), eval(sys.argv[4])
 num_warps, num_stages, options = int(sys.argv[5]), int(sys.argv[6]), eval(sys.argv[7])
 fn = getattr(importlib.import_module(module), name)
-# A launch specializes pointers to 16-byte alignment (torch's allocations are): so does this compile,
-# or it would check code the launch never gets (vector loads appear only with the alignment known).
-aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
+# A launch specializes pointers to 16-byte alignment (torch's allocations are), and each integer argument
+# that is a multiple of 16 (unless the kernel says do_not_specialize) to that divisibility: the code differs
+# (vector loads appear only with alignment known; a loop whose mask runs along its vectors is pipelined
+# only when its bound is known divisible: the MoE gate/up loop took 16 KB of shared memory without, 60 KB
+# with). So this compiles both: integers of any value, and the deployment's, every one a multiple of 16.
+free = {p.name for p in getattr(fn, "params", []) if p.do_not_specialize}
+params = [(i, n, kind) for i, (n, kind) in enumerate(signature.items())]
 signature.update({key: "constexpr" for key in constants})
-triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
-               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+for ints in (False, True):
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n, kind in params
+               if kind.startswith("*") or (ints and kind in ("i32", "i64") and n not in free)}
+    triton.compile(ASTSource(fn=fn, signature=dict(signature), constexprs=constants, attrs=aligned),
+                   target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 print("compiled")
 """
 _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
