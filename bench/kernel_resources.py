@@ -118,9 +118,35 @@ def two_pass_resources(which: str, knobs: dict) -> dict:
     return compiled_resources(fn, signature, constants, warps, stages)
 
 
+# The integer arguments' values at the deployment's launches (H=64, top-512 after a 128-position window: 640
+# selected positions, 64-position chunks; a 4,096-row prefill pass: 10 blocks of 64 in 10 chunks). A launch
+# specializes each integer equal to 1 to a constant, each multiple of 16 to that divisibility, and each pointer
+# to 16-byte alignment; the compiled code (vector widths, pipelining, registers, spills) depends on it. The
+# tables in docs/results.md before the twenty-sixth session compiled without any of it (`--unspecialized`):
+# the H=64 launch's ~1.8 KB of spills came from that, not from the code a launch runs (228 bytes).
+DEPLOYMENT_INTS = dict(heads=64, selected=640, blocks_per_chunk=1, blocks=10, chunks=10, stride_qt=64 * 576,
+                       stride_qh=576, stride_kv=576, stride_idx=640, stride_ot=64 * 512, stride_oh=512)
+SPECIALIZE = True  # main()'s --unspecialized clears it
+
+
+def specialized(signature: dict, constants: dict) -> tuple[dict, dict, dict]:
+    """(signature, constants, attrs) as the deployment's launch specializes them (DEPLOYMENT_INTS)."""
+    signature, constants, attrs = dict(signature), dict(constants), {}
+    if not SPECIALIZE:
+        return signature, constants, attrs
+    for index, (name, kind) in enumerate(list(signature.items())):
+        value = DEPLOYMENT_INTS.get(name)
+        if kind.startswith("*") or (kind == "i32" and value is not None and value % 16 == 0):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif kind == "i32" and value == 1:
+            signature[name], constants[name] = "constexpr", 1
+    return signature, constants, attrs
+
+
 def compiled_resources(fn, signature: dict, constants: dict, warps: int, stages: int) -> dict:
+    signature, constants, attrs = specialized(signature, constants)
     signature = {**signature, **{key: "constexpr" for key in constants}}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))
     ptx = kernel.asm["ptx"]
@@ -153,10 +179,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--two-pass", action="store_true", help="the two-pass prefill form's kernels instead")
+    parser.add_argument("--unspecialized", action="store_true",
+                        help="compile without the launch's specialization (no alignment or divisibility), as the "
+                             "tables before the twenty-sixth session did")
     args = parser.parse_args()
+    global SPECIALIZE
+    SPECIALIZE = not args.unspecialized
     rows = {}
-    print(f"triton {triton.__version__}; per thread: registers, spill bytes stored/loaded; per program: shared "
-          "bytes; programs per SM (registers, shared memory)")
+    print(f"triton {triton.__version__} ({'specialized as the deployment launch' if SPECIALIZE else 'unspecialized'}); "
+          "per thread: registers, spill bytes stored/loaded; per program: shared bytes; programs per SM "
+          "(registers, shared memory)")
     # Each variant's compile, run in turn below (the two tables' entries have different shapes).
     variants: dict[str, Callable[[], dict]] = (
         {name: functools.partial(two_pass_resources, *knobs) for name, knobs in TWO_PASS_VARIANTS.items()}
