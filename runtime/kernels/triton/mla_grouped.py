@@ -11,8 +11,11 @@ GPU tests check it against the ungrouped kernel. The Triton interpreter adds a c
 order (numpy), so on the CPU the grouped kernel is its own numerics and only compared with itself.
 
 Why: a [BLOCK_H, C] query and a [BLOCK_S, C] gathered block as one dot operand each hold the whole
-latent in registers at once (C = 512: the ungrouped kernel spills ~1.9 KB a thread at 4 warps);
-four [*, C/4] operands are live one at a time, as in SGLang's Triton decode kernel.
+latent in registers at once; four [*, C/4] operands are live one at a time, as in SGLang's Triton decode
+kernel. (The "~1.9 KB a thread of spills at 4 warps" first given as the reason was an unspecialized compile's
+count; compiled as a launch specializes it, the ungrouped kernel spills ~0.2 KB and this one 36 bytes:
+bench.kernel_resources, docs/results.md's twenty-sixth session. The grouping stays on its timings: 11-17%
+faster at every batch, the same bits.)
 
 Modes (bits alike in both): spread (a program per chunk, its state to memory, folded by the last
 program's ticket or by attention._merge_kernel) and gathered (a program per query and head block,
