@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import cuda_torch
 from runtime.kernels.triton import INTERPRETED, topk
-from runtime.kernels.triton.topk import order_key, pack_key_position
+from runtime.kernels.triton.topk import store_group_maxima
 
 # Positions are cut into blocks of BLOCK_L, up to MAX_BLOCKS of them walked by one program. A step of
 # few queries would then run a handful of programs that walk their blocks one after another (bs 1 at
@@ -74,17 +75,6 @@ def key_block(dim: int, dtype: torch.dtype) -> int:
     operands and 32 for fp8 (sm_90 refuses an fp8 dot of K 16 at compile time: seen on the H100 with
     16-wide test keys). Lanes past dim load zeros."""
     return max(32 if dtype.itemsize == 1 else 16, triton.next_power_of_2(dim))
-
-
-@triton.jit
-def _store_group_maxima(vals, start, last, width, maxima_row, BLOCK_L: tl.constexpr, GROUP: tl.constexpr):
-    """topk._maxima_kernel's output for the groups of the block starting at `start` (a multiple of GROUP),
-    from the block's stored logits `vals`: the same order keys, lanes past the row's width at key 0."""
-    cols = start + tl.arange(0, BLOCK_L)
-    key = tl.where(cols < width, order_key(vals, cols, last), 0)
-    group_max = tl.max(tl.reshape(key, [BLOCK_L // GROUP, GROUP]), axis=1)
-    g = start // GROUP + tl.arange(0, BLOCK_L // GROUP)
-    tl.store(maxima_row + g, pack_key_position(group_max, g), mask=g * GROUP < width)
 
 
 @triton.jit
@@ -147,14 +137,14 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
         tl.store(out_row + offs_l, dead, mask=offs_l < width)
         if MAXIMA:
             if last + 1 > TOPK:
-                _store_group_maxima(dead, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
+                store_group_maxima(dead, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
     for block in range(0, live):
         offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
         logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
                                page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE)
         if MAXIMA:
             if last + 1 > TOPK:
-                _store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
+                store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
 
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
@@ -223,8 +213,6 @@ def logits_and_selection(q: torch.Tensor, head_weights: torch.Tensor, key_cache:
     selection's group maxima and its first pass is skipped, where the group tiles the kernel's block
     (`fuses`); the same selection either way. A Triton build that cannot compile the selection sorts,
     as cuda_torch.select_slots does."""
-    from runtime.kernels import cuda_torch
-
     length = page_table.shape[1] * page_size
     if fuses(length, k, fused) and not cuda_torch._TRITON_SELECT_FAILED:
         group = topk.group_size(length, k)

@@ -100,19 +100,29 @@ def _radix_select(packed_ptr, n, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def store_group_maxima(vals, start, last, width, maxima_row, N: tl.constexpr, GROUP: tl.constexpr):
+    """Pass 1's output for the groups of the N positions from `start` (a multiple of GROUP) whose scores
+    are `vals`: the largest order key of every GROUP positions, lanes past the row's width at key 0
+    (below every element's), packed with the group's index. Also the indexer's logits kernel, on the
+    logits it holds (indexer.GroupMaxima)."""
+    cols = start + tl.arange(0, N)
+    key = tl.where(cols < width, order_key(vals, cols, last), 0)
+    group_max = tl.max(tl.reshape(key, [N // GROUP, GROUP]), axis=1)
+    g = start // GROUP + tl.arange(0, N // GROUP)
+    tl.store(maxima_row + g, pack_key_position(group_max, g), mask=g * GROUP < width)
+
+
+@triton.jit
 def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxima,
                    WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr):
     """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions."""
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:  # rows with at most TOPK candidates take positions [0, TOPK) (_finish_kernel)
-        cols = tl.program_id(1) * SEGMENT + tl.arange(0, SEGMENT)
-        inside = cols < width
-        key = order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
-        # Lanes past the row get key 0, below every element's.
-        group_max = tl.max(tl.reshape(tl.where(inside, key, 0), [SEGMENT // GROUP, GROUP]), axis=1)
-        g = tl.program_id(1) * (SEGMENT // GROUP) + tl.arange(0, SEGMENT // GROUP)
-        tl.store(maxima_ptr + row * stride_maxima + g, pack_key_position(group_max, g), mask=g * GROUP < width)
+        start = tl.program_id(1) * SEGMENT
+        cols = start + tl.arange(0, SEGMENT)
+        scores = tl.load(scores_ptr + row * stride_s + cols, mask=cols < width, other=float("-inf"))
+        store_group_maxima(scores, start, last, width, maxima_ptr + row * stride_maxima, SEGMENT, GROUP)
 
 
 @triton.jit
