@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -364,6 +365,20 @@ def _bench_register_caps(logits_fn, logits: torch.Tensor) -> dict:
     return caps
 
 
+def _bench_launches(logits_fn, logits: torch.Tensor) -> dict:
+    """The logits kernel at each of indexer.LAUNCH_VARIANTS' launch shapes: time and same bits as the
+    deployed launch's (a shape the chip cannot hold says why instead)."""
+    shapes: dict[str, dict[str, Any]] = {}
+    for name, knobs in indexer.LAUNCH_VARIANTS.items():
+        try:
+            shapes[name] = dict(us=graph_us([lambda knobs=knobs: logits_fn(launch=knobs)] * 3),
+                                same_bits=torch.equal(logits_fn(launch=knobs), logits))
+        except Exception as err:  # noqa: BLE001 - shared memory or registers a shape cannot have
+            shapes[name] = dict(error=f"{type(err).__name__}: {str(err)[:200]}")
+        torch.cuda.empty_cache()
+    return dict(deployed=indexer.launch_shape(), **shapes)
+
+
 def bench_indexer(ceilings, rows: list) -> None:
     batch, heads, dim, context, page_size, topk = 64, 64, 128, 65536, 64, 512
     gen = torch.Generator().manual_seed(2)
@@ -399,13 +414,14 @@ def bench_indexer(ceilings, rows: list) -> None:
             if "select_launch" in selection else None
         fused_maxima = _bench_fused_maxima(q, w, keys, scale, page_table, lens, page_size, positions, topk)
         logits_register_caps = _bench_register_caps(logits_fn, logits)
+        logits_launches = _bench_launches(logits_fn, logits)
         bytes_moved = batch * context * (key_bytes + 4)
         flops = 2 * batch * heads * dim * context
         roof = roofline_us(bytes_moved, flops, ceilings)
         rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
                          logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
                          logits_other_early_scale=logits_other_early_scale, fused_maxima=fused_maxima,
-                         logits_register_caps=logits_register_caps,
+                         logits_register_caps=logits_register_caps, logits_launches=logits_launches,
                          roofline_us=roof,
                          pct_roofline=100 * roof / logits_us))
         print(json.dumps(rows[-1]), flush=True)

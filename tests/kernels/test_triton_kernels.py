@@ -687,10 +687,10 @@ def _indexer_case(seed, queries, heads, dim, context, page_size, dtype, dup_ever
     return q, w, keys, page_table.to(torch.int32).to(DEVICE), lens.to(torch.int32).to(DEVICE), dense
 
 
-def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None, blocks=None, early_scale=None):
+def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None, blocks=None, early_scale=None, launch=None):
     out = poisoned(q.shape[0], table.shape[1] * page_size, dtype=torch.float32)
     indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=out, blocks=blocks,
-                           early_scale=early_scale)
+                           early_scale=early_scale, launch=launch)
     return out
 
 
@@ -733,6 +733,73 @@ def test_indexer_early_key_scale_keeps_the_bits(seed, queries, context, page_siz
                    for value in (False, True))
     assert not torch.isnan(early).any(), "a position left unwritten (poison)"
     assert torch.equal(early, late)
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=SEEDS, queries=st.sampled_from([2, 5]), context=st.sampled_from([100, 300]),
+       page_size=st.sampled_from([4, 16, 64]), dtype=st.sampled_from(DTYPES), scaled=st.booleans())
+def test_indexer_launch_shapes_keep_the_bits(seed, queries, context, page_size, dtype, scaled):
+    """Blocks of 16, 32 or 64 positions (`launch`'s block_l; warps and stages are the GPU test's) give
+    every logit the same bits, -inf past each length included: a block only moves positions between
+    programs and MMA rows."""
+    q, w, keys, table, lens, _ = _indexer_case(seed, queries, 4, 16, context, page_size, dtype)
+    key_scale = None
+    if scaled:
+        keys, key_scale = _scaled_keys(keys)
+        q = q.to(keys.dtype)
+    outs = [_run_indexer(q, w, keys, table, lens, page_size, key_scale, launch=dict(block_l=b)) for b in (16, 32, 64)]
+    assert not torch.isnan(outs[0]).any(), "a position left unwritten (poison)"
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_indexer_launch_check_sees_one_logit_change():
+    """Negative control of the launch-shape tests: the same comparison over keys with one position's key
+    changed (in the last block of a query, where a short block would lose it) must see it."""
+    q, w, keys, table, lens, dense = _indexer_case(3, 2, 4, 16, 150, 16, torch.float32, dup_every=0)
+    want = _run_indexer(q, w, keys, table, lens, 16, launch=dict(block_l=16))
+    last = int(lens[0]) - 1
+    keys[dense[0][last].to(DEVICE)] += 1.0
+    got = _run_indexer(q, w, keys, table, lens, 16, launch=dict(block_l=64))
+    assert not torch.equal(got, want) and torch.equal(got[1], want[1])
+
+
+def test_indexer_launch_knobs_are_checked():
+    with pytest.raises(ValueError, match="unknown"):
+        indexer.launch_shape(dict(block_m=64))
+    with pytest.raises(ValueError, match="power of two"):
+        indexer.launch_shape(dict(block_l=96))
+    assert set(indexer.launch_shape()) == set(indexer.LAUNCH)
+    for knobs in indexer.LAUNCH_VARIANTS.values():
+        indexer.launch_shape(knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (run on the device machine: scripts/gpu_suite.sh)")
+@pytest.mark.parametrize("keys_dtype", ["fp8", "bf16"])
+def test_indexer_launch_variants_keep_the_deployed_bits(keys_dtype):
+    """Every launch shape bench.kernels times (indexer.LAUNCH_VARIANTS) at the deployment's heads and dim:
+    the deployed launch's bits, or the shape cannot be deployed. A shape the chip cannot hold is skipped
+    by name (the bench reports it the same way)."""
+    q, w, keys, table, lens, _ = _indexer_case(5, 4, 64, 128, 3000, 64, torch.bfloat16)
+    key_scale = None
+    if keys_dtype == "fp8":
+        keys, key_scale = _scaled_keys(keys)
+        q = q.to(keys.dtype)
+    want = _run_indexer(q, w, keys, table, lens, 64, key_scale)
+    assert not torch.isnan(want).any()
+    changed, refused = [], []
+    for name, knobs in indexer.LAUNCH_VARIANTS.items():
+        try:
+            got = _run_indexer(q, w, keys, table, lens, 64, key_scale, launch=knobs)
+        except Exception as err:  # noqa: BLE001 - triton's OutOfResources (shared memory, registers)
+            if "OutOfResources" not in type(err).__name__:
+                raise
+            refused.append(name)
+            continue
+        if not torch.equal(got, want):
+            changed.append(name)
+    assert not changed, f"launch shapes {changed} changed logits' bits: they must not be deployed"
+    print(f"launch shapes the chip could not hold: {refused}")
 
 
 def test_indexer_spreads_small_steps_over_more_programs():

@@ -27,6 +27,22 @@ from runtime.kernels.triton.topk import store_group_maxima
 MAX_BLOCKS = 8
 SPREAD_PROGRAMS = 256  # fewer blocks a program (down to 1) until a call has at least this many programs
 
+# The logits kernel's launch: positions a block, warps, pipeline stages. A logit is one row of the same
+# MMA over the index dim and the same head sum whichever of these runs it, so none is meant to change a
+# bit; the GPU test checks each shape the bench times (`LAUNCH_VARIANTS`), and only a shape that keeps the
+# bits may be deployed. Why time them: on the H200 the deployed loop reads at 73% of the read ceiling
+# where a copy with nothing but its loads reaches 94%, while the H100 runs the same loop at 92%
+# (bench.indexer_anatomy, twenty-fourth and twenty-seventh sessions). A loop that waits on latency, not on
+# bandwidth, may gain from more bytes in flight: deeper pipelines, taller blocks, more warps.
+LAUNCH = dict(block_l=128, num_warps=4, num_stages=3)
+# A program walks the same MAX_BLOCKS * 128 positions at most whatever its block (fewer blocks of 256).
+LAUNCH_VARIANTS = {  # bench.kernels' `logits_launches`: each beside LAUNCH, same bits asked
+    "stages4": dict(num_stages=4), "stages2": dict(num_stages=2), "warps8": dict(num_warps=8),
+    "warps8+stages4": dict(num_warps=8, num_stages=4),
+    "block256+warps8": dict(block_l=256, num_warps=8),
+    "block256+warps8+stages2": dict(block_l=256, num_warps=8, num_stages=2),
+    "block64+stages4": dict(block_l=64, num_stages=4), "block64+stages6": dict(block_l=64, num_stages=6)}
+
 
 # The per-slot key scale loaded before the keys and their MMA, not after the head sum: a plain load
 # (Triton's pipeliner prefetches only the loads that feed the MMA), so issued after the MMA its latency
@@ -151,21 +167,24 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, blocks: int | None = None,
                    early_scale: bool | None = None, maxima: GroupMaxima | None = None,
-                   register_cap: int | None = None) -> torch.Tensor:
+                   register_cap: int | None = None, launch: dict | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
     blocks a program walks (tests and benches; `blocks_per_program` by default): the same bits.
     early_scale: the key scale loaded before the keys (`EARLY_SCALE` by default): the same bits.
     maxima: also write the selection's group maxima (GroupMaxima; `logits_and_selection` passes them on).
-    register_cap: registers a thread may use (`REGISTER_CAP` by default; 0: none): the same bits."""
+    register_cap: registers a thread may use (`REGISTER_CAP` by default; 0: none): the same bits.
+    launch: block_l / num_warps / num_stages over `LAUNCH`'s (tests and benches)."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
         out = torch.empty(tokens, length, dtype=torch.float32, device=q.device)
     if tokens == 0 or length == 0:
         return out
-    block_l, max_blocks = block_positions(), 2 if INTERPRETED else MAX_BLOCKS
+    shape = launch_shape(launch)
+    block_l = shape["block_l"]
+    max_blocks = 2 if INTERPRETED else max(1, MAX_BLOCKS * 128 // block_l)
     blocks = blocks or blocks_per_program(tokens, length, block_l, max_blocks)
     block_h = max(16, triton.next_power_of_2(heads))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -181,14 +200,26 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
         KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks, BLOCK_H=block_h, BLOCK_D=block_d,
         BLOCK_L=block_l, EARLY_SCALE=EARLY_SCALE if early_scale is None else early_scale,
         MAXIMA=maxima is not None, WINDOW=maxima.window if maxima else 0, TOPK=maxima.topk if maxima else 0,
-        GROUP=maxima.group if maxima else 1, num_warps=4, num_stages=1 if INTERPRETED else 3,
+        GROUP=maxima.group if maxima else 1, num_warps=shape["num_warps"], num_stages=shape["num_stages"],
         maxnreg=(REGISTER_CAP[maxima is not None] if register_cap is None else register_cap) or None)
     return out
 
 
+def launch_shape(launch: dict | None = None) -> dict:
+    """`LAUNCH` with `launch`'s keys over it. The interpreter runs blocks of 32 positions (its time grows
+    with the block) and one stage, unless a caller names its own block."""
+    unknown = set(launch or ()) - set(LAUNCH)
+    if unknown:
+        raise ValueError(f"indexer launch knobs {sorted(unknown)} unknown; known: {sorted(LAUNCH)}")
+    shape = {**LAUNCH, **(dict(block_l=32, num_stages=1) if INTERPRETED else {}), **(launch or {})}
+    if shape["block_l"] < 16 or shape["block_l"] & (shape["block_l"] - 1):
+        raise ValueError(f"indexer block_l must be a power of two >= 16 (an MMA's M), got {shape['block_l']}")
+    return shape
+
+
 def block_positions() -> int:
-    """Positions per block of the logits kernel (a group of the fused maxima must divide it)."""
-    return 32 if INTERPRETED else 128
+    """Positions per block of the deployed logits kernel (a group of the fused maxima must divide it)."""
+    return launch_shape()["block_l"]
 
 
 def _check_maxima(maxima: GroupMaxima, tokens: int, length: int, block_l: int) -> None:
