@@ -405,6 +405,12 @@ def bench_indexer(ceilings, rows: list) -> None:
             q, w, keys, page_table, lens, page_size, key_scale=scale, early_scale=not indexer.EARLY_SCALE)
         logits_other_early_scale = dict(early_scale=not indexer.EARLY_SCALE, us=graph_us([other_fn] * 3),
                                         same_bits=torch.equal(other_fn(), logits))
+        # Full blocks without masks (indexer.UNMASKED_FULL_BLOCKS) the other way: the same bits, its time.
+        unmasked_fn = lambda q=q, keys=keys, scale=scale: indexer.indexer_logits(  # noqa: E731
+            q, w, keys, page_table, lens, page_size, key_scale=scale,
+            unmasked_full_blocks=not indexer.UNMASKED_FULL_BLOCKS)
+        logits_unmasked_full_blocks = dict(unmasked=not indexer.UNMASKED_FULL_BLOCKS,
+                                           us=graph_us([unmasked_fn] * 3), same_bits=torch.equal(unmasked_fn(), logits))
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
         selection = _bench_selection(logits, positions, topk)
@@ -420,7 +426,8 @@ def bench_indexer(ceilings, rows: list) -> None:
         roof = roofline_us(bytes_moved, flops, ceilings)
         rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
                          logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
-                         logits_other_early_scale=logits_other_early_scale, fused_maxima=fused_maxima,
+                         logits_other_early_scale=logits_other_early_scale,
+                         logits_unmasked_full_blocks=logits_unmasked_full_blocks, fused_maxima=fused_maxima,
                          logits_register_caps=logits_register_caps, logits_launches=logits_launches,
                          roofline_us=roof,
                          pct_roofline=100 * roof / logits_us))

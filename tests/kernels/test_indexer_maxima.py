@@ -43,14 +43,16 @@ def reference_group_maxima(logits: torch.Tensor, positions: torch.Tensor, window
     return (best - 2**31) * 2**32 + (2**32 - 1 - torch.arange(groups))[None, :]
 
 
-def fused_run(q, w, keys, table, lens, page_size, positions, window, k, group, key_scale=None, blocks=None):
-    """(logits, maxima) of the fused kernel on poisoned buffers (NaN logits, int64-max maxima)."""
+def fused_run(q, w, keys, table, lens, page_size, positions, window, k, group, key_scale=None, blocks=None,
+              unmasked=None):
+    """(logits, maxima) of the fused kernel on poisoned buffers (NaN logits, int64-max maxima). unmasked:
+    indexer_logits' unmasked_full_blocks."""
     width = table.shape[1] * page_size
     logits = poisoned(q.shape[0], width, dtype=torch.float32)
     maxima = torch.full((q.shape[0], triton.cdiv(width, group)), POISON, dtype=torch.int64, device=DEVICE)
     spec = indexer.GroupMaxima(maxima, positions.to(DEVICE), window, min(k, width), group)
     indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=logits, blocks=blocks,
-                           maxima=spec)
+                           maxima=spec, unmasked_full_blocks=unmasked)
     return logits, maxima
 
 
@@ -79,19 +81,24 @@ def assert_maxima_match(logits, maxima, positions, window, k, group) -> None:
 @given(seed=SEEDS, queries=st.sampled_from([2, 5]), context=st.sampled_from([40, 150, 300]),
        page_size=st.sampled_from([4, 16]), dtype=st.sampled_from(DTYPES), window=st.sampled_from([0, 1, 8]),
        k=st.sampled_from([1, 5, 24]), group=st.sampled_from([None, 1, 4, 32] + ([64, 128] if ON_GPU else [])),
-       blocks=st.sampled_from([1, 2]))
-@example(seed=1, queries=5, context=300, page_size=16, dtype=DTYPES[0], window=8, k=5, group=4, blocks=2)
-@example(seed=2, queries=5, context=150, page_size=4, dtype=DTYPES[0], window=1, k=24, group=32, blocks=1)
-def test_the_logits_kernel_writes_pass_1s_maxima(seed, queries, context, page_size, dtype, window, k, group, blocks):
+       blocks=st.sampled_from([1, 2]), unmasked=st.booleans())
+@example(seed=1, queries=5, context=300, page_size=16, dtype=DTYPES[0], window=8, k=5, group=4, blocks=2,
+         unmasked=False)
+@example(seed=2, queries=5, context=150, page_size=4, dtype=DTYPES[0], window=1, k=24, group=32, blocks=1,
+         unmasked=True)
+def test_the_logits_kernel_writes_pass_1s_maxima(seed, queries, context, page_size, dtype, window, k, group, blocks,
+                                                 unmasked):
     """Queries of several lengths (blocks partly or wholly past the length, rows with fewer candidates
     than k), tied logits (duplicated keys): the logits keep their bits, the maxima are pass 1's, and
-    the selection on them is select_slots' own and the stable sort's."""
+    the selection on them is select_slots' own and the stable sort's. unmasked: full blocks without masks
+    (indexer.UNMASKED_FULL_BLOCKS) in the fused kernel."""
     q, w, keys, table, lens, _ = _indexer_case(seed, queries, 4, 16, context, page_size, dtype)
     width = table.shape[1] * page_size
     positions = (lens - 1).to(torch.int64)  # a decode row's keys end at its own position
     group = topk.group_size(width, k, group)
-    logits, maxima = fused_run(q, w, keys, table, lens, page_size, positions, window, k, group, blocks=blocks)
-    plain = indexer.indexer_logits(q, w, keys, table, lens, page_size, blocks=blocks)
+    logits, maxima = fused_run(q, w, keys, table, lens, page_size, positions, window, k, group, blocks=blocks,
+                               unmasked=unmasked)
+    plain = indexer.indexer_logits(q, w, keys, table, lens, page_size, blocks=blocks, unmasked_full_blocks=False)
     assert torch.equal(logits, plain), "the fused maxima changed the logits"
     assert_maxima_match(logits, maxima, positions, window, k, group)
     # The reference is pass 1: the selection's own kernel writes the same buffer (rows it skips untouched).

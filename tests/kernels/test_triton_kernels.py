@@ -687,10 +687,11 @@ def _indexer_case(seed, queries, heads, dim, context, page_size, dtype, dup_ever
     return q, w, keys, page_table.to(torch.int32).to(DEVICE), lens.to(torch.int32).to(DEVICE), dense
 
 
-def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None, blocks=None, early_scale=None, launch=None):
+def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None, blocks=None, early_scale=None, launch=None,
+                 unmasked_full_blocks=None):
     out = poisoned(q.shape[0], table.shape[1] * page_size, dtype=torch.float32)
     indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=out, blocks=blocks,
-                           early_scale=early_scale, launch=launch)
+                           early_scale=early_scale, launch=launch, unmasked_full_blocks=unmasked_full_blocks)
     return out
 
 
@@ -733,6 +734,38 @@ def test_indexer_early_key_scale_keeps_the_bits(seed, queries, context, page_siz
                    for value in (False, True))
     assert not torch.isnan(early).any(), "a position left unwritten (poison)"
     assert torch.equal(early, late)
+
+
+@settings(max_examples=4 if ON_GPU else 3, deadline=None)
+@given(seed=SEEDS, queries=st.sampled_from([2, 5]), context=st.sampled_from([64, 150, 300]),
+       page_size=st.sampled_from([4, 16, 64]), dtype=st.sampled_from(DTYPES), blocks=st.sampled_from([1, 2, None]),
+       scaled=st.booleans())
+@example(seed=2, queries=5, context=256, page_size=16, dtype=torch.float32, blocks=None, scaled=True)
+def test_indexer_unmasked_full_blocks_keep_the_bits(seed, queries, context, page_size, dtype, blocks, scaled):
+    """`unmasked_full_blocks` (a program's blocks wholly below the length run without masks, its last live
+    block masked after the loop) changes no bit. Lengths of whole blocks (context 64 / 256: no masked
+    block) and of any size; every logit the masked loop's bits, -inf past each length included."""
+    q, w, keys, table, lens, _ = _indexer_case(seed, queries, 4, 16, context, page_size, dtype)
+    key_scale = None
+    if scaled:
+        keys, key_scale = _scaled_keys(keys)
+        q = q.to(keys.dtype)
+    masked, unmasked = (_run_indexer(q, w, keys, table, lens, page_size, key_scale, blocks=blocks,
+                                     unmasked_full_blocks=value) for value in (False, True))
+    assert not torch.isnan(unmasked).any(), "a position left unwritten (poison)"
+    assert torch.equal(unmasked, masked)
+
+
+def test_indexer_unmasked_check_sees_a_length_one_short():
+    """Negative control of the test above: the unmasked run over lengths one shorter for one query (its
+    last key now past the length, so its last block masked) must differ in that position alone."""
+    q, w, keys, table, lens, _ = _indexer_case(4, 3, 4, 16, 150, 16, torch.float32)
+    want = _run_indexer(q, w, keys, table, lens, 16, unmasked_full_blocks=False)
+    shorter = lens.clone()
+    shorter[0] -= 1
+    got = _run_indexer(q, w, keys, table, shorter, 16, unmasked_full_blocks=True)
+    differs = (got != want).nonzero().tolist()
+    assert differs == [[0, int(lens[0]) - 1]] and got[0, int(lens[0]) - 1] == float("-inf")
 
 
 # Blocks of positions that run one MMA form: sm_90 runs blocks of fewer than 64 rows as another

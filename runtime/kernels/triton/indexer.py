@@ -52,6 +52,16 @@ LAUNCH_VARIANTS = {  # bench.kernels' `logits_launches`: each beside LAUNCH, sam
 # against 208.9, bf16 392.5 against 391.4 (B=64, 64K).
 EARLY_SCALE = True
 
+# A program's blocks wholly inside the query's length run without masks (no per-row compare, no masked loads
+# or store), and only its last live block, which may end past the length, runs masked, as straight-line code
+# after the loop. The same operations on the same values, so the same bits. Why: a copy of the loop with no
+# masks and a fixed trip count read at 159 us where the kernel takes 176 on the H200 (bench.indexer_anatomy,
+# twenty-fourth session). The earlier try, FULL_FAST (a whole second loop for full programs), pipelined both
+# loops and needed 74 KB of shared memory a program against 42: slower on the H100 (227 against 209 us).
+# Here the masked block is not a loop, so nothing more is pipelined. Off until timed (bench.kernels'
+# `logits_unmasked_full_blocks`).
+UNMASKED_FULL_BLOCKS = False
+
 
 # The selection's first pass (topk._maxima_kernel: the largest order key of every GROUP positions) done
 # by the logits kernel on the logits it holds in registers, so that pass's launch and its read of the
@@ -95,24 +105,33 @@ def key_block(dim: int, dtype: torch.dtype) -> int:
 
 @triton.jit
 def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim, page_size,
-                  width, stride_key, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, EARLY_SCALE: tl.constexpr):
+                  width, stride_key, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, EARLY_SCALE: tl.constexpr,
+                  MASKED: tl.constexpr = True):
     """The logits of one block of positions offs_l, stored at out_row and returned; -inf past the query's
-    length, nothing stored past the row's width. EARLY_SCALE: the key scale's load comes first."""
+    length, nothing stored past the row's width. EARLY_SCALE: the key scale's load comes first.
+    MASKED=False: the caller knows every position is below the length and the width (no masks)."""
     valid = offs_l < length
-    page = tl.load(table_row + offs_l // page_size, mask=valid, other=0).to(tl.int64)
+    key_ok = valid[:, None] & (offs_d < dim)[None, :]
+    if MASKED:
+        page = tl.load(table_row + offs_l // page_size, mask=valid, other=0).to(tl.int64)
+    else:
+        page = tl.load(table_row + offs_l // page_size).to(tl.int64)
+        key_ok = (offs_d < dim)[None, :]
     slot = page * page_size + offs_l % page_size
     if KEY_SCALE and EARLY_SCALE:
-        key_scale = tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
-    key_ok = valid[:, None] & (offs_d < dim)[None, :]
+        key_scale = tl.load(key_scale_ptr + slot, mask=valid if MASKED else None, other=1.0 if MASKED else None)
     keys = tl.load(key_ptr + slot[:, None] * stride_key + offs_d[None, :], mask=key_ok, other=0.0)  # [BLOCK_L, BLOCK_D]
     scores = tl.maximum(tl.dot(keys, q_t, input_precision=PRECISION), 0.0)  # [BLOCK_L, BLOCK_H]
     logits = tl.sum(scores * w[None, :], axis=1)
     if KEY_SCALE and EARLY_SCALE:
         logits = logits * key_scale
     elif KEY_SCALE:
-        logits = logits * tl.load(key_scale_ptr + slot, mask=valid, other=1.0)
-    logits = tl.where(valid, logits, float("-inf"))
-    tl.store(out_row + offs_l, logits, mask=offs_l < width)
+        logits = logits * tl.load(key_scale_ptr + slot, mask=valid if MASKED else None, other=1.0 if MASKED else None)
+    if MASKED:
+        logits = tl.where(valid, logits, float("-inf"))
+        tl.store(out_row + offs_l, logits, mask=offs_l < width)
+    else:
+        tl.store(out_row + offs_l, logits)
     return logits
 
 
@@ -121,7 +140,8 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
                     heads, dim, page_size, width, stride_qt, stride_qh, stride_w, stride_key, stride_table, stride_out,
                     stride_maxima, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, EARLY_SCALE: tl.constexpr,
-                    MAXIMA: tl.constexpr, WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr):
+                    MAXIMA: tl.constexpr, WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr,
+                    UNMASKED_FULL: tl.constexpr):
     # One program: BLOCKS consecutive blocks of BLOCK_L positions of one query, q held throughout.
     # Scores as keys @ q^T ([positions, heads]): the head sum then stays inside a warp.
     # MAXIMA: the selection's group maxima too (GroupMaxima), for rows it runs pass 1 on (more than
@@ -154,20 +174,42 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
         if MAXIMA:
             if last + 1 > TOPK:
                 store_group_maxima(dead, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
-    for block in range(0, live):
-        offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
-        logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
-                               page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE)
-        if MAXIMA:
-            if last + 1 > TOPK:
-                store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
+    masked_from = 0  # blocks [masked_from, live) run masked
+    if UNMASKED_FULL:
+        # Blocks wholly below the length (and the row's width) run unmasked; at most one block, the last
+        # live one, ends past the length.
+        masked_from = tl.minimum(live, tl.maximum(0, (tl.minimum(length, width) - first) // BLOCK_L))
+        for block in range(0, masked_from):
+            offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
+            logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
+                                   page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE, False)
+            if MAXIMA:
+                if last + 1 > TOPK:
+                    store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
+        if masked_from < live:  # straight-line code, not a second pipelined loop
+            offs_l = first + masked_from * BLOCK_L + tl.arange(0, BLOCK_L)
+            logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
+                                   page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE)
+            if MAXIMA:
+                if last + 1 > TOPK:
+                    store_group_maxima(logits, first + masked_from * BLOCK_L, last, width, maxima_row, BLOCK_L,
+                                       GROUP)
+    else:
+        for block in range(0, live):
+            offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
+            logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
+                                   page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE)
+            if MAXIMA:
+                if last + 1 > TOPK:
+                    store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
 
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                    seq_lens: torch.Tensor, page_size: int, key_scale: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, blocks: int | None = None,
                    early_scale: bool | None = None, maxima: GroupMaxima | None = None,
-                   register_cap: int | None = None, launch: dict | None = None) -> torch.Tensor:
+                   register_cap: int | None = None, launch: dict | None = None,
+                   unmasked_full_blocks: bool | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
@@ -175,7 +217,8 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     early_scale: the key scale loaded before the keys (`EARLY_SCALE` by default): the same bits.
     maxima: also write the selection's group maxima (GroupMaxima; `logits_and_selection` passes them on).
     register_cap: registers a thread may use (`REGISTER_CAP` by default; 0: none): the same bits.
-    launch: block_l / num_warps / num_stages over `LAUNCH`'s (tests and benches)."""
+    launch: block_l / num_warps / num_stages over `LAUNCH`'s (tests and benches).
+    unmasked_full_blocks: `UNMASKED_FULL_BLOCKS` by default: the same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
@@ -200,7 +243,9 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
         KEY_SCALE=key_scale is not None, PRECISION=precision, BLOCKS=blocks, BLOCK_H=block_h, BLOCK_D=block_d,
         BLOCK_L=block_l, EARLY_SCALE=EARLY_SCALE if early_scale is None else early_scale,
         MAXIMA=maxima is not None, WINDOW=maxima.window if maxima else 0, TOPK=maxima.topk if maxima else 0,
-        GROUP=maxima.group if maxima else 1, num_warps=shape["num_warps"], num_stages=shape["num_stages"],
+        GROUP=maxima.group if maxima else 1,
+        UNMASKED_FULL=UNMASKED_FULL_BLOCKS if unmasked_full_blocks is None else unmasked_full_blocks,
+        num_warps=shape["num_warps"], num_stages=shape["num_stages"],
         maxnreg=(REGISTER_CAP[maxima is not None] if register_cap is None else register_cap) or None)
     return out
 
