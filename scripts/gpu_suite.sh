@@ -71,9 +71,8 @@ want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY 
     --only "${KERNELS_ONLY:-mla,indexer}" --batches 1,8,32,64,128 --vs-sglang
 # The indexer's selection and logits (issue 15 item 4): their GPU tests, then the bench alone (no SGLang
 # wheel: the selection's launches one by one, its radix-vs-sort variants, the logits' eviction policies,
-# the selection's pass 1 fused into the logits kernel both ways, the logits kernel's launch shapes and unmasked full
-# blocks) and the logits loop
-# taken apart (bench/indexer_anatomy.py).
+# the selection's pass 1 fused into the logits kernel both ways, the logits kernel's launch shapes and unmasked
+# full blocks) and the logits loop taken apart (bench/indexer_anatomy.py).
 want indexer_tests && section indexer_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
     -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_indexer_topk.py tests/kernels/test_triton_kernels.py \
     tests/kernels/test_indexer_maxima.py -k "indexer or select or sort or maxima"
