@@ -405,11 +405,12 @@ def bench_indexer(ceilings, rows: list) -> None:
             q, w, keys, page_table, lens, page_size, key_scale=scale, early_scale=not indexer.EARLY_SCALE)
         logits_other_early_scale = dict(early_scale=not indexer.EARLY_SCALE, us=graph_us([other_fn] * 3),
                                         same_bits=torch.equal(other_fn(), logits))
-        # Full blocks without masks (indexer.UNMASKED_FULL_BLOCKS) the other way: the same bits, its time.
-        unmasked_fn = lambda q=q, keys=keys, scale=scale: indexer.indexer_logits(  # noqa: E731
-            q, w, keys, page_table, lens, page_size, key_scale=scale,
-            unmasked_full_blocks=not indexer.UNMASKED_FULL_BLOCKS)
-        logits_unmasked_full_blocks = dict(unmasked=not indexer.UNMASKED_FULL_BLOCKS,
+        # Full blocks without masks (indexer.UNMASKED_FULL_BLOCKS, by key dtype) the other way: the same bits,
+        # its time.
+        other_unmasked = not indexer.unmasked_by_default(keys)
+        unmasked_fn = lambda q=q, keys=keys, scale=scale, other=other_unmasked: indexer.indexer_logits(  # noqa: E731
+            q, w, keys, page_table, lens, page_size, key_scale=scale, unmasked_full_blocks=other)
+        logits_unmasked_full_blocks = dict(unmasked=other_unmasked,
                                            us=graph_us([unmasked_fn] * 3), same_bits=torch.equal(unmasked_fn(), logits))
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)

@@ -91,7 +91,7 @@ def test_the_logits_kernel_writes_pass_1s_maxima(seed, queries, context, page_si
     """Queries of several lengths (blocks partly or wholly past the length, rows with fewer candidates
     than k), tied logits (duplicated keys): the logits keep their bits, the maxima are pass 1's, and
     the selection on them is select_slots' own and the stable sort's. unmasked: full blocks without masks
-    (indexer.UNMASKED_FULL_BLOCKS) in the fused kernel."""
+    (indexer.UNMASKED_FULL_BLOCKS) in the fused kernel, against the masked plain kernel."""
     q, w, keys, table, lens, _ = _indexer_case(seed, queries, 4, 16, context, page_size, dtype)
     width = table.shape[1] * page_size
     positions = (lens - 1).to(torch.int64)  # a decode row's keys end at its own position

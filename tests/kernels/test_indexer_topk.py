@@ -472,11 +472,11 @@ _INDEXER_SIGNATURE = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "key_ptr": "*fp8e4n
 def _compile_indexer_fp8(block_d: int, maxima: bool = False, unmasked: bool | None = None):
     """The deployment's launch (B=64, 64K: 8 blocks of 128 a program; the selection's top-512 after a
     128-position window in groups of 64 when `maxima`). unmasked: UNMASKED_FULL (the deployed switch's
-    value by default)."""
+    value for fp8 keys by default)."""
     constants = dict(KEY_SCALE=True, PRECISION="tf32", BLOCKS=8, BLOCK_H=64, BLOCK_D=block_d, BLOCK_L=128,
                      EARLY_SCALE=True, MAXIMA=maxima, WINDOW=128 if maxima else 0, TOPK=512 if maxima else 0,
                      GROUP=64 if maxima else 1,
-                     UNMASKED_FULL=indexer_kernels.UNMASKED_FULL_BLOCKS if unmasked is None else unmasked)
+                     UNMASKED_FULL=indexer_kernels.UNMASKED_FULL_BLOCKS[True] if unmasked is None else unmasked)
     cap = indexer_kernels.REGISTER_CAP[maxima]  # the launch's register cap, as the launch passes it
     return compile_for_sm90("runtime.kernels.triton.indexer", "_indexer_kernel", dict(_INDEXER_SIGNATURE), constants,
                             num_warps=4, num_stages=3, **({"maxnreg": cap} if cap else {}))
@@ -503,8 +503,8 @@ def test_the_indexer_fp8_compile_check_fails_at_k_16():
 @pytest.mark.parametrize("maxima", [False, True])
 def test_the_indexer_with_unmasked_full_blocks_compiles_for_the_gpu(maxima):
     """indexer.UNMASKED_FULL_BLOCKS both ways through sm_90's compiler (its masked tail block is
-    straight-line code after the pipelined loop)."""
-    done = _compile_indexer_fp8(128, maxima=maxima, unmasked=not indexer_kernels.UNMASKED_FULL_BLOCKS)
+    straight-line code after the pipelined loop): the other way here, the deployed one in the tests above."""
+    done = _compile_indexer_fp8(128, maxima=maxima, unmasked=not indexer_kernels.UNMASKED_FULL_BLOCKS[True])
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

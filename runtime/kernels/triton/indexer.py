@@ -58,9 +58,15 @@ EARLY_SCALE = True
 # masks and a fixed trip count read at 159 us where the kernel takes 176 on the H200 (bench.indexer_anatomy,
 # twenty-fourth session). The earlier try, FULL_FAST (a whole second loop for full programs), pipelined both
 # loops and needed 74 KB of shared memory a program against 42: slower on the H100 (227 against 209 us).
-# Here the masked block is not a loop, so nothing more is pipelined. Off until timed (bench.kernels'
-# `logits_unmasked_full_blocks`).
-UNMASKED_FULL_BLOCKS = False
+# Here the masked block is not a loop, so nothing more is pipelined (41,984 B either way, sm_90 compile).
+# By whether the keys are fp8, as timed on the H200 (twenty-seventh session, bench.kernels, B=64, 64K, same
+# bits): fp8 keys 163.1 us against 173.4 masked; bf16 keys 337.9 against 332.2, so bf16 keeps the masks.
+UNMASKED_FULL_BLOCKS: dict[bool, bool] = {True: True, False: False}
+
+
+def unmasked_by_default(key_cache: torch.Tensor) -> bool:
+    """`UNMASKED_FULL_BLOCKS` for these keys (fp8 or not)."""
+    return UNMASKED_FULL_BLOCKS[key_cache.dtype.itemsize == 1]
 
 
 # The selection's first pass (topk._maxima_kernel: the largest order key of every GROUP positions) done
@@ -218,7 +224,7 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     maxima: also write the selection's group maxima (GroupMaxima; `logits_and_selection` passes them on).
     register_cap: registers a thread may use (`REGISTER_CAP` by default; 0: none): the same bits.
     launch: block_l / num_warps / num_stages over `LAUNCH`'s (tests and benches).
-    unmasked_full_blocks: `UNMASKED_FULL_BLOCKS` by default: the same bits."""
+    unmasked_full_blocks: `UNMASKED_FULL_BLOCKS` for the keys' dtype by default: the same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
@@ -244,7 +250,7 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
         BLOCK_L=block_l, EARLY_SCALE=EARLY_SCALE if early_scale is None else early_scale,
         MAXIMA=maxima is not None, WINDOW=maxima.window if maxima else 0, TOPK=maxima.topk if maxima else 0,
         GROUP=maxima.group if maxima else 1,
-        UNMASKED_FULL=UNMASKED_FULL_BLOCKS if unmasked_full_blocks is None else unmasked_full_blocks,
+        UNMASKED_FULL=unmasked_by_default(key_cache) if unmasked_full_blocks is None else unmasked_full_blocks,
         num_warps=shape["num_warps"], num_stages=shape["num_stages"],
         maxnreg=(REGISTER_CAP[maxima is not None] if register_cap is None else register_cap) or None)
     return out
