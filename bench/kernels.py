@@ -412,6 +412,17 @@ def bench_indexer(ceilings, rows: list) -> None:
             q, w, keys, page_table, lens, page_size, key_scale=scale, unmasked_full_blocks=other)
         logits_unmasked_full_blocks = dict(unmasked=other_unmasked,
                                            us=graph_us([unmasked_fn] * 3), same_bits=torch.equal(unmasked_fn(), logits))
+        # The key scales loaded one block ahead (indexer.PREFETCH_SCALE, with unmasked full blocks; keys with
+        # a scale only) the other way, beside unmasked full blocks without it.
+        logits_prefetch_scale = None
+        if scale is not None:
+            def prefetch_fn(prefetch: bool, q=q, keys=keys, scale=scale):
+                return indexer.indexer_logits(q, w, keys, page_table, lens, page_size, key_scale=scale,
+                                              unmasked_full_blocks=True, prefetch_scale=prefetch)
+            logits_prefetch_scale = dict(
+                default=indexer.PREFETCH_SCALE, on_us=graph_us([lambda: prefetch_fn(True)] * 3),
+                off_us=graph_us([lambda: prefetch_fn(False)] * 3),
+                same_bits=torch.equal(prefetch_fn(True), logits) and torch.equal(prefetch_fn(False), logits))
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
         selection = _bench_selection(logits, positions, topk)
@@ -428,7 +439,8 @@ def bench_indexer(ceilings, rows: list) -> None:
         rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
                          logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
                          logits_other_early_scale=logits_other_early_scale,
-                         logits_unmasked_full_blocks=logits_unmasked_full_blocks, fused_maxima=fused_maxima,
+                         logits_unmasked_full_blocks=logits_unmasked_full_blocks,
+                         logits_prefetch_scale=logits_prefetch_scale, fused_maxima=fused_maxima,
                          logits_register_caps=logits_register_caps, logits_launches=logits_launches,
                          roofline_us=roof,
                          pct_roofline=100 * roof / logits_us))

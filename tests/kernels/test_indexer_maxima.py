@@ -44,15 +44,15 @@ def reference_group_maxima(logits: torch.Tensor, positions: torch.Tensor, window
 
 
 def fused_run(q, w, keys, table, lens, page_size, positions, window, k, group, key_scale=None, blocks=None,
-              unmasked=None):
-    """(logits, maxima) of the fused kernel on poisoned buffers (NaN logits, int64-max maxima). unmasked:
-    indexer_logits' unmasked_full_blocks."""
+              unmasked=None, prefetch=None):
+    """(logits, maxima) of the fused kernel on poisoned buffers (NaN logits, int64-max maxima). unmasked,
+    prefetch: indexer_logits' unmasked_full_blocks and prefetch_scale."""
     width = table.shape[1] * page_size
     logits = poisoned(q.shape[0], width, dtype=torch.float32)
     maxima = torch.full((q.shape[0], triton.cdiv(width, group)), POISON, dtype=torch.int64, device=DEVICE)
     spec = indexer.GroupMaxima(maxima, positions.to(DEVICE), window, min(k, width), group)
     indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=logits, blocks=blocks,
-                           maxima=spec, unmasked_full_blocks=unmasked)
+                           maxima=spec, unmasked_full_blocks=unmasked, prefetch_scale=prefetch)
     return logits, maxima
 
 
@@ -116,8 +116,11 @@ def test_the_logits_kernel_writes_pass_1s_maxima(seed, queries, context, page_si
     assert torch.equal(fused[0], unfused[0]) and all(torch.equal(a, b) for a, b in zip(fused[1], unfused[1]))
 
 
-def test_fp8_style_scaled_keys_give_pass_1s_maxima_too():
-    """Keys with a per-slot scale (fp8 on a GPU; on CPU the keys as they are with a random scale)."""
+@pytest.mark.parametrize("unmasked, prefetch", [(None, None), (True, False), (True, True)])
+def test_fp8_style_scaled_keys_give_pass_1s_maxima_too(unmasked, prefetch):
+    """Keys with a per-slot scale (fp8 on a GPU; on CPU the keys as they are with a random scale), through
+    the default loop, unmasked full blocks, and unmasked full blocks with the key scales prefetched: the
+    maxima are pass 1's and the logits the masked loop's bits."""
     q, w, keys, table, lens, _ = _indexer_case(3, 3, 4, 16, 200, 16, DTYPES[0])
     if ON_GPU:
         keys, key_scale = elementwise.quantize_groups(keys.to(torch.float32))
@@ -126,8 +129,11 @@ def test_fp8_style_scaled_keys_give_pass_1s_maxima_too():
     else:
         key_scale = torch.rand(keys.shape[0], generator=torch.Generator().manual_seed(3)) + 0.5
     positions = (lens - 1).to(torch.int64)
-    logits, maxima = fused_run(q, w, keys, table, lens, 16, positions, 8, 5, 4, key_scale=key_scale)
+    logits, maxima = fused_run(q, w, keys, table, lens, 16, positions, 8, 5, 4, key_scale=key_scale,
+                               unmasked=unmasked, prefetch=prefetch)
     assert_maxima_match(logits, maxima, positions, 8, 5, 4)
+    plain = indexer.indexer_logits(q, w, keys, table, lens, 16, key_scale=key_scale, unmasked_full_blocks=False)
+    assert torch.equal(logits, plain)
 
 
 def test_maxima_oracle_fails_on_a_window_off_by_one():

@@ -469,14 +469,16 @@ _INDEXER_SIGNATURE = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "key_ptr": "*fp8e4n
                       "stride_table": "i32", "stride_out": "i32", "stride_maxima": "i32"}
 
 
-def _compile_indexer_fp8(block_d: int, maxima: bool = False, unmasked: bool | None = None):
+def _compile_indexer_fp8(block_d: int, maxima: bool = False, unmasked: bool | None = None,
+                         prefetch: bool | None = None):
     """The deployment's launch (B=64, 64K: 8 blocks of 128 a program; the selection's top-512 after a
     128-position window in groups of 64 when `maxima`). unmasked: UNMASKED_FULL (the deployed switch's
     value for fp8 keys by default)."""
     constants = dict(KEY_SCALE=True, PRECISION="tf32", BLOCKS=8, BLOCK_H=64, BLOCK_D=block_d, BLOCK_L=128,
                      EARLY_SCALE=True, MAXIMA=maxima, WINDOW=128 if maxima else 0, TOPK=512 if maxima else 0,
                      GROUP=64 if maxima else 1,
-                     UNMASKED_FULL=indexer_kernels.UNMASKED_FULL_BLOCKS[True] if unmasked is None else unmasked)
+                     UNMASKED_FULL=indexer_kernels.UNMASKED_FULL_BLOCKS[True] if unmasked is None else unmasked,
+                     PREFETCH_SCALE=indexer_kernels.PREFETCH_SCALE if prefetch is None else prefetch)
     cap = indexer_kernels.REGISTER_CAP[maxima]  # the launch's register cap, as the launch passes it
     return compile_for_sm90("runtime.kernels.triton.indexer", "_indexer_kernel", dict(_INDEXER_SIGNATURE), constants,
                             num_warps=4, num_stages=3, **({"maxnreg": cap} if cap else {}))
@@ -505,6 +507,14 @@ def test_the_indexer_with_unmasked_full_blocks_compiles_for_the_gpu(maxima):
     """indexer.UNMASKED_FULL_BLOCKS both ways through sm_90's compiler (its masked tail block is
     straight-line code after the pipelined loop): the other way here, the deployed one in the tests above."""
     done = _compile_indexer_fp8(128, maxima=maxima, unmasked=not indexer_kernels.UNMASKED_FULL_BLOCKS[True])
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the indexer tests compile it for real")
+@pytest.mark.parametrize("maxima", [False, True])
+def test_the_indexer_prefetching_key_scales_compiles_for_the_gpu(maxima):
+    """indexer.PREFETCH_SCALE the other way (a loop-carried block of key scales) through sm_90's compiler."""
+    done = _compile_indexer_fp8(128, maxima=maxima, unmasked=True, prefetch=not indexer_kernels.PREFETCH_SCALE)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

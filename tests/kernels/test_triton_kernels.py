@@ -688,10 +688,11 @@ def _indexer_case(seed, queries, heads, dim, context, page_size, dtype, dup_ever
 
 
 def _run_indexer(q, w, keys, table, lens, page_size, key_scale=None, blocks=None, early_scale=None, launch=None,
-                 unmasked_full_blocks=None):
+                 unmasked_full_blocks=None, prefetch_scale=None):
     out = poisoned(q.shape[0], table.shape[1] * page_size, dtype=torch.float32)
     indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=out, blocks=blocks,
-                           early_scale=early_scale, launch=launch, unmasked_full_blocks=unmasked_full_blocks)
+                           early_scale=early_scale, launch=launch, unmasked_full_blocks=unmasked_full_blocks,
+                           prefetch_scale=prefetch_scale)
     return out
 
 
@@ -743,29 +744,45 @@ def test_indexer_early_key_scale_keeps_the_bits(seed, queries, context, page_siz
 @example(seed=2, queries=5, context=256, page_size=16, dtype=torch.float32, blocks=None, scaled=True)
 def test_indexer_unmasked_full_blocks_keep_the_bits(seed, queries, context, page_size, dtype, blocks, scaled):
     """`unmasked_full_blocks` (a program's blocks wholly below the length run without masks, its last live
-    block masked after the loop) changes no bit. Lengths of whole blocks (context 64 / 256: no masked
-    block) and of any size; every logit the masked loop's bits, -inf past each length included."""
+    block masked after the loop), with and without `prefetch_scale` (each full block's key scales loaded
+    during the block before), changes no bit. Lengths of whole blocks (context 64 / 256: no masked block)
+    and of any size; every logit the masked loop's bits, -inf past each length included."""
     q, w, keys, table, lens, _ = _indexer_case(seed, queries, 4, 16, context, page_size, dtype)
     key_scale = None
     if scaled:
         keys, key_scale = _scaled_keys(keys)
         q = q.to(keys.dtype)
-    masked, unmasked = (_run_indexer(q, w, keys, table, lens, page_size, key_scale, blocks=blocks,
-                                     unmasked_full_blocks=value) for value in (False, True))
-    assert not torch.isnan(unmasked).any(), "a position left unwritten (poison)"
-    assert torch.equal(unmasked, masked)
+    masked = _run_indexer(q, w, keys, table, lens, page_size, key_scale, blocks=blocks, unmasked_full_blocks=False)
+    for prefetch in (False, True):
+        unmasked = _run_indexer(q, w, keys, table, lens, page_size, key_scale, blocks=blocks,
+                                unmasked_full_blocks=True, prefetch_scale=prefetch)
+        assert not torch.isnan(unmasked).any(), f"a position left unwritten (poison; prefetch {prefetch})"
+        assert torch.equal(unmasked, masked), f"prefetch {prefetch}"
 
 
-def test_indexer_unmasked_check_sees_a_length_one_short():
-    """Negative control of the test above: the unmasked run over lengths one shorter for one query (its
-    last key now past the length, so its last block masked) must differ in that position alone."""
-    q, w, keys, table, lens, _ = _indexer_case(4, 3, 4, 16, 150, 16, torch.float32)
+def test_indexer_unmasked_check_sees_a_length_one_short_or_a_scale_changed():
+    """Negative controls of the test above: the unmasked run over lengths one shorter for one query (its
+    last key now past the length, so its last block masked) must differ in that position alone; the
+    prefetching run with one key scale changed (the second block's first: loaded during the first block)
+    must differ in that position alone."""
+    q, w, keys, table, lens, dense = _indexer_case(4, 3, 4, 16, 150, 16, torch.float32)
     want = _run_indexer(q, w, keys, table, lens, 16, unmasked_full_blocks=False)
     shorter = lens.clone()
     shorter[0] -= 1
     got = _run_indexer(q, w, keys, table, shorter, 16, unmasked_full_blocks=True)
     differs = (got != want).nonzero().tolist()
     assert differs == [[0, int(lens[0]) - 1]] and got[0, int(lens[0]) - 1] == float("-inf")
+    keys, key_scale = _scaled_keys(keys)
+    q = q.to(keys.dtype)
+    block = indexer.block_positions()
+    want = _run_indexer(q, w, keys, table, lens, 16, key_scale, blocks=2, unmasked_full_blocks=False)
+    changed = key_scale.clone()
+    slot = int(dense[0][block])
+    changed[slot] *= 2
+    got = _run_indexer(q, w, keys, table, lens, 16, changed, blocks=2, unmasked_full_blocks=True, prefetch_scale=True)
+    rows_using_slot = {i for i in range(3) for j in range(int(lens[i])) if int(dense[i][j]) == slot}
+    differs = {tuple(x) for x in (got != want).nonzero().tolist()}
+    assert (0, block) in differs and {i for i, _ in differs} <= rows_using_slot
 
 
 # Blocks of positions that run one MMA form: sm_90 runs blocks of fewer than 64 rows as another

@@ -62,6 +62,11 @@ EARLY_SCALE = True
 # By whether the keys are fp8, as timed on the H200 (twenty-seventh session, bench.kernels, B=64, 64K, same
 # bits): fp8 keys 163.1 us against 173.4 masked; bf16 keys 337.9 against 332.2, so bf16 keeps the masks.
 UNMASKED_FULL_BLOCKS: dict[bool, bool] = {True: True, False: False}
+# With UNMASKED_FULL_BLOCKS, each full block's key scales loaded one block ahead (a register a thread). On the
+# H200 the scale's load costs 13.7 us of the fp8 loop's time (bench.indexer_anatomy, twenty-seventh session:
+# copy 158.8 us, no_scale 145.1) for 3% of its bytes: its latency, not its bandwidth. Off until timed
+# (bench.kernels' `logits_prefetch_scale`): the same bits.
+PREFETCH_SCALE = False
 
 
 def unmasked_by_default(key_cache: torch.Tensor) -> bool:
@@ -112,10 +117,11 @@ def key_block(dim: int, dtype: torch.dtype) -> int:
 @triton.jit
 def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim, page_size,
                   width, stride_key, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, EARLY_SCALE: tl.constexpr,
-                  MASKED: tl.constexpr = True):
+                  MASKED: tl.constexpr = True, given_scale=None, SCALE_GIVEN: tl.constexpr = False):
     """The logits of one block of positions offs_l, stored at out_row and returned; -inf past the query's
     length, nothing stored past the row's width. EARLY_SCALE: the key scale's load comes first.
-    MASKED=False: the caller knows every position is below the length and the width (no masks)."""
+    MASKED=False: the caller knows every position is below the length and the width (no masks).
+    SCALE_GIVEN: the caller loaded this block's key scales (given_scale), as the early load would."""
     valid = offs_l < length
     key_ok = valid[:, None] & (offs_d < dim)[None, :]
     if MASKED:
@@ -124,12 +130,14 @@ def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, of
         page = tl.load(table_row + offs_l // page_size).to(tl.int64)
         key_ok = (offs_d < dim)[None, :]
     slot = page * page_size + offs_l % page_size
-    if KEY_SCALE and EARLY_SCALE:
+    if KEY_SCALE and SCALE_GIVEN:
+        key_scale = given_scale
+    elif KEY_SCALE and EARLY_SCALE:
         key_scale = tl.load(key_scale_ptr + slot, mask=valid if MASKED else None, other=1.0 if MASKED else None)
     keys = tl.load(key_ptr + slot[:, None] * stride_key + offs_d[None, :], mask=key_ok, other=0.0)  # [BLOCK_L, BLOCK_D]
     scores = tl.maximum(tl.dot(keys, q_t, input_precision=PRECISION), 0.0)  # [BLOCK_L, BLOCK_H]
     logits = tl.sum(scores * w[None, :], axis=1)
-    if KEY_SCALE and EARLY_SCALE:
+    if KEY_SCALE and (EARLY_SCALE or SCALE_GIVEN):
         logits = logits * key_scale
     elif KEY_SCALE:
         logits = logits * tl.load(key_scale_ptr + slot, mask=valid if MASKED else None, other=1.0 if MASKED else None)
@@ -147,7 +155,7 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
                     stride_maxima, KEY_SCALE: tl.constexpr, PRECISION: tl.constexpr, BLOCKS: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, EARLY_SCALE: tl.constexpr,
                     MAXIMA: tl.constexpr, WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr,
-                    UNMASKED_FULL: tl.constexpr):
+                    UNMASKED_FULL: tl.constexpr, PREFETCH_SCALE: tl.constexpr):
     # One program: BLOCKS consecutive blocks of BLOCK_L positions of one query, q held throughout.
     # Scores as keys @ q^T ([positions, heads]): the head sum then stays inside a warp.
     # MAXIMA: the selection's group maxima too (GroupMaxima), for rows it runs pass 1 on (more than
@@ -185,13 +193,35 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
         # Blocks wholly below the length (and the row's width) run unmasked; at most one block, the last
         # live one, ends past the length.
         masked_from = tl.minimum(live, tl.maximum(0, (tl.minimum(length, width) - first) // BLOCK_L))
-        for block in range(0, masked_from):
-            offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
-            logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
-                                   page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE, False)
-            if MAXIMA:
-                if last + 1 > TOPK:
-                    store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
+        if PREFETCH_SCALE and KEY_SCALE:
+            # Each block's key scales are loaded during the block before (the first block's before the
+            # loop): that load is no operand of the MMA, so Triton's pipeliner does not prefetch it, and
+            # its latency stood between one block and the next. The same values, multiplied the same way.
+            offs_l = first + tl.arange(0, BLOCK_L)
+            ok = offs_l < tl.minimum(length, width)
+            page = tl.load(table_row + offs_l // page_size, mask=ok, other=0).to(tl.int64)
+            next_scale = tl.load(key_scale_ptr + page * page_size + offs_l % page_size, mask=ok, other=1.0)
+            for block in range(0, masked_from):
+                key_scale = next_scale
+                # The next block is a full one, so no mask (the last block reloads its own scales).
+                ahead = first + tl.minimum(block + 1, masked_from - 1) * BLOCK_L + tl.arange(0, BLOCK_L)
+                page = tl.load(table_row + ahead // page_size).to(tl.int64)
+                next_scale = tl.load(key_scale_ptr + page * page_size + ahead % page_size)
+                offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
+                logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length,
+                                       dim, page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE, False,
+                                       key_scale, True)
+                if MAXIMA:
+                    if last + 1 > TOPK:
+                        store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
+        else:
+            for block in range(0, masked_from):
+                offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
+                logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length,
+                                       dim, page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE, False)
+                if MAXIMA:
+                    if last + 1 > TOPK:
+                        store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
         if masked_from < live:  # straight-line code, not a second pipelined loop
             offs_l = first + masked_from * BLOCK_L + tl.arange(0, BLOCK_L)
             logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
@@ -215,7 +245,7 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
                    out: torch.Tensor | None = None, blocks: int | None = None,
                    early_scale: bool | None = None, maxima: GroupMaxima | None = None,
                    register_cap: int | None = None, launch: dict | None = None,
-                   unmasked_full_blocks: bool | None = None) -> torch.Tensor:
+                   unmasked_full_blocks: bool | None = None, prefetch_scale: bool | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
@@ -224,7 +254,8 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     maxima: also write the selection's group maxima (GroupMaxima; `logits_and_selection` passes them on).
     register_cap: registers a thread may use (`REGISTER_CAP` by default; 0: none): the same bits.
     launch: block_l / num_warps / num_stages over `LAUNCH`'s (tests and benches).
-    unmasked_full_blocks: `UNMASKED_FULL_BLOCKS` for the keys' dtype by default: the same bits."""
+    unmasked_full_blocks: `UNMASKED_FULL_BLOCKS` for the keys' dtype by default: the same bits.
+    prefetch_scale: `PREFETCH_SCALE` by default (only with unmasked full blocks and a key scale): the same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
@@ -251,6 +282,7 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
         MAXIMA=maxima is not None, WINDOW=maxima.window if maxima else 0, TOPK=maxima.topk if maxima else 0,
         GROUP=maxima.group if maxima else 1,
         UNMASKED_FULL=unmasked_by_default(key_cache) if unmasked_full_blocks is None else unmasked_full_blocks,
+        PREFETCH_SCALE=PREFETCH_SCALE if prefetch_scale is None else prefetch_scale,
         num_warps=shape["num_warps"], num_stages=shape["num_stages"],
         maxnreg=(REGISTER_CAP[maxima is not None] if register_cap is None else register_cap) or None)
     return out
