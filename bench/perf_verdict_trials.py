@@ -9,7 +9,9 @@ called slower (inconclusive is counted apart: it fails the gate, but it is not a
 
 Resumable: every verdict is one JSON line in --out, and a rerun with the same --out skips what is
 there (the stored baseline is kept beside it). Clean and slowed runs alternate, so a machine that
-drifts hits both, and --budget-s stops starting new runs in time for a device call's limit.
+drifts hits both, and --budget-s stops starting new runs in time for a device call's limit. Each
+row also keeps, pair by pair, what the host did to the two servers (bench/host_load.py: steal time, CPU
+time, the CPU each one's busiest thread ran on): the H200's pairs came in slow stretches.
 
     python -m bench.perf_verdict_trials --runs 20 --out perf_trials.jsonl            # 2-core CPU
     python -m bench.perf_verdict_trials --runs 20 --mode ab --budget-s 540 \\
@@ -28,6 +30,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from bench.host_load import HostSampler
 from canary.perf import machine_speed, ratio_stats
 from canary.perf.trial_load import WORKLOAD_KEYS, TrialWorkload
 from canary.perf.trials import (
@@ -158,9 +161,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"budget of {args.budget_s:.0f}s spent: stopping; rerun with the same --out to go on", flush=True)
                 break
             t0 = time.monotonic()
+            # What the host did to each server, pair by pair (bench/host_load.py): steal, CPU placement. The
+            # first pair's sample also holds the A/B warm-up pair.
+            sides = {"candidate": servers[kind], "baseline": servers["baseline"]}
+            sampler = HostSampler({side: t.pid for side, t in sides.items() if t.pid is not None})
+            host_samples: list[dict] = []
 
             def progress(trial: dict, label: str = f"{mode} {kind} run {run}") -> None:
                 side = trial.get("side", "candidate")
+                number = trial.get("pair", trial.get("trial"))
+                if not host_samples or host_samples[-1]["trial"] != number:  # a pair's first callback: it is done
+                    host_samples.append({"trial": number, **sampler.sample()})
                 print(f"  {label} trial {trial.get('pair', trial.get('trial'))} {side}: " + ", ".join(
                     f"{k} {v:.4g}" for k, v in trial["figures"].items()), flush=True)
 
@@ -178,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                                         on_trial=progress)
             row = {"mode": mode, "kind": kind, "run": run, "status": outcome.status, "wall_s": time.monotonic() - t0,
                    "verdicts": ratio_stats.verdict_dicts(outcome.verdicts), "trials": outcome.trials,
-                   "device": device_name(), "commit": git_commit(), "slow_pct": args.slow_pct}
+                   "device": device_name(), "commit": git_commit(), "slow_pct": args.slow_pct,
+                   "host": host_samples}
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             rows.append(row)

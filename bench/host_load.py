@@ -1,0 +1,90 @@
+"""What the host did to each server between two moments: the evidence for or against a neighbour.
+
+On the H200 (2026-12-05) the A/B perf verdict's pairs were not independent: one server of a pair ran
+10-25% slow for 5-10 pairs in a row, then recovered, so a clean build was called slower once and a 10%
+slowdown went unseen once in 37 runs (docs/results.md, twenty-seventh session). A bench that sees
+only the servers' figures cannot say why. This reads Linux's /proc around each pair:
+- the host's CPU time stolen by other tenants (`steal`, a VM's hypervisor) and spent waiting on I/O;
+- per server process: its CPU time, its busiest thread's CPU time and the CPU it last ran on, and
+  how many of its threads ran at all;
+so a slow stretch can be matched with a neighbour (steal), a shared core (two servers' busy threads
+on one CPU) or the server's own work (its CPU time per token). Linux only; elsewhere every sample is
+empty, and the bench runs as before.
+
+    sampler = HostSampler({"baseline": pid_a, "candidate": pid_b}); ...; sampler.sample() -> dict
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def _ticks_per_s() -> int:
+    try:
+        return os.sysconf("SC_CLK_TCK")
+    except (AttributeError, ValueError, OSError):
+        return 100
+
+
+def host_times(proc: Path = PROC) -> dict[str, int] | None:
+    """The host's total, steal and iowait ticks since boot (the "cpu" line of /proc/stat)."""
+    try:
+        fields = (proc / "stat").read_text().splitlines()[0].split()
+    except OSError:
+        return None
+    if fields[0] != "cpu" or len(fields) < 9:
+        return None
+    values = [int(v) for v in fields[1:]]
+    return {"total": sum(values[:8]), "iowait": values[4], "steal": values[7]}
+
+
+def thread_times(pid: int, proc: Path = PROC) -> dict[int, tuple[int, int]]:
+    """Each thread of `pid`: (utime + stime ticks, the CPU it last ran on). Empty if it is gone."""
+    out: dict[int, tuple[int, int]] = {}
+    try:
+        tasks = list((proc / str(pid) / "task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # a thread that ended between the listing and the read
+        # The command name (field 2) may hold spaces and parentheses: split after its closing one.
+        rest = stat[stat.rindex(")") + 2:].split()
+        utime, stime, cpu = int(rest[11]), int(rest[12]), int(rest[36])
+        out[int(task.name)] = (utime + stime, cpu)
+    return out
+
+
+class HostSampler:
+    """Deltas since the previous `sample()` (the first one: since construction)."""
+
+    def __init__(self, pids: dict[str, int], proc: Path = PROC) -> None:
+        self.pids, self.proc = dict(pids), proc
+        self.tick_ms = 1000 / _ticks_per_s()
+        self._host = host_times(proc)
+        self._threads = {name: thread_times(pid, proc) for name, pid in self.pids.items()}
+
+    def sample(self) -> dict:
+        host, threads = host_times(self.proc), {name: thread_times(pid, self.proc) for name, pid in self.pids.items()}
+        out: dict = {}
+        if host and self._host and host["total"] > self._host["total"]:
+            total = host["total"] - self._host["total"]
+            out["steal_pct"] = round(100 * (host["steal"] - self._host["steal"]) / total, 2)
+            out["iowait_pct"] = round(100 * (host["iowait"] - self._host["iowait"]) / total, 2)
+        for name, now in threads.items():
+            before = self._threads.get(name, {})
+            used = {tid: ticks - before.get(tid, (0, 0))[0] for tid, (ticks, _) in now.items()}
+            if not used:
+                continue
+            busiest = max(used, key=used.__getitem__)
+            out[name] = {"cpu_ms": round(sum(used.values()) * self.tick_ms, 1),
+                         "busiest_thread_ms": round(used[busiest] * self.tick_ms, 1),
+                         "busiest_thread_cpu": now[busiest][1],
+                         "threads_ran": sum(1 for ticks in used.values() if ticks > 0)}
+        self._host, self._threads = host, threads
+        return out

@@ -1,0 +1,52 @@
+"""bench/host_load.py: deltas of the host's steal time and of each server's threads, from /proc."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.host_load import HostSampler, host_times, thread_times
+
+
+def write_proc(root: Path, cpu: list[int], threads: dict[int, tuple[int, int, int]], pid: int = 7) -> None:
+    """A fake /proc: the host's cpu line and one process's threads as (utime, stime, last cpu)."""
+    root.mkdir(exist_ok=True)
+    (root / "stat").write_text("cpu  " + " ".join(map(str, cpu)) + "\ncpu0 1 2 3\n")
+    for tid, (utime, stime, last) in threads.items():
+        task = root / str(pid) / "task" / str(tid)
+        task.mkdir(parents=True, exist_ok=True)
+        # Fields after the name: state, then 10 more up to utime (14th field) ... processor is the 39th.
+        rest = ["S"] + ["0"] * 10 + [str(utime), str(stime)] + ["0"] * 23 + [str(last)] + ["0"] * 5
+        (task / "stat").write_text(f"{tid} (py thr (x)) " + " ".join(rest) + "\n")
+
+
+def test_deltas_name_the_steal_and_the_busiest_thread(tmp_path):
+    # user nice system idle iowait irq softirq steal
+    write_proc(tmp_path, [100, 0, 50, 800, 10, 0, 0, 40], {11: (10, 5, 3), 12: (1, 0, 4)})
+    sampler = HostSampler({"candidate": 7, "gone": 99}, proc=tmp_path)
+    write_proc(tmp_path, [160, 0, 60, 900, 10, 0, 0, 70], {11: (50, 5, 6), 12: (1, 0, 4), 13: (2, 0, 1)})
+    sample = sampler.sample()
+    tick = sampler.tick_ms
+    assert sample["steal_pct"] == pytest.approx(100 * 30 / 200) and sample["iowait_pct"] == 0
+    assert sample["candidate"] == {"cpu_ms": pytest.approx(42 * tick, abs=0.1),
+                                   "busiest_thread_ms": pytest.approx(40 * tick, abs=0.1),
+                                   "busiest_thread_cpu": 6, "threads_ran": 2}
+    assert "gone" not in sample  # a process that is not there gives no entry, not an error
+    assert sampler.sample()["candidate"]["cpu_ms"] == 0  # the next sample: since this one
+
+
+def test_unreadable_proc_gives_empty_samples(tmp_path):
+    assert host_times(tmp_path) is None and thread_times(1, tmp_path) == {}
+    assert HostSampler({"a": 1}, proc=tmp_path).sample() == {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_this_process_is_seen_working():
+    sampler = HostSampler({"me": os.getpid()})
+    sum(i * i for i in range(3_000_000))  # ~0.2 s of CPU on this thread
+    mine = sampler.sample()["me"]
+    assert mine["busiest_thread_ms"] > 20 and mine["cpu_ms"] >= mine["busiest_thread_ms"]
+    assert 0 <= mine["busiest_thread_cpu"] < os.cpu_count()
