@@ -123,9 +123,9 @@ def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, of
     MASKED=False: the caller knows every position is below the length and the width (no masks).
     SCALE_GIVEN: the caller loaded this block's key scales (given_scale), as the early load would."""
     valid = offs_l < length
-    key_ok = valid[:, None] & (offs_d < dim)[None, :]
     if MASKED:
         page = tl.load(table_row + offs_l // page_size, mask=valid, other=0).to(tl.int64)
+        key_ok = valid[:, None] & (offs_d < dim)[None, :]
     else:
         page = tl.load(table_row + offs_l // page_size).to(tl.int64)
         key_ok = (offs_d < dim)[None, :]
@@ -147,6 +147,16 @@ def _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, of
     else:
         tl.store(out_row + offs_l, logits)
     return logits
+
+
+@triton.jit
+def _group_maxima_of(logits, start, last, width, maxima_row, MAXIMA: tl.constexpr, TOPK: tl.constexpr,
+                     BLOCK_L: tl.constexpr, GROUP: tl.constexpr):
+    """With MAXIMA, the selection's group maxima of a block starting at `start`, for a row the selection
+    runs pass 1 on (more than TOPK candidates: its last candidate position `last` at or past TOPK)."""
+    if MAXIMA:
+        if last + 1 > TOPK:
+            store_group_maxima(logits, start, last, width, maxima_row, BLOCK_L, GROUP)
 
 
 @triton.jit
@@ -185,13 +195,10 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
         offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
         dead = tl.full((BLOCK_L,), float("-inf"), tl.float32)
         tl.store(out_row + offs_l, dead, mask=offs_l < width)
-        if MAXIMA:
-            if last + 1 > TOPK:
-                store_group_maxima(dead, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
-    masked_from = 0  # blocks [masked_from, live) run masked
+        _group_maxima_of(dead, first + block * BLOCK_L, last, width, maxima_row, MAXIMA, TOPK, BLOCK_L, GROUP)
     if UNMASKED_FULL:
-        # Blocks wholly below the length (and the row's width) run unmasked; at most one block, the last
-        # live one, ends past the length.
+        # Blocks [0, masked_from), wholly below the length (and the row's width), run unmasked; at most one
+        # block, the last live one, ends past the length.
         masked_from = tl.minimum(live, tl.maximum(0, (tl.minimum(length, width) - first) // BLOCK_L))
         if PREFETCH_SCALE and KEY_SCALE:
             # Each block's key scales are loaded during the block before (the first block's before the
@@ -211,33 +218,25 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
                 logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length,
                                        dim, page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE, False,
                                        key_scale, True)
-                if MAXIMA:
-                    if last + 1 > TOPK:
-                        store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
+                _group_maxima_of(logits, first + block * BLOCK_L, last, width, maxima_row, MAXIMA, TOPK, BLOCK_L, GROUP)
         else:
             for block in range(0, masked_from):
                 offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
                 logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length,
                                        dim, page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE, False)
-                if MAXIMA:
-                    if last + 1 > TOPK:
-                        store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
+                _group_maxima_of(logits, first + block * BLOCK_L, last, width, maxima_row, MAXIMA, TOPK, BLOCK_L, GROUP)
         if masked_from < live:  # straight-line code, not a second pipelined loop
             offs_l = first + masked_from * BLOCK_L + tl.arange(0, BLOCK_L)
             logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
                                    page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE)
-            if MAXIMA:
-                if last + 1 > TOPK:
-                    store_group_maxima(logits, first + masked_from * BLOCK_L, last, width, maxima_row, BLOCK_L,
-                                       GROUP)
+            _group_maxima_of(logits, first + masked_from * BLOCK_L, last, width, maxima_row, MAXIMA, TOPK, BLOCK_L,
+                             GROUP)
     else:
         for block in range(0, live):
             offs_l = first + block * BLOCK_L + tl.arange(0, BLOCK_L)
             logits = _block_logits(q_t, w, key_ptr, key_scale_ptr, table_row, out_row, offs_l, offs_d, length, dim,
                                    page_size, width, stride_key, KEY_SCALE, PRECISION, EARLY_SCALE)
-            if MAXIMA:
-                if last + 1 > TOPK:
-                    store_group_maxima(logits, first + block * BLOCK_L, last, width, maxima_row, BLOCK_L, GROUP)
+            _group_maxima_of(logits, first + block * BLOCK_L, last, width, maxima_row, MAXIMA, TOPK, BLOCK_L, GROUP)
 
 
 def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
