@@ -6,7 +6,10 @@ By default every server is its own process, as deployed (canary/pd_target.py, ca
 side's three event loops and two engine threads share one GIL, which the colocated server does not
 pay, so that form overstates PD's cost.
 
-    python -m bench.pd_ttft --repeats 10 --words 8,400 [--threads] [--phases] [--server-arg=--device=cuda ...] [--out F]
+    python -m bench.pd_ttft --repeats 10 --words 8,400 [--threads] [--phases] [--hang-up] [--server-arg=...] [--out F]
+
+Each stream is read to its end, as a client does; `--hang-up` closes it at the first token instead (every
+request then an abort on both PD sides, and a reconnect from the router: see `ttft`).
 
 `--server-arg` goes to every server, PD sides and colocated alike (scripts/gpu_suite.sh's pd_gpu_ttft
 runs them on the GPU with `--server-arg=--dtype=float32`).
@@ -57,33 +60,43 @@ from tests.e2e.pd_pair import pd_pair, serve_state, server_state
 MARKS_WAIT_S = 5.0  # for the marks a server makes after the first token (the PD decode side's KV check)
 
 def ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, str] | None = None,
-         marks: dict[str, float] | None = None) -> float:
+         marks: dict[str, float] | None = None, hang_up: bool = False) -> float:
     """One request's time to its first content token. `client` is kept across requests: a new httpx
     client costs its TLS context, 30-45 ms on the loaded 2-core CPU, which would be counted on both
     sides and hide the servers' own difference (the first version of this bench did that). `marks`
-    gets the client's own phase marks ("sent", "first_token"), on the servers' clock."""
+    gets the client's own phase marks ("sent", "first_token"), on the servers' clock.
+
+    The stream is read to its end, as a client does, unless `hang_up`: then the client closes it at the
+    first token (what this bench did until the twenty-seventh session). A hang-up makes every request an
+    abort: the router drops its upstream connections mid-stream and connects again for the next request
+    (py-spy of the router: 16% of its samples in connect), and the PD pair runs its abort path on both
+    sides, so the figure is no longer the serving TTFT."""
     body = {"model": "canary-moe-v2", "stream": True, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": " ".join(f"w{i}x{k}" for k in range(words))}]}
     started = time.monotonic()
+    first: float | None = None
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120, headers=headers) as reply:
         for line in reply.iter_lines():
-            if '"content"' in line and '"content": ""' not in line:
-                now = time.monotonic()
+            if first is None and '"content"' in line and '"content": ""' not in line:
+                first = time.monotonic()
                 if marks is not None:
-                    marks.update(sent=started, first_token=now)
-                return now - started
-    raise RuntimeError("no token came back")
+                    marks.update(sent=started, first_token=first)
+                if hang_up:
+                    break
+    if first is None:
+        raise RuntimeError("no token came back")
+    return first - started
 
 
 def traced_ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, str] | None,
-                side: str | None, until: tuple[str, ...] = ()) -> tuple[float, dict[str, float]]:
+                side: str | None, until: tuple[str, ...] = (), hang_up: bool = False) -> tuple[float, dict[str, float]]:
     """`ttft` of a traced request, and its marks on every side, flattened ("router.received", ...).
     `side`: the name of a lone server's marks (colocated); None for the router, which names its own.
     `until`: marks made after the first token (the PD pair's PD_AFTER_FIRST_TOKEN: every side's last), waited for
     up to MARKS_WAIT_S."""
     key = uuid.uuid4().hex
     mine: dict[str, float] = {}
-    seconds = ttft(client, url, words, i, {**(headers or {}), TRACE_HEADER: key}, mine)
+    seconds = ttft(client, url, words, i, {**(headers or {}), TRACE_HEADER: key}, mine, hang_up)
     deadline = time.monotonic() + MARKS_WAIT_S
     while True:
         reply = client.get(f"{url}/debug/trace/{key}", headers=headers, timeout=30)
@@ -140,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="trace each request and print the median of each phase (bench/pd_phases.py)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="an argument for every server (repeatable), e.g. --server-arg=--dtype=float32")
+    parser.add_argument("--hang-up", action="store_true",
+                        help="close each stream at its first token (every request an abort), as before 2026-12-05")
     parser.add_argument("--out", type=Path, default=None, help="the report as JSON")
     args = parser.parse_args(argv)
     server_args = tuple(args.server_arg)
@@ -167,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
                     for url, headers, side, times, marks in ((pd_url, pd_headers, None, pd, pd_marks),
                                                              (co_url, co_headers, "server", co, co_marks)):
                         until = PD_AFTER_FIRST_TOKEN if side is None else ()
-                        seconds, request_marks = traced_ttft(client, url, words, i, headers, side, until)
+                        seconds, request_marks = traced_ttft(client, url, words, i, headers, side, until,
+                                                             args.hang_up)
                         times.append(seconds)
                         marks.append(request_marks)
                 else:
-                    pd.append(ttft(client, pd_url, words, i, pd_headers))
-                    co.append(ttft(client, co_url, words, i, co_headers))
+                    pd.append(ttft(client, pd_url, words, i, pd_headers, hang_up=args.hang_up))
+                    co.append(ttft(client, co_url, words, i, co_headers, hang_up=args.hang_up))
             rows[words] = {"pd_ms": round(statistics.median(pd) * 1e3, 1),
                            "colocated_ms": round(statistics.median(co) * 1e3, 1),
                            "ratio": round(statistics.median(pd) / statistics.median(co), 2)}
@@ -180,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.phases:
                 rows[words]["phases"] = print_phases(words, pd_marks, co_marks)
     report = {"commit": git_commit(), "servers": "threads" if args.threads else "processes", "phases": args.phases,
+              "hang_up": args.hang_up,
               "server_args": list(server_args), "rows": rows}
     print(json.dumps(report))
     if args.out:
