@@ -88,3 +88,15 @@ class HostSampler:
                          "threads_ran": sum(1 for ticks in used.values() if ticks > 0)}
         self._host, self._threads = host, threads
         return out
+
+
+def summary(samples: list[dict], sides: tuple[str, str] = ("candidate", "baseline")) -> str:
+    """One line over a run's samples: the host's steal (median, max), and in how many of them both
+    sides' busiest threads last ran on one CPU (a shared core slows whichever server it lands on)."""
+    steal = sorted(s["steal_pct"] for s in samples if "steal_pct" in s)
+    both = [s for s in samples if all(side in s for side in sides)]
+    shared = sum(1 for s in both if s[sides[0]]["busiest_thread_cpu"] == s[sides[1]]["busiest_thread_cpu"])
+    parts = [f"steal median {steal[len(steal) // 2]:.1f}% max {steal[-1]:.1f}%" if steal else "steal not read"]
+    parts.append(f"busiest threads on one CPU in {shared} of {len(both)} samples" if both else "no thread samples")
+    return "; ".join(parts)
+

@@ -30,7 +30,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.host_load import HostSampler
+from bench.host_load import HostSampler, summary
 from canary.perf import machine_speed, ratio_stats
 from canary.perf.trial_load import WORKLOAD_KEYS, TrialWorkload
 from canary.perf.trials import (
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode} {kind} run {run}: {outcome.status} in {row['wall_s']:.0f}s; "
                   + "; ".join(f"{v.metric} {(v.ratio - 1) * 100:+.1f}% [{(v.low - 1) * 100:+.1f}, "
                               f"{(v.high - 1) * 100:+.1f}] n={v.trials}" for v in outcome.verdicts), flush=True)
+            print(f"  host: {summary(host_samples)}", flush=True)
     return 0 if report(rows, modes, args.slow_pct) else 1
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.host_load import HostSampler, host_times, thread_times
+from bench.host_load import HostSampler, host_times, summary, thread_times
 
 
 def write_proc(root: Path, cpu: list[int], threads: dict[int, tuple[int, int, int]], pid: int = 7) -> None:
@@ -50,3 +50,12 @@ def test_this_process_is_seen_working():
     mine = sampler.sample()["me"]
     assert mine["busiest_thread_ms"] > 20 and mine["cpu_ms"] >= mine["busiest_thread_ms"]
     assert 0 <= mine["busiest_thread_cpu"] < os.cpu_count()
+
+
+def test_the_summary_counts_samples_whose_busiest_threads_shared_a_cpu():
+    def sample(steal, cpu_a, cpu_b):
+        side = lambda cpu: {"cpu_ms": 1.0, "busiest_thread_ms": 1.0, "busiest_thread_cpu": cpu, "threads_ran": 1}  # noqa: E731
+        return {"trial": 0, "steal_pct": steal, "candidate": side(cpu_a), "baseline": side(cpu_b)}
+    line = summary([sample(0.0, 1, 2), sample(4.0, 3, 3), sample(1.0, 5, 6), {"trial": 3}])
+    assert line == "steal median 1.0% max 4.0%; busiest threads on one CPU in 1 of 3 samples"
+    assert summary([]) == "steal not read; no thread samples"
