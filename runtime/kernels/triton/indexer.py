@@ -76,8 +76,11 @@ def unmasked_by_default(key_cache: torch.Tensor) -> bool:
 
 # The selection's first pass (topk._maxima_kernel: the largest order key of every GROUP positions) done
 # by the logits kernel on the logits it holds in registers, so that pass's launch and its read of the
-# [B, L] logits go (7.6 us of the selection's 47.6 at B=64, 64K on the H100). Off until timed on a GPU:
-# the block gains a cross-warp max per group and a store (bench.kernels' `fused_maxima`).
+# [B, L] logits go (7.6 us of the selection's 47.6 at B=64, 64K on the H100). Timed and off: the block gains
+# a cross-warp max per group and a store, and that costs the logits kernel more than the launch it saves
+# (bench.kernels' `fused_maxima`, fp8 keys, logits + selection fused / apart: H100 262.0 / 252.1 us, H200
+# 259.3 / 221.3, twenty-seventh session; the fused logits kernel alone 214.7 us on the H200 against 173.4).
+# Kept, tested, for a fusion that costs the block less (per-block partial top-k, issue 15 item 4).
 FUSED_MAXIMA = False
 # Registers a thread may use (the launch's `maxnreg`; None: ptxas chooses), by whether the kernel writes the
 # group maxima (sm_90 compiles of the deployment launch here, integers specialized as a launch does:
@@ -85,7 +88,8 @@ FUSED_MAXIMA = False
 # and the unfused 107: 4 programs of 128 threads an SM either way. With Triton 3.9 (CUDA 13.4) the fused
 # kernel takes 138, and only 3 fit. Capped at 128 it takes 114-116 with no spill on both: 4 programs.
 # (Capped at 96 the unfused kernel would fit 5, the shared memory's limit, with 16 bytes of spills a
-# thread: `bench.kernels` times that, `logits_register_caps`.) A cap changes no bit, only the allocation.
+# thread: `bench.kernels` times that, `logits_register_caps`: mixed, H200 fp8 167.8 against 173.4 us, bf16
+# 345.2 against 332.2, H100 fp8 204.1 against 201.7; not taken.) A cap changes no bit, only the allocation.
 REGISTER_CAP: dict[bool, int | None] = {False: None, True: 128}
 
 

@@ -299,8 +299,9 @@ SORT_CAP_FACTOR = 2
 # here of the 64K launch, its pointers and integers specialized as a launch does (`.perf/regs_topk.py`, not
 # committed). So 2 programs of 256 threads fit an SM, and B=64's 1,024 programs run in 3.9 waves of 264.
 # Capped at 80 it spills 72 bytes a thread and 3 fit (2.6 waves); at 64, 80 bytes and 4 fit (1.9 waves).
-# Off until timed (bench.kernels' `select_variants_us`, "candidates_cap80" / "candidates_cap64"). A cap
-# changes no bit.
+# Timed and not taken (bench.kernels' `select_variants_us`, twenty-seventh session, B=64, 64K): cap 80 took
+# 44.8-45.5 us against 46.8-47.2 uncapped in that loop on the H100 and the H200, but the same uncapped launch
+# timed elsewhere in each run took 45.0-45.6: inside the runs' spread. Cap 64: 46.4-47.0. A cap changes no bit.
 REGISTER_CAPS: dict[str, int | None] = {"maxima": None, "bound": None, "candidates": None, "finish": None}
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
