@@ -357,14 +357,16 @@ def _bench_fused_maxima(q, w, keys, scale, page_table, lens, page_size: int, pos
                 fused_logits_uncapped_us=graph_us([lambda: fused_logits(0)] * 3) if fused else None)
 
 
+def _logits_variant(logits_fn, logits: torch.Tensor, **knobs) -> dict:
+    """The logits kernel with `knobs` (indexer_logits' keyword arguments): its time, and whether it gives
+    the deployed kernel's bits (`logits`)."""
+    return dict(us=graph_us([lambda: logits_fn(**knobs)] * 3), same_bits=torch.equal(logits_fn(**knobs), logits))
+
+
 def _bench_register_caps(logits_fn, logits: torch.Tensor) -> dict:
     """The unfused logits kernel at register caps (indexer.REGISTER_CAP): 96 fits 5 programs an SM (the
     shared memory's limit) with a few spills, 128 changes nothing expected. Each: time, same bits."""
-    caps = {}
-    for cap in (96, 128):
-        caps[cap] = dict(us=graph_us([lambda cap=cap: logits_fn(register_cap=cap)] * 3),
-                         same_bits=torch.equal(logits_fn(register_cap=cap), logits))
-    return caps
+    return {cap: _logits_variant(logits_fn, logits, register_cap=cap) for cap in (96, 128)}
 
 
 def _bench_launches(logits_fn, logits: torch.Tensor) -> dict:
@@ -373,8 +375,7 @@ def _bench_launches(logits_fn, logits: torch.Tensor) -> dict:
     shapes: dict[str, dict[str, Any]] = {}
     for name, knobs in indexer.LAUNCH_VARIANTS.items():
         try:
-            shapes[name] = dict(us=graph_us([lambda knobs=knobs: logits_fn(launch=knobs)] * 3),
-                                same_bits=torch.equal(logits_fn(launch=knobs), logits))
+            shapes[name] = _logits_variant(logits_fn, logits, launch=knobs)
         except Exception as err:  # noqa: BLE001 - shared memory or registers a shape cannot have
             shapes[name] = dict(error=f"{type(err).__name__}: {str(err)[:200]}")
         torch.cuda.empty_cache()
@@ -401,30 +402,21 @@ def bench_indexer(ceilings, rows: list) -> None:
             q, w, keys, page_table, lens, page_size, key_scale=scale, **kw)
         logits = logits_fn()
         logits_us = graph_us([logits_fn] * 3)
-        # The logits kernel's speed switch (indexer.EARLY_SCALE: the key scale loaded before the keys) the
-        # other way: the same bits, and its time beside the default's.
-        other_fn = lambda q=q, keys=keys, scale=scale: indexer.indexer_logits(  # noqa: E731
-            q, w, keys, page_table, lens, page_size, key_scale=scale, early_scale=not indexer.EARLY_SCALE)
-        logits_other_early_scale = dict(early_scale=not indexer.EARLY_SCALE, us=graph_us([other_fn] * 3),
-                                        same_bits=torch.equal(other_fn(), logits))
-        # Full blocks without masks (indexer.UNMASKED_FULL_BLOCKS, by key dtype) the other way: the same bits,
-        # its time.
+        # The logits kernel's speed switches the other way, each beside the deployed kernel: the key scale
+        # loaded before the keys (indexer.EARLY_SCALE), full blocks without masks (UNMASKED_FULL_BLOCKS, by key
+        # dtype), and, keys with a scale only, the scales loaded one block ahead (PREFETCH_SCALE, with
+        # unmasked full blocks, against unmasked full blocks without it). Each must keep the bits.
+        logits_other_early_scale = dict(early_scale=not indexer.EARLY_SCALE, **_logits_variant(
+            logits_fn, logits, early_scale=not indexer.EARLY_SCALE))
         other_unmasked = not indexer.unmasked_by_default(keys)
-        unmasked_fn = lambda q=q, keys=keys, scale=scale, other=other_unmasked: indexer.indexer_logits(  # noqa: E731
-            q, w, keys, page_table, lens, page_size, key_scale=scale, unmasked_full_blocks=other)
-        logits_unmasked_full_blocks = dict(unmasked=other_unmasked,
-                                           us=graph_us([unmasked_fn] * 3), same_bits=torch.equal(unmasked_fn(), logits))
-        # The key scales loaded one block ahead (indexer.PREFETCH_SCALE, with unmasked full blocks; keys with
-        # a scale only) the other way, beside unmasked full blocks without it.
+        logits_unmasked_full_blocks = dict(unmasked=other_unmasked, **_logits_variant(
+            logits_fn, logits, unmasked_full_blocks=other_unmasked))
         logits_prefetch_scale = None
         if scale is not None:
-            def prefetch_fn(prefetch: bool, q=q, keys=keys, scale=scale):
-                return indexer.indexer_logits(q, w, keys, page_table, lens, page_size, key_scale=scale,
-                                              unmasked_full_blocks=True, prefetch_scale=prefetch)
-            logits_prefetch_scale = dict(
-                default=indexer.PREFETCH_SCALE, on_us=graph_us([lambda: prefetch_fn(True)] * 3),
-                off_us=graph_us([lambda: prefetch_fn(False)] * 3),
-                same_bits=torch.equal(prefetch_fn(True), logits) and torch.equal(prefetch_fn(False), logits))
+            on, off = (_logits_variant(logits_fn, logits, unmasked_full_blocks=True, prefetch_scale=prefetch)
+                       for prefetch in (True, False))
+            logits_prefetch_scale = dict(default=indexer.PREFETCH_SCALE, on_us=on["us"], off_us=off["us"],
+                                         same_bits=on["same_bits"] and off["same_bits"])
         topk_us = graph_us([lambda: torch.topk(logits, topk, dim=-1, sorted=False)] * 3)
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
         selection = _bench_selection(logits, positions, topk)

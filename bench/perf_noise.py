@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 3:
         parser.error("--pairs must be at least 3 (an sd needs a few pairs)")
     workload: TrialWorkload = args.perf_workload
-    print(f"perf noise on {device_name()} at {git_commit()}: {args.pairs} pairs of two clean servers, "
+    commit = git_commit()  # once: with files that differ from HEAD it hashes their tree
+    print(f"perf noise on {device_name()} at {commit}: {args.pairs} pairs of two clean servers, "
           f"workload {workload.describe()}", flush=True)
     with ExitStack() as stack:
         a, b = (stack.enter_context(embedded_server(args.model, args.server_arg)) for _ in range(2))
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = (time.monotonic() - started) / (args.pairs + 1)  # the warm-up pair included
     log_ratios = pair_log_ratios(outcome.trials, workload.metrics())
     cap = MAX_TRIALS_FACTOR * MIN_TRIALS_DEFAULT
-    report = {"device": device_name(), "commit": git_commit(), "workload": workload.describe(),
+    report = {"device": device_name(), "commit": commit, "workload": workload.describe(),
               "pairs": args.pairs, "pair_seconds": seconds,
               "metrics": noise(log_ratios, args.tolerance)}
     print(f"a pair takes {report['pair_seconds']:.1f} s; a verdict takes at most {cap} pairs")

@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     todo = [(mode, kind, run) for run in range(args.runs) for mode in modes for kind in ("clean", "slowed")
             if not any(r["mode"] == mode and r["kind"] == kind and r["run"] == run for r in rows)]
-    print(f"perf verdict trials on {device_name()} at {git_commit()}: {len(rows)} runs done, {len(todo)} to go; "
+    commit = git_commit()  # once: with files that differ from HEAD it hashes their tree
+    print(f"perf verdict trials on {device_name()} at {commit}: {len(rows)} runs done, {len(todo)} to go; "
           f"workload {workload.describe()}, tolerance {args.tolerance}, slowed by {args.slow_pct:g}%", flush=True)
     started = time.monotonic()
     logs = args.out.parent / (args.out.stem + "-servers")
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                                         on_trial=progress)
             row = {"mode": mode, "kind": kind, "run": run, "status": outcome.status, "wall_s": time.monotonic() - t0,
                    "verdicts": ratio_stats.verdict_dicts(outcome.verdicts), "trials": outcome.trials,
-                   "device": device_name(), "commit": git_commit(), "slow_pct": args.slow_pct,
+                   "device": device_name(), "commit": commit, "slow_pct": args.slow_pct,
                    "host": host_samples}
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
