@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -57,15 +58,33 @@ def workload_arg(spec: str) -> TrialWorkload:
         raise argparse.ArgumentTypeError(f"{spec!r}: {exc}") from exc
 
 
-def done_runs(out: Path, device: str | None = None) -> list[dict]:
+def cpu_split(cpus: list[int]) -> dict[str, list[int]]:
+    """`--pin`: disjoint CPU sets for this process (the harness: clients, oracles), the baseline server and
+    the candidate servers (clean and slowed never run at once, so they share theirs). A quarter for the
+    harness, the rest halved: each server then has its engine, event-loop and tokenizer threads on CPUs
+    that neither the other side nor the harness uses."""
+    cpus = sorted(cpus)
+    if len(cpus) < 3:
+        raise ValueError(f"--pin needs at least 3 CPUs, this process has {len(cpus)}")
+    harness = max(1, len(cpus) // 4)
+    half = (len(cpus) - harness) // 2
+    return {"harness": cpus[:harness], "baseline": cpus[harness:harness + half],
+            "candidates": cpus[harness + half:]}
+
+
+def done_runs(out: Path, device: str | None = None, pinned: bool | None = None) -> list[dict]:
     """The runs `out` holds. With `device`: refused (ValueError) when any of them ran on another machine,
     since error rates are one machine's; a resumed series would otherwise count them as its own (the
-    twenty-fifth session's H200 series resumed on an H100 that way)."""
+    twenty-fifth session's H200 series resumed on an H100 that way). With `pinned`: likewise refused when
+    any of them was run the other way (`--pin`), a method of its own."""
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
     others = sorted({r["device"] for r in rows if device is not None and r.get("device", device) != device})
     if others:
         raise ValueError(f"{out} holds runs of {', '.join(others)}, and this is {device}: error rates are one "
                          "machine's, so go on in another --out (or move this one aside)")
+    if pinned is not None and any(bool(r.get("pinned")) != pinned for r in rows):
+        raise ValueError(f"{out} holds runs {'without' if pinned else 'with'} --pin: a series is one method, "
+                         "so go on in another --out (or move this one aside)")
     return rows
 
 
@@ -126,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{json.dumps(TrialWorkload().describe())} (keys: {', '.join(WORKLOAD_KEYS)})")
     parser.add_argument("--server-arg", action="append", default=[], help="extra runtime.serve argument")
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--pin", action="store_true",
+                        help="pin the harness, the baseline server and the candidate servers to disjoint CPUs")
     parser.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
     parser.add_argument("--out", type=Path, default=Path("perf_trials.jsonl"))
     args = parser.parse_args(argv)
@@ -135,25 +156,33 @@ def main(argv: list[str] | None = None) -> int:
     workload: TrialWorkload = args.perf_workload
     modes = ["ab", "stored"] if args.mode == "both" else [args.mode]
     try:
-        rows = done_runs(args.out, device_name())
+        rows = done_runs(args.out, device_name(), pinned=args.pin)
     except ValueError as exc:
         parser.error(str(exc))
     todo = [(mode, kind, run) for run in range(args.runs) for mode in modes for kind in ("clean", "slowed")
             if not any(r["mode"] == mode and r["kind"] == kind and r["run"] == run for r in rows)]
+    pins: dict[str, list[int]] = {}
+    if args.pin:
+        try:
+            pins = cpu_split(list(os.sched_getaffinity(0)))
+        except ValueError as exc:
+            parser.error(str(exc))
+        os.sched_setaffinity(0, pins["harness"])
     commit = git_commit()  # once: with files that differ from HEAD it hashes their tree
     print(f"perf verdict trials on {device_name()} at {commit}: {len(rows)} runs done, {len(todo)} to go; "
-          f"workload {workload.describe()}, tolerance {args.tolerance}, slowed by {args.slow_pct:g}%", flush=True)
+          f"workload {workload.describe()}, tolerance {args.tolerance}, slowed by {args.slow_pct:g}%"
+          + (f"; CPUs {pins}" if pins else ""), flush=True)
     started = time.monotonic()
     logs = args.out.parent / (args.out.stem + "-servers")
     with ExitStack() as stack:
-        def serve(faults: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Target:
+        def serve(role: str, faults: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Target:
             return stack.enter_context(embedded_server(args.model, args.server_arg, faults=faults, env=env,
-                                                       log_dir=logs))
+                                                       log_dir=logs, cpus=pins.get(role)))
 
         servers: dict[str, Target] = {}
         if todo:
-            servers = {"baseline": serve(), "clean": serve(),
-                       "slowed": serve(("slow-step",), {"DSV4_SLOW_STEP_PCT": str(args.slow_pct)})}
+            servers = {"baseline": serve("baseline"), "clean": serve("candidates"),
+                       "slowed": serve("candidates", ("slow-step",), {"DSV4_SLOW_STEP_PCT": str(args.slow_pct)})}
         # The probe speaks for the server only where it computes on this machine's CPU.
         probe = machine_speed.probe if device_name().startswith("cpu:") else None
         stored_path = args.out.parent / (args.out.stem + "-baseline.json")
@@ -191,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"mode": mode, "kind": kind, "run": run, "status": outcome.status, "wall_s": time.monotonic() - t0,
                    "verdicts": ratio_stats.verdict_dicts(outcome.verdicts), "trials": outcome.trials,
                    "device": device_name(), "commit": commit, "slow_pct": args.slow_pct,
-                   "host": host_samples}
+                   "host": host_samples, "pinned": pins or None}
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             rows.append(row)

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,13 +126,15 @@ def wait_healthy(root_url: str, proc: subprocess.Popen | None, timeout_s: float,
 def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[str] = (),
                     host: str | None = None, max_running: int | None = 128, num_pages: int | None = 8192,
                     env: dict[str, str] | None = None, log_dir: Path | None = None,
-                    startup_timeout_s: float = 120.0, port: int | None = None) -> Iterator[Target]:
+                    startup_timeout_s: float = 120.0, port: int | None = None,
+                    cpus: Collection[int] | None = None) -> Iterator[Target]:
     """Start `python -m runtime.serve --model MODEL ARGS` on a free loopback port; stop it (and its
     children) on exit. Stdout and stderr both go to `Target.log_path`.
 
     `host`, `max_running` and `num_pages` set the matching flag; None leaves the server's default
     (loopback for the host; the security tests start the CLI exactly as a user would); `port` None picks a
-    free one (a PD side restarted in place passes its old one). The default pool holds every
+    free one (a PD side restarted in place passes its old one). `cpus` pins the server, every thread of
+    it, to those CPUs (`pinned_command`); None leaves it to the scheduler. The default pool holds every
     session's whole context at once (80 sessions x a few hundred tokens): a smaller pool would turn
     the gate into a preemption benchmark."""
     port = port or free_port()
@@ -141,6 +143,8 @@ def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[st
         if value is not None:
             cmd += [flag, str(value)]
     cmd += [*args, *(arg for fault in faults for arg in ("--inject-fault", fault))]
+    if cpus is not None:
+        cmd = pinned_command(cmd, cpus)
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"embedded-server-{port}.log"
@@ -159,6 +163,24 @@ def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[st
                      api_key=api_key_in(args) or "EMPTY", log_path=log_path, pid=proc.pid)
     finally:
         _stop(proc)
+
+
+# Sets the process's CPUs, then becomes the real command (same pid): every thread the server starts later
+# inherits the mask, which setting it from outside after the start would not guarantee.
+_PIN_THEN_EXEC = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); "
+                  "os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def pinned_command(cmd: Sequence[str], cpus: Collection[int]) -> list[str]:
+    """`cmd` (an absolute executable first) run on `cpus` only. Refused up front, naming them, where
+    some are not this process's to give (a typo, or a container's narrower CPU set)."""
+    wanted = sorted(set(cpus))
+    if not wanted:
+        raise ValueError("pinning to no CPU at all")
+    allowed = os.sched_getaffinity(0)
+    if missing := [c for c in wanted if c not in allowed]:
+        raise ValueError(f"CPUs {missing} are not among this process's CPUs {sorted(allowed)}")
+    return [sys.executable, "-c", _PIN_THEN_EXEC, ",".join(map(str, wanted)), *cmd]
 
 
 def api_key_in(args: Sequence[str]) -> str | None:

@@ -143,3 +143,51 @@ def test_the_error_rate_series_refuses_runs_of_another_machine(tmp_path):
     with pytest.raises(ValueError, match="holds runs of NVIDIA H200, and this is NVIDIA H100"):
         done_runs(out, "NVIDIA H100 80GB HBM3")
     assert done_runs(tmp_path / "none.jsonl", "NVIDIA H100 80GB HBM3") == []
+
+
+def test_a_pinned_series_is_not_resumed_unpinned_or_the_other_way(tmp_path):
+    import json
+
+    from bench.perf_verdict_trials import done_runs
+
+    out = tmp_path / "trials.jsonl"
+    out.write_text(json.dumps({"mode": "ab", "kind": "clean", "run": 0, "status": "ok"}) + "\n")
+    assert len(done_runs(out, pinned=False)) == 1
+    with pytest.raises(ValueError, match="holds runs without --pin"):
+        done_runs(out, pinned=True)
+    out.write_text(json.dumps({"mode": "ab", "kind": "clean", "run": 0, "status": "ok",
+                               "pinned": {"harness": [0]}}) + "\n")
+    assert len(done_runs(out, pinned=True)) == 1
+    with pytest.raises(ValueError, match="holds runs with --pin"):
+        done_runs(out, pinned=False)
+
+
+def test_pinning_splits_the_cpus_three_ways_without_overlap():
+    from bench.perf_verdict_trials import cpu_split
+
+    split = cpu_split(list(range(16)))
+    assert split == {"harness": [0, 1, 2, 3], "baseline": [4, 5, 6, 7, 8, 9], "candidates": list(range(10, 16))}
+    small = cpu_split([5, 3, 1])
+    assert sorted(sum(small.values(), [])) == [1, 3, 5] and all(small.values())
+    with pytest.raises(ValueError, match="at least 3 CPUs"):
+        cpu_split([0, 1])
+
+
+def test_a_pinned_command_runs_on_the_given_cpus_only():
+    """The trampoline sets the mask and then becomes the command: the command itself (here a Python that
+    prints its own mask, from a thread it starts, as the server's engine thread would be) sees only them."""
+    import os
+    import subprocess
+    import sys
+
+    from canary.targets import pinned_command
+
+    cpu = min(os.sched_getaffinity(0))
+    probe = ("import os, threading; r = []; t = threading.Thread(target=lambda: r.append(os.sched_getaffinity(0))); "
+             "t.start(); t.join(); print(sorted(r[0]), os.getpid())")
+    # The same pid (exec, not a child): the host sampler reads the server's threads by the pid it started.
+    proc = subprocess.Popen(pinned_command([sys.executable, "-c", probe], [cpu]), stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.split() == [f"[{cpu}]", str(proc.pid)]
+    with pytest.raises(ValueError, match="not among this process's CPUs"):
+        pinned_command([sys.executable], [max(os.sched_getaffinity(0)) + 1000])
