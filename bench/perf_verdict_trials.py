@@ -11,7 +11,8 @@ Resumable: every verdict is one JSON line in --out, and a rerun with the same --
 there (the stored baseline is kept beside it). Clean and slowed runs alternate, so a machine that
 drifts hits both, and --budget-s stops starting new runs in time for a device call's limit. Each
 row also keeps, pair by pair, what the host did to the two servers (bench/host_load.py: steal time, CPU
-time, the CPU each one's busiest thread ran on): the H200's pairs came in slow stretches.
+time, the CPU each one's busiest thread ran on): the H200's pairs came in slow stretches. `--pin` says
+where the processes run (PIN_MODES); a series is one method, so a file holds one pinning.
 
     python -m bench.perf_verdict_trials --runs 20 --out perf_trials.jsonl            # 2-core CPU
     python -m bench.perf_verdict_trials --runs 20 --mode ab --budget-s 540 \\
@@ -58,33 +59,49 @@ def workload_arg(spec: str) -> TrialWorkload:
         raise argparse.ArgumentTypeError(f"{spec!r}: {exc}") from exc
 
 
-def cpu_split(cpus: list[int]) -> dict[str, list[int]]:
-    """`--pin`: disjoint CPU sets for this process (the harness: clients, oracles), the baseline server and
-    the candidate servers (clean and slowed never run at once, so they share theirs). A quarter for the
-    harness, the rest halved: each server then has its engine, event-loop and tokenizer threads on CPUs
-    that neither the other side nor the harness uses."""
+# `--pin`: where each process may run.
+#   apart:  the harness, the baseline server and the candidate servers on disjoint CPU sets (a quarter for the
+#           harness, the rest halved; clean and slowed never run at once, so they share theirs): no process of
+#           the trials takes a CPU from another.
+#   shared: the harness on a quarter, and both sides' servers on the same two CPUs. The sides' bursts
+#           alternate, so they never run at once, and each then runs on the very CPUs the other ran on a burst
+#           before: a CPU slowed for a while (a neighbour on its sibling hyperthread, its clock) slows both
+#           sides alike, where under `apart`, or left to the scheduler, it slows whichever side sits there.
+#           Two, not one: the engine thread and the event loop run at once.
+PIN_MODES = ("apart", "shared")
+
+
+def cpu_split(cpus: list[int], mode: str = "apart") -> dict[str, list[int]]:
+    """The CPU sets of `--pin MODE` (PIN_MODES) out of `cpus`: "harness" (this process: clients, oracles),
+    "baseline" and "candidates" (the clean and the slowed server)."""
+    if mode not in PIN_MODES:
+        raise ValueError(f"unknown pinning {mode!r}; known: {', '.join(PIN_MODES)}")
     cpus = sorted(cpus)
     if len(cpus) < 3:
         raise ValueError(f"--pin needs at least 3 CPUs, this process has {len(cpus)}")
     harness = max(1, len(cpus) // 4)
+    if mode == "shared":
+        servers = cpus[harness:harness + 2]
+        return {"harness": cpus[:harness], "baseline": servers, "candidates": servers}
     half = (len(cpus) - harness) // 2
     return {"harness": cpus[:harness], "baseline": cpus[harness:harness + half],
             "candidates": cpus[harness + half:]}
 
 
-def done_runs(out: Path, device: str | None = None, pinned: bool | None = None) -> list[dict]:
+def done_runs(out: Path, device: str | None = None, method: dict | None = None) -> list[dict]:
     """The runs `out` holds. With `device`: refused (ValueError) when any of them ran on another machine,
     since error rates are one machine's; a resumed series would otherwise count them as its own (the
-    twenty-fifth session's H200 series resumed on an H100 that way). With `pinned`: likewise refused when
-    any of them was run the other way (`--pin`), a method of its own."""
+    twenty-fifth session's H200 series resumed on an H100 that way). With `method` (e.g. {"pin": "shared"}):
+    likewise refused when any of them was run another way (a row without a key ran with None)."""
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.is_file() else []
     others = sorted({r["device"] for r in rows if device is not None and r.get("device", device) != device})
     if others:
         raise ValueError(f"{out} holds runs of {', '.join(others)}, and this is {device}: error rates are one "
                          "machine's, so go on in another --out (or move this one aside)")
-    if pinned is not None and any(bool(r.get("pinned")) != pinned for r in rows):
-        raise ValueError(f"{out} holds runs {'without' if pinned else 'with'} --pin: a series is one method, "
-                         "so go on in another --out (or move this one aside)")
+    for key, value in (method or {}).items():
+        if others := sorted({str(r.get(key)) for r in rows if r.get(key) != value}):
+            raise ValueError(f"{out} holds runs of {key} {', '.join(others)}, and this series' is {value}: a series "
+                             "is one method, so go on in another --out (or move this one aside)")
     return rows
 
 
@@ -145,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"{json.dumps(TrialWorkload().describe())} (keys: {', '.join(WORKLOAD_KEYS)})")
     parser.add_argument("--server-arg", action="append", default=[], help="extra runtime.serve argument")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--pin", action="store_true",
-                        help="pin the harness, the baseline server and the candidate servers to disjoint CPUs")
+    parser.add_argument("--pin", choices=PIN_MODES, default=None,
+                        help="pin the harness and the servers: apart (disjoint CPUs) or shared (both sides' "
+                             "servers on the same two CPUs); default: the scheduler places them")
     parser.add_argument("--budget-s", type=float, default=None, help="start no new run after this many seconds")
     parser.add_argument("--out", type=Path, default=Path("perf_trials.jsonl"))
     args = parser.parse_args(argv)
@@ -156,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     workload: TrialWorkload = args.perf_workload
     modes = ["ab", "stored"] if args.mode == "both" else [args.mode]
     try:
-        rows = done_runs(args.out, device_name(), pinned=args.pin)
+        rows = done_runs(args.out, device_name(), method={"pin": args.pin})
     except ValueError as exc:
         parser.error(str(exc))
     todo = [(mode, kind, run) for run in range(args.runs) for mode in modes for kind in ("clean", "slowed")
@@ -164,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     pins: dict[str, list[int]] = {}
     if args.pin:
         try:
-            pins = cpu_split(list(os.sched_getaffinity(0)))
+            pins = cpu_split(list(os.sched_getaffinity(0)), args.pin)
         except ValueError as exc:
             parser.error(str(exc))
         os.sched_setaffinity(0, pins["harness"])
@@ -220,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"mode": mode, "kind": kind, "run": run, "status": outcome.status, "wall_s": time.monotonic() - t0,
                    "verdicts": ratio_stats.verdict_dicts(outcome.verdicts), "trials": outcome.trials,
                    "device": device_name(), "commit": commit, "slow_pct": args.slow_pct,
-                   "host": host_samples, "pinned": pins or None}
+                   "host": host_samples, "pin": args.pin, "cpus": pins or None}
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             rows.append(row)

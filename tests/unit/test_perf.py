@@ -145,32 +145,38 @@ def test_the_error_rate_series_refuses_runs_of_another_machine(tmp_path):
     assert done_runs(tmp_path / "none.jsonl", "NVIDIA H100 80GB HBM3") == []
 
 
-def test_a_pinned_series_is_not_resumed_unpinned_or_the_other_way(tmp_path):
+def test_a_series_is_not_resumed_with_another_pinning(tmp_path):
     import json
 
     from bench.perf_verdict_trials import done_runs
 
     out = tmp_path / "trials.jsonl"
     out.write_text(json.dumps({"mode": "ab", "kind": "clean", "run": 0, "status": "ok"}) + "\n")
-    assert len(done_runs(out, pinned=False)) == 1
-    with pytest.raises(ValueError, match="holds runs without --pin"):
-        done_runs(out, pinned=True)
-    out.write_text(json.dumps({"mode": "ab", "kind": "clean", "run": 0, "status": "ok",
-                               "pinned": {"harness": [0]}}) + "\n")
-    assert len(done_runs(out, pinned=True)) == 1
-    with pytest.raises(ValueError, match="holds runs with --pin"):
-        done_runs(out, pinned=False)
+    assert len(done_runs(out, method={"pin": None})) == 1
+    with pytest.raises(ValueError, match="holds runs of pin None, and this series' is shared"):
+        done_runs(out, method={"pin": "shared"})
+    out.write_text(json.dumps({"mode": "ab", "kind": "clean", "run": 0, "status": "ok", "pin": "apart"}) + "\n")
+    assert len(done_runs(out, method={"pin": "apart"})) == 1
+    for other in (None, "shared"):
+        with pytest.raises(ValueError, match="holds runs of pin apart"):
+            done_runs(out, method={"pin": other})
 
 
-def test_pinning_splits_the_cpus_three_ways_without_overlap():
+def test_pinning_splits_the_cpus_apart_or_puts_both_sides_on_the_same_two():
     from bench.perf_verdict_trials import cpu_split
 
-    split = cpu_split(list(range(16)))
-    assert split == {"harness": [0, 1, 2, 3], "baseline": [4, 5, 6, 7, 8, 9], "candidates": list(range(10, 16))}
-    small = cpu_split([5, 3, 1])
-    assert sorted(sum(small.values(), [])) == [1, 3, 5] and all(small.values())
+    assert cpu_split(list(range(16)), "apart") == {"harness": [0, 1, 2, 3], "baseline": [4, 5, 6, 7, 8, 9],
+                                                   "candidates": list(range(10, 16))}
+    assert cpu_split(list(range(16)), "shared") == {"harness": [0, 1, 2, 3], "baseline": [4, 5],
+                                                    "candidates": [4, 5]}
+    for mode in ("apart", "shared"):
+        small = cpu_split([5, 3, 1], mode)
+        assert set(sum(small.values(), [])) == {1, 3, 5} and all(small.values())
+        assert not set(small["harness"]) & set(small["baseline"] + small["candidates"])
     with pytest.raises(ValueError, match="at least 3 CPUs"):
         cpu_split([0, 1])
+    with pytest.raises(ValueError, match="unknown pinning 'near'"):
+        cpu_split(list(range(16)), "near")
 
 
 def test_a_pinned_command_runs_on_the_given_cpus_only():
