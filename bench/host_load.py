@@ -4,7 +4,8 @@ On the H200 (2026-12-05) the A/B perf verdict's pairs were not independent: one 
 10-25% slow for 5-10 pairs in a row, then recovered, so a clean build was called slower once and a 10%
 slowdown went unseen once in 37 runs (docs/results.md, twenty-seventh session). A bench that sees
 only the servers' figures cannot say why. This reads Linux's /proc around each pair:
-- the host's CPU time stolen by other tenants (`steal`, a VM's hypervisor) and spent waiting on I/O;
+- the host's CPU time stolen by other tenants (`steal`, a VM's hypervisor) and spent waiting on I/O, and
+  the steal of the very CPU each server's busiest thread ran on (a neighbour may take one vCPU, not all);
 - per server process: its CPU time, its busiest thread's CPU time and the CPU it last ran on, and
   how many of its threads ran at all;
 so a slow stretch can be matched with a neighbour (steal), a shared core (two servers' busy threads
@@ -41,6 +42,21 @@ def host_times(proc: Path = PROC) -> dict[str, int] | None:
     return {"total": sum(values[:8]), "iowait": values[4], "steal": values[7]}
 
 
+def cpu_times(proc: Path = PROC) -> dict[int, dict[str, int]]:
+    """Each CPU's total and steal ticks since boot (the "cpuN" lines of /proc/stat); empty if unreadable."""
+    out: dict[int, dict[str, int]] = {}
+    try:
+        lines = (proc / "stat").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 9 and fields[0].startswith("cpu") and fields[0][3:].isdigit():
+            values = [int(v) for v in fields[1:9]]
+            out[int(fields[0][3:])] = {"total": sum(values), "steal": values[7]}
+    return out
+
+
 def thread_times(pid: int, proc: Path = PROC) -> dict[int, tuple[int, int]]:
     """Each thread of `pid`: (utime + stime ticks, the CPU it last ran on). Empty if it is gone."""
     out: dict[int, tuple[int, int]] = {}
@@ -66,11 +82,12 @@ class HostSampler:
     def __init__(self, pids: dict[str, int], proc: Path = PROC) -> None:
         self.pids, self.proc = dict(pids), proc
         self.tick_ms = 1000 / _ticks_per_s()
-        self._host = host_times(proc)
+        self._host, self._cpus = host_times(proc), cpu_times(proc)
         self._threads = {name: thread_times(pid, proc) for name, pid in self.pids.items()}
 
     def sample(self) -> dict:
-        host, threads = host_times(self.proc), {name: thread_times(pid, self.proc) for name, pid in self.pids.items()}
+        host, cpus = host_times(self.proc), cpu_times(self.proc)
+        threads = {name: thread_times(pid, self.proc) for name, pid in self.pids.items()}
         out: dict = {}
         if host and self._host and host["total"] > self._host["total"]:
             total = host["total"] - self._host["total"]
@@ -86,17 +103,26 @@ class HostSampler:
                          "busiest_thread_ms": round(used[busiest] * self.tick_ms, 1),
                          "busiest_thread_cpu": now[busiest][1],
                          "threads_ran": sum(1 for ticks in used.values() if ticks > 0)}
-        self._host, self._threads = host, threads
+            cpu, cpu_before = cpus.get(now[busiest][1]), self._cpus.get(now[busiest][1])
+            if cpu and cpu_before and cpu["total"] > cpu_before["total"]:
+                out[name]["busiest_cpu_steal_pct"] = round(
+                    100 * (cpu["steal"] - cpu_before["steal"]) / (cpu["total"] - cpu_before["total"]), 2)
+        self._host, self._cpus, self._threads = host, cpus, threads
         return out
 
 
 def summary(samples: list[dict], sides: tuple[str, str] = ("candidate", "baseline")) -> str:
-    """One line over a run's samples: the host's steal (median, max), and in how many of them both
-    sides' busiest threads last ran on one CPU (a shared core slows whichever server it lands on)."""
+    """One line over a run's samples: the host's steal (median, max), the largest steal of a CPU a side's
+    busiest thread ran on, and in how many samples both sides' busiest threads last ran on one CPU (a
+    shared core slows whichever server it lands on; under `--pin shared` that is by design)."""
     steal = sorted(s["steal_pct"] for s in samples if "steal_pct" in s)
     both = [s for s in samples if all(side in s for side in sides)]
     shared = sum(1 for s in both if s[sides[0]]["busiest_thread_cpu"] == s[sides[1]]["busiest_thread_cpu"])
     parts = [f"steal median {steal[len(steal) // 2]:.1f}% max {steal[-1]:.1f}%" if steal else "steal not read"]
+    own = [s[side]["busiest_cpu_steal_pct"] for s in samples for side in sides
+           if "busiest_cpu_steal_pct" in s.get(side, {})]
+    if own:
+        parts.append(f"their busiest threads' CPUs' steal max {max(own):.1f}%")
     parts.append(f"busiest threads on one CPU in {shared} of {len(both)} samples" if both else "no thread samples")
     return "; ".join(parts)
 

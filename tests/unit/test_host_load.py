@@ -8,13 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.host_load import HostSampler, host_times, summary, thread_times
+from bench.host_load import HostSampler, cpu_times, host_times, summary, thread_times
 
 
-def write_proc(root: Path, cpu: list[int], threads: dict[int, tuple[int, int, int]], pid: int = 7) -> None:
-    """A fake /proc: the host's cpu line and one process's threads as (utime, stime, last cpu)."""
+def write_proc(root: Path, cpu: list[int], threads: dict[int, tuple[int, int, int]], pid: int = 7,
+               per_cpu: dict[int, list[int]] | None = None) -> None:
+    """A fake /proc: the host's cpu line (and per-CPU lines) and one process's threads as (utime, stime,
+    last cpu)."""
     root.mkdir(exist_ok=True)
-    (root / "stat").write_text("cpu  " + " ".join(map(str, cpu)) + "\ncpu0 1 2 3\n")
+    lines = ["cpu  " + " ".join(map(str, cpu))]
+    lines += [f"cpu{n} " + " ".join(map(str, v)) for n, v in (per_cpu or {}).items()]
+    (root / "stat").write_text("\n".join([*lines, "cpu9 1 2 3", "intr 5 6"]) + "\n")
     for tid, (utime, stime, last) in threads.items():
         task = root / str(pid) / "task" / str(tid)
         task.mkdir(parents=True, exist_ok=True)
@@ -38,6 +42,18 @@ def test_deltas_name_the_steal_and_the_busiest_thread(tmp_path):
     assert sampler.sample()["candidate"]["cpu_ms"] == 0  # the next sample: since this one
 
 
+def test_the_steal_of_the_busiest_threads_own_cpu_is_read(tmp_path):
+    """A neighbour may take one vCPU only: the host-wide steal dilutes it over all, the CPU's own shows it."""
+    host = [100, 0, 50, 800, 10, 0, 0, 40]
+    write_proc(tmp_path, host, {11: (10, 5, 3)}, per_cpu={3: [10, 0, 5, 80, 0, 0, 0, 5], 6: [10, 0, 5, 80, 0, 0, 0, 5]})
+    sampler = HostSampler({"candidate": 7}, proc=tmp_path)
+    # CPU 6 (where the thread ran last) lost 50 of its 100 ticks; CPU 3 none.
+    write_proc(tmp_path, host, {11: (50, 5, 6)},
+               per_cpu={3: [60, 0, 5, 130, 0, 0, 0, 5], 6: [40, 0, 5, 100, 0, 0, 0, 55]})
+    assert sampler.sample()["candidate"]["busiest_cpu_steal_pct"] == 50.0
+    assert set(cpu_times(tmp_path)) == {3, 6}  # the short cpu9 line and other lines are skipped
+
+
 def test_unreadable_proc_gives_empty_samples(tmp_path):
     assert host_times(tmp_path) is None and thread_times(1, tmp_path) == {}
     assert HostSampler({"a": 1}, proc=tmp_path).sample() == {}
@@ -59,3 +75,7 @@ def test_the_summary_counts_samples_whose_busiest_threads_shared_a_cpu():
     line = summary([sample(0.0, 1, 2), sample(4.0, 3, 3), sample(1.0, 5, 6), {"trial": 3}])
     assert line == "steal median 1.0% max 4.0%; busiest threads on one CPU in 1 of 3 samples"
     assert summary([]) == "steal not read; no thread samples"
+    stolen = sample(0.0, 1, 2)
+    stolen["baseline"]["busiest_cpu_steal_pct"] = 12.5
+    assert summary([stolen]) == ("steal median 0.0% max 0.0%; their busiest threads' CPUs' steal max 12.5%; "
+                                 "busiest threads on one CPU in 0 of 1 samples")
