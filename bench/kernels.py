@@ -424,6 +424,11 @@ def bench_indexer(ceilings, rows: list) -> None:
         ours_both_us = graph_us([lambda: triton_topk.select_slots(logits_fn(), positions, SELECT_WINDOW, topk,
                                                                   group=group, segment=block)] * 3) \
             if "select_launch" in selection else None
+        if logits_prefetch_scale is not None and ours_both_us is not None:
+            # The figure (logits + top-512) with the prefetch on, beside `logits_plus_select_ours_us`.
+            logits_prefetch_scale["plus_select_on_us"] = graph_us([lambda: triton_topk.select_slots(
+                logits_fn(unmasked_full_blocks=True, prefetch_scale=True), positions, SELECT_WINDOW, topk,
+                group=group, segment=block)] * 3)
         fused_maxima = _bench_fused_maxima(q, w, keys, scale, page_table, lens, page_size, positions, topk)
         logits_register_caps = _bench_register_caps(logits_fn, logits)
         logits_launches = _bench_launches(logits_fn, logits)
