@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -158,6 +160,17 @@ def prefill_flops(cfg: ModelConfig, weights: dict, inp: DecodeInputs) -> float:
     return 2 * (rows * (dense + expert) + attention + indexer)
 
 
+def interleaved_times(measure: Callable[[int], float], sizes: list[int], rounds: int) -> list[dict[int, float]]:
+    """`measure(n)` for every size, `rounds` times over, the sizes' order rotated each round: a host
+    whose speed drifts for a while then weighs on every size alike, not on the sizes timed in that while."""
+    out = []
+    for r in range(rounds):
+        order = sizes[r % len(sizes):] + sizes[:r % len(sizes)]
+        times = {n: measure(n) for n in order}
+        out.append({n: times[n] for n in sizes})
+    return out
+
+
 def fit(points: list[tuple[int, float]]) -> dict:
     bs = torch.tensor([p[0] for p in points], dtype=torch.float64)
     ms = torch.tensor([p[1] for p in points], dtype=torch.float64)
@@ -210,6 +223,8 @@ def main() -> None:
     ap.add_argument("--attention-kernel", choices=["triton", "torch"], default="triton")
     ap.add_argument("--sawtooth", default="", help="batch sizes for the fine vs coarse bucket sweep")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="times each mode's batch sizes are timed, interleaved; each point is the median")
     ap.add_argument("--prefill-iters", type=int, default=0,
                     help="timed repeats of each 4,096-row prefill pass (default: iters / 4, at least 3)")
     ap.add_argument("--prefill-variants", action="store_true",
@@ -249,16 +264,19 @@ def main() -> None:
         if mode != "eager":
             bench.runner.capture()
         fn = bench.runner.eager if mode == "eager" else bench.runner.forward
-        points = []
-        for n in sizes:
-            inp = bench.inputs(n, context)
-            ms = time_ms(fn, inp, iters=args.iters)
-            roofline_ms = step_bytes(cfg, weights, inp) / (rates["read_tb_s"] * 1e9)
-            points.append((n, ms))
+        inputs = {n: bench.inputs(n, context) for n in sizes}
+        by_round = interleaved_times(lambda n: time_ms(fn, inputs[n], iters=args.iters), sizes, args.rounds)
+        points = [(n, statistics.median(r[n] for r in by_round)) for n in sizes]
+        for n, ms in points:
+            roofline_ms = step_bytes(cfg, weights, inputs[n]) / (rates["read_tb_s"] * 1e9)
             print(json.dumps({"model": args.model, "mode": mode, "bs": n, "ms": round(ms, 4),
+                              "ms_rounds": [round(r[n], 4) for r in by_round],
                               "roofline_ms": round(roofline_ms, 4), "pct_roofline": round(100 * roofline_ms / ms, 1)}),
                   flush=True)
-        results["modes"][mode] = {"points": points, **fit(points)}
+        # The fixed term of each round's own points beside the medians' (the eager step is host-bound, and its
+        # a moved 2.5-5.4 ms between runs of one tree: the spread says how far one figure can be trusted).
+        results["modes"][mode] = {"points": points, **fit(points),
+                                  "a_ms_rounds": [fit([(n, r[n]) for n in sizes])["a_ms"] for r in by_round]}
         if mode == "graph+multistream":
             chunk = bench.prefill(PREFILL_ROWS, min(context, PREFILL_ROWS))
             ms = time_ms(bench.runner.eager, chunk, iters=prefill_iters)
