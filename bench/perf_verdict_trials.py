@@ -185,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
             pins = cpu_split(list(os.sched_getaffinity(0)), args.pin)
         except ValueError as exc:
             parser.error(str(exc))
-        os.sched_setaffinity(0, pins["harness"])
     commit = git_commit()  # once: with files that differ from HEAD it hashes their tree
     print(f"perf verdict trials on {device_name()} at {commit}: {len(rows)} runs done, {len(todo)} to go; "
           f"workload {workload.describe()}, tolerance {args.tolerance}, slowed by {args.slow_pct:g}%"
@@ -201,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         if todo:
             servers = {"baseline": serve("baseline"), "clean": serve("candidates"),
                        "slowed": serve("candidates", ("slow-step",), {"DSV4_SLOW_STEP_PCT": str(args.slow_pct)})}
+        if pins:  # after the servers: pinned_command gives only CPUs this process holds
+            os.sched_setaffinity(0, pins["harness"])
         # The probe speaks for the server only where it computes on this machine's CPU.
         probe = machine_speed.probe if device_name().startswith("cpu:") else None
         stored_path = args.out.parent / (args.out.stem + "-baseline.json")

@@ -197,3 +197,36 @@ def test_a_pinned_command_runs_on_the_given_cpus_only():
     assert proc.returncode == 0 and out.split() == [f"[{cpu}]", str(proc.pid)]
     with pytest.raises(ValueError, match="not among this process's CPUs"):
         pinned_command([sys.executable], [max(os.sched_getaffinity(0)) + 1000])
+
+
+def test_a_pinned_series_starts_its_servers_before_it_narrows_its_own_cpus(tmp_path, monkeypatch):
+    """A process may give its children only CPUs it holds (`pinned_command` checks it): pinning the harness
+    to its quarter first would refuse the servers' CPUs. The run goes through main with the servers and
+    the trials faked; the mask is a fake 8-CPU one."""
+    import json
+    import os
+    from contextlib import contextmanager
+
+    import bench.perf_verdict_trials as trials_bench
+    from canary.perf.trials import TrialsOutcome
+    from canary.targets import Target, pinned_command
+
+    mask = {"cpus": set(range(8))}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(mask["cpus"]))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: mask.update(cpus=set(cpus)))
+    started: list[list[str]] = []
+
+    @contextmanager
+    def fake_server(model, args, *, cpus=None, **_):
+        started.append(pinned_command(["/bin/true"], cpus))  # raises if the CPUs are not the harness's to give
+        yield Target("fake", "http://127.0.0.1:1/v1", model, True)
+
+    monkeypatch.setattr(trials_bench, "embedded_server", fake_server)
+    monkeypatch.setattr(trials_bench, "ab_trials", lambda *a, **k: TrialsOutcome("ab", "ok", []))
+    out = tmp_path / "trials.jsonl"
+    trials_bench.main(["--runs", "1", "--mode", "ab", "--pin", "shared", "--out", str(out)])
+    assert len(started) == 3 and {cmd[3] for cmd in started} == {"2,3"}  # both sides' servers on CPUs 2 and 3
+    assert mask["cpus"] == {0, 1}  # then the harness on its quarter
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["pin"] for r in rows] == ["shared", "shared"]
+    assert rows[0]["cpus"] == {"harness": [0, 1], "baseline": [2, 3], "candidates": [2, 3]}
