@@ -30,31 +30,24 @@ def _ticks_per_s() -> int:
         return 100
 
 
-def host_times(proc: Path = PROC) -> dict[str, int] | None:
-    """The host's total, steal and iowait ticks since boot (the "cpu" line of /proc/stat)."""
-    try:
-        fields = (proc / "stat").read_text().splitlines()[0].split()
-    except OSError:
-        return None
-    if fields[0] != "cpu" or len(fields) < 9:
-        return None
-    values = [int(v) for v in fields[1:]]
-    return {"total": sum(values[:8]), "iowait": values[4], "steal": values[7]}
-
-
-def cpu_times(proc: Path = PROC) -> dict[int, dict[str, int]]:
-    """Each CPU's total and steal ticks since boot (the "cpuN" lines of /proc/stat); empty if unreadable."""
-    out: dict[int, dict[str, int]] = {}
+def stat_times(proc: Path = PROC) -> tuple[dict[str, int] | None, dict[int, dict[str, int]]]:
+    """One read of /proc/stat: the host's total, steal and iowait ticks since boot (its "cpu" line; None if
+    unreadable) and each CPU's total and steal ticks (the "cpuN" lines)."""
     try:
         lines = (proc / "stat").read_text().splitlines()
     except OSError:
-        return out
+        return None, {}
+    host, cpus = None, {}
     for line in lines:
         fields = line.split()
-        if len(fields) >= 9 and fields[0].startswith("cpu") and fields[0][3:].isdigit():
-            values = [int(v) for v in fields[1:9]]
-            out[int(fields[0][3:])] = {"total": sum(values), "steal": values[7]}
-    return out
+        if len(fields) < 9 or not fields[0].startswith("cpu"):
+            continue
+        values = [int(v) for v in fields[1:9]]
+        if fields[0] == "cpu":
+            host = {"total": sum(values), "iowait": values[4], "steal": values[7]}
+        elif fields[0][3:].isdigit():
+            cpus[int(fields[0][3:])] = {"total": sum(values), "steal": values[7]}
+    return host, cpus
 
 
 def thread_times(pid: int, proc: Path = PROC) -> dict[int, tuple[int, int]]:
@@ -82,11 +75,11 @@ class HostSampler:
     def __init__(self, pids: dict[str, int], proc: Path = PROC) -> None:
         self.pids, self.proc = dict(pids), proc
         self.tick_ms = 1000 / _ticks_per_s()
-        self._host, self._cpus = host_times(proc), cpu_times(proc)
+        self._host, self._cpus = stat_times(proc)
         self._threads = {name: thread_times(pid, proc) for name, pid in self.pids.items()}
 
     def sample(self) -> dict:
-        host, cpus = host_times(self.proc), cpu_times(self.proc)
+        host, cpus = stat_times(self.proc)
         threads = {name: thread_times(pid, self.proc) for name, pid in self.pids.items()}
         out: dict = {}
         if host and self._host and host["total"] > self._host["total"]:

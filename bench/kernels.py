@@ -421,14 +421,15 @@ def bench_indexer(ceilings, rows: list) -> None:
         both_us = graph_us([lambda: torch.topk(logits_fn(), topk, dim=-1, sorted=False)] * 3)
         selection = _bench_selection(logits, positions, topk)
         group, block = selection.get("select_launch", (None, None))
-        ours_both_us = graph_us([lambda: triton_topk.select_slots(logits_fn(), positions, SELECT_WINDOW, topk,
-                                                                  group=group, segment=block)] * 3) \
-            if "select_launch" in selection else None
-        if logits_prefetch_scale is not None and ours_both_us is not None:
-            # The issue's figure (logits + top-512) with the prefetch on, beside `logits_plus_select_ours_us`.
-            logits_prefetch_scale["plus_select_on_us"] = graph_us([lambda: triton_topk.select_slots(
-                logits_fn(unmasked_full_blocks=True, prefetch_scale=True), positions, SELECT_WINDOW, topk,
-                group=group, segment=block)] * 3)
+
+        def plus_select_us(**knobs) -> float:
+            """Issue 15's figure: the logits kernel (with `knobs`) and our selection at its timed launch."""
+            return graph_us([lambda: triton_topk.select_slots(logits_fn(**knobs), positions, SELECT_WINDOW, topk,
+                                                              group=group, segment=block)] * 3)
+
+        ours_both_us = plus_select_us() if "select_launch" in selection else None
+        if logits_prefetch_scale is not None and ours_both_us is not None:  # beside it, the prefetch on
+            logits_prefetch_scale["plus_select_on_us"] = plus_select_us(unmasked_full_blocks=True, prefetch_scale=True)
         fused_maxima = _bench_fused_maxima(q, w, keys, scale, page_table, lens, page_size, positions, topk)
         logits_register_caps = _bench_register_caps(logits_fn, logits)
         logits_launches = _bench_launches(logits_fn, logits)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 
@@ -29,10 +31,8 @@ def git_commit(cwd: Path | None = None) -> str:
 
 def working_tree(cwd: Path | None = None) -> str | None:
     """The git tree hash of the files as they are, untracked ones that git does not ignore included,
-    through a temporary index (the repository's own index is left alone); None if git cannot say."""
-    import os
-    import tempfile
-
+    through a temporary index (the repository's own index is left alone); None if git cannot say.
+    scripts/gpu_suite.sh writes it into the device call's commit.txt."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         try:

@@ -45,8 +45,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 # say what ran: the tree of the files that were copied does. Compare it locally with
 # `git rev-parse COMMIT^{tree}` (a temporary index: the copy's own index is left alone).
 { echo "head $(git rev-parse HEAD 2>/dev/null)"
-  rm -f /tmp/suite-index
-  echo "tree $(GIT_INDEX_FILE=/tmp/suite-index git add -A 2>/dev/null && GIT_INDEX_FILE=/tmp/suite-index git write-tree)"
+  echo "tree $($PY -c 'from canary.provenance import working_tree; print(working_tree() or "")')"
 } > "$OUT/commit.txt"
 
 # ---- issues 7, 14: the Triton kernels vs their references (batch invariance included), CUDA-graph

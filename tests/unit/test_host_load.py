@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.host_load import HostSampler, cpu_times, host_times, summary, thread_times
+from bench.host_load import HostSampler, stat_times, summary, thread_times
 
 
 def write_proc(root: Path, cpu: list[int], threads: dict[int, tuple[int, int, int]], pid: int = 7,
@@ -51,11 +51,11 @@ def test_the_steal_of_the_busiest_threads_own_cpu_is_read(tmp_path):
     write_proc(tmp_path, host, {11: (50, 5, 6)},
                per_cpu={3: [60, 0, 5, 130, 0, 0, 0, 5], 6: [40, 0, 5, 100, 0, 0, 0, 55]})
     assert sampler.sample()["candidate"]["busiest_cpu_steal_pct"] == 50.0
-    assert set(cpu_times(tmp_path)) == {3, 6}  # the short cpu9 line and other lines are skipped
+    assert set(stat_times(tmp_path)[1]) == {3, 6}  # the short cpu9 line and other lines are skipped
 
 
 def test_unreadable_proc_gives_empty_samples(tmp_path):
-    assert host_times(tmp_path) is None and thread_times(1, tmp_path) == {}
+    assert stat_times(tmp_path) == (None, {}) and thread_times(1, tmp_path) == {}
     assert HostSampler({"a": 1}, proc=tmp_path).sample() == {}
 
 
