@@ -15,8 +15,8 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.kernels.triton import elementwise, moe
-from tests.kernels.test_triton_kernels import ON_GPU, SEEDS, _moe_case, _run_moe
+from runtime.kernels.triton import moe
+from tests.kernels.test_triton_kernels import ON_GPU, SEEDS, _moe_case, _run_moe, fp8_packed
 
 # (experts, top_k, hidden, inter): the deployment's group-aligned widths, and 200 / 136, whose last
 # 128-channel group is cut short (gate/up's last K step, down's).
@@ -41,14 +41,7 @@ def quantize_on_load(on: bool):
 def _fp8_case(seed, tokens, shape, shared):
     experts, top_k, hidden, inter = shape
     x, raw, ids, route_w = _moe_case(seed, tokens, experts, top_k, hidden, inter, shared, X_DTYPE, 1.0)
-    w13, w13_s = elementwise.quantize_weight_blocks(torch.cat([raw[0], raw[1]], 1))
-    w2, w2_s = elementwise.quantize_weight_blocks(raw[2])
-    kwargs = {}
-    if shared:
-        s13, s13_s = elementwise.quantize_weight_blocks(torch.cat([raw[3], raw[4]], 0)[None])
-        s2, s2_s = elementwise.quantize_weight_blocks(raw[5][None])
-        kwargs = dict(shared_w13=s13, shared_w2=s2, shared_w13_scale=s13_s, shared_w2_scale=s2_s)
-    return x, moe.PackedMoE(w13, w2, w13_scale=w13_s, w2_scale=w2_s, **kwargs), ids, route_w
+    return x, fp8_packed(raw, shared), ids, route_w
 
 
 def _both_ways(x, packed, ids, route_w, split_k):

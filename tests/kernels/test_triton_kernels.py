@@ -88,6 +88,18 @@ def _moe_reference(x, raw, ids, route_w):
     return out
 
 
+def fp8_packed(raw, shared: bool) -> moe.PackedMoE:
+    """_moe_case's weights (w_gate, w_up, w_down, then the shared expert's three) as fp8 128x128 blocks."""
+    w13, w13_s = elementwise.quantize_weight_blocks(torch.cat([raw[0], raw[1]], 1))
+    w2, w2_s = elementwise.quantize_weight_blocks(raw[2])
+    kwargs = {}
+    if shared:
+        s13, s13_s = elementwise.quantize_weight_blocks(torch.cat([raw[3], raw[4]], 0)[None])
+        s2, s2_s = elementwise.quantize_weight_blocks(raw[5][None])
+        kwargs = dict(shared_w13=s13, shared_w2=s2, shared_w13_scale=s13_s, shared_w2_scale=s2_s)
+    return moe.PackedMoE(w13, w2, w13_scale=w13_s, w2_scale=w2_s, **kwargs)
+
+
 def _run_moe(x, packed, ids, route_w, split_k=1):
     out = poisoned(*x.shape, dtype=x.dtype)
     result = moe.fused_moe(x, packed, route_w, ids, out=out, split_k=split_k)
@@ -1101,22 +1113,16 @@ def test_fp8_group_quantization_round_trips(seed, rows, width, magnitude):
 def test_fp8_fused_moe_matches_dequantized_reference(seed, tokens, shape, shared, split_k):
     experts, top_k, hidden, inter = shape
     x, raw, ids, route_w = _moe_case(seed, tokens, experts, top_k, hidden, inter, shared, torch.bfloat16, 1.0)
-    w13, w13_s = elementwise.quantize_weight_blocks(torch.cat([raw[0], raw[1]], 1))
-    w2, w2_s = elementwise.quantize_weight_blocks(raw[2])
-    kwargs = {}
-    if shared:
-        s13, s13_s = elementwise.quantize_weight_blocks(torch.cat([raw[3], raw[4]], 0)[None])
-        s2, s2_s = elementwise.quantize_weight_blocks(raw[5][None])
-        kwargs = dict(shared_w13=s13, shared_w2=s2, shared_w13_scale=s13_s, shared_w2_scale=s2_s)
-    packed = moe.PackedMoE(w13, w2, w13_scale=w13_s, w2_scale=w2_s, **kwargs)
+    packed = fp8_packed(raw, shared)
     out = _run_moe(x, packed, ids, route_w, split_k)
     # Reference over the dequantized weights; activations are quantized too (per 128), so the
     # tolerance is e4m3's: 2^-4 relative per operand.
-    deq13 = elementwise.dequantize_weight_blocks(w13, w13_s)
-    deq = [deq13[:, :inter], deq13[:, inter:], elementwise.dequantize_weight_blocks(w2, w2_s)]
+    deq13 = elementwise.dequantize_weight_blocks(packed.w13, packed.w13_scale)
+    deq = [deq13[:, :inter], deq13[:, inter:], elementwise.dequantize_weight_blocks(packed.w2, packed.w2_scale)]
     if shared:
-        s13d = elementwise.dequantize_weight_blocks(s13, s13_s)[0]
-        deq += [s13d[:inter], s13d[inter:], elementwise.dequantize_weight_blocks(s2, s2_s)[0]]
+        s13d = elementwise.dequantize_weight_blocks(packed.shared_w13, packed.shared_w13_scale)[0]
+        deq += [s13d[:inter], s13d[inter:],
+                elementwise.dequantize_weight_blocks(packed.shared_w2, packed.shared_w2_scale)[0]]
     else:
         deq += [None] * 3
     expected = _moe_reference(x.float(), deq, ids, route_w)
