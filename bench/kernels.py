@@ -119,36 +119,26 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
             s13.append(b)
             q2.append(c)
             s2.append(d)
-        fp8 = moe.PackedMoE(torch.cat(q13), torch.cat(q2), w13_scale=torch.cat(s13), w2_scale=torch.cat(s2))
-        # name: (weights, moe.QUANTIZE_ON_LOAD). The on-load row is the fp8 path without its quantize launches
-        # (the GEMMs quantize the rows they load), timed at the fp8 row's config and checked for its bits.
-        variants = {"bf16": (moe.PackedMoE(w13, w2), False), "fp8_w8a8": (fp8, False), "fp8_w8a8_on_load": (fp8, True)}
+        variants = {"bf16": moe.PackedMoE(w13, w2),
+                    "fp8_w8a8": moe.PackedMoE(torch.cat(q13), torch.cat(q2), w13_scale=torch.cat(s13),
+                                              w2_scale=torch.cat(s2))}
         del q13, s13, q2, s2
         for batch in BATCHES:
             inputs = [(torch.randn(batch, hidden, generator=gen).to(torch.bfloat16).cuda(),
                        *_routing(gen, batch, experts, top_k))
                       for _ in range(CALLS_PER_GRAPH)]
-            bf16_us, fp8_out = {}, {}
+            bf16_us = {}
             default_split = moe.gate_up_splits(hidden, inter)
-            for (name, (packed, on_load)), split in [(v, sp) for v in variants.items()
-                                                     for sp in sorted({1, default_split})]:
+            for (name, packed), split in [(v, sp) for v in variants.items() for sp in sorted({1, default_split})]:
                 expert_bytes = 3 * inter * hidden * (1 if packed.fp8 else 2)
                 if packed.fp8:
                     expert_bytes += 3 * inter * hidden // (128 * 128) * 4
                 bytes_moved = touched_experts(experts, top_k, batch) * expert_bytes + 2 * batch * hidden * 2
                 flops = 2 * batch * top_k * 3 * inter * hidden
                 best_cfg, best_us = moe.moe_config(experts, inter, packed.fp8, batch), None
-                run = lambda x, i, w, c, split=split, packed=packed, on_load=on_load: _fused_moe_on_load(  # noqa: E731
-                    on_load, x, packed, w, i, config=c, split_k=split)
-                same_bits = None
-                if packed.fp8:  # the on-load row runs after the launches' row of its split: its bits must be those
-                    x0, ids0, w0 = inputs[0]
-                    out0 = run(x0, ids0, w0, best_cfg).clone()
-                    if on_load:
-                        same_bits = bool(torch.equal(out0, fp8_out[split]))
-                    else:
-                        fp8_out[split] = out0
-                if tune and not on_load:
+                run = lambda x, i, w, c, split=split, packed=packed: moe.fused_moe(  # noqa: E731
+                    x, packed, w, i, config=c, split_k=split)
+                if tune:
                     x0, ids0, w0 = inputs[0]
                     want = run(x0, ids0, w0, moe.DEFAULT_CONFIG)
                     for cfg in MOE_CANDIDATES:
@@ -171,24 +161,13 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
                 rows.append(dict(kernel="fused_moe", variant=name, I=inter, bs=batch, split_k=split, us=us,
                                  roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
                                  speedup_vs_torch=torch_us / us if torch_us else None,
-                                 speedup_vs_bf16=bf16_us[split] / us if name != "bf16" else None, config=best_cfg,
-                                 same_bits_as_launches=same_bits))
-                if vs is not None and split == default_split and not on_load:  # the deployment's split, same inputs
+                                 speedup_vs_bf16=bf16_us[split] / us if name != "bf16" else None, config=best_cfg))
+                if vs is not None and split == default_split:  # the deployment's split, on the same inputs
                     vs.moe(rows[-1], packed, inputs, best_cfg, split, reference=(
                         lambda x, i, w, w13=w13, w2=w2: _torch_moe(x, w13, w2, i, w)) if name == "bf16" else None)
                 print(json.dumps(rows[-1]), flush=True)
-        del variants, fp8, w13, w2
+        del variants, w13, w2
         torch.cuda.empty_cache()
-
-
-def _fused_moe_on_load(on_load: bool, *args, **kwargs) -> torch.Tensor:
-    """moe.fused_moe with moe.QUANTIZE_ON_LOAD set for this call (the graph captures the launches it makes)."""
-    saved = moe.QUANTIZE_ON_LOAD
-    moe.QUANTIZE_ON_LOAD = on_load
-    try:
-        return moe.fused_moe(*args, **kwargs)
-    finally:
-        moe.QUANTIZE_ON_LOAD = saved
 
 
 # ---------------------------------------------------------------- sparse MLA decode

@@ -35,17 +35,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 @triton.jit
-def quantize_rows(x, FP8_MAX: tl.constexpr):
-    """x [R, G] float32, one 128-channel group per row (lanes past the width at 0) -> (e4m3 [R, G],
-    float32 scale [R]). The one formula of the activations' fp8: quantize_groups' kernel and the MoE
-    kernels that quantize their rows as they load them (moe.QUANTIZE_ON_LOAD) both call it, so both
-    give the same bits."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_MAX
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
-    return q.to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, width, stride_x, stride_q, stride_s, FP8_MAX: tl.constexpr,
                      GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -53,9 +42,10 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, width, stride_x, stride_q, stride_
     offs = group * GROUP + tl.arange(0, GROUP)
     ok = offs < width
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    q, scale = quantize_rows(x[None, :], FP8_MAX)
-    tl.store(q_ptr + row * stride_q + offs[None, :], q, mask=ok[None, :])
-    tl.store(scale_ptr + row * stride_s + group + tl.arange(0, 1), scale)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + row * stride_s + group, scale)
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

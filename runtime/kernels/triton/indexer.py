@@ -64,9 +64,10 @@ EARLY_SCALE = True
 UNMASKED_FULL_BLOCKS: dict[bool, bool] = {True: True, False: False}
 # With UNMASKED_FULL_BLOCKS, each full block's key scales loaded one block ahead (a register a thread). On the
 # H200 the scale's load costs 13.7 us of the fp8 loop's time (bench.indexer_anatomy, twenty-seventh session:
-# copy 158.8 us, no_scale 145.1) for 3% of its bytes: its latency, not its bandwidth. Off until timed
-# (bench.kernels' `logits_prefetch_scale`): the same bits.
-PREFETCH_SCALE = False
+# copy 158.8 us, no_scale 145.1) for 3% of its bytes: its latency, not its bandwidth. Timed (bench.kernels'
+# `logits_prefetch_scale`, B=64, 64K, fp8 keys, same bits): H200 158.4 us against 162.4 off (twenty-ninth
+# session), H100 192.2 against 193.0 (twenty-eighth), where the loop already runs at 93% of its read ceiling.
+PREFETCH_SCALE = True
 
 
 def unmasked_by_default(key_cache: torch.Tensor) -> bool:

@@ -17,10 +17,7 @@ combine sums a token's K expert outputs in rank order, then adds the shared expe
 
 fp8 path: weights e4m3 with one float32 scale per 128x128 block ([E, N/128, K/128]), activations
 quantized per token per 128 channels on the fly (quantize_groups); BLOCK_K is the block size, so
-each K step applies one activation scale per row and one weight scale per column. QUANTIZE_ON_LOAD:
-the gate/up and down kernels quantize the rows they load themselves (elementwise.quantize_rows, the
-formula quantize_groups' kernel runs), so the quantize launches go (one for the tokens, one per
-expert pass for SiLU-and-mul's output) and the bits stay.
+each K step applies one activation scale per row and one weight scale per column.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
 from runtime.kernels.triton.configs import config_file_name, load_table, pick
-from runtime.kernels.triton.elementwise import FP8_MAX, quantize_groups, quantize_rows
+from runtime.kernels.triton.elementwise import quantize_groups
 
 BLOCK_M = 16  # rows per tile unless a bucket says: decode has ~TK/E <= 3 rows per expert at bs 128, E 256, K 6
 BLOCK_K = 128  # reduction step; equal to the fp8 scale block, so one scale per step
@@ -46,12 +43,6 @@ DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
 # back to the bucket's plain launch for both (the same bits: bench.decode_step --prefill-variants
 # times the prefill pass either way).
 BUCKET_LAUNCHES = True
-# fp8: each K step's activation rows are quantized in the GEMM that loads them (bf16 in, e4m3 and the
-# row's scale in registers) instead of by quantize_groups launches before it: up to three launches fewer
-# a layer (tokens, routed SiLU-and-mul, shared SiLU-and-mul), each program redoing its rows' [BLOCK_M, 128]
-# amax per step. Same formula, same bits (GPU test). Off until a GPU times it (bench.kernels' fp8_on_load).
-QUANTIZE_ON_LOAD = False
-ACT_FP8_MAX = tl.constexpr(FP8_MAX)  # the kernels' copy: a jit function reads only constexpr globals
 
 
 @dataclass(frozen=True)
@@ -219,8 +210,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
                     stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
                     part_ptr, k_chunk,
                     FP8: tl.constexpr, ROUTING: tl.constexpr, SPLIT_K: tl.constexpr, FUSED_SPLITS: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    ON_LOAD: tl.constexpr = False):
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # act[r, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, I + n]) for the rows r of this tile.
     # ROUTING: ALIGNED (tiles from align_tokens), DENSE (one expert, the shared one, for every row in
     # order) or PER_ROW (tile m = routed row m alone, expert ids[m]: small batches skip the alignment).
@@ -229,7 +219,6 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
     # FUSED_SPLITS (a prefill bucket's gate/up launch): one program walks the splits in order and adds
     # each split's partials to running totals, the additions _split_act_kernel makes (0 + p0 + p1 ...),
     # then applies SiLU-and-mul itself: no partials through memory, no second launch.
-    # ON_LOAD (fp8): x is the bf16 tokens, quantized a K step at a time here (QUANTIZE_ON_LOAD).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -249,7 +238,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
                                               offs_n, n_ok, split * k_chunk,
                                               tl.minimum(hidden, (split + 1) * k_chunk), inter, stride_x,
                                               stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8,
-                                              PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, ON_LOAD)
+                                              PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
             total_gate += acc_gate
             total_up += acc_up
         act = total_gate * tl.sigmoid(total_gate) * total_up
@@ -259,7 +248,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
     acc_gate, acc_up = _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok, offs_n, n_ok,
                                       pid_k * k_chunk, tl.minimum(hidden, (pid_k + 1) * k_chunk), inter, stride_x,
                                       stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8, PRECISION,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, ON_LOAD)
+                                      BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_K == 1:
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up
         out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
@@ -273,8 +262,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
 @triton.jit
 def _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok, offs_n, n_ok, k_start, k_end,
                    inter, stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ON_LOAD: tl.constexpr):
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The gate and up float32 sums of a tile's rows over D in [k_start, k_end), from zero, in BLOCK_K steps."""
     w_gate = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
     w_up = w_gate + inter * stride_wn
@@ -289,10 +277,7 @@ def _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_o
         b_gate = tl.load(w_gate + offs_k[:, None], mask=b_mask, other=0.0)
         b_up = tl.load(w_up + offs_k[:, None], mask=b_mask, other=0.0)
         if FP8:
-            if ON_LOAD:  # k0 is a multiple of BLOCK_K = the scale group (k_chunk is too): one group a step
-                a, a_s = quantize_rows(a.to(tl.float32), ACT_FP8_MAX)
-            else:
-                a_s = tl.load(x_scale_ptr + tokens * stride_xs + k0 // BLOCK_K, mask=row_ok, other=0.0)
+            a_s = tl.load(x_scale_ptr + tokens * stride_xs + k0 // BLOCK_K, mask=row_ok, other=0.0)
             s_base = w_scale_ptr + expert * stride_wse + k0 // BLOCK_K
             s_gate = tl.load(s_base + (offs_n // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
             s_up = tl.load(s_base + ((offs_n + inter) // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
@@ -323,14 +308,12 @@ def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_row
                  route_w_ptr, num_rows, hidden, inter,
                  stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
                  FP8: tl.constexpr, ROUTING: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
-                 ON_LOAD: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr):
     # out[r, n] = route_w[r] * (act[r] . w2[e, n]), float32. A program writes N_TILES column tiles of
     # its rows, one after the other (`down_launch`): at prefill sizes the down GEMM is I = 256 deep,
     # two k steps, so a program per column tile is all prologue and epilogue; walking the columns in
     # one flattened loop keeps the weight loads of the next tile in flight under this one's MMAs.
     # Which program computes a column never changes its bits: each output's k steps are the same.
-    # ON_LOAD (fp8): act is SiLU-and-mul's bf16 output, quantized a K step at a time here.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, rows = _tile_rows(pid_m, tile_expert_ptr, sorted_rows_ptr, num_rows, ROUTING, BLOCK_M)
@@ -341,20 +324,20 @@ def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_row
     if N_TILES == 1:
         _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok,
                    pid_n * BLOCK_N, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse,
-                   stride_wsn, stride_out, FP8, WEIGHTED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, ON_LOAD)
+                   stride_wsn, stride_out, FP8, WEIGHTED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         for tile in tl.range(0, N_TILES, flatten=True):
             _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok,
                        (pid_n * N_TILES + tile) * BLOCK_N, hidden, inter, stride_act, stride_as, stride_we,
                        stride_wn, stride_wse, stride_wsn, stride_out, FP8, WEIGHTED, PRECISION, BLOCK_M, BLOCK_N,
-                       BLOCK_K, ON_LOAD)
+                       BLOCK_K)
 
 
 @triton.jit
 def _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok, n_start,
                hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
                FP8: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ON_LOAD: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile of the down projection, I summed from zero in BLOCK_K steps."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
@@ -367,10 +350,7 @@ def _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr,
                     other=0.0)
         b = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
-            if ON_LOAD:
-                a, a_s = quantize_rows(a.to(tl.float32), ACT_FP8_MAX)
-            else:
-                a_s = tl.load(act_scale_ptr + rows64 * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
+            a_s = tl.load(act_scale_ptr + rows64 * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
             b_s = tl.load(w_scale_ptr + expert * stride_wse + (offs_n // BLOCK_K) * stride_wsn + k0 // BLOCK_K,
                           mask=n_ok, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
@@ -440,14 +420,9 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
                  num_rows, config, split_k, out):
     """gate/up + SiLU-and-mul, then down (weighted when route_w is given) into out [num_rows, D].
     routing: ALIGNED (sorted_rows, tile_expert from align_tokens), DENSE (every row through expert 0,
-    the shared expert) or PER_ROW (tile_expert = the flat expert ids, one row per tile).
-    fp8 weights with x_scale None: x is unquantized and each GEMM quantizes the rows it loads
-    (QUANTIZE_ON_LOAD), the SiLU-and-mul output too."""
+    the shared expert) or PER_ROW (tile_expert = the flat expert ids, one row per tile)."""
     hidden, inter = x.shape[1], w2.shape[2]
     fp8 = w13_scale is not None
-    on_load = fp8 and x_scale is None
-    if on_load:
-        x_scale = x  # a pointer the kernels never read
     # BLOCK_M from a prefill-sized bucket (or bench/moe_tiles.py); one-row tiles stay one-row.
     block_m = config.get("BLOCK_M", BLOCK_M) if routing != PER_ROW else BLOCK_M
     num_tiles = {ALIGNED: tile_expert.numel() if routing == ALIGNED else 0,
@@ -472,23 +447,23 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
         x.stride(0), x_scale.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1),
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0), part, k_chunk,
         FP8=fp8, ROUTING=routing, SPLIT_K=split_k, FUSED_SPLITS=fused, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=BLOCK_K, ON_LOAD=on_load, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
     if split_k > 1 and not fused:
         _split_act_kernel[(num_rows, triton.cdiv(inter, 512))](part, act, num_rows, inter, act.stride(0),
                                                                SPLIT_K=split_k, BLOCK=512)
-    act_scale = act  # a pointer the down kernel never reads unless fp8 quantizes here
-    if fp8 and not on_load:
+    act_scale = None
+    if fp8:
         act, act_scale = quantize_groups(act)
     down = down_launch(config, routing)
     if INTERPRETED:
         down["num_warps"], down["num_stages"] = 4, 1
     _down_kernel[(num_tiles, triton.cdiv(hidden, down["BLOCK_N"] * down["N_TILES"]))](
-        act, act_scale, w2, w2_scale if fp8 else w2, out, sorted_rows, tile_expert,
+        act, act_scale if fp8 else act, w2, w2_scale if fp8 else w2, out, sorted_rows, tile_expert,
         route_w if route_w is not None else out, num_rows, hidden, inter,
         act.stride(0), act_scale.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1),
         w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0, out.stride(0),
         FP8=fp8, ROUTING=routing, WEIGHTED=route_w is not None, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_K=BLOCK_K, ON_LOAD=on_load, **down)
+        BLOCK_K=BLOCK_K, **down)
 
 
 def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -509,8 +484,7 @@ def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, t
         return out
     config = config or moe_config(num_experts, inter, weights.fp8, num_tokens)
     split_k = split_k or gate_up_splits(hidden, inter)
-    # QUANTIZE_ON_LOAD: no quantize launch; _expert_pass reads x_scale None as "the GEMMs quantize".
-    x_in, x_scale = quantize_groups(x) if weights.fp8 and not QUANTIZE_ON_LOAD else (x, None)
+    x_in, x_scale = quantize_groups(x) if weights.fp8 else (x, None)
     if num_tokens * top_k <= PER_ROW_MAX_ROWS:
         if alignment is not None:
             raise ValueError(f"alignment given for {num_tokens * top_k} routed rows: the per-row path "
