@@ -26,6 +26,7 @@ from canary.workload import (
 
 # Session state on the config, typed (pytest's stash): the parsed options and the end-of-run notes.
 OPTIONS = pytest.StashKey[CanaryOptions]()
+SERVER_CPUS = pytest.StashKey[list[int] | None]()  # --server-cpus, checked
 NOTES = pytest.StashKey[list[str]]()
 
 
@@ -56,6 +57,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="gate the embedded runtime as a PD pair: prefill + decode servers and runtime.router in front")
     add("--server-arg", action="append", default=[], metavar="ARG",
         help="extra argument for the embedded `runtime.serve` (repeatable), e.g. --server-arg=--dtype=float32")
+    add("--server-cpus", default=None, metavar="LIST",
+        help="run the embedded runtime on these CPUs only, e.g. 4,5 or 4-5; for A/B start the --baseline-url server "
+             "on the same ones (taskset -c 4,5 ...): a CPU that runs slow for a while then slows both sides alike "
+             "(docs/pre-deploy.md)")
     add("--baseline", type=Path, default=None, help="performance baseline JSON (default: by fingerprint)")
     add("--baseline-url", default=None, help="A/B: a baseline server run interleaved with the candidate")
     add("--perf-tolerance", type=float, default=0.1,
@@ -110,6 +115,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if opt("base_url") and opt("inject_fault"):
         raise pytest.UsageError("--inject-fault applies to the embedded runtime, not to --base-url")
     workload = _perf_workload(opt("perf_workload"))
+    config.stash[SERVER_CPUS] = _server_cpus(opt("server_cpus"), remote=bool(opt("base_url")), pd=opt("pd"))
     config.stash[OPTIONS] = CanaryOptions(
         sessions=opt("sessions"), turns=opt("turns"), concurrency=opt("concurrency"), base_url=opt("base_url"),
         model=opt("model"), api_key=opt("api_key"), stream_ratio=opt("stream_ratio"),
@@ -122,6 +128,22 @@ def pytest_configure(config: pytest.Config) -> None:
         sampled_ratio=opt("sampled_ratio"), stop_ratio=opt("stop_ratio"), multibyte_ratio=opt("multibyte_ratio"),
         small_pool_pages=opt("small_pool_pages"), calibrate=opt("calibrate"), perf_workload=workload)
     config.stash[NOTES] = []
+
+
+def _server_cpus(spec: str | None, remote: bool, pd: bool) -> list[int] | None:
+    """`--server-cpus`, checked at startup: a CPU list this process may give its children, for a server the gate
+    starts itself (one embedded server: a PD pair's three processes are placed by the scheduler)."""
+    if spec is None:
+        return None
+    if remote or pd:
+        raise pytest.UsageError("--server-cpus pins the embedded server the gate starts: not with "
+                                f"{'--base-url' if remote else '--pd'}")
+    from canary.targets import check_cpus, parse_cpu_list
+
+    try:
+        return check_cpus(parse_cpu_list(spec))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--server-cpus {spec!r}: {exc}") from exc
 
 
 def _perf_workload(spec: str | None) -> dict | None:
@@ -198,7 +220,7 @@ def canary_target(canary_options: CanaryOptions, tmp_path_factory, request):
             yield target
         return
     with embedded_server(model, config_server_args(request), faults=canary_options.faults,
-                         log_dir=tmp_path_factory.mktemp("server")) as target:
+                         log_dir=tmp_path_factory.mktemp("server"), cpus=request.config.stash[SERVER_CPUS]) as target:
         yield target
 
 

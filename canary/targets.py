@@ -174,13 +174,33 @@ _PIN_THEN_EXEC = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.
 def pinned_command(cmd: Sequence[str], cpus: Collection[int]) -> list[str]:
     """`cmd` (an absolute executable first) run on `cpus` only. Refused up front, naming them, where
     some are not this process's to give (a typo, or a container's narrower CPU set)."""
+    wanted = check_cpus(cpus)
+    return [sys.executable, "-c", _PIN_THEN_EXEC, ",".join(map(str, wanted)), *cmd]
+
+
+def check_cpus(cpus: Collection[int]) -> list[int]:
+    """`cpus`, sorted, once each; ValueError naming the CPUs this process may not give its children."""
     wanted = sorted(set(cpus))
     if not wanted:
         raise ValueError("pinning to no CPU at all")
     allowed = os.sched_getaffinity(0)
     if missing := [c for c in wanted if c not in allowed]:
         raise ValueError(f"CPUs {missing} are not among this process's CPUs {sorted(allowed)}")
-    return [sys.executable, "-c", _PIN_THEN_EXEC, ",".join(map(str, wanted)), *cmd]
+    return wanted
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """A CPU list as taskset -c and /sys write one: "4,5", "4-7", "0,4-5" (ValueError on anything else)."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a CPU number or a range like 4-7")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"the range {part!r} runs backwards")
+        cpus.update(range(low, high + 1))
+    return sorted(cpus)
 
 
 def api_key_in(args: Sequence[str]) -> str | None:
