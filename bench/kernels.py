@@ -308,9 +308,7 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
     for name, kwargs in (("finish_radix", dict(sort_finish=False)), ("finish_sort", dict(sort_finish=True)),
                          ("candidates_cap80", dict(register_caps={"candidates": 80})),
                          ("candidates_cap64", dict(register_caps={"candidates": 64})),
-                         ("candidates_uncapped", dict(register_caps={"candidates": None})),
-                         # The bound selected by pass 1's last program of each row (triton_topk.TICKET_BOUND).
-                         ("ticket_bound", dict(ticket_bound=True)), ("launch_bound", dict(ticket_bound=False))):
+                         ("candidates_uncapped", dict(register_caps={"candidates": None}))):
         def run(x=logits, p=positions, kwargs=kwargs):
             return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, **kwargs)
         same_as_sort = all(torch.equal(a, b) for a, b in zip(run(), by_sort(logits, positions)))

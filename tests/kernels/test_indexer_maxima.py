@@ -61,11 +61,9 @@ def pass_1(logits, positions, window, k, group) -> torch.Tensor:
     rows, width = logits.shape
     segment = max(64 if INTERPRETED else 4096, group)
     maxima = torch.full((rows, triton.cdiv(width, group)), POISON, dtype=torch.int64, device=DEVICE)
-    unused = torch.empty(rows, dtype=torch.int64, device=DEVICE)  # the bound and its tickets (BOUND off)
     topk._maxima_kernel[(rows, triton.cdiv(width, segment))](
-        logits, positions.to(DEVICE), maxima, unused, unused, width, maxima.shape[1], logits.stride(0),
-        maxima.stride(0), WINDOW=window, TOPK=min(k, width), GROUP=group, SEGMENT=segment, BOUND=False,
-        SMALL_BLOCK=64, num_warps=8)
+        logits, positions.to(DEVICE), maxima, width, logits.stride(0), maxima.stride(0), WINDOW=window,
+        TOPK=min(k, width), GROUP=group, SEGMENT=segment, num_warps=8)
     return maxima
 
 

@@ -86,7 +86,7 @@ def draw_positions(seed: int, rows: int, width: int) -> torch.Tensor:
 
 
 def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, rank_order=None, segment=None,
-                 sort_finish=None, ticket_bound=None):
+                 sort_finish=None):
     """The kernel on poisoned buffers: positions -7, valid the opposite of the expected mask (or all
     True), workspace all int64 max (the packed key of a NaN at position 0: first if read unwritten)."""
     rows, width = scores.shape
@@ -95,8 +95,7 @@ def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, ran
     ok = (~expected_ok.to(DEVICE)) if expected_ok is not None else torch.ones(rows, s, dtype=torch.bool, device=DEVICE)
     scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
     topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, group=group, out=(sel, ok),
-                      scratch=scratch, rank_order=rank_order, segment=segment, sort_finish=sort_finish,
-                      ticket_bound=ticket_bound)
+                      scratch=scratch, rank_order=rank_order, segment=segment, sort_finish=sort_finish)
     return sel.cpu(), ok.cpu()
 
 
@@ -136,19 +135,17 @@ def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
 @given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 5]),
        width=st.sampled_from([1, 7, 64, 65, 200]), window=st.sampled_from([0, 1, 8, 128]),
        k=st.sampled_from([1, 5, 24, 64, 512]), group=st.sampled_from([None, 1, 4, 16]),
-       style=st.sampled_from(STYLES), segment=st.sampled_from([None, 8, 32]), ticket_bound=st.booleans())
-@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal", segment=None, ticket_bound=False)
-@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits", segment=8, ticket_bound=True)
-@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials", segment=8, ticket_bound=False)
-@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans", segment=32, ticket_bound=True)
-def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment, ticket_bound):
+       style=st.sampled_from(STYLES), segment=st.sampled_from([None, 8, 32]))
+@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal", segment=None)
+@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits", segment=8)
+@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials", segment=8)
+@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans", segment=32)
+def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment):
     """segment: positions per program of the passes over the row (at least the group): many segments
-    per row, so candidates come from several and move down to one run. ticket_bound: the bound selected
-    by the last pass-1 program of each row (topk.TICKET_BOUND), not a launch of its own."""
+    per row, so candidates come from several and move down to one run."""
     scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
     expected = reference_selection(scores, positions, window, k)
-    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment,
-                          ticket_bound=ticket_bound)
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment)
     assert_same_selection(actual, expected, msg=f"({style}, group={group}, segment={segment})")
     assert_tie_aware(*actual, scores, positions, window, k)
     # The torch definition the CPU path runs agrees too (the lead's golden stores were recorded with it).
@@ -315,38 +312,6 @@ def test_selection_under_graph_replay_and_side_stream():
 
 
 @gpu
-@pytest.mark.parametrize("style", ["indexer", "few_values", "zeros"])
-def test_the_ticket_bound_selects_the_same_rows_under_graph_replay(style):
-    """topk.TICKET_BOUND the other way at the deployment's rows (64 x 64K, top-512, groups of 64 over
-    segments of 2,048: 32 pass-1 programs a row race for each row's ticket), eagerly, then three replays of
-    a captured graph on new scores: every replay equal to the stable sort (the counters re-armed), rows
-    with fewer candidates than k and rows of one group's worth included."""
-    rows, width, window, k = 64, 65536, 128, 512
-    scores = _logits_like(21, rows, width, style)
-    positions = torch.randint(0, width, (rows,), generator=torch.Generator().manual_seed(22)).cuda()
-    positions[:8] = width - 1
-    positions[8] = 100  # fewer candidates than k
-    ticketed = not topk.TICKET_BOUND
-
-    def run():
-        return topk.select_slots(scores, positions, window, k, group=64, segment=2048, ticket_bound=ticketed)
-    eager = run()
-    assert_same_selection(tuple(t.cpu() for t in eager),
-                          tuple(t.cpu() for t in cuda_torch.select_slots_by_sort(scores, positions, window, k)))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    for seed in (23, 24, 25):
-        scores.copy_(_logits_like(seed, rows, width, style))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = cuda_torch.select_slots_by_sort(scores, positions, window, k)
-        assert_same_selection(tuple(t.cpu() for t in captured), tuple(t.cpu() for t in want),
-                              msg=f"(replay with seed {seed})")
-
-
-@gpu
 def test_register_caps_keep_the_selection():
     """topk.REGISTER_CAPS (each launch's maxnreg) moves values between registers and the stack only: every
     launch capped low (spills included) gives the uncapped launches' output, tied rows too."""
@@ -422,9 +387,8 @@ for ints in (False, True):
 print("compiled")
 """
 _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
-    "_maxima_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "maxima_ptr": "*i64", "bound_ptr": "*i64",
-                        "ticket_ptr": "*i32", "width": "i32", "n_groups": "i32", "stride_s": "i32",
-                        "stride_maxima": "i32"}, ("GROUP", "SEGMENT", "BOUND", "SMALL_BLOCK")),
+    "_maxima_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "maxima_ptr": "*i64", "width": "i32",
+                        "stride_s": "i32", "stride_maxima": "i32"}, ("GROUP", "SEGMENT")),
     "_bound_kernel": ({"maxima_ptr": "*i64", "pos_ptr": "*i64", "bound_ptr": "*i64", "n_groups": "i32",
                        "stride_maxima": "i32"}, ("SMALL_BLOCK",)),
     "_candidates_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "scratch_ptr": "*i64",
@@ -465,21 +429,10 @@ def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_
     """sorts: SORT_CAP (0: the radix select)."""
     every = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
                  TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=4096, SEGMENTS_P2=16,
-                 GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order, SORT_CAP=sorts, BOUND=topk.TICKET_BOUND)
+                 GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order, SORT_CAP=sorts)
     signature, own = _KERNELS[kernel]
     constants = {name: every[name] for name in ("WINDOW", "TOPK", *own)}
     done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants, num_warps=8)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
-
-
-@pytest.mark.skipif(ON_GPU, reason="on a GPU the ticket-bound tests compile it for real")
-def test_pass_1_with_the_ticket_bound_compiles_for_the_gpu():
-    """topk.TICKET_BOUND the other way: pass 1's kernel with the row's bound selected by its last program
-    (an atomic ticket, barriers, the radix select over the row's maxima)."""
-    signature, _ = _KERNELS["_maxima_kernel"]
-    done = compile_for_sm90("runtime.kernels.triton.topk", "_maxima_kernel", dict(signature),
-                            dict(WINDOW=128, TOPK=512, GROUP=64, SEGMENT=2048, BOUND=not topk.TICKET_BOUND,
-                                 SMALL_BLOCK=1024), num_warps=8)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
-from runtime.kernels.triton.tickets import ticket_counters
 
 # Below every packed (key, position) value (pack_key_position): the fill of a masked load of packed values.
 LOWEST_PACKED = tl.constexpr(-(2**63))
@@ -114,12 +113,9 @@ def store_group_maxima(vals, start, last, width, maxima_row, N: tl.constexpr, GR
 
 
 @triton.jit
-def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, bound_ptr, ticket_ptr, width, n_groups, stride_s, stride_maxima,
-                   WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr,
-                   BOUND: tl.constexpr, SMALL_BLOCK: tl.constexpr):
-    """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions.
-    BOUND: the last of a row's programs to store its maxima also selects the row's bound, as
-    _bound_kernel would (`TICKET_BOUND`)."""
+def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxima,
+                   WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr):
+    """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions."""
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:  # rows with at most TOPK candidates take positions [0, TOPK) (_finish_kernel)
@@ -127,17 +123,6 @@ def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, bound_ptr, ticket_ptr, width
         cols = start + tl.arange(0, SEGMENT)
         scores = tl.load(scores_ptr + row * stride_s + cols, mask=cols < width, other=float("-inf"))
         store_group_maxima(scores, start, last, width, maxima_ptr + row * stride_maxima, SEGMENT, GROUP)
-        if BOUND:
-            # The barrier and the release/acquire ticket make every program's maxima visible to the last
-            # one, which re-arms the row's counter for the next launch (as sparse MLA's chunk fold does).
-            tl.debug_barrier()
-            counter = ticket_ptr + row
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == tl.num_programs(1) - 1:
-                tl.debug_barrier()
-                bound, _ = _radix_select(maxima_ptr + row * stride_maxima, n_groups, TOPK, SMALL_BLOCK)
-                tl.store(bound_ptr + row, bound)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -318,13 +303,11 @@ SORT_CAP_FACTOR = 2
 # 44.8-45.5 us against 46.8-47.2 uncapped in that loop on the H100 and the H200, but the same uncapped launch
 # timed elsewhere in each run took 45.0-45.6: inside the runs' spread. Cap 64: 46.4-47.0. A cap changes no bit.
 REGISTER_CAPS: dict[str, int | None] = {"maxima": None, "bound": None, "candidates": None, "finish": None}
-# The bound selected by the last of a row's pass-1 programs (an atomic ticket a row) instead of a launch of
-# its own: one launch less, and a row's bound starts as soon as its own maxima are in rather than after every
-# row's. The same select over the same maxima, so the same bound. At B=64, 64K the bound launch takes ~7 us of
-# the selection's ~45 (bench.kernels' `select_launch_us`, H100 and H200, twenty-seventh session). Off until
-# timed (`select_variants_us`, "ticket_bound"). Where the logits kernel writes the maxima (indexer
-# FUSED_MAXIMA) there is no pass-1 launch, and the bound keeps its own.
-TICKET_BOUND = False
+# Tried and removed: the bound selected by the last pass-1 program of each row (an atomic ticket a row, as
+# sparse MLA's fold does) instead of its own ~7 us launch. Same bits, but no faster at B=64, 64K: the
+# selection took 47.6 against 46.9 us on the H100 and 47.3 against 47.1 on the H200 (bench.kernels,
+# twenty-eighth and twenty-ninth sessions): in a graph the launch costs little, and the last program of a
+# row then selects alone where the bound launch runs every row's select side by side.
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
 GATHER_CELLS = 16384
@@ -345,8 +328,7 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
                  segment: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  scratch: torch.Tensor | None = None, rank_order: bool | None = None,
                  sort_finish: bool | None = None, maxima: torch.Tensor | None = None,
-                 register_caps: dict[str, int | None] | None = None,
-                 ticket_bound: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 register_caps: dict[str, int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
@@ -358,11 +340,9 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     (by default `SORT_FINISH` on a GPU, off under the interpreter): the same output either way.
     maxima: pass 1's group maxima [B, ceil(L / group)], already computed (the indexer's logits kernel
     writes them beside the logits: indexer.GroupMaxima): its launch is skipped. `group` must be theirs.
-    register_caps: each launch's register cap by name (`REGISTER_CAPS` by default): the same output.
-    ticket_bound: the bound selected by pass 1's last program of each row (`TICKET_BOUND` by default): the
-    same output."""
+    register_caps: each launch's register cap by name (`REGISTER_CAPS` by default): the same output."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
-                                          sort_finish, maxima, register_caps, ticket_bound)
+                                          sort_finish, maxima, register_caps)
     for launch in launches.values():
         launch()
     return result
@@ -373,7 +353,6 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
                        out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
                        rank_order: bool | None = None, sort_finish: bool | None = None,
                        maxima: torch.Tensor | None = None, register_caps: dict[str, int | None] | None = None,
-                       ticket_bound: bool | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
     (positions, valid) they fill. The arguments are select_slots'."""
@@ -415,21 +394,16 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     caps = {**REGISTER_CAPS, **(register_caps or {})}
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
-    # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each (the
-    # bound's, with a ticket, the last pass-1 program of the row).
-    fold_bound = not given and (TICKET_BOUND if ticket_bound is None else ticket_bound)
-    tickets = ticket_counters(scores.device, rows) if fold_bound else bound
-    launches: dict[str, Callable[[], None]] = {} if given else {
+    # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
+    launches = {} if given else {
         "maxima": lambda: _maxima_kernel[(rows, n_segments)](
-            scores, positions, maxima, bound, tickets, width, maxima.shape[1], scores.stride(0), maxima.stride(0),
-            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, BOUND=fold_bound, SMALL_BLOCK=small_block,
-            num_warps=8, maxnreg=caps["maxima"])}
-    if not fold_bound:
-        launches["bound"] = lambda: _bound_kernel[(rows,)](
-            maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
-            SMALL_BLOCK=small_block, num_warps=8, maxnreg=caps["bound"])
+            scores, positions, maxima, width, scores.stride(0), maxima.stride(0),
+            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8, maxnreg=caps["maxima"])}
     return {
         **launches,
+        "bound": lambda: _bound_kernel[(rows,)](
+            maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
+            SMALL_BLOCK=small_block, num_warps=8, maxnreg=caps["bound"]),
         "candidates": lambda: _candidates_kernel[(rows, n_segments)](
             scores, positions, bound, scratch, counts, width, scores.stride(0), scratch.stride(0), counts.stride(0),
             WINDOW=window, TOPK=chosen, SEGMENT=segment, num_warps=8, maxnreg=caps["candidates"]),
