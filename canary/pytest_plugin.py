@@ -58,9 +58,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--server-arg", action="append", default=[], metavar="ARG",
         help="extra argument for the embedded `runtime.serve` (repeatable), e.g. --server-arg=--dtype=float32")
     add("--server-cpus", default=None, metavar="LIST",
-        help="run the embedded runtime on these CPUs only, e.g. 4,5 or 4-5; for A/B start the --baseline-url server "
-             "on the same ones (taskset -c 4,5 ...): a CPU that runs slow for a while then slows both sides alike "
-             "(docs/pre-deploy.md)")
+        help="run the embedded runtime on these CPUs only, e.g. 4,5 or 4-5, and the harness on the others; for A/B "
+             "start the --baseline-url server on the same ones (taskset -c 4,5 ...): a CPU that runs slow for a while "
+             "then slows both sides alike (docs/pre-deploy.md)")
     add("--baseline", type=Path, default=None, help="performance baseline JSON (default: by fingerprint)")
     add("--baseline-url", default=None, help="A/B: a baseline server run interleaved with the candidate")
     add("--perf-tolerance", type=float, default=0.1,
@@ -203,7 +203,7 @@ def canary_options(pytestconfig: pytest.Config) -> CanaryOptions:
 @pytest.fixture(scope="session")
 def canary_target(canary_options: CanaryOptions, tmp_path_factory, request):
     """The target under test: `--base-url`, or the embedded runtime with the canary model."""
-    from canary.targets import embedded_server, remote_target
+    from canary.targets import cpus_apart, embedded_server, remote_target
     from runtime.config import DEFAULT_MODEL
 
     if canary_options.base_url:
@@ -219,8 +219,10 @@ def canary_target(canary_options: CanaryOptions, tmp_path_factory, request):
                               log_dir=tmp_path_factory.mktemp("server")) as target:
             yield target
         return
+    cpus = request.config.stash[SERVER_CPUS]
     with embedded_server(model, config_server_args(request), faults=canary_options.faults,
-                         log_dir=tmp_path_factory.mktemp("server"), cpus=request.config.stash[SERVER_CPUS]) as target:
+                         log_dir=tmp_path_factory.mktemp("server"), cpus=cpus) as target, \
+            cpus_apart(cpus or ()):  # the harness off the server's CPUs, once it has started
         yield target
 
 

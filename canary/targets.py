@@ -189,6 +189,21 @@ def check_cpus(cpus: Collection[int]) -> list[int]:
     return wanted
 
 
+@contextmanager
+def cpus_apart(taken: Collection[int]) -> Iterator[None]:
+    """The calling thread (the harness: its clients, oracles, and the processes and threads it starts from here
+    on, which inherit the mask) off the CPUs `taken` by a server it pinned, while the context lasts, where any
+    other CPU is left. After the server's start: `pinned_command` gives a child only CPUs its parent holds."""
+    before = os.sched_getaffinity(0)
+    rest = before - set(taken)
+    if rest:
+        os.sched_setaffinity(0, rest)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def parse_cpu_list(spec: str) -> list[int]:
     """A CPU list as taskset -c and /sys write one: "4,5", "4-7", "0,4-5" (ValueError on anything else)."""
     cpus: set[int] = set()

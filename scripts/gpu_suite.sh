@@ -163,15 +163,20 @@ fi
 # older commit's runtime/ and golden/models, carried into the call), the candidate is this checkout;
 # interleaved trials answer "is this build slower than that one here?", which a baseline stored on
 # another machine start cannot (the host-bound canary trials move with the host's CPU).
+# Both servers on the same two CPUs (AB_SERVER_CPUS, default 4,5 on a host of 8 or more; "" leaves them to the
+# scheduler), the harness on the others: how the H200's perf series met issue 17's bar (docs/pre-deploy.md).
 if want gate_ab_tree; then
     AB_PORT=${AB_PORT:-18431}
+    ab_cpus=${AB_SERVER_CPUS-$([ "$(nproc)" -ge 8 ] && echo 4,5)}
+    pin_baseline=(); pin_candidate=()
+    [ -n "$ab_cpus" ] && pin_baseline=(taskset -c "$ab_cpus") && pin_candidate=(--server-cpus "$ab_cpus")
     ab_py=$(realpath -s "$(command -v "$PY")")  # the same interpreter, from the other tree's directory
-    (cd "${AB_TREE:?gate_ab_tree needs AB_TREE}" && DSV4_NUM_THREADS=1 setsid "$ab_py" -m runtime.serve \
-        --model golden/models/canary-moe-v2 --port "$AB_PORT" --max-running 128 --num-pages 8192 --dtype float32 \
-        >"$OUT/ab_baseline_server.log" 2>&1 &)
+    (cd "${AB_TREE:?gate_ab_tree needs AB_TREE}" && DSV4_NUM_THREADS=1 setsid "${pin_baseline[@]}" "$ab_py" \
+        -m runtime.serve --model golden/models/canary-moe-v2 --port "$AB_PORT" --max-running 128 --num-pages 8192 \
+        --dtype float32 >"$OUT/ab_baseline_server.log" 2>&1 &)
     $PY -c "from canary.targets import wait_healthy; wait_healthy('http://127.0.0.1:$AB_PORT', None, 120, None)"
-    section gate_ab_tree "${GATE_TIMEOUT:-300}" "${GATE[@]}" --baseline-url "http://127.0.0.1:$AB_PORT" \
-        --report-dir "$OUT/gate_ab"
+    section gate_ab_tree "${GATE_TIMEOUT:-300}" "${GATE[@]}" "${pin_candidate[@]}" \
+        --baseline-url "http://127.0.0.1:$AB_PORT" --report-dir "$OUT/gate_ab"
     pkill -f -- "--port $AB_PORT" || true
 fi
 # Where the gate's time goes, server and harness together (needs py-spy's wheel in .whl).

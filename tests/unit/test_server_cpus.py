@@ -42,8 +42,11 @@ def fake_server(model, args=(), **kwargs):
 canary.targets.embedded_server = fake_server
 '''
 _GATE = '''
+import json, os
 def test_gate(canary_target):
     assert canary_target.name == "fake"
+    with open(os.environ["STARTS"], "a") as out:
+        out.write(json.dumps({"harness": sorted(os.sched_getaffinity(0))}) + "\\n")
 '''
 
 
@@ -56,15 +59,28 @@ def _run(pytester, monkeypatch, starts, *args):
     return result, [json.loads(line) for line in starts.read_text().splitlines()] if starts.exists() else []
 
 
-def test_the_embedded_server_starts_on_the_cpus_asked_for(pytester, monkeypatch, tmp_path):
-    cpu = min(os.sched_getaffinity(0))
+def test_the_embedded_server_starts_on_the_cpus_asked_for_and_the_harness_runs_on_the_others(
+        pytester, monkeypatch, tmp_path):
+    mine = sorted(os.sched_getaffinity(0))
+    cpu = mine[-1]
     result, starts = _run(pytester, monkeypatch, tmp_path / "pinned.jsonl", f"--server-cpus={cpu}")
     result.assert_outcomes(passed=1)
-    assert starts == [{"cpus": [cpu]}]
-    # Negative control: without the option the scheduler places the server (no CPU list reaches it).
+    assert starts == [{"cpus": [cpu]}, {"harness": mine[:-1] or mine}]
+    # Negative control: without the option the scheduler places the server (no CPU list reaches it) and the
+    # harness keeps every CPU.
     result, starts = _run(pytester, monkeypatch, tmp_path / "free.jsonl")
     result.assert_outcomes(passed=1)
-    assert starts == [{"cpus": None}]
+    assert starts == [{"cpus": None}, {"harness": mine}]
+
+
+def test_the_harness_gets_its_cpus_back_when_the_server_stops():
+    from canary.targets import cpus_apart
+
+    mine = os.sched_getaffinity(0)
+    taken = {max(mine)}
+    with cpus_apart(taken):
+        assert os.sched_getaffinity(0) == (mine - taken or mine)
+    assert os.sched_getaffinity(0) == mine
 
 
 @pytest.mark.parametrize("args, says", [
