@@ -9,6 +9,7 @@ fast. Session state lives on `config`, and only the controlling process prints s
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,9 @@ def canary_target(canary_options: CanaryOptions, tmp_path_factory, request):
     with embedded_server(model, config_server_args(request), faults=canary_options.faults,
                          log_dir=tmp_path_factory.mktemp("server"), cpus=cpus) as target, \
             cpus_apart(cpus or ()):  # the harness off the server's CPUs, once it has started
+        if cpus:
+            request.config.stash[NOTES].append(f"embedded server on CPUs {cpus}, the harness on "
+                                               f"{sorted(os.sched_getaffinity(0))} (--server-cpus)")
         yield target
 
 

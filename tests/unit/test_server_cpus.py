@@ -66,11 +66,13 @@ def test_the_embedded_server_starts_on_the_cpus_asked_for_and_the_harness_runs_o
     result, starts = _run(pytester, monkeypatch, tmp_path / "pinned.jsonl", f"--server-cpus={cpu}")
     result.assert_outcomes(passed=1)
     assert starts == [{"cpus": [cpu]}, {"harness": mine[:-1] or mine}]
+    result.stdout.fnmatch_lines([f"embedded server on CPUs [[]{cpu}[]], the harness on *(--server-cpus)"])
     # Negative control: without the option the scheduler places the server (no CPU list reaches it) and the
     # harness keeps every CPU.
     result, starts = _run(pytester, monkeypatch, tmp_path / "free.jsonl")
     result.assert_outcomes(passed=1)
     assert starts == [{"cpus": None}, {"harness": mine}]
+    result.stdout.no_fnmatch_line("*embedded server on CPUs*")
 
 
 def test_the_harness_gets_its_cpus_back_when_the_server_stops():
