@@ -201,6 +201,11 @@ async def _decode_rate(client, target: Target, concurrency: int, max_tokens: int
     return concurrency / statistics.fmean(tpots)
 
 
+# How a TTFT request waits for its send time (a unit test puts a virtual clock here, so its checks of the
+# schedule do not depend on how busy the machine running it is).
+_pace = asyncio.sleep
+
+
 async def _ttft_on_one_clock(client, targets: list[Target], rate: float, count: int, trial: str,
                             logprobs: bool = True, counted: list[Counter] | None = None) -> list[float]:
     """Each target's median TTFT of `count` requests sent `rate` a second, every target's series on
@@ -212,7 +217,7 @@ async def _ttft_on_one_clock(client, targets: list[Target], rate: float, count: 
     n = len(targets)
 
     async def one(j: int, i: int) -> float:
-        await asyncio.sleep((i + j / n) / rate)
+        await _pace((i + j / n) / rate)
         messages, extra = _messages(targets[j], 1 + i, salt=f"{trial}r{i}")
         timing = await _stream(client, targets[j], messages, extra, 1, logprobs)
         assert timing.first_token is not None

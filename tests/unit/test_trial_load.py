@@ -6,10 +6,10 @@ computes them slowly, and streams that end without a token or a finish_reason. A
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import math
-import time
 
 import httpx
 import pytest
@@ -176,30 +176,39 @@ def test_a_pairs_ttft_series_share_one_clock_so_a_drift_falls_on_both_sides(monk
     """Each server still gets `ttft_rate` requests a second, the two servers' requests alternating. On
     a machine that slows as the trial goes on, the pair reads the two equal servers within the drift of
     half an interval; negative control: the series one after the other (the old trial) read the second
-    server far slower."""
+    server far slower. On a virtual clock: each request's send time is the one it waited for, so the
+    schedule is checked exactly on a machine however busy (the wall clock failed this test under load)."""
     sent: list[tuple[str, float]] = []
-    started = 0.0
+    send_at: contextvars.ContextVar[float] = contextvars.ContextVar("send_at")
+    offset = 0.0  # where on the virtual clock the series starts
+
+    async def pace(delay: float) -> None:  # each request's own task: its context holds its send time
+        send_at.set(offset + delay)
 
     async def drifting_stream(client, target, messages, extra, max_tokens, logprobs=True):
-        now = time.perf_counter()
+        now = send_at.get()
         sent.append((target.name, now))
-        ttft = 0.01 * math.exp(4.0 * (now - started))  # the machine slows ~4x a second
+        ttft = 0.01 * math.exp(4.0 * now)  # the machine slows ~4x a second
         return trial_load._Timing(now, first_token=now + ttft, finished=now + ttft, tokens=1, counted="usage")
 
+    monkeypatch.setattr(trial_load, "_pace", pace)
     monkeypatch.setattr(trial_load, "_stream", drifting_stream)
     workload = TrialWorkload(concurrency=(1,), ttft_rate=20.0, ttft_requests=6)
 
     async def series(targets):
         return await trial_load._ttft_on_one_clock(None, targets, workload.ttft_rate, workload.ttft_requests, "t")
 
-    started = time.perf_counter()
     a, b = asyncio.run(series([A, B]))
-    assert [name for name, _ in sent] == ["a", "b"] * 6
-    gaps = [later - earlier for (_, earlier), (_, later) in zip(sent[::2], sent[2::2])]
-    assert all(g == pytest.approx(1 / workload.ttft_rate, abs=0.02) for g in gaps)
+    in_time = sorted(sent, key=lambda s: s[1])
+    assert [name for name, _ in in_time] == ["a", "b"] * 6
+    for name in "ab":
+        times = [t for n, t in in_time if n == name]
+        assert all(later - earlier == pytest.approx(1 / workload.ttft_rate) for earlier, later in zip(times, times[1:]))
     assert b / a < 1.2
-    started = time.perf_counter()
-    a, b = asyncio.run(series([A]))[0], asyncio.run(series([B]))[0]
+    # The old trial: B's whole series after A's, on the same drifting machine.
+    a = asyncio.run(series([A]))[0]
+    offset = workload.ttft_requests / workload.ttft_rate
+    b = asyncio.run(series([B]))[0]
     assert b / a > 2
 
 
