@@ -426,8 +426,9 @@ def bench_indexer(ceilings, rows: list) -> None:
                                                               group=group, segment=block)] * 3)
 
         ours_both_us = plus_select_us() if "select_launch" in selection else None
-        if logits_prefetch_scale is not None and ours_both_us is not None:  # beside it, the prefetch on
-            logits_prefetch_scale["plus_select_on_us"] = plus_select_us(unmasked_full_blocks=True, prefetch_scale=True)
+        if logits_prefetch_scale is not None and ours_both_us is not None:  # beside it, the prefetch the other way
+            logits_prefetch_scale["plus_select_other_us"] = plus_select_us(
+                unmasked_full_blocks=True, prefetch_scale=not indexer.PREFETCH_SCALE)
         fused_maxima = _bench_fused_maxima(q, w, keys, scale, page_table, lens, page_size, positions, topk)
         logits_register_caps = _bench_register_caps(logits_fn, logits)
         logits_launches = _bench_launches(logits_fn, logits)
