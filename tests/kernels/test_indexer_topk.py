@@ -86,7 +86,7 @@ def draw_positions(seed: int, rows: int, width: int) -> torch.Tensor:
 
 
 def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, rank_order=None, segment=None,
-                 sort_finish=None):
+                 sort_finish=None, chunk=None):
     """The kernel on poisoned buffers: positions -7, valid the opposite of the expected mask (or all
     True), workspace all int64 max (the packed key of a NaN at position 0: first if read unwritten)."""
     rows, width = scores.shape
@@ -95,7 +95,8 @@ def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, ran
     ok = (~expected_ok.to(DEVICE)) if expected_ok is not None else torch.ones(rows, s, dtype=torch.bool, device=DEVICE)
     scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
     topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, group=group, out=(sel, ok),
-                      scratch=scratch, rank_order=rank_order, segment=segment, sort_finish=sort_finish)
+                      scratch=scratch, rank_order=rank_order, segment=segment, sort_finish=sort_finish,
+                      candidates_launch={"chunk": chunk})
     return sel.cpu(), ok.cpu()
 
 
@@ -135,23 +136,26 @@ def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
 @given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 5]),
        width=st.sampled_from([1, 7, 64, 65, 200]), window=st.sampled_from([0, 1, 8, 128]),
        k=st.sampled_from([1, 5, 24, 64, 512]), group=st.sampled_from([None, 1, 4, 16]),
-       style=st.sampled_from(STYLES), segment=st.sampled_from([None, 8, 32]))
-@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal", segment=None)
-@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits", segment=8)
-@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials", segment=8)
-@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans", segment=32)
-def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment):
+       style=st.sampled_from(STYLES), segment=st.sampled_from([None, 8, 32]), chunk=st.sampled_from([None, 4, 16]))
+@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal", segment=None, chunk=None)
+@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits", segment=8, chunk=None)
+@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials", segment=8, chunk=4)
+@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans", segment=32, chunk=None)
+@example(seed=7, rows=2, width=200, window=8, k=24, group=4, style="normal", segment=32, chunk=4)
+@example(seed=8, rows=2, width=200, window=8, k=24, group=4, style="few_values", segment=None, chunk=16)
+def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment, chunk):
     """segment: positions per program of the passes over the row (at least the group): many segments
-    per row, so candidates come from several and move down to one run."""
+    per row, so candidates come from several and move down to one run. chunk: positions per step of
+    the candidates pass's loop over a segment (several steps a segment, the last one cut by the width)."""
     scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
     expected = reference_selection(scores, positions, window, k)
-    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment)
-    assert_same_selection(actual, expected, msg=f"({style}, group={group}, segment={segment})")
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment, chunk=chunk)
+    assert_same_selection(actual, expected, msg=f"({style}, group={group}, segment={segment}, chunk={chunk})")
     assert_tie_aware(*actual, scores, positions, window, k)
     # The torch definition the CPU path runs agrees too (the lead's golden stores were recorded with it).
     assert_same_selection(cuda_torch.select_slots_by_sort(scores, positions, window, k), expected, msg="(by sort)")
     assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group,
-                                                           segment=segment), rows)
+                                                           segment=segment, chunk=chunk), rows)
 
 
 @settings(max_examples=4)
@@ -329,6 +333,23 @@ def test_register_caps_keep_the_selection():
 
 
 @gpu
+def test_candidates_launches_keep_the_selection():
+    """topk.CANDIDATES_LAUNCH (the candidates pass's chunk, warps and pipelining) stores the same stretches
+    and counts: every launch bench.kernels times gives the one-step launch's output, tied rows and a short
+    row too."""
+    rows, width, window, k = 64, 65536, 128, 512
+    for style in ("indexer", "few_values"):
+        scores = _logits_like(13, rows, width, style)
+        positions = torch.full((rows,), width - 1, dtype=torch.int64, device="cuda")
+        positions[5] = 700
+        want = topk.select_slots(scores, positions, window, k, candidates_launch={"chunk": None, "warps": 8})
+        for launch in ({"chunk": 1024, "warps": 4, "stages": 3}, {"chunk": 512, "warps": 4, "stages": 1},
+                       {"chunk": 2048, "warps": 8, "stages": 2}):
+            got = topk.select_slots(scores, positions, window, k, candidates_launch=launch)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{launch} changed the selection ({style})"
+
+
+@gpu
 def test_dispatch_falls_back_to_the_sort_with_a_warning(monkeypatch):
     """A Triton build that cannot compile the kernel must cost speed, not the decode step."""
     from triton.runtime.errors import PTXASError
@@ -393,7 +414,7 @@ _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
                        "stride_maxima": "i32"}, ("SMALL_BLOCK",)),
     "_candidates_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "scratch_ptr": "*i64",
                             "counts_ptr": "*i32", "width": "i32", "stride_s": "i32", "stride_scratch": "i32",
-                            "stride_counts": "i32"}, ("SEGMENT",)),
+                            "stride_counts": "i32"}, ("SEGMENT", "CHUNK")),
     "_finish_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "counts_ptr": "*i32",
                         "scratch_ptr": "*i64", "out_ptr": "*i64", "ok_ptr": "*i1", "n_segments": "i32",
                         "stride_s": "i32", "stride_counts": "i32", "stride_scratch": "i32", "stride_out": "i32",
@@ -428,7 +449,7 @@ def compile_for_sm90(module: str, name: str, signature: dict, constants: dict, *
 def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_order, sorts):
     """sorts: SORT_CAP (0: the radix select)."""
     every = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
-                 TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=4096, SEGMENTS_P2=16,
+                 TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=4096, CHUNK=4096, SEGMENTS_P2=16,
                  GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order, SORT_CAP=sorts)
     signature, own = _KERNELS[kernel]
     constants = {name: every[name] for name in ("WINDOW", "TOPK", *own)}
@@ -441,7 +462,18 @@ def test_the_candidates_pass_compiles_under_a_register_cap():
     """The 64-register cap bench.kernels times for the candidates pass (topk.REGISTER_CAPS)."""
     signature, _ = _KERNELS["_candidates_kernel"]
     done = compile_for_sm90("runtime.kernels.triton.topk", "_candidates_kernel", dict(signature),
-                            dict(WINDOW=128, TOPK=512, SEGMENT=4096), num_warps=8, maxnreg=64)
+                            dict(WINDOW=128, TOPK=512, SEGMENT=4096, CHUNK=4096), num_warps=8, maxnreg=64)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU test_candidates_launches_keep_the_selection compiles them for real")
+@pytest.mark.parametrize("chunk, warps, stages", [(1024, 4, 3), (512, 4, 1), (2048, 8, 2)])
+def test_the_candidates_pass_compiles_in_chunks(chunk, warps, stages):
+    """The chunked loops bench.kernels times (topk.CANDIDATES_LAUNCH), pipelined or not."""
+    signature, _ = _KERNELS["_candidates_kernel"]
+    done = compile_for_sm90("runtime.kernels.triton.topk", "_candidates_kernel", dict(signature),
+                            dict(WINDOW=128, TOPK=512, SEGMENT=4096, CHUNK=chunk), num_warps=warps,
+                            num_stages=stages)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

@@ -139,24 +139,35 @@ def _bound_kernel(maxima_ptr, pos_ptr, bound_ptr, n_groups, stride_maxima,
 
 @triton.jit
 def _candidates_kernel(scores_ptr, pos_ptr, bound_ptr, scratch_ptr, counts_ptr, width, stride_s, stride_scratch,
-                       stride_counts, WINDOW: tl.constexpr, TOPK: tl.constexpr, SEGMENT: tl.constexpr):
+                       stride_counts, WINDOW: tl.constexpr, TOPK: tl.constexpr, SEGMENT: tl.constexpr,
+                       CHUNK: tl.constexpr):
     """Pass 2, one program per SEGMENT positions of a row: the elements at or above the row's bound,
     in position order, at the start of the segment's own stretch of the scratch row; how many, and
-    how many lie strictly above the bound."""
+    how many lie strictly above the bound. The segment is read CHUNK positions a step (CHUNK divides
+    SEGMENT), each step's candidates stored after the previous steps': the same stretch and counts
+    whatever CHUNK is; a smaller chunk holds fewer registers, so more programs share an SM."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:
         bound = tl.load(bound_ptr + row)
-        cols = segment * SEGMENT + tl.arange(0, SEGMENT)
-        inside = cols < width
-        key = order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
-        cand = inside & (key >= bound)
+        s_row = scores_ptr + row * stride_s
         scratch = scratch_ptr + row * stride_scratch + segment * SEGMENT
-        tl.store(scratch + _exclusive_cumsum(cand), pack_key_position(key, cols), mask=cand)
+        n_cand = 0
+        n_above = 0
+        # Steps wholly past the row's width would find nothing: the loop stops at the width.
+        end = tl.minimum(segment * SEGMENT + SEGMENT, width)
+        for start in range(segment * SEGMENT, end, CHUNK):
+            cols = start + tl.arange(0, CHUNK)
+            inside = cols < width
+            key = order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
+            cand = inside & (key >= bound)
+            tl.store(scratch + n_cand + _exclusive_cumsum(cand), pack_key_position(key, cols), mask=cand)
+            n_cand += tl.sum(cand.to(tl.int32), 0)
+            n_above += tl.sum((cand & (key > bound)).to(tl.int32), 0)
         counts = counts_ptr + row * stride_counts + 2 * segment
-        tl.store(counts, tl.sum(cand.to(tl.int32), 0))
-        tl.store(counts + 1, tl.sum((cand & (key > bound)).to(tl.int32), 0))
+        tl.store(counts, n_cand)
+        tl.store(counts + 1, n_above)
 
 
 @triton.jit
@@ -308,6 +319,12 @@ REGISTER_CAPS: dict[str, int | None] = {"maxima": None, "bound": None, "candidat
 # selection took 47.6 against 46.9 us on the H100 and 47.3 against 47.1 on the H200 (bench.kernels,
 # twenty-eighth and twenty-ninth sessions): in a graph the launch costs little, and the last program of a
 # row then selects alone where the bound launch runs every row's select side by side.
+# The candidates pass's launch: `chunk` positions read a step of its loop over the segment (None: the whole
+# segment in one step, as before the loop), `warps` a program, `stages` its loop's software pipelining (None:
+# Triton's default). Every choice stores the same stretches and counts. In one step of 4,096 positions the pass
+# holds 128 registers a thread (above), so 2 programs share an SM and each reads its 16 KB, then computes, with
+# nothing else in flight: at B=64, 64K it took 20.6 us to read 16.8 MB (~4 us of the H200's bandwidth).
+CANDIDATES_LAUNCH: dict[str, int | None] = {"chunk": None, "warps": 8, "stages": None}
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
 GATHER_CELLS = 16384
@@ -328,7 +345,8 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
                  segment: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                  scratch: torch.Tensor | None = None, rank_order: bool | None = None,
                  sort_finish: bool | None = None, maxima: torch.Tensor | None = None,
-                 register_caps: dict[str, int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 register_caps: dict[str, int | None] | None = None,
+                 candidates_launch: dict[str, int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
@@ -340,9 +358,10 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     (by default `SORT_FINISH` on a GPU, off under the interpreter): the same output either way.
     maxima: pass 1's group maxima [B, ceil(L / group)], already computed (the indexer's logits kernel
     writes them beside the logits: indexer.GroupMaxima): its launch is skipped. `group` must be theirs.
-    register_caps: each launch's register cap by name (`REGISTER_CAPS` by default): the same output."""
+    register_caps: each launch's register cap by name (`REGISTER_CAPS` by default): the same output.
+    candidates_launch: the candidates pass's chunk, warps and stages, over `CANDIDATES_LAUNCH`: the same output."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
-                                          sort_finish, maxima, register_caps)
+                                          sort_finish, maxima, register_caps, candidates_launch)
     for launch in launches.values():
         launch()
     return result
@@ -353,6 +372,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
                        out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
                        rank_order: bool | None = None, sort_finish: bool | None = None,
                        maxima: torch.Tensor | None = None, register_caps: dict[str, int | None] | None = None,
+                       candidates_launch: dict[str, int | None] | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
     (positions, valid) they fill. The arguments are select_slots'."""
@@ -393,6 +413,10 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     sort_cap = SORT_CAP_FACTOR * max(2, triton.next_power_of_2(chosen)) \
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     caps = {**REGISTER_CAPS, **(register_caps or {})}
+    cand_launch = {**CANDIDATES_LAUNCH, **(candidates_launch or {})}
+    chunk = min(cand_launch["chunk"] or segment, segment)
+    assert chunk & (chunk - 1) == 0, f"candidates chunk {chunk} is not a power of two"
+    cand_stages = {} if cand_launch["stages"] is None else {"num_stages": cand_launch["stages"]}
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
     # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
     launches = {} if given else {
@@ -406,7 +430,8 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
             SMALL_BLOCK=small_block, num_warps=8, maxnreg=caps["bound"]),
         "candidates": lambda: _candidates_kernel[(rows, n_segments)](
             scores, positions, bound, scratch, counts, width, scores.stride(0), scratch.stride(0), counts.stride(0),
-            WINDOW=window, TOPK=chosen, SEGMENT=segment, num_warps=8, maxnreg=caps["candidates"]),
+            WINDOW=window, TOPK=chosen, SEGMENT=segment, CHUNK=chunk, num_warps=cand_launch["warps"],
+            maxnreg=caps["candidates"], **cand_stages),
         "finish": lambda: _finish_kernel[(rows,)](
             scores, positions, bound, counts, scratch, sel, ok, n_segments, scores.stride(0), counts.stride(0),
             scratch.stride(0), sel.stride(0), ok.stride(0), WINDOW=window,
