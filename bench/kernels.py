@@ -315,52 +315,61 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
         variants[name] = (graph_us([run] * 3), same_as_sort)
     out["select_variants_us"] = {name: us for name, (us, _) in variants.items()}
     out["select_variants_same_as_sort"] = all(same for _, same in variants.values())
-    out.update(_bench_candidates_launches(logits, positions, topk, launch))
+    out.update(_bench_row_pass_launches(logits, positions, topk, launch))
     return out
 
 
-# The candidates pass's launches timed against the deployed one (triton_topk.CANDIDATES_LAUNCH): positions a
-# step of its loop over the segment, warps, the loop's pipelining stages (None: the deployed value / Triton's).
-CANDIDATES_LAUNCHES: tuple[dict[str, int | None], ...] = (
+# Launches of the passes over the row timed against the deployed ones (triton_topk.ROW_PASS_LAUNCHES): positions a
+# step of a program's loop over its segment, warps, the loop's pipelining stages (unset: the deployed value).
+ROW_PASS_VARIANTS: tuple[dict[str, int | None], ...] = (
     {"chunk": None, "warps": 8}, {"chunk": 2048, "warps": 8}, {"chunk": 1024, "warps": 8},
     {"chunk": 1024, "warps": 4}, {"chunk": 1024, "warps": 4, "stages": 1}, {"chunk": 512, "warps": 4},
     {"chunk": 512, "warps": 2}, {"chunk": 2048, "warps": 4})
 
 
-def _bench_candidates_launches(logits: torch.Tensor, positions: torch.Tensor, topk: int, launch: tuple) -> dict:
-    """The whole selection at the timed (group, segment) launch with each candidates launch, and its
-    candidates pass alone (`_selection_launch_us`) at the fastest. Every launch must keep the output."""
+def _bench_row_pass_launches(logits: torch.Tensor, positions: torch.Tensor, topk: int, launch: tuple) -> dict:
+    """The whole selection at the timed (group, segment) launch with each pass over the row (maxima,
+    candidates) launched each way of ROW_PASS_VARIANTS, the other as deployed; then both at their fastest,
+    with each launch's share (`_selection_launch_us`). Every launch must keep the output."""
     want = triton_topk.select_slots(logits, positions, SELECT_WINDOW, topk, group=launch[0], segment=launch[1])
-    by_name, same = {}, True
-    for cand in CANDIDATES_LAUNCHES:
-        name = "/".join(f"{key}{value}" for key, value in cand.items())
+    same, out, best = True, {}, {}
+    for row_pass in triton_topk.ROW_PASS_LAUNCHES:
+        by_name = {}
+        for variant in ROW_PASS_VARIANTS:
+            name = "/".join(f"{key}{value}" for key, value in variant.items())
 
-        def run(cand=cand):
-            return triton_topk.select_slots(logits, positions, SELECT_WINDOW, topk, group=launch[0],
-                                            segment=launch[1], candidates_launch=cand)
-        try:
-            same = same and all(torch.equal(a, b) for a, b in zip(run(), want))
-            by_name[name] = (graph_us([run] * 3), cand)
-        except Exception as err:  # a launch the compiler cannot lower: report, keep the others
-            print(f"  candidates {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
-    if not by_name:
-        return dict(select_candidates_error="no candidates launch compiled (see the lines above)")
-    best = min(by_name, key=lambda name: by_name[name][0])
-    return dict(select_candidates_us={name: us for name, (us, _) in by_name.items()},
-                select_candidates_same=same, select_candidates_best=by_name[best][1],
-                select_candidates_best_launch_us=_selection_launch_us(
-                    logits, positions, topk, candidates_launch=by_name[best][1]))
+            def run(variant=variant, row_pass=row_pass):
+                return triton_topk.select_slots(logits, positions, SELECT_WINDOW, topk, group=launch[0],
+                                                segment=launch[1], row_pass_launches={row_pass: variant})
+            try:
+                same = all(torch.equal(a, b) for a, b in zip(run(), want)) and same
+                by_name[name] = (graph_us([run] * 3), variant)
+            except Exception as err:  # a launch the compiler cannot lower: report, keep the others
+                print(f"  {row_pass} {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+        out[f"select_{row_pass}_launches_us"] = {name: us for name, (us, _) in by_name.items()}
+        if by_name:
+            best[row_pass] = min(by_name.values(), key=lambda timed: timed[0])[1]
+
+    def both() -> tuple:
+        return triton_topk.select_slots(logits, positions, SELECT_WINDOW, topk, group=launch[0], segment=launch[1],
+                                        row_pass_launches=best)
+    same = all(torch.equal(a, b) for a, b in zip(both(), want)) and same
+    return dict(**out, select_row_pass_same=same, select_row_pass_best=best,
+                select_row_pass_best_us=graph_us([both] * 3),
+                select_row_pass_best_launch_us=_selection_launch_us(logits, positions, topk,
+                                                                    row_pass_launches=best))
 
 
 def _selection_launch_us(logits: torch.Tensor, positions: torch.Tensor, topk: int,
                          register_caps: dict[str, int | None] | None = None,
-                         candidates_launch: dict[str, int | None] | None = None) -> dict:
+                         row_pass_launches: dict[str, dict[str, int | None]] | None = None) -> dict:
     """Each of the default selection's launches, as the difference between graphs of its first n and n - 1
     launches (each launch alone would not do: the finish moves the candidates in place, so replaying it
-    without the candidates pass reads a row it already moved). register_caps, candidates_launch: as
+    without the candidates pass reads a row it already moved). register_caps, row_pass_launches: as
     select_slots'."""
     launches, _ = triton_topk.selection_launches(logits, positions, SELECT_WINDOW, topk,
-                                                 register_caps=register_caps, candidates_launch=candidates_launch)
+                                                 register_caps=register_caps,
+                                                 row_pass_launches=row_pass_launches)
     names = list(launches)
     prefix_us = [0.0] + [graph_us([lambda n=n: [launches[name]() for name in names[:n]]] * 3)
                          for n in range(1, len(names) + 1)]
@@ -456,15 +465,15 @@ def bench_indexer(ceilings, rows: list) -> None:
         selection = _bench_selection(logits, positions, topk)
         group, block = selection.get("select_launch", (None, None))
 
-        def plus_select_us(candidates_launch=None, **knobs) -> float:
+        def plus_select_us(row_pass_launches=None, **knobs) -> float:
             """Issue 15's figure: the logits kernel (with `knobs`) and our selection at its timed launch."""
             return graph_us([lambda: triton_topk.select_slots(logits_fn(**knobs), positions, SELECT_WINDOW, topk,
                                                               group=group, segment=block,
-                                                              candidates_launch=candidates_launch)] * 3)
+                                                              row_pass_launches=row_pass_launches)] * 3)
 
         ours_both_us = plus_select_us() if "select_launch" in selection else None
-        if "select_candidates_best" in selection:  # and with the fastest candidates launch
-            selection["plus_select_best_candidates_us"] = plus_select_us(selection["select_candidates_best"])
+        if "select_row_pass_best" in selection:  # and with the fastest launches of the passes over the row
+            selection["plus_select_best_row_passes_us"] = plus_select_us(selection["select_row_pass_best"])
         if logits_prefetch_scale is not None and ours_both_us is not None:  # beside it, the prefetch the other way
             logits_prefetch_scale["plus_select_other_us"] = plus_select_us(
                 unmasked_full_blocks=True, prefetch_scale=not indexer.PREFETCH_SCALE)

@@ -63,7 +63,7 @@ def pass_1(logits, positions, window, k, group) -> torch.Tensor:
     maxima = torch.full((rows, triton.cdiv(width, group)), POISON, dtype=torch.int64, device=DEVICE)
     topk._maxima_kernel[(rows, triton.cdiv(width, segment))](
         logits, positions.to(DEVICE), maxima, width, logits.stride(0), maxima.stride(0), WINDOW=window,
-        TOPK=min(k, width), GROUP=group, SEGMENT=segment, num_warps=8)
+        TOPK=min(k, width), GROUP=group, SEGMENT=segment, CHUNK=segment, num_warps=8)
     return maxima
 
 

@@ -96,7 +96,7 @@ def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, ran
     scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
     topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, group=group, out=(sel, ok),
                       scratch=scratch, rank_order=rank_order, segment=segment, sort_finish=sort_finish,
-                      candidates_launch={"chunk": chunk})
+                      row_pass_launches=dict.fromkeys(("maxima", "candidates"), {"chunk": chunk}))
     return sel.cpu(), ok.cpu()
 
 
@@ -146,7 +146,7 @@ def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
 def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment, chunk):
     """segment: positions per program of the passes over the row (at least the group): many segments
     per row, so candidates come from several and move down to one run. chunk: positions per step of
-    the candidates pass's loop over a segment (several steps a segment, the last one cut by the width)."""
+    the two passes' loops over a segment (several steps a segment, the last one cut by the width)."""
     scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
     expected = reference_selection(scores, positions, window, k)
     actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment, chunk=chunk)
@@ -333,19 +333,21 @@ def test_register_caps_keep_the_selection():
 
 
 @gpu
-def test_candidates_launches_keep_the_selection():
-    """topk.CANDIDATES_LAUNCH (the candidates pass's chunk, warps and pipelining) stores the same stretches
-    and counts: every launch bench.kernels times gives the one-step launch's output, tied rows and a short
-    row too."""
+def test_row_pass_launches_keep_the_selection():
+    """topk.ROW_PASS_LAUNCHES (each pass over the row's chunk, warps and pipelining) give the same maxima,
+    stretches and counts: every launch bench.kernels times gives the one-step launches' output, tied rows
+    and a short row too."""
     rows, width, window, k = 64, 65536, 128, 512
+    one_step = dict.fromkeys(("maxima", "candidates"), {"chunk": None, "warps": 8, "stages": None})
     for style in ("indexer", "few_values"):
         scores = _logits_like(13, rows, width, style)
         positions = torch.full((rows,), width - 1, dtype=torch.int64, device="cuda")
         positions[5] = 700
-        want = topk.select_slots(scores, positions, window, k, candidates_launch={"chunk": None, "warps": 8})
+        want = topk.select_slots(scores, positions, window, k, row_pass_launches=one_step)
         for launch in ({"chunk": 1024, "warps": 4, "stages": 3}, {"chunk": 512, "warps": 4, "stages": 1},
                        {"chunk": 2048, "warps": 8, "stages": 2}):
-            got = topk.select_slots(scores, positions, window, k, candidates_launch=launch)
+            got = topk.select_slots(scores, positions, window, k,
+                                    row_pass_launches=dict.fromkeys(("maxima", "candidates"), launch))
             assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{launch} changed the selection ({style})"
 
 
@@ -409,7 +411,7 @@ print("compiled")
 """
 _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
     "_maxima_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "maxima_ptr": "*i64", "width": "i32",
-                        "stride_s": "i32", "stride_maxima": "i32"}, ("GROUP", "SEGMENT")),
+                        "stride_s": "i32", "stride_maxima": "i32"}, ("GROUP", "SEGMENT", "CHUNK")),
     "_bound_kernel": ({"maxima_ptr": "*i64", "pos_ptr": "*i64", "bound_ptr": "*i64", "n_groups": "i32",
                        "stride_maxima": "i32"}, ("SMALL_BLOCK",)),
     "_candidates_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "scratch_ptr": "*i64",
@@ -466,14 +468,16 @@ def test_the_candidates_pass_compiles_under_a_register_cap():
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
-@pytest.mark.skipif(ON_GPU, reason="on a GPU test_candidates_launches_keep_the_selection compiles them for real")
+@pytest.mark.skipif(ON_GPU, reason="on a GPU test_row_pass_launches_keep_the_selection compiles them for real")
+@pytest.mark.parametrize("kernel", ["_maxima_kernel", "_candidates_kernel"])
 @pytest.mark.parametrize("chunk, warps, stages", [(1024, 4, 3), (512, 4, 1), (2048, 8, 2)])
-def test_the_candidates_pass_compiles_in_chunks(chunk, warps, stages):
-    """The chunked loops bench.kernels times (topk.CANDIDATES_LAUNCH), pipelined or not."""
-    signature, _ = _KERNELS["_candidates_kernel"]
-    done = compile_for_sm90("runtime.kernels.triton.topk", "_candidates_kernel", dict(signature),
-                            dict(WINDOW=128, TOPK=512, SEGMENT=4096, CHUNK=chunk), num_warps=warps,
-                            num_stages=stages)
+def test_the_row_passes_compile_in_chunks(kernel, chunk, warps, stages):
+    """The chunked loops bench.kernels times (topk.ROW_PASS_LAUNCHES), pipelined or not."""
+    signature, _ = _KERNELS[kernel]
+    done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature),
+                            dict(WINDOW=128, TOPK=512, GROUP=64, SEGMENT=4096, CHUNK=chunk)
+                            if kernel == "_maxima_kernel" else dict(WINDOW=128, TOPK=512, SEGMENT=4096, CHUNK=chunk),
+                            num_warps=warps, num_stages=stages)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

@@ -114,15 +114,19 @@ def store_group_maxima(vals, start, last, width, maxima_row, N: tl.constexpr, GR
 
 @triton.jit
 def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxima,
-                   WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr):
-    """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions."""
+                   WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions,
+    CHUNK positions (a multiple of GROUP dividing SEGMENT) a step: the same maxima whatever CHUNK is."""
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:  # rows with at most TOPK candidates take positions [0, TOPK) (_finish_kernel)
-        start = tl.program_id(1) * SEGMENT
-        cols = start + tl.arange(0, SEGMENT)
-        scores = tl.load(scores_ptr + row * stride_s + cols, mask=cols < width, other=float("-inf"))
-        store_group_maxima(scores, start, last, width, maxima_ptr + row * stride_maxima, SEGMENT, GROUP)
+        segment = tl.program_id(1)
+        end = tl.minimum(segment * SEGMENT + SEGMENT, width)
+        for start in range(segment * SEGMENT, end, CHUNK):
+            cols = start + tl.arange(0, CHUNK)
+            scores = tl.load(scores_ptr + row * stride_s + cols, mask=cols < width, other=float("-inf"))
+            store_group_maxima(scores, start, last, width, maxima_ptr + row * stride_maxima, CHUNK, GROUP)
 
 
 @triton.jit
@@ -319,15 +323,30 @@ REGISTER_CAPS: dict[str, int | None] = {"maxima": None, "bound": None, "candidat
 # selection took 47.6 against 46.9 us on the H100 and 47.3 against 47.1 on the H200 (bench.kernels,
 # twenty-eighth and twenty-ninth sessions): in a graph the launch costs little, and the last program of a
 # row then selects alone where the bound launch runs every row's select side by side.
-# The candidates pass's launch: `chunk` positions read a step of its loop over the segment (None: the whole
-# segment in one step, as before the loop), `warps` a program, `stages` its loop's software pipelining (None:
-# Triton's default). Every choice stores the same stretches and counts. In one step of 4,096 positions the pass
-# holds 128 registers a thread (above), so 2 programs share an SM and each reads its 16 KB, then computes, with
-# nothing else in flight: at B=64, 64K it took 20.6 us to read 16.8 MB (~4 us of the H200's bandwidth).
-CANDIDATES_LAUNCH: dict[str, int | None] = {"chunk": None, "warps": 8, "stages": None}
+# The two passes over the row (pass 1's maxima, pass 2's candidates): `chunk` positions read a step of each
+# program's loop over its segment (None: the whole segment in one step, as before the loop), `warps` a program,
+# `stages` the loop's software pipelining (None: Triton's default). Every choice gives the same maxima, stretches
+# and counts. In one step of 4,096 positions the candidates pass holds 128 registers a thread (above), so 2
+# programs share an SM and each reads its 16 KB, then computes, with nothing else in flight: at B=64, 64K it took
+# 20.6 us to read 16.8 MB (~4 us of the H200's bandwidth); pass 1 took 7.8 us for the same bytes.
+ROW_PASS_LAUNCHES: dict[str, dict[str, int | None]] = {
+    "maxima": {"chunk": None, "warps": 8, "stages": None},
+    "candidates": {"chunk": None, "warps": 8, "stages": None},
+}
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
 GATHER_CELLS = 16384
+
+
+def row_pass_launch(name: str, given: dict[str, int | None] | None, group: int, segment: int) -> dict:
+    """The launch keywords of a pass over the row (`ROW_PASS_LAUNCHES[name]` updated by `given`): its CHUNK, a
+    power of two between the group and the segment, its warps and, if set, its stages."""
+    launch = {**ROW_PASS_LAUNCHES[name], **(given or {})}
+    chunk = min(max(launch["chunk"] or segment, group), segment)
+    if chunk & (chunk - 1):
+        raise ValueError(f"{name} chunk {launch['chunk']} is not a power of two")
+    stages = {} if launch["stages"] is None else {"num_stages": launch["stages"]}
+    return {"CHUNK": chunk, "num_warps": launch["warps"], **stages}
 
 
 def group_size(width: int, topk: int, group: int | None = None) -> int:
@@ -346,7 +365,8 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
                  scratch: torch.Tensor | None = None, rank_order: bool | None = None,
                  sort_finish: bool | None = None, maxima: torch.Tensor | None = None,
                  register_caps: dict[str, int | None] | None = None,
-                 candidates_launch: dict[str, int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 row_pass_launches: dict[str, dict[str, int | None]] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
@@ -359,9 +379,10 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     maxima: pass 1's group maxima [B, ceil(L / group)], already computed (the indexer's logits kernel
     writes them beside the logits: indexer.GroupMaxima): its launch is skipped. `group` must be theirs.
     register_caps: each launch's register cap by name (`REGISTER_CAPS` by default): the same output.
-    candidates_launch: the candidates pass's chunk, warps and stages, over `CANDIDATES_LAUNCH`: the same output."""
+    row_pass_launches: "maxima" and / or "candidates": that pass's chunk, warps and stages over
+    `ROW_PASS_LAUNCHES`' (missing keys keep theirs): the same output."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
-                                          sort_finish, maxima, register_caps, candidates_launch)
+                                          sort_finish, maxima, register_caps, row_pass_launches)
     for launch in launches.values():
         launch()
     return result
@@ -372,7 +393,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
                        out: tuple[torch.Tensor, torch.Tensor] | None = None, scratch: torch.Tensor | None = None,
                        rank_order: bool | None = None, sort_finish: bool | None = None,
                        maxima: torch.Tensor | None = None, register_caps: dict[str, int | None] | None = None,
-                       candidates_launch: dict[str, int | None] | None = None,
+                       row_pass_launches: dict[str, dict[str, int | None]] | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
     (positions, valid) they fill. The arguments are select_slots'."""
@@ -413,16 +434,14 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     sort_cap = SORT_CAP_FACTOR * max(2, triton.next_power_of_2(chosen)) \
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     caps = {**REGISTER_CAPS, **(register_caps or {})}
-    cand_launch = {**CANDIDATES_LAUNCH, **(candidates_launch or {})}
-    chunk = min(cand_launch["chunk"] or segment, segment)
-    assert chunk & (chunk - 1) == 0, f"candidates chunk {chunk} is not a power of two"
-    cand_stages = {} if cand_launch["stages"] is None else {"num_stages": cand_launch["stages"]}
+    passes = {name: row_pass_launch(name, (row_pass_launches or {}).get(name), group, segment)
+              for name in ROW_PASS_LAUNCHES}
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
     # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
     launches = {} if given else {
         "maxima": lambda: _maxima_kernel[(rows, n_segments)](
             scores, positions, maxima, width, scores.stride(0), maxima.stride(0),
-            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, num_warps=8, maxnreg=caps["maxima"])}
+            WINDOW=window, TOPK=chosen, GROUP=group, SEGMENT=segment, maxnreg=caps["maxima"], **passes["maxima"])}
     return {
         **launches,
         "bound": lambda: _bound_kernel[(rows,)](
@@ -430,8 +449,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
             SMALL_BLOCK=small_block, num_warps=8, maxnreg=caps["bound"]),
         "candidates": lambda: _candidates_kernel[(rows, n_segments)](
             scores, positions, bound, scratch, counts, width, scores.stride(0), scratch.stride(0), counts.stride(0),
-            WINDOW=window, TOPK=chosen, SEGMENT=segment, CHUNK=chunk, num_warps=cand_launch["warps"],
-            maxnreg=caps["candidates"], **cand_stages),
+            WINDOW=window, TOPK=chosen, SEGMENT=segment, maxnreg=caps["candidates"], **passes["candidates"]),
         "finish": lambda: _finish_kernel[(rows,)](
             scores, positions, bound, counts, scratch, sel, ok, n_segments, scores.stride(0), counts.stride(0),
             scratch.stride(0), sel.stride(0), ok.stride(0), WINDOW=window,
