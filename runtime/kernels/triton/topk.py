@@ -121,12 +121,21 @@ def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxi
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:  # rows with at most TOPK candidates take positions [0, TOPK) (_finish_kernel)
-        segment = tl.program_id(1)
-        end = tl.minimum(segment * SEGMENT + SEGMENT, width)
-        for start in range(segment * SEGMENT, end, CHUNK):
-            cols = start + tl.arange(0, CHUNK)
-            scores = tl.load(scores_ptr + row * stride_s + cols, mask=cols < width, other=float("-inf"))
-            store_group_maxima(scores, start, last, width, maxima_ptr + row * stride_maxima, CHUNK, GROUP)
+        s_row = scores_ptr + row * stride_s
+        maxima_row = maxima_ptr + row * stride_maxima
+        first = tl.program_id(1) * SEGMENT
+        if CHUNK == SEGMENT:  # straight-line code, no loop for the compiler to pipeline
+            _maxima_step(s_row, maxima_row, first, width, last, CHUNK, GROUP)
+        else:  # steps wholly past the row's width would store nothing: the loop stops at the width
+            for start in range(first, tl.minimum(first + SEGMENT, width), CHUNK):
+                _maxima_step(s_row, maxima_row, start, width, last, CHUNK, GROUP)
+
+
+@triton.jit
+def _maxima_step(s_row, maxima_row, start, width, last, CHUNK: tl.constexpr, GROUP: tl.constexpr):
+    cols = start + tl.arange(0, CHUNK)
+    scores = tl.load(s_row + cols, mask=cols < width, other=float("-inf"))
+    store_group_maxima(scores, start, last, width, maxima_row, CHUNK, GROUP)
 
 
 @triton.jit
@@ -157,21 +166,32 @@ def _candidates_kernel(scores_ptr, pos_ptr, bound_ptr, scratch_ptr, counts_ptr, 
         bound = tl.load(bound_ptr + row)
         s_row = scores_ptr + row * stride_s
         scratch = scratch_ptr + row * stride_scratch + segment * SEGMENT
-        n_cand = 0
-        n_above = 0
-        # Steps wholly past the row's width would find nothing: the loop stops at the width.
-        end = tl.minimum(segment * SEGMENT + SEGMENT, width)
-        for start in range(segment * SEGMENT, end, CHUNK):
-            cols = start + tl.arange(0, CHUNK)
-            inside = cols < width
-            key = order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
-            cand = inside & (key >= bound)
-            tl.store(scratch + n_cand + _exclusive_cumsum(cand), pack_key_position(key, cols), mask=cand)
-            n_cand += tl.sum(cand.to(tl.int32), 0)
-            n_above += tl.sum((cand & (key > bound)).to(tl.int32), 0)
+        first = segment * SEGMENT
+        if CHUNK == SEGMENT:  # straight-line code, no loop for the compiler to pipeline
+            n_cand, n_above = _candidates_step(s_row, scratch, 0, first, width, last, bound, CHUNK)
+        else:
+            n_cand = 0
+            n_above = 0
+            # Steps wholly past the row's width would find nothing: the loop stops at the width.
+            for start in range(first, tl.minimum(first + SEGMENT, width), CHUNK):
+                found, above = _candidates_step(s_row, scratch, n_cand, start, width, last, bound, CHUNK)
+                n_cand += found
+                n_above += above
         counts = counts_ptr + row * stride_counts + 2 * segment
         tl.store(counts, n_cand)
         tl.store(counts + 1, n_above)
+
+
+@triton.jit
+def _candidates_step(s_row, scratch, stored, start, width, last, bound, CHUNK: tl.constexpr):
+    """The candidates among positions [start, start + CHUNK), stored in position order from scratch[stored];
+    how many, and how many lie strictly above the bound."""
+    cols = start + tl.arange(0, CHUNK)
+    inside = cols < width
+    key = order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
+    cand = inside & (key >= bound)
+    tl.store(scratch + stored + _exclusive_cumsum(cand), pack_key_position(key, cols), mask=cand)
+    return tl.sum(cand.to(tl.int32), 0), tl.sum((cand & (key > bound)).to(tl.int32), 0)
 
 
 @triton.jit
