@@ -119,26 +119,39 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
             s13.append(b)
             q2.append(c)
             s2.append(d)
-        variants = {"bf16": moe.PackedMoE(w13, w2),
-                    "fp8_w8a8": moe.PackedMoE(torch.cat(q13), torch.cat(q2), w13_scale=torch.cat(s13),
-                                              w2_scale=torch.cat(s2))}
+        fp8 = moe.PackedMoE(torch.cat(q13), torch.cat(q2), w13_scale=torch.cat(s13), w2_scale=torch.cat(s2))
+        # name: (weights, moe.FUSED_ACT_QUANT). The act_quant row is the fp8 path with the SiLU-and-mul output
+        # quantized by the launch that adds the split partials (split-K only), checked for the fp8 row's bits.
+        variants = {"bf16": (moe.PackedMoE(w13, w2), False), "fp8_w8a8": (fp8, False),
+                    "fp8_w8a8_act_quant": (fp8, True)}
         del q13, s13, q2, s2
         for batch in BATCHES:
             inputs = [(torch.randn(batch, hidden, generator=gen).to(torch.bfloat16).cuda(),
                        *_routing(gen, batch, experts, top_k))
                       for _ in range(CALLS_PER_GRAPH)]
-            bf16_us = {}
+            bf16_us, fp8_out = {}, {}
             default_split = moe.gate_up_splits(hidden, inter)
-            for (name, packed), split in [(v, sp) for v in variants.items() for sp in sorted({1, default_split})]:
+            for (name, (packed, act_quant)), split in [(v, sp) for v in variants.items()
+                                                       for sp in sorted({1, default_split})]:
+                if act_quant and split == 1:  # the switch needs the partials' own launch
+                    continue
                 expert_bytes = 3 * inter * hidden * (1 if packed.fp8 else 2)
                 if packed.fp8:
                     expert_bytes += 3 * inter * hidden // (128 * 128) * 4
                 bytes_moved = touched_experts(experts, top_k, batch) * expert_bytes + 2 * batch * hidden * 2
                 flops = 2 * batch * top_k * 3 * inter * hidden
                 best_cfg, best_us = moe.moe_config(experts, inter, packed.fp8, batch), None
-                run = lambda x, i, w, c, split=split, packed=packed: moe.fused_moe(  # noqa: E731
-                    x, packed, w, i, config=c, split_k=split)
-                if tune:
+                run = lambda x, i, w, c, split=split, packed=packed, act_quant=act_quant: _fused_moe_act_quant(  # noqa: E731
+                    act_quant, x, packed, w, i, config=c, split_k=split)
+                same_bits = None
+                if packed.fp8:  # the act_quant row runs after the fp8 row of its split: its bits must be those
+                    x0, ids0, w0 = inputs[0]
+                    out0 = run(x0, ids0, w0, best_cfg).clone()
+                    if act_quant:
+                        same_bits = bool(torch.equal(out0, fp8_out[split]))
+                    else:
+                        fp8_out[split] = out0
+                if tune and not act_quant:
                     x0, ids0, w0 = inputs[0]
                     want = run(x0, ids0, w0, moe.DEFAULT_CONFIG)
                     for cfg in MOE_CANDIDATES:
@@ -161,13 +174,24 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
                 rows.append(dict(kernel="fused_moe", variant=name, I=inter, bs=batch, split_k=split, us=us,
                                  roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
                                  speedup_vs_torch=torch_us / us if torch_us else None,
-                                 speedup_vs_bf16=bf16_us[split] / us if name != "bf16" else None, config=best_cfg))
-                if vs is not None and split == default_split:  # the deployment's split, on the same inputs
+                                 speedup_vs_bf16=bf16_us[split] / us if name != "bf16" else None, config=best_cfg,
+                                 same_bits_as_fp8=same_bits))
+                if vs is not None and split == default_split and not act_quant:  # the deployment's split, same inputs
                     vs.moe(rows[-1], packed, inputs, best_cfg, split, reference=(
                         lambda x, i, w, w13=w13, w2=w2: _torch_moe(x, w13, w2, i, w)) if name == "bf16" else None)
                 print(json.dumps(rows[-1]), flush=True)
-        del variants, w13, w2
+        del variants, fp8, w13, w2
         torch.cuda.empty_cache()
+
+
+def _fused_moe_act_quant(act_quant: bool, *args, **kwargs) -> torch.Tensor:
+    """moe.fused_moe with moe.FUSED_ACT_QUANT set for this call (a graph captures the launches it makes)."""
+    saved = moe.FUSED_ACT_QUANT
+    moe.FUSED_ACT_QUANT = act_quant
+    try:
+        return moe.fused_moe(*args, **kwargs)
+    finally:
+        moe.FUSED_ACT_QUANT = saved
 
 
 # ---------------------------------------------------------------- sparse MLA decode

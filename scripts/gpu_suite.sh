@@ -77,6 +77,10 @@ want indexer_tests && section indexer_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m
     tests/kernels/test_indexer_maxima.py -k "indexer or select or sort or maxima"
 want bench_indexer && section bench_indexer "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_indexer.json" \
     --only indexer
+# The fp8 MoE with the SiLU-and-mul output quantized by the launch that adds the split partials
+# (moe.FUSED_ACT_QUANT, issue 15 item 5): its bits against the two launches', with the fp8 kernel tests.
+want moe_fp8_tests && section moe_fp8_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
+    -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_moe_fused_act_quant.py tests/kernels/test_triton_kernels.py -k "fp8 or act_quant"
 # The fused MoE bench alone (bf16 and fp8 at I = 256 / 512 / 2,048; no SGLang wheel, unlike bench_kernels_vs).
 want bench_moe && section bench_moe "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_moe.json" \
     --only moe --batches "${MOE_BATCHES:-1,8,32,64,128}"

@@ -35,6 +35,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 @triton.jit
+def quantize_group(x, FP8_MAX: tl.constexpr):
+    """One token's 128 channels, float32 (zeros past the width) -> (e4m3 range values, their scale). The one
+    formula of every activation quantization (quantize_groups, and kernels that quantize what they computed)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
+    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, width, stride_x, stride_q, stride_s, FP8_MAX: tl.constexpr,
                      GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -42,8 +50,7 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, width, stride_x, stride_q, stride_
     offs = group * GROUP + tl.arange(0, GROUP)
     ok = offs < width
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    q, scale = quantize_group(x, FP8_MAX)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(scale_ptr + row * stride_s + group, scale)
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
 from runtime.kernels.triton.configs import config_file_name, load_table, pick
-from runtime.kernels.triton.elementwise import quantize_groups
+from runtime.kernels.triton.elementwise import FP8_DTYPE, FP8_GROUP, FP8_MAX, quantize_group, quantize_groups
 
 BLOCK_M = 16  # rows per tile unless a bucket says: decode has ~TK/E <= 3 rows per expert at bs 128, E 256, K 6
 BLOCK_K = 128  # reduction step; equal to the fp8 scale block, so one scale per step
@@ -43,6 +43,14 @@ DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
 # back to the bucket's plain launch for both (the same bits: bench.decode_step --prefill-variants
 # times the prefill pass either way).
 BUCKET_LAUNCHES = True
+# fp8 with split-K gate/up (I <= 512) and its partials added in their own launch: that launch also quantizes
+# the SiLU-and-mul output it computes (rounded to the bfloat16 the act buffer holds, then quantize_groups'
+# formula), in place of a quantize_groups launch after it and its bfloat16 round trip through memory: the same
+# bits, one launch a pass fewer (two a layer with the shared expert). Off until timed (bench.kernels'
+# fp8_w8a8_act_quant row).
+FUSED_ACT_QUANT = False
+# What the fused launch rounds the act to before quantizing it: the act buffer's dtype on the fp8 path.
+ACT_ROUNDING = tl.constexpr(tl.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -289,18 +297,43 @@ def _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_o
     return acc_gate, acc_up
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
-def _split_act_kernel(part_ptr, act_ptr, num_rows, inter, stride_act, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < inter
+@triton.jit
+def _split_silu_mul(part_ptr, row, offs, ok, num_rows, inter, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """SiLU(gate) * up of one row's channels `offs`, its gate and up the sums of the split-K partials in
+    split order (float32)."""
     gate = tl.zeros((BLOCK,), dtype=tl.float32)
     up = tl.zeros((BLOCK,), dtype=tl.float32)
     for split in range(0, SPLIT_K):
         base = part_ptr + (split * num_rows + row) * 2 * inter + offs
         gate += tl.load(base, mask=ok, other=0.0)
         up += tl.load(base + inter, mask=ok, other=0.0)
-    tl.store(act_ptr + row * stride_act + offs, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty), mask=ok)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
+def _split_act_kernel(part_ptr, act_ptr, num_rows, inter, stride_act, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < inter
+    act = _split_silu_mul(part_ptr, row, offs, ok, num_rows, inter, SPLIT_K, BLOCK)
+    tl.store(act_ptr + row * stride_act + offs, act.to(act_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
+def _split_act_quant_kernel(part_ptr, q_ptr, scale_ptr, num_rows, inter, stride_q, stride_s, SPLIT_K: tl.constexpr,
+                            GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
+    """_split_act_kernel then quantize_groups in one program per row and 128-channel group: the act rounded
+    to bfloat16 (the buffer _split_act_kernel stores it in), zeros past the width (quantize_groups' masked
+    loads), quantize_group's formula."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    ok = offs < inter
+    act = _split_silu_mul(part_ptr, row, offs, ok, num_rows, inter, SPLIT_K, GROUP)
+    act = tl.where(ok, act.to(ACT_ROUNDING).to(tl.float32), 0.0)
+    q, scale = quantize_group(act, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + row * stride_s + group, scale)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
@@ -448,11 +481,17 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0), part, k_chunk,
         FP8=fp8, ROUTING=routing, SPLIT_K=split_k, FUSED_SPLITS=fused, PRECISION=precision, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
-    if split_k > 1 and not fused:
+    act_scale = None
+    if split_k > 1 and not fused and fp8 and FUSED_ACT_QUANT:
+        act = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device=x.device)
+        act_scale = torch.empty(num_rows, triton.cdiv(inter, FP8_GROUP), dtype=torch.float32, device=x.device)
+        _split_act_quant_kernel[(num_rows, act_scale.shape[1])](
+            part, act, act_scale, num_rows, inter, act.stride(0), act_scale.stride(0), SPLIT_K=split_k,
+            GROUP=FP8_GROUP, FP8_MAX=FP8_MAX)
+    elif split_k > 1 and not fused:
         _split_act_kernel[(num_rows, triton.cdiv(inter, 512))](part, act, num_rows, inter, act.stride(0),
                                                                SPLIT_K=split_k, BLOCK=512)
-    act_scale = None
-    if fp8:
+    if fp8 and act_scale is None:
         act, act_scale = quantize_groups(act)
     down = down_launch(config, routing)
     if INTERPRETED:
