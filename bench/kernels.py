@@ -326,13 +326,16 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int) -
         [lambda: triton_topk.select_slots(chunk, chunk_positions, SELECT_WINDOW, topk)] * 3)
     out["select_launch_us"] = _selection_launch_us(logits, positions, topk)
     out["select_launch_us_candidates_cap64"] = _selection_launch_us(logits, positions, topk, {"candidates": 64})
-    # The finish's radix select against a sort in registers (triton_topk.SORT_FINISH), and the candidates
-    # pass at register caps of 80 and 64 (triton_topk.REGISTER_CAPS: 3 and 4 programs an SM, not 2), same output.
+    # The finish's radix select against a sort in registers (triton_topk.SORT_FINISH), the candidates pass at
+    # register caps of 80 and 64 (triton_topk.REGISTER_CAPS: 3 and 4 programs an SM, not 2), and the bound's
+    # maxima held in registers or not (triton_topk.RESIDENT_BOUND), same output.
     variants = {}
     for name, kwargs in (("finish_radix", dict(sort_finish=False)), ("finish_sort", dict(sort_finish=True)),
                          ("candidates_cap80", dict(register_caps={"candidates": 80})),
                          ("candidates_cap64", dict(register_caps={"candidates": 64})),
-                         ("candidates_uncapped", dict(register_caps={"candidates": None}))):
+                         ("candidates_uncapped", dict(register_caps={"candidates": None})),
+                         # the bound's select with its maxima held in registers, and reloaded each level
+                         ("bound_resident", dict(resident_bound=True)), ("bound_reloaded", dict(resident_bound=False))):
         def run(x=logits, p=positions, kwargs=kwargs):
             return triton_topk.select_slots(x, p, SELECT_WINDOW, topk, **kwargs)
         same_as_sort = all(torch.equal(a, b) for a, b in zip(run(), by_sort(logits, positions)))
@@ -489,15 +492,18 @@ def bench_indexer(ceilings, rows: list) -> None:
         selection = _bench_selection(logits, positions, topk)
         group, block = selection.get("select_launch", (None, None))
 
-        def plus_select_us(row_pass_launches=None, **knobs) -> float:
+        def plus_select_us(row_pass_launches=None, resident_bound=None, **knobs) -> float:
             """Issue 15's figure: the logits kernel (with `knobs`) and our selection at its timed launch."""
             return graph_us([lambda: triton_topk.select_slots(logits_fn(**knobs), positions, SELECT_WINDOW, topk,
                                                               group=group, segment=block,
-                                                              row_pass_launches=row_pass_launches)] * 3)
+                                                              row_pass_launches=row_pass_launches,
+                                                              resident_bound=resident_bound)] * 3)
 
         ours_both_us = plus_select_us() if "select_launch" in selection else None
         if "select_row_pass_best" in selection:  # and with the fastest launches of the passes over the row
             selection["plus_select_best_row_passes_us"] = plus_select_us(selection["select_row_pass_best"])
+            selection["plus_select_best_row_passes_resident_bound_us"] = plus_select_us(
+                selection["select_row_pass_best"], resident_bound=True)
         if logits_prefetch_scale is not None and ours_both_us is not None:  # beside it, the prefetch the other way
             logits_prefetch_scale["plus_select_other_us"] = plus_select_us(
                 unmasked_full_blocks=True, prefetch_scale=not indexer.PREFETCH_SCALE)

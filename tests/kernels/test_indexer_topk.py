@@ -86,7 +86,7 @@ def draw_positions(seed: int, rows: int, width: int) -> torch.Tensor:
 
 
 def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, rank_order=None, segment=None,
-                 sort_finish=None, chunk=None):
+                 sort_finish=None, chunk=None, resident_bound=None):
     """The kernel on poisoned buffers: positions -7, valid the opposite of the expected mask (or all
     True), workspace all int64 max (the packed key of a NaN at position 0: first if read unwritten)."""
     rows, width = scores.shape
@@ -96,7 +96,8 @@ def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, ran
     scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
     topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, group=group, out=(sel, ok),
                       scratch=scratch, rank_order=rank_order, segment=segment, sort_finish=sort_finish,
-                      row_pass_launches=dict.fromkeys(("maxima", "candidates"), {"chunk": chunk}))
+                      row_pass_launches=dict.fromkeys(("maxima", "candidates"), {"chunk": chunk}),
+                      resident_bound=resident_bound)
     return sel.cpu(), ok.cpu()
 
 
@@ -136,26 +137,33 @@ def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
 @given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 5]),
        width=st.sampled_from([1, 7, 64, 65, 200]), window=st.sampled_from([0, 1, 8, 128]),
        k=st.sampled_from([1, 5, 24, 64, 512]), group=st.sampled_from([None, 1, 4, 16]),
-       style=st.sampled_from(STYLES), segment=st.sampled_from([None, 8, 32]), chunk=st.sampled_from([None, 4, 16]))
-@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal", segment=None, chunk=None)
-@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits", segment=8, chunk=None)
-@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials", segment=8, chunk=4)
-@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans", segment=32, chunk=None)
-@example(seed=7, rows=2, width=200, window=8, k=24, group=4, style="normal", segment=32, chunk=4)
-@example(seed=8, rows=2, width=200, window=8, k=24, group=4, style="few_values", segment=None, chunk=16)
-def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment, chunk):
+       style=st.sampled_from(STYLES), segment=st.sampled_from([None, 8, 32]), chunk=st.sampled_from([None, 4, 16]),
+       resident=st.booleans())
+@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal", segment=None, chunk=None, resident=False)
+@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits", segment=8, chunk=None, resident=True)
+@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials", segment=8, chunk=4, resident=False)
+@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans", segment=32, chunk=None,
+         resident=True)
+@example(seed=7, rows=2, width=200, window=8, k=24, group=4, style="normal", segment=32, chunk=4, resident=True)
+@example(seed=8, rows=2, width=200, window=8, k=24, group=4, style="few_values", segment=None, chunk=16,
+         resident=True)
+def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment, chunk, resident):
     """segment: positions per program of the passes over the row (at least the group): many segments
     per row, so candidates come from several and move down to one run. chunk: positions per step of
-    the two passes' loops over a segment (several steps a segment, the last one cut by the width)."""
+    the two passes' loops over a segment (several steps a segment, the last one cut by the width).
+    resident: the bound's select holds the group maxima in registers (rows of at most 64 of them here)."""
     scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
     expected = reference_selection(scores, positions, window, k)
-    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment, chunk=chunk)
-    assert_same_selection(actual, expected, msg=f"({style}, group={group}, segment={segment}, chunk={chunk})")
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment, chunk=chunk,
+                          resident_bound=resident)
+    assert_same_selection(actual, expected,
+                          msg=f"({style}, group={group}, segment={segment}, chunk={chunk}, resident={resident})")
     assert_tie_aware(*actual, scores, positions, window, k)
     # The torch definition the CPU path runs agrees too (the lead's golden stores were recorded with it).
     assert_same_selection(cuda_torch.select_slots_by_sort(scores, positions, window, k), expected, msg="(by sort)")
     assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group,
-                                                           segment=segment, chunk=chunk), rows)
+                                                           segment=segment, chunk=chunk,
+                                                           resident_bound=resident), rows)
 
 
 @settings(max_examples=4)
@@ -413,7 +421,7 @@ _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
     "_maxima_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "maxima_ptr": "*i64", "width": "i32",
                         "stride_s": "i32", "stride_maxima": "i32"}, ("GROUP", "SEGMENT", "CHUNK")),
     "_bound_kernel": ({"maxima_ptr": "*i64", "pos_ptr": "*i64", "bound_ptr": "*i64", "n_groups": "i32",
-                       "stride_maxima": "i32"}, ("SMALL_BLOCK",)),
+                       "stride_maxima": "i32"}, ("SMALL_BLOCK", "RESIDENT")),
     "_candidates_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "scratch_ptr": "*i64",
                             "counts_ptr": "*i32", "width": "i32", "stride_s": "i32", "stride_scratch": "i32",
                             "stride_counts": "i32"}, ("SEGMENT", "CHUNK")),
@@ -452,7 +460,7 @@ def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_
     """sorts: SORT_CAP (0: the radix select)."""
     every = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
                  TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=4096, CHUNK=4096, SEGMENTS_P2=16,
-                 GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order, SORT_CAP=sorts)
+                 GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order, SORT_CAP=sorts, RESIDENT=sorts > 0)
     signature, own = _KERNELS[kernel]
     constants = {name: every[name] for name in ("WINDOW", "TOPK", *own)}
     done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants, num_warps=8)
@@ -482,12 +490,13 @@ def test_the_row_passes_compile_in_chunks(kernel, chunk, warps, stages):
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU test_selection_matches_reference_exactly compiles it for real")
-def test_the_bound_kernel_compiles_for_a_row_of_one_group():
+@pytest.mark.parametrize("resident", [False, True])
+def test_the_bound_kernel_compiles_for_a_row_of_one_group(resident):
     """Triton passes an integer argument equal to 1 as a constexpr: a one-position row gives the bound
     kernel n_groups == 1 (the interpreter never specializes, so only the H200 saw this fail)."""
     signature, _ = _KERNELS["_bound_kernel"]
     done = compile_for_sm90("runtime.kernels.triton.topk", "_bound_kernel", dict(signature),
-                            dict(WINDOW=0, TOPK=1, SMALL_BLOCK=1024, n_groups=1), num_warps=8)
+                            dict(WINDOW=0, TOPK=1, SMALL_BLOCK=1024, RESIDENT=resident, n_groups=1), num_warps=8)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 

@@ -72,26 +72,44 @@ def _exclusive_cumsum(flags):
 
 
 @triton.jit
-def _radix_select(packed_ptr, n, k, BLOCK: tl.constexpr):
+def _digit_histogram(packed, inside, prefix, shift):
+    """One radix level over packed values: the histogram of the 8-bit digit at `shift` of the `inside` ones
+    whose higher digits equal `prefix`, with every other lane counted in bin 0 too, and how many those are
+    (the caller takes them out of bin 0)."""
+    ukey = (packed >> 32) + 2147483648
+    match = inside & ((ukey >> (shift + 8)) == prefix)
+    hist = tl.histogram(tl.where(match, ((ukey >> shift) & 255).to(tl.int32), 0), 256)
+    return hist, tl.sum((~match).to(tl.int32), 0)
+
+
+@triton.jit
+def _radix_select(packed_ptr, n, k, BLOCK: tl.constexpr, RESIDENT: tl.constexpr = False):
     """The k-th largest key among n packed values (4 digit histograms of 8 bits, most significant
-    first), and how many of the values equal to it are among the k largest."""
+    first), and how many of the values equal to it are among the k largest. RESIDENT (n <= BLOCK): the
+    values are loaded once and every level reads them from registers; else each level reloads them, BLOCK
+    at a time. The same answer either way."""
     bins = tl.arange(0, 256)
     offs = tl.arange(0, BLOCK)
     need = k  # how many to take among the values matching `prefix`
     # An int64 zero that is a tensor whatever n is: Triton passes an integer argument equal to 1 as a
     # constexpr (a row of one group maximum), and a constexpr has no .to().
     prefix = tl.program_id(0).to(tl.int64) * 0
+    if RESIDENT:
+        resident = tl.load(packed_ptr + offs, mask=offs < n, other=0)
     for level in tl.static_range(4):
         shift = 24 - 8 * level
-        hist = tl.zeros([256], dtype=tl.int32)
-        skipped = 0
-        for start in range(0, n, BLOCK):
-            idx = start + offs
-            inside = idx < n
-            ukey = (tl.load(packed_ptr + idx, mask=inside, other=0) >> 32) + 2147483648
-            match = inside & ((ukey >> (shift + 8)) == prefix)
-            hist += tl.histogram(tl.where(match, ((ukey >> shift) & 255).to(tl.int32), 0), 256)
-            skipped += tl.sum((~match).to(tl.int32), 0)
+        if RESIDENT:
+            hist, skipped = _digit_histogram(resident, offs < n, prefix, shift)
+        else:
+            hist = tl.zeros([256], dtype=tl.int32)
+            skipped = 0
+            for start in range(0, n, BLOCK):
+                idx = start + offs
+                inside = idx < n
+                level_hist, level_skipped = _digit_histogram(tl.load(packed_ptr + idx, mask=inside, other=0),
+                                                             inside, prefix, shift)
+                hist += level_hist
+                skipped += level_skipped
         hist -= tl.where(bins == 0, skipped, 0)
         digit, above = _pick(hist, need, 256)
         need -= above
@@ -140,13 +158,14 @@ def _maxima_step(s_row, maxima_row, start, width, last, CHUNK: tl.constexpr, GRO
 
 @triton.jit
 def _bound_kernel(maxima_ptr, pos_ptr, bound_ptr, n_groups, stride_maxima,
-                  WINDOW: tl.constexpr, TOPK: tl.constexpr, SMALL_BLOCK: tl.constexpr):
+                  WINDOW: tl.constexpr, TOPK: tl.constexpr, SMALL_BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
     """The TOPK-th largest group maximum of a row: a lower bound of its TOPK-th largest key (TOPK
-    distinct elements, those maxima, reach it; group_size leaves at least TOPK groups)."""
+    distinct elements, those maxima, reach it; group_size leaves at least TOPK groups). RESIDENT: the
+    maxima (at most SMALL_BLOCK) stay in registers across the select's levels."""
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:
-        bound, _ = _radix_select(maxima_ptr + row * stride_maxima, n_groups, TOPK, SMALL_BLOCK)
+        bound, _ = _radix_select(maxima_ptr + row * stride_maxima, n_groups, TOPK, SMALL_BLOCK, RESIDENT)
         tl.store(bound_ptr + row, bound)
 
 
@@ -356,6 +375,10 @@ ROW_PASS_LAUNCHES: dict[str, dict[str, int | None]] = {
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
 GATHER_CELLS = 16384
+# The bound's radix select over a row's group maxima (about 1,024 of them: group_size) with the maxima loaded
+# once and held in registers across its four levels, where each level reloads them otherwise (from L2, the
+# launch before wrote them). The same bound. Off until timed (bench.kernels' select_variants_us).
+RESIDENT_BOUND = False
 
 
 def row_pass_launch(name: str, given: dict[str, int | None] | None, group: int, segment: int) -> dict:
@@ -386,7 +409,7 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
                  sort_finish: bool | None = None, maxima: torch.Tensor | None = None,
                  register_caps: dict[str, int | None] | None = None,
                  row_pass_launches: dict[str, dict[str, int | None]] | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 resident_bound: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cuda_torch.select_slots, bit for bit: scores [B, L] float32, positions [B] ->
     (positions [B, S] int64, valid [B, S] bool), S = window + min(topk, L).
     group: positions per pass-1 maximum (group_size); segment: positions per program of the two
@@ -400,9 +423,11 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     writes them beside the logits: indexer.GroupMaxima): its launch is skipped. `group` must be theirs.
     register_caps: each launch's register cap by name (`REGISTER_CAPS` by default): the same output.
     row_pass_launches: "maxima" and / or "candidates": that pass's chunk, warps and stages over
-    `ROW_PASS_LAUNCHES`' (missing keys keep theirs): the same output."""
+    `ROW_PASS_LAUNCHES`' (missing keys keep theirs): the same output.
+    resident_bound: the bound's select holds the maxima in registers (`RESIDENT_BOUND` by default; rows of
+    at most its block of maxima): the same output."""
     launches, result = selection_launches(scores, positions, window, topk, group, segment, out, scratch, rank_order,
-                                          sort_finish, maxima, register_caps, row_pass_launches)
+                                          sort_finish, maxima, register_caps, row_pass_launches, resident_bound)
     for launch in launches.values():
         launch()
     return result
@@ -414,6 +439,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
                        rank_order: bool | None = None, sort_finish: bool | None = None,
                        maxima: torch.Tensor | None = None, register_caps: dict[str, int | None] | None = None,
                        row_pass_launches: dict[str, dict[str, int | None]] | None = None,
+                       resident_bound: bool | None = None,
                        ) -> tuple[dict[str, Callable[[], None]], tuple[torch.Tensor, torch.Tensor]]:
     """select_slots as its launches, in order, by name (bench/kernels.py times each one alone), and the
     (positions, valid) they fill. The arguments are select_slots'."""
@@ -454,6 +480,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     sort_cap = SORT_CAP_FACTOR * max(2, triton.next_power_of_2(chosen)) \
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     caps = {**REGISTER_CAPS, **(register_caps or {})}
+    resident = RESIDENT_BOUND if resident_bound is None else resident_bound
     passes = {name: row_pass_launch(name, (row_pass_launches or {}).get(name), group, segment)
               for name in ROW_PASS_LAUNCHES}
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
@@ -466,7 +493,8 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
         **launches,
         "bound": lambda: _bound_kernel[(rows,)](
             maxima, positions, bound, maxima.shape[1], maxima.stride(0), WINDOW=window, TOPK=chosen,
-            SMALL_BLOCK=small_block, num_warps=8, maxnreg=caps["bound"]),
+            SMALL_BLOCK=small_block, RESIDENT=resident and maxima.shape[1] <= small_block, num_warps=8,
+            maxnreg=caps["bound"]),
         "candidates": lambda: _candidates_kernel[(rows, n_segments)](
             scores, positions, bound, scratch, counts, width, scores.stride(0), scratch.stride(0), counts.stride(0),
             WINDOW=window, TOPK=chosen, SEGMENT=segment, maxnreg=caps["candidates"], **passes["candidates"]),
