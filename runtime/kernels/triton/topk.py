@@ -368,17 +368,29 @@ REGISTER_CAPS: dict[str, int | None] = {"maxima": None, "bound": None, "candidat
 # and counts. In one step of 4,096 positions the candidates pass holds 128 registers a thread (above), so 2
 # programs share an SM and each reads its 16 KB, then computes, with nothing else in flight: at B=64, 64K it took
 # 20.6 us to read 16.8 MB (~4 us of the H200's bandwidth); pass 1 took 7.8 us for the same bytes.
+# Timed on the H100 (thirtieth session, B=64, 64K, segments of 2,048, bench.kernels' row-pass sweep): candidates
+# pass in 4 warps 43.2 us for the whole selection against 46.1 in 8 (2 warps over 512-position steps 44.0; steps
+# of 1,024 in 8 warps 51.5); pass 1 within 0.2 us every way; both in 4 warps 42.9.
 ROW_PASS_LAUNCHES: dict[str, dict[str, int | None]] = {
-    "maxima": {"chunk": None, "warps": 8, "stages": None},
-    "candidates": {"chunk": None, "warps": 8, "stages": None},
+    "maxima": {"chunk": None, "warps": 4, "stages": None},
+    "candidates": {"chunk": None, "warps": 4, "stages": None},
 }
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
 GATHER_CELLS = 16384
 # The bound's radix select over a row's group maxima (about 1,024 of them: group_size) with the maxima loaded
 # once and held in registers across its four levels, where each level reloads them otherwise (from L2, the
-# launch before wrote them). The same bound. Off until timed (bench.kernels' select_variants_us).
-RESIDENT_BOUND = False
+# launch before wrote them). The same bound. H100 (thirtieth session, B=64, 64K): the selection 47.4 against 48.2
+# us, logits + selection 243.5 against 244.7.
+RESIDENT_BOUND = True
+
+
+# Positions a program of the passes over the row covers on a GPU (the interpreter: 64). The bench's launch sweep
+# (group x segment, bench.kernels select_ours_us_by_launch) found 64 / 2,048 the fastest at B=64, 64K on the H200
+# (twenty-fourth session: 49.4 against 52.6 us at 64 / 4,096) and the H100 (thirtieth: 45.6 against 47.4) since the
+# finish moves the candidates in chunks; 4,096 was the tenth session's choice, when each segment cost the finish a
+# dependent walk step. A row of at most SEGMENT positions is one segment (no move in the finish).
+SEGMENT = 2048
 
 
 def row_pass_launch(name: str, given: dict[str, int | None] | None, group: int, segment: int) -> dict:
@@ -461,7 +473,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     assert width < 2**31
     scores, positions = scores.contiguous().float(), positions.contiguous()
     group = group_size(width, topk, group)
-    segment = max(segment or (64 if INTERPRETED else 4096), group)
+    segment = max(segment or (64 if INTERPRETED else SEGMENT), group)
     assert segment & (segment - 1) == 0, f"segment {segment} is not a power of two"
     n_segments = triton.cdiv(width, segment)
     if scratch is None:
