@@ -453,8 +453,10 @@ def _bench_launches(logits_fn, logits: torch.Tensor) -> dict:
     return dict(deployed=indexer.launch_shape(), **shapes)
 
 
-def bench_indexer(ceilings, rows: list) -> None:
-    batch, heads, dim, context, page_size, topk = 64, 64, 128, 65536, 64, 512
+def _indexer_case(batch: int = 64, heads: int = 64, dim: int = 128, context: int = 65536, page_size: int = 64):
+    """The indexer bench's inputs: every row at `context` positions over shuffled pages; queries, head weights,
+    and the keys in bf16 and fp8 (with their per-key scale). Returns (page_table, lens, positions, w, variants),
+    variants: (name, q, keys, key_scale or None, key bytes) for fp8 then bf16."""
     gen = torch.Generator().manual_seed(2)
     pages = context // page_size
     page_table = torch.stack([torch.randperm(pages * batch, generator=gen)[:pages] for _ in range(batch)])
@@ -468,6 +470,52 @@ def bench_indexer(ceilings, rows: list) -> None:
     q8 = q16.to(torch.float8_e4m3fn)
     w = torch.rand(batch, heads, device="cuda")
     variants = (("fp8", q8, keys8, key_scale, dim + 4), ("bf16", q16, keys16, None, 2 * dim))
+    return page_table, lens, positions, w, variants
+
+
+# The selection's launch before the thirtieth session's defaults (segments of 4,096, both passes over the row in 8
+# warps, the bound's maxima reloaded each level), for `bench_select_defaults`.
+SELECT_BEFORE = dict(segment=4096, resident_bound=False,
+                     row_pass_launches=dict.fromkeys(("maxima", "candidates"), {"chunk": None, "warps": 8}))
+
+
+def bench_select_defaults(rows: list) -> None:
+    """The selection's defaults against SELECT_BEFORE on the same inputs, each with the same output (issue 15): the
+    fp8 indexer's logits at B=64, 64K alone and with the logits kernel in one graph (the issue's figure), B=16 and
+    1, narrower rows, and a 4,096-row prefill chunk (row t sees t + 1 positions)."""
+    page_table, lens, positions, w, variants = _indexer_case()
+    _, q, keys, scale, _ = variants[0]
+    logits_fn = lambda: indexer.indexer_logits(q, w, keys, page_table, lens, 64, key_scale=scale)  # noqa: E731
+    logits = logits_fn()
+    chunk = torch.randn(4096, 4096, device="cuda")
+    cases = {"B64_64K": (logits, positions), "B16_64K": (logits[:16].contiguous(), positions[:16].contiguous()),
+             "B1_64K": (logits[:1].contiguous(), positions[:1].contiguous()),
+             "B64_16K": (logits[:, :16384].contiguous(), torch.full_like(positions, 16383)),
+             "B64_4K": (logits[:, :4096].contiguous(), torch.full_like(positions, 4095)),
+             "prefill_chunk_4096": (chunk, torch.arange(4096, device="cuda"))}
+    for case, (x, p) in cases.items():
+        row: dict = dict(kernel="select_defaults", case=case)
+        outputs = {}
+        for name, kwargs in (("defaults", {}), ("before", SELECT_BEFORE)):
+            def run(x=x, p=p, kwargs=kwargs):
+                return triton_topk.select_slots(x, p, SELECT_WINDOW, 512, **kwargs)
+            outputs[name] = run()
+            row[f"{name}_us"] = graph_us([run] * 3)
+        row["same_output"] = all(torch.equal(a, b) for a, b in zip(*outputs.values()))
+        if case == "B64_64K":
+            for name, kwargs in (("defaults", {}), ("before", SELECT_BEFORE)):
+                row[f"logits_plus_{name}_us"] = graph_us(
+                    [lambda kwargs=kwargs: triton_topk.select_slots(logits_fn(), positions, SELECT_WINDOW, 512,
+                                                                    **kwargs)] * 3)
+            row["logits_us"] = graph_us([logits_fn] * 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def bench_indexer(ceilings, rows: list) -> None:
+    topk, context = 512, 65536
+    page_table, lens, positions, w, variants = _indexer_case(context=context)
+    page_size, batch, (heads, dim) = 64, positions.shape[0], variants[1][1].shape[1:]
     for name, q, keys, scale, key_bytes in variants:
         logits_fn = lambda q=q, keys=keys, scale=scale, **kw: indexer.indexer_logits(  # noqa: E731
             q, w, keys, page_table, lens, page_size, key_scale=scale, **kw)
@@ -547,6 +595,8 @@ def main() -> None:
     tuned: dict = {}
     only = args.only.split(",")
     try:
+        if "select" in only:
+            bench_select_defaults(rows)
         if "indexer" in only:
             bench_indexer(ceilings, rows)
         if "mla" in only:

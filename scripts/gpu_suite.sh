@@ -77,6 +77,9 @@ want indexer_tests && section indexer_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m
     tests/kernels/test_indexer_maxima.py -k "indexer or select or sort or maxima"
 want bench_indexer && section bench_indexer "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_indexer.json" \
     --only indexer
+# The selection's defaults against the launch before them, same inputs and outputs (bench.kernels --only select).
+want bench_select && section bench_select "${BENCH_TIMEOUT:-90}" $PY -m bench.kernels --json "$OUT/kernels_select.json" \
+    --only select
 # The fp8 MoE with the SiLU-and-mul output quantized by the launch that adds the split partials
 # (moe.FUSED_ACT_QUANT, issue 15 item 5): its bits against the two launches', with the fp8 kernel tests.
 want moe_fp8_tests && section moe_fp8_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
