@@ -16,7 +16,8 @@ own (column tiles walked per program: `down_launch`); neither touches an output'
 combine sums a token's K expert outputs in rank order, then adds the shared expert.
 
 fp8 path: weights e4m3 with one float32 scale per 128x128 block ([E, N/128, K/128]), activations
-quantized per token per 128 channels on the fly (quantize_groups); BLOCK_K is the block size, so
+quantized per token per 128 channels on the fly (quantize_groups; with split-K gate/up, the launch that adds
+the partials quantizes the SiLU-and-mul output itself: FUSED_ACT_QUANT); BLOCK_K is the block size, so
 each K step applies one activation scale per row and one weight scale per column.
 """
 

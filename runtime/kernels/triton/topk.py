@@ -348,10 +348,11 @@ def _finish_kernel(scores_ptr, pos_ptr, bound_ptr, counts_ptr, scratch_ptr, out_
 # 53.7 against the radix select's 52.5, not kept.)
 SORT_FINISH = True
 SORT_CAP_FACTOR = 2
-# Registers a thread of each launch may use (its `maxnreg`; None: ptxas chooses). The candidates pass takes
-# 128 uncapped with the device's Triton 3.6 and its CUDA 12.8 ptxas (112 with Triton 3.9): an sm_90 compile
-# here of the 64K launch, its pointers and integers specialized as a launch does (`.perf/regs_topk.py`, not
-# committed). So 2 programs of 256 threads fit an SM, and B=64's 1,024 programs run in 3.9 waves of 264.
+# Registers a thread of each launch may use (its `maxnreg`; None: ptxas chooses). At the launch deployed until
+# the thirtieth session (segments of 4,096 positions, 8 warps), the candidates pass takes 128 uncapped with the
+# device's Triton 3.6 and its CUDA 12.8 ptxas (112 with Triton 3.9): an sm_90 compile here of the 64K launch,
+# its pointers and integers specialized as a launch does (`.perf/regs_topk.py`, not committed). So 2 programs of
+# 256 threads fit an SM, and B=64's 1,024 programs run in 3.9 waves of 264.
 # Capped at 80 it spills 72 bytes a thread and 3 fit (2.6 waves); at 64, 80 bytes and 4 fit (1.9 waves).
 # Timed and not taken (bench.kernels' `select_variants_us`, twenty-seventh session, B=64, 64K): cap 80 took
 # 44.8-45.5 us against 46.8-47.2 uncapped in that loop on the H100 and the H200, but the same uncapped launch
@@ -365,9 +366,9 @@ REGISTER_CAPS: dict[str, int | None] = {"maxima": None, "bound": None, "candidat
 # The two passes over the row (pass 1's maxima, pass 2's candidates): `chunk` positions read a step of each
 # program's loop over its segment (None: the whole segment in one step, as before the loop), `warps` a program,
 # `stages` the loop's software pipelining (None: Triton's default). Every choice gives the same maxima, stretches
-# and counts. In one step of 4,096 positions the candidates pass holds 128 registers a thread (above), so 2
-# programs share an SM and each reads its 16 KB, then computes, with nothing else in flight: at B=64, 64K it took
-# 20.6 us to read 16.8 MB (~4 us of the H200's bandwidth); pass 1 took 7.8 us for the same bytes.
+# and counts. Why they were tried: in one step of 4,096 positions in 8 warps the candidates pass held 128
+# registers a thread (above), so 2 programs shared an SM, each reading its 16 KB, then computing, with nothing
+# else in flight: at B=64, 64K it took 20.6 us to read 16.8 MB (~4 us of the H200's bandwidth); pass 1 took 7.8.
 # Timed on the H100 (thirtieth session, B=64, 64K, segments of 2,048, bench.kernels' row-pass sweep): candidates
 # pass in 4 warps 43.2 us for the whole selection against 46.1 in 8 (2 warps over 512-position steps 44.0; steps
 # of 1,024 in 8 warps 51.5); pass 1 within 0.2 us every way; both in 4 warps 42.9.
