@@ -327,7 +327,7 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int, r
     out["select_launch_us"] = _selection_launch_us(logits, positions, topk)
     out["select_launch_us_candidates_cap64"] = _selection_launch_us(logits, positions, topk, {"candidates": 64})
     # The finish's radix select against a sort in registers (triton_topk.SORT_FINISH), the candidates pass at
-    # register caps of 80 and 64 (triton_topk.REGISTER_CAPS: 3 and 4 programs an SM, not 2), and the bound's
+    # register caps of 80 and 64 (triton_topk.REGISTER_CAPS: more programs an SM), and the bound's
     # maxima held in registers or not (triton_topk.RESIDENT_BOUND), same output.
     variants = {}
     for name, kwargs in (("finish_radix", dict(sort_finish=False)), ("finish_sort", dict(sort_finish=True)),
@@ -347,10 +347,10 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int, r
     return out
 
 
-# Launches of the passes over the row timed against the deployed ones (triton_topk.ROW_PASS_LAUNCHES): positions a
-# step of a program's loop over its segment, warps, the loop's pipelining stages (unset: the deployed value).
+# Launches of the passes over the row, the deployed one (triton_topk.ROW_PASS_LAUNCHES) first: positions a step of a
+# program's loop over its segment (None: the whole segment), warps, the loop's pipelining stages (unset: Triton's).
 ROW_PASS_VARIANTS: tuple[dict[str, int | None], ...] = (
-    {"chunk": None, "warps": 8}, {"chunk": 2048, "warps": 8}, {"chunk": 1024, "warps": 8},
+    {"chunk": None, "warps": 4}, {"chunk": None, "warps": 8}, {"chunk": 2048, "warps": 8}, {"chunk": 1024, "warps": 8},
     {"chunk": 1024, "warps": 4}, {"chunk": 1024, "warps": 4, "stages": 1}, {"chunk": 512, "warps": 4},
     {"chunk": 512, "warps": 2}, {"chunk": 2048, "warps": 4})
 
