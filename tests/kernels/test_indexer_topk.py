@@ -457,13 +457,18 @@ def compile_for_sm90(module: str, name: str, signature: dict, constants: dict, *
 @pytest.mark.parametrize("kernel", sorted(_KERNELS))
 @pytest.mark.parametrize("window, k, group, rank_order, sorts", [(128, 512, 64, False, 1024), (0, 1, 1, True, 0)])
 def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_order, sorts):
-    """sorts: SORT_CAP (0: the radix select)."""
+    """sorts: SORT_CAP (0: the radix select). At the deployed launch of a 64K row: topk.SEGMENT positions a
+    program of the passes over the row, in their ROW_PASS_LAUNCHES warps, the finish's gather for its segments."""
+    segments = 65536 // topk.SEGMENT
     every = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
-                 TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=4096, CHUNK=4096, SEGMENTS_P2=16,
-                 GATHER=1024, SMALL_BLOCK=1024, RANK_ORDER=rank_order, SORT_CAP=sorts, RESIDENT=sorts > 0)
+                 TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=topk.SEGMENT, CHUNK=topk.SEGMENT,
+                 SEGMENTS_P2=segments, GATHER=max(16, min(1024, topk.GATHER_CELLS // segments)), SMALL_BLOCK=1024,
+                 RANK_ORDER=rank_order, SORT_CAP=sorts, RESIDENT=topk.RESIDENT_BOUND and sorts > 0)
     signature, own = _KERNELS[kernel]
     constants = {name: every[name] for name in ("WINDOW", "TOPK", *own)}
-    done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants, num_warps=8)
+    warps = {"_maxima_kernel": topk.ROW_PASS_LAUNCHES["maxima"]["warps"],
+             "_candidates_kernel": topk.ROW_PASS_LAUNCHES["candidates"]["warps"]}.get(kernel, 8)
+    done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants, num_warps=warps)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
