@@ -111,20 +111,11 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
     for inter in (256, 512, 2048):
         w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
         w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
-        q13, s13, q2, s2 = [], [], [], []
-        for e0 in range(0, experts, 32):  # chunks: the float32 staging stays small
-            a, b = elementwise.quantize_weight_blocks(w13[e0:e0 + 32])
-            c, d = elementwise.quantize_weight_blocks(w2[e0:e0 + 32])
-            q13.append(a)
-            s13.append(b)
-            q2.append(c)
-            s2.append(d)
-        fp8 = moe.PackedMoE(torch.cat(q13), torch.cat(q2), w13_scale=torch.cat(s13), w2_scale=torch.cat(s2))
+        fp8 = moe.quantize_packed(moe.PackedMoE(w13, w2))
         # name: (weights, moe.FUSED_ACT_QUANT). The act_quant row is the fp8 path with the SiLU-and-mul output
         # quantized by the launch that adds the split partials (split-K only), checked for the fp8 row's bits.
         variants = {"bf16": (moe.PackedMoE(w13, w2), False), "fp8_w8a8": (fp8, False),
                     "fp8_w8a8_act_quant": (fp8, True)}
-        del q13, s13, q2, s2
         for batch in BATCHES:
             inputs = [(torch.randn(batch, hidden, generator=gen).to(torch.bfloat16).cuda(),
                        *_routing(gen, batch, experts, top_k))

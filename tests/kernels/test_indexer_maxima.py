@@ -59,11 +59,11 @@ def fused_run(q, w, keys, table, lens, page_size, positions, window, k, group, k
 def pass_1(logits, positions, window, k, group) -> torch.Tensor:
     """topk._maxima_kernel's own output on a poisoned buffer, launched as selection_launches does."""
     rows, width = logits.shape
-    segment = max(64 if INTERPRETED else 4096, group)
+    segment = max(64 if INTERPRETED else topk.SEGMENT, group)
     maxima = torch.full((rows, triton.cdiv(width, group)), POISON, dtype=torch.int64, device=DEVICE)
     topk._maxima_kernel[(rows, triton.cdiv(width, segment))](
         logits, positions.to(DEVICE), maxima, width, logits.stride(0), maxima.stride(0), WINDOW=window,
-        TOPK=min(k, width), GROUP=group, SEGMENT=segment, CHUNK=segment, num_warps=8)
+        TOPK=min(k, width), GROUP=group, SEGMENT=segment, **topk.row_pass_launch("maxima", None, group, segment))
     return maxima
 
 

@@ -90,14 +90,7 @@ def _moe_reference(x, raw, ids, route_w):
 
 def fp8_packed(raw, shared: bool) -> moe.PackedMoE:
     """_moe_case's weights (w_gate, w_up, w_down, then the shared expert's three) as fp8 128x128 blocks."""
-    w13, w13_s = elementwise.quantize_weight_blocks(torch.cat([raw[0], raw[1]], 1))
-    w2, w2_s = elementwise.quantize_weight_blocks(raw[2])
-    kwargs = {}
-    if shared:
-        s13, s13_s = elementwise.quantize_weight_blocks(torch.cat([raw[3], raw[4]], 0)[None])
-        s2, s2_s = elementwise.quantize_weight_blocks(raw[5][None])
-        kwargs = dict(shared_w13=s13, shared_w2=s2, shared_w13_scale=s13_s, shared_w2_scale=s2_s)
-    return moe.PackedMoE(w13, w2, w13_scale=w13_s, w2_scale=w2_s, **kwargs)
+    return moe.quantize_packed(moe.pack_weights(*raw[:3], *(raw[3:] if shared else [None] * 3)))
 
 
 def _run_moe(x, packed, ids, route_w, split_k=1):
@@ -1086,6 +1079,22 @@ def test_poisoned_output_catches_an_unwritten_row():
 
 def test_interpreter_is_used_exactly_without_cuda():
     assert INTERPRETED == (not ON_GPU)
+
+
+def test_quantize_packed_in_steps_gives_one_calls_bits():
+    """moe.quantize_packed quantizes the routed experts a few at a time: a block's scale is its own, so any
+    step gives the bits of one quantize_weight_blocks call over all of them (the shared expert too)."""
+    _, raw, _, _ = _moe_case(4, 1, 5, 2, 256, 136, True, torch.float32, 1.0)
+    packed = moe.pack_weights(*raw)
+    whole = moe.quantize_packed(packed, experts_per_step=len(raw[0]))
+    for step in (1, 2):
+        stepped = moe.quantize_packed(packed, experts_per_step=step)
+        for name in ("w13", "w2", "shared_w13", "shared_w2", "w13_scale", "w2_scale", "shared_w13_scale",
+                     "shared_w2_scale"):
+            a, b = getattr(stepped, name), getattr(whole, name)
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                                      b.view(torch.uint8) if b.element_size() == 1 else b), name
+    assert torch.equal(whole.w13_scale, elementwise.quantize_weight_blocks(packed.w13)[1])
 
 
 # ---------------------------------------------------------------- GPU only: fp8, graphs, streams

@@ -31,7 +31,14 @@ import triton.language as tl
 
 from runtime.kernels.triton import INTERPRETED
 from runtime.kernels.triton.configs import config_file_name, load_table, pick
-from runtime.kernels.triton.elementwise import FP8_DTYPE, FP8_GROUP, FP8_MAX, quantize_group, quantize_groups
+from runtime.kernels.triton.elementwise import (
+    FP8_DTYPE,
+    FP8_GROUP,
+    FP8_MAX,
+    quantize_group,
+    quantize_groups,
+    quantize_weight_blocks,
+)
 
 BLOCK_M = 16  # rows per tile unless a bucket says: decode has ~TK/E <= 3 rows per expert at bs 128, E 256, K 6
 BLOCK_K = 128  # reduction step; equal to the fp8 scale block, so one scale per step
@@ -81,6 +88,23 @@ def pack_weights(w_gate, w_up, w_down, shared_gate=None, shared_up=None, shared_
         shared_w13 = torch.cat([shared_gate, shared_up], dim=0)[None].contiguous()
         shared_w2 = shared_down[None].contiguous()
     return PackedMoE(torch.cat([w_gate, w_up], dim=1).contiguous(), w_down.contiguous(), shared_w13, shared_w2)
+
+
+def quantize_packed(packed: PackedMoE, experts_per_step: int = 32) -> PackedMoE:
+    """`packed`'s fp8 copy: every weight e4m3 with one float32 scale per 128x128 block (quantize_weight_blocks),
+    the routed experts `experts_per_step` at a time (the float32 staging stays small; a block's scale is its own,
+    so the steps give the same bits as one call)."""
+    def blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [quantize_weight_blocks(w[e:e + experts_per_step]) for e in range(0, w.shape[0], experts_per_step)]
+        return torch.cat([q for q, _ in parts]), torch.cat([scale for _, scale in parts])
+
+    w13, w13_scale = blocks(packed.w13)
+    w2, w2_scale = blocks(packed.w2)
+    shared = {}
+    if packed.shared_w13 is not None and packed.shared_w2 is not None:
+        (s13, s13_scale), (s2, s2_scale) = blocks(packed.shared_w13), blocks(packed.shared_w2)
+        shared = dict(shared_w13=s13, shared_w2=s2, shared_w13_scale=s13_scale, shared_w2_scale=s2_scale)
+    return PackedMoE(w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, **shared)
 
 
 @triton.jit
