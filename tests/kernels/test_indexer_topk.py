@@ -323,21 +323,27 @@ def test_selection_under_graph_replay_and_side_stream():
                           tuple(t.cpu() for t in cuda_torch.select_slots_by_sort(scores, positions, window, k)))
 
 
+def assert_options_keep_the_selection(seed: int, short_row: int, reference: dict, options: list[dict]) -> None:
+    """select_slots with each of `options` (keyword arguments) gives its output with `reference`'s, at B=64,
+    64K positions, top-512, on indexer-like and tied rows, one row `short_row` positions long."""
+    rows, width, window, k = 64, 65536, 128, 512
+    for style in ("indexer", "few_values"):
+        scores = _logits_like(seed, rows, width, style)
+        positions = torch.full((rows,), width - 1, dtype=torch.int64, device="cuda")
+        positions[seed % rows] = short_row
+        want = topk.select_slots(scores, positions, window, k, **reference)
+        for kwargs in options:
+            got = topk.select_slots(scores, positions, window, k, **kwargs)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{kwargs} changed the selection ({style})"
+
+
 @gpu
 def test_register_caps_keep_the_selection():
     """topk.REGISTER_CAPS (each launch's maxnreg) moves values between registers and the stack only: every
     launch capped low (spills included) gives the uncapped launches' output, tied rows too."""
-    rows, width, window, k = 64, 65536, 128, 512
-    for style in ("indexer", "few_values"):
-        scores = _logits_like(12, rows, width, style)
-        positions = torch.full((rows,), width - 1, dtype=torch.int64, device="cuda")
-        positions[3] = 300
-        free = dict.fromkeys(topk.REGISTER_CAPS)
-        tight = {"maxima": 32, "bound": 32, "candidates": 48, "finish": 48}
-        want = topk.select_slots(scores, positions, window, k, register_caps=free)
-        for caps in (tight, {"candidates": 64}):
-            got = topk.select_slots(scores, positions, window, k, register_caps=caps)
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"caps {caps} changed the selection ({style})"
+    tight = {"maxima": 32, "bound": 32, "candidates": 48, "finish": 48}
+    assert_options_keep_the_selection(12, 300, dict(register_caps=dict.fromkeys(topk.REGISTER_CAPS)),
+                                      [dict(register_caps=tight), dict(register_caps={"candidates": 64})])
 
 
 @gpu
@@ -345,18 +351,12 @@ def test_row_pass_launches_keep_the_selection():
     """topk.ROW_PASS_LAUNCHES (each pass over the row's chunk, warps and pipelining) give the same maxima,
     stretches and counts: every launch bench.kernels times gives the one-step launches' output, tied rows
     and a short row too."""
-    rows, width, window, k = 64, 65536, 128, 512
-    one_step = dict.fromkeys(("maxima", "candidates"), {"chunk": None, "warps": 8, "stages": None})
-    for style in ("indexer", "few_values"):
-        scores = _logits_like(13, rows, width, style)
-        positions = torch.full((rows,), width - 1, dtype=torch.int64, device="cuda")
-        positions[5] = 700
-        want = topk.select_slots(scores, positions, window, k, row_pass_launches=one_step)
-        for launch in ({"chunk": 1024, "warps": 4, "stages": 3}, {"chunk": 512, "warps": 4, "stages": 1},
-                       {"chunk": 2048, "warps": 8, "stages": 2}):
-            got = topk.select_slots(scores, positions, window, k,
-                                    row_pass_launches=dict.fromkeys(("maxima", "candidates"), launch))
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{launch} changed the selection ({style})"
+    both = ("maxima", "candidates")
+    launches = ({"chunk": 1024, "warps": 4, "stages": 3}, {"chunk": 512, "warps": 4, "stages": 1},
+                {"chunk": 2048, "warps": 8, "stages": 2})
+    assert_options_keep_the_selection(
+        13, 700, dict(row_pass_launches=dict.fromkeys(both, {"chunk": None, "warps": 8, "stages": None})),
+        [dict(row_pass_launches=dict.fromkeys(both, launch)) for launch in launches])
 
 
 @gpu
