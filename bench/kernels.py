@@ -343,12 +343,10 @@ def _bench_selection(logits: torch.Tensor, positions: torch.Tensor, topk: int, r
     return out
 
 
-# Launches of the passes over the row, the deployed one (triton_topk.ROW_PASS_LAUNCHES) first: positions a step of a
-# program's loop over its segment (None: the whole segment), warps, the loop's pipelining stages (unset: Triton's).
+# Launches of the passes over the row, the deployed one (triton_topk.ROW_PASS_LAUNCHES) first: warps a program, and
+# pipelining stages (unset: Triton's).
 ROW_PASS_VARIANTS: tuple[dict[str, int | None], ...] = (
-    {"chunk": None, "warps": 4}, {"chunk": None, "warps": 8}, {"chunk": 2048, "warps": 8}, {"chunk": 1024, "warps": 8},
-    {"chunk": 1024, "warps": 4}, {"chunk": 1024, "warps": 4, "stages": 1}, {"chunk": 512, "warps": 4},
-    {"chunk": 512, "warps": 2}, {"chunk": 2048, "warps": 4})
+    {"warps": 4}, {"warps": 8}, {"warps": 2}, {"warps": 4, "stages": 1}, {"warps": 8, "stages": 1})
 
 
 def _bench_row_pass_launches(logits: torch.Tensor, positions: torch.Tensor, topk: int, launch: tuple) -> dict:
@@ -472,7 +470,7 @@ def _indexer_case(batch: int = 64, heads: int = 64, dim: int = 128, context: int
 # The selection's launch before the thirtieth session's defaults (segments of 4,096, both passes over the row in 8
 # warps, the bound's maxima reloaded each level), for `bench_select_defaults`.
 SELECT_BEFORE = dict(segment=4096, resident_bound=False,
-                     row_pass_launches=dict.fromkeys(("maxima", "candidates"), {"chunk": None, "warps": 8}))
+                     row_pass_launches=dict.fromkeys(("maxima", "candidates"), {"warps": 8}))
 
 
 def bench_select_defaults(rows: list) -> None:

@@ -13,7 +13,7 @@ import torch
 from bench import kernels as bench
 from runtime.kernels.triton import topk
 
-VARIANTS = ({"chunk": None, "warps": 8}, {"chunk": 16, "warps": 4}, {"chunk": 32, "warps": 4, "stages": 1})
+VARIANTS = ({"warps": 8}, {"warps": 2}, {"warps": 4, "stages": 1})
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def sweep(monkeypatch):
 
 def test_the_sweep_times_every_launch_and_keeps_the_fastest_of_each_pass(sweep):
     out = sweep()
-    names = ["chunkNone/warps8", "chunk16/warps4", "chunk32/warps4/stages1"]
+    names = ["warps8", "warps2", "warps4/stages1"]
     for row_pass in topk.ROW_PASS_LAUNCHES:
         assert list(out[f"select_{row_pass}_launches_us"]) == names
     assert out["select_row_pass_best"] == {"maxima": VARIANTS[-1], "candidates": VARIANTS[-1]}
@@ -52,7 +52,7 @@ def test_the_sweep_reports_a_launch_that_changes_the_output(sweep, monkeypatch):
 
     def planted(*args, row_pass_launches=None, **kwargs):
         sel, ok = real(*args, row_pass_launches=row_pass_launches, **kwargs)
-        if (row_pass_launches or {}).get("candidates", {}).get("chunk") == 16:
+        if (row_pass_launches or {}).get("candidates", {}).get("warps") == 2:
             sel = sel.clone()
             sel[0, -1] = -1
         return sel, ok

@@ -63,7 +63,7 @@ def pass_1(logits, positions, window, k, group) -> torch.Tensor:
     maxima = torch.full((rows, triton.cdiv(width, group)), POISON, dtype=torch.int64, device=DEVICE)
     topk._maxima_kernel[(rows, triton.cdiv(width, segment))](
         logits, positions.to(DEVICE), maxima, width, logits.stride(0), maxima.stride(0), WINDOW=window,
-        TOPK=min(k, width), GROUP=group, SEGMENT=segment, **topk.row_pass_launch("maxima", None, group, segment))
+        TOPK=min(k, width), GROUP=group, SEGMENT=segment, **topk.row_pass_launch("maxima"))
     return maxima
 
 

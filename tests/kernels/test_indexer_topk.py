@@ -86,7 +86,7 @@ def draw_positions(seed: int, rows: int, width: int) -> torch.Tensor:
 
 
 def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, rank_order=None, segment=None,
-                 sort_finish=None, chunk=None, resident_bound=None):
+                 sort_finish=None, resident_bound=None, row_pass_launches=None):
     """The kernel on poisoned buffers: positions -7, valid the opposite of the expected mask (or all
     True), workspace all int64 max (the packed key of a NaN at position 0: first if read unwritten)."""
     rows, width = scores.shape
@@ -96,7 +96,7 @@ def run_poisoned(scores, positions, window, k, group=None, expected_ok=None, ran
     scratch = torch.full((rows, width), torch.iinfo(torch.int64).max, dtype=torch.int64, device=DEVICE)
     topk.select_slots(scores.to(DEVICE), positions.to(DEVICE), window, k, group=group, out=(sel, ok),
                       scratch=scratch, rank_order=rank_order, segment=segment, sort_finish=sort_finish,
-                      row_pass_launches=dict.fromkeys(("maxima", "candidates"), {"chunk": chunk}),
+                      row_pass_launches=row_pass_launches,
                       resident_bound=resident_bound)
     return sel.cpu(), ok.cpu()
 
@@ -137,33 +137,28 @@ def assert_prefix_invariant(full, run_prefix, rows: int) -> None:
 @given(seed=st.integers(0, 2**31 - 1), rows=st.sampled_from([1, 2, 5]),
        width=st.sampled_from([1, 7, 64, 65, 200]), window=st.sampled_from([0, 1, 8, 128]),
        k=st.sampled_from([1, 5, 24, 64, 512]), group=st.sampled_from([None, 1, 4, 16]),
-       style=st.sampled_from(STYLES), segment=st.sampled_from([None, 8, 32]), chunk=st.sampled_from([None, 4, 16]),
-       resident=st.booleans())
-@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal", segment=None, chunk=None, resident=False)
-@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits", segment=8, chunk=None, resident=True)
-@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials", segment=8, chunk=4, resident=False)
-@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans", segment=32, chunk=None,
-         resident=True)
-@example(seed=7, rows=2, width=200, window=8, k=24, group=4, style="normal", segment=32, chunk=4, resident=True)
-@example(seed=8, rows=2, width=200, window=8, k=24, group=4, style="few_values", segment=None, chunk=16,
-         resident=True)
-def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment, chunk, resident):
+       style=st.sampled_from(STYLES), segment=st.sampled_from([None, 8, 32]), resident=st.booleans())
+@example(seed=3, rows=2, width=200, window=8, k=24, group=16, style="normal", segment=None, resident=False)
+@example(seed=4, rows=2, width=200, window=8, k=24, group=2, style="last_bits", segment=8, resident=True)
+@example(seed=5, rows=2, width=65, window=1, k=5, group=8, style="specials", segment=8, resident=False)
+@example(seed=6, rows=2, width=200, window=8, k=64, group=4, style="zeros_and_nans", segment=32, resident=True)
+@example(seed=7, rows=2, width=200, window=8, k=24, group=4, style="normal", segment=32, resident=True)
+@example(seed=8, rows=2, width=200, window=8, k=24, group=4, style="few_values", segment=None, resident=True)
+def test_selection_matches_reference_exactly(seed, rows, width, window, k, group, style, segment, resident):
     """segment: positions per program of the passes over the row (at least the group): many segments
-    per row, so candidates come from several and move down to one run. chunk: positions per step of
-    the two passes' loops over a segment (several steps a segment, the last one cut by the width).
-    resident: the bound's select holds the group maxima in registers (rows of at most 64 of them here)."""
+    per row, so candidates come from several and move down to one run. resident: the bound's select
+    holds the group maxima in registers (rows of at most 64 of them here)."""
     scores, positions = draw_scores(seed, rows, width, style), draw_positions(seed, rows, width)
     expected = reference_selection(scores, positions, window, k)
-    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment, chunk=chunk,
+    actual = run_poisoned(scores, positions, window, k, group, expected_ok=expected[1], segment=segment,
                           resident_bound=resident)
     assert_same_selection(actual, expected,
-                          msg=f"({style}, group={group}, segment={segment}, chunk={chunk}, resident={resident})")
+                          msg=f"({style}, group={group}, segment={segment}, resident={resident})")
     assert_tie_aware(*actual, scores, positions, window, k)
     # The torch definition the CPU path runs agrees too (the lead's golden stores were recorded with it).
     assert_same_selection(cuda_torch.select_slots_by_sort(scores, positions, window, k), expected, msg="(by sort)")
     assert_prefix_invariant(actual, lambda n: run_poisoned(scores[:n], positions[:n], window, k, group,
-                                                           segment=segment, chunk=chunk,
-                                                           resident_bound=resident), rows)
+                                                           segment=segment, resident_bound=resident), rows)
 
 
 @settings(max_examples=4)
@@ -348,15 +343,14 @@ def test_register_caps_keep_the_selection():
 
 @gpu
 def test_row_pass_launches_keep_the_selection():
-    """topk.ROW_PASS_LAUNCHES (each pass over the row's chunk, warps and pipelining) give the same maxima,
-    stretches and counts: every launch bench.kernels times gives the one-step launches' output, tied rows
-    and a short row too."""
+    """topk.ROW_PASS_LAUNCHES (each pass over the row's warps and pipelining) give the same maxima, stretches
+    and counts: every launch bench.kernels times gives the 8-warp launches' output, tied rows and a short row
+    too."""
     both = ("maxima", "candidates")
-    launches = ({"chunk": 1024, "warps": 4, "stages": 3}, {"chunk": 512, "warps": 4, "stages": 1},
-                {"chunk": 2048, "warps": 8, "stages": 2})
-    assert_options_keep_the_selection(
-        13, 700, dict(row_pass_launches=dict.fromkeys(both, {"chunk": None, "warps": 8, "stages": None})),
-        [dict(row_pass_launches=dict.fromkeys(both, launch)) for launch in launches])
+    launches = ({"warps": 4, "stages": 3}, {"warps": 2, "stages": 1}, {"warps": 4, "stages": None})
+    reference = dict(row_pass_launches=dict.fromkeys(both, {"warps": 8, "stages": None}))
+    assert_options_keep_the_selection(13, 700, reference,
+                                      [dict(row_pass_launches=dict.fromkeys(both, launch)) for launch in launches])
 
 
 @gpu
@@ -419,12 +413,12 @@ print("compiled")
 """
 _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
     "_maxima_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "maxima_ptr": "*i64", "width": "i32",
-                        "stride_s": "i32", "stride_maxima": "i32"}, ("GROUP", "SEGMENT", "CHUNK")),
+                        "stride_s": "i32", "stride_maxima": "i32"}, ("GROUP", "SEGMENT")),
     "_bound_kernel": ({"maxima_ptr": "*i64", "pos_ptr": "*i64", "bound_ptr": "*i64", "n_groups": "i32",
                        "stride_maxima": "i32"}, ("SMALL_BLOCK", "RESIDENT")),
     "_candidates_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "scratch_ptr": "*i64",
                             "counts_ptr": "*i32", "width": "i32", "stride_s": "i32", "stride_scratch": "i32",
-                            "stride_counts": "i32"}, ("SEGMENT", "CHUNK")),
+                            "stride_counts": "i32"}, ("SEGMENT",)),
     "_finish_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "bound_ptr": "*i64", "counts_ptr": "*i32",
                         "scratch_ptr": "*i64", "out_ptr": "*i64", "ok_ptr": "*i1", "n_segments": "i32",
                         "stride_s": "i32", "stride_counts": "i32", "stride_scratch": "i32", "stride_out": "i32",
@@ -461,7 +455,7 @@ def test_kernel_compiles_for_the_gpu_without_one(kernel, window, k, group, rank_
     program of the passes over the row, in their ROW_PASS_LAUNCHES warps, the finish's gather for its segments."""
     segments = 65536 // topk.SEGMENT
     every = dict(WINDOW=window, WINDOW_P2=max(1, 1 << (window - 1).bit_length()), TOPK=k,
-                 TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=topk.SEGMENT, CHUNK=topk.SEGMENT,
+                 TOPK_P2=max(2, 1 << (k - 1).bit_length()), GROUP=group, SEGMENT=topk.SEGMENT,
                  SEGMENTS_P2=segments, GATHER=max(16, min(1024, topk.GATHER_CELLS // segments)), SMALL_BLOCK=1024,
                  RANK_ORDER=rank_order, SORT_CAP=sorts, RESIDENT=topk.RESIDENT_BOUND and sorts > 0)
     signature, own = _KERNELS[kernel]
@@ -477,19 +471,19 @@ def test_the_candidates_pass_compiles_under_a_register_cap():
     """The 64-register cap bench.kernels times for the candidates pass (topk.REGISTER_CAPS)."""
     signature, _ = _KERNELS["_candidates_kernel"]
     done = compile_for_sm90("runtime.kernels.triton.topk", "_candidates_kernel", dict(signature),
-                            dict(WINDOW=128, TOPK=512, SEGMENT=4096, CHUNK=4096), num_warps=8, maxnreg=64)
+                            dict(WINDOW=128, TOPK=512, SEGMENT=topk.SEGMENT), num_warps=8, maxnreg=64)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU test_row_pass_launches_keep_the_selection compiles them for real")
 @pytest.mark.parametrize("kernel", ["_maxima_kernel", "_candidates_kernel"])
-@pytest.mark.parametrize("chunk, warps, stages", [(1024, 4, 3), (512, 4, 1), (2048, 8, 2)])
-def test_the_row_passes_compile_in_chunks(kernel, chunk, warps, stages):
-    """The chunked loops bench.kernels times (topk.ROW_PASS_LAUNCHES), pipelined or not."""
+@pytest.mark.parametrize("warps, stages", [(4, 3), (2, 1), (8, 2)])
+def test_the_row_passes_compile_at_every_timed_launch(kernel, warps, stages):
+    """The launches bench.kernels times (topk.ROW_PASS_LAUNCHES' warps and stages) at the deployed segment."""
     signature, _ = _KERNELS[kernel]
-    done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature),
-                            dict(WINDOW=128, TOPK=512, GROUP=64, SEGMENT=4096, CHUNK=chunk)
-                            if kernel == "_maxima_kernel" else dict(WINDOW=128, TOPK=512, SEGMENT=4096, CHUNK=chunk),
+    group = {"GROUP": 64} if kernel == "_maxima_kernel" else {}
+    constants = dict(WINDOW=128, TOPK=512, SEGMENT=topk.SEGMENT, **group)
+    done = compile_for_sm90("runtime.kernels.triton.topk", kernel, dict(signature), constants,
                             num_warps=warps, num_stages=stages)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
@@ -574,3 +568,12 @@ def test_the_indexer_with_the_selections_group_maxima_compiles_for_the_gpu():
     128-lane fp8 keys, through sm_90's compiler: the group max reshapes a block the MMA laid out."""
     done = _compile_indexer_fp8(128, maxima=True)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_row_pass_launch_refuses_a_knob_it_does_not_have():
+    """The walk in chunks was removed (thirty-first session): a sweep still asking for it must fail, not run the
+    whole segment under a name that says otherwise."""
+    with pytest.raises(ValueError, match=r"candidates pass: unknown launch knobs \['chunk'\]"):
+        topk.row_pass_launch("candidates", {"chunk": 512, "warps": 4})
+    assert topk.row_pass_launch("maxima", {"stages": 1}) == {
+        "num_warps": topk.ROW_PASS_LAUNCHES["maxima"]["warps"], "num_stages": 1}

@@ -493,7 +493,15 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
     fused = gate_up["FUSED_SPLITS"]
     if INTERPRETED:
         warps, stages = 4, 1
-    act = torch.empty(num_rows, inter, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
+    act_dtype = torch.bfloat16 if fp8 else x.dtype
+    quantize_partials = split_k > 1 and not fused and fp8 and FUSED_ACT_QUANT
+    if quantize_partials and out.dtype == act_dtype:
+        # Gate/up writes only its partials here and the launch adding them writes the fp8 act, so no bf16 act is
+        # ever stored: gate/up is handed `out` (written by down after it) for the pointer it never writes, of the
+        # act's dtype so the compiled kernel is the same one.
+        act = out
+    else:
+        act = torch.empty(num_rows, inter, dtype=act_dtype, device=x.device)
     precision = _precision(x.dtype)
     dummy = x_scale if fp8 else x  # never read when FP8 is off
     k_chunk = triton.cdiv(triton.cdiv(hidden, split_k), BLOCK_K) * BLOCK_K
@@ -508,7 +516,7 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
         FP8=fp8, ROUTING=routing, SPLIT_K=split_k, FUSED_SPLITS=fused, PRECISION=precision, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
     act_scale = None
-    if split_k > 1 and not fused and fp8 and FUSED_ACT_QUANT:
+    if quantize_partials:
         act = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device=x.device)
         act_scale = torch.empty(num_rows, triton.cdiv(inter, FP8_GROUP), dtype=torch.float32, device=x.device)
         _split_act_quant_kernel[(num_rows, act_scale.shape[1])](

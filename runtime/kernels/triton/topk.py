@@ -132,28 +132,15 @@ def store_group_maxima(vals, start, last, width, maxima_row, N: tl.constexpr, GR
 
 @triton.jit
 def _maxima_kernel(scores_ptr, pos_ptr, maxima_ptr, width, stride_s, stride_maxima,
-                   WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr,
-                   CHUNK: tl.constexpr):
-    """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions,
-    CHUNK positions (a multiple of GROUP dividing SEGMENT) a step: the same maxima whatever CHUNK is."""
+                   WINDOW: tl.constexpr, TOPK: tl.constexpr, GROUP: tl.constexpr, SEGMENT: tl.constexpr):
+    """Pass 1, one program per SEGMENT positions of a row: the maximum key of every GROUP positions."""
     row = tl.program_id(0).to(tl.int64)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:  # rows with at most TOPK candidates take positions [0, TOPK) (_finish_kernel)
-        s_row = scores_ptr + row * stride_s
-        maxima_row = maxima_ptr + row * stride_maxima
         first = tl.program_id(1) * SEGMENT
-        if CHUNK == SEGMENT:  # straight-line code, no loop for the compiler to pipeline
-            _maxima_step(s_row, maxima_row, first, width, last, CHUNK, GROUP)
-        else:  # steps wholly past the row's width would store nothing: the loop stops at the width
-            for start in range(first, tl.minimum(first + SEGMENT, width), CHUNK):
-                _maxima_step(s_row, maxima_row, start, width, last, CHUNK, GROUP)
-
-
-@triton.jit
-def _maxima_step(s_row, maxima_row, start, width, last, CHUNK: tl.constexpr, GROUP: tl.constexpr):
-    cols = start + tl.arange(0, CHUNK)
-    scores = tl.load(s_row + cols, mask=cols < width, other=float("-inf"))
-    store_group_maxima(scores, start, last, width, maxima_row, CHUNK, GROUP)
+        cols = first + tl.arange(0, SEGMENT)
+        scores = tl.load(scores_ptr + row * stride_s + cols, mask=cols < width, other=float("-inf"))
+        store_group_maxima(scores, first, last, width, maxima_ptr + row * stride_maxima, SEGMENT, GROUP)
 
 
 @triton.jit
@@ -171,46 +158,24 @@ def _bound_kernel(maxima_ptr, pos_ptr, bound_ptr, n_groups, stride_maxima,
 
 @triton.jit
 def _candidates_kernel(scores_ptr, pos_ptr, bound_ptr, scratch_ptr, counts_ptr, width, stride_s, stride_scratch,
-                       stride_counts, WINDOW: tl.constexpr, TOPK: tl.constexpr, SEGMENT: tl.constexpr,
-                       CHUNK: tl.constexpr):
+                       stride_counts, WINDOW: tl.constexpr, TOPK: tl.constexpr, SEGMENT: tl.constexpr):
     """Pass 2, one program per SEGMENT positions of a row: the elements at or above the row's bound,
     in position order, at the start of the segment's own stretch of the scratch row; how many, and
-    how many lie strictly above the bound. The segment is read CHUNK positions a step (CHUNK divides
-    SEGMENT), each step's candidates stored after the previous steps': the same stretch and counts
-    whatever CHUNK is; a smaller chunk holds fewer registers, so more programs share an SM."""
+    how many lie strictly above the bound."""
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
     last = tl.load(pos_ptr + row).to(tl.int64) - WINDOW
     if last + 1 > TOPK:
         bound = tl.load(bound_ptr + row)
-        s_row = scores_ptr + row * stride_s
+        cols = segment * SEGMENT + tl.arange(0, SEGMENT)
+        inside = cols < width
+        key = order_key(tl.load(scores_ptr + row * stride_s + cols, mask=inside, other=float("-inf")), cols, last)
+        cand = inside & (key >= bound)
         scratch = scratch_ptr + row * stride_scratch + segment * SEGMENT
-        first = segment * SEGMENT
-        if CHUNK == SEGMENT:  # straight-line code, no loop for the compiler to pipeline
-            n_cand, n_above = _candidates_step(s_row, scratch, 0, first, width, last, bound, CHUNK)
-        else:
-            n_cand = 0
-            n_above = 0
-            # Steps wholly past the row's width would find nothing: the loop stops at the width.
-            for start in range(first, tl.minimum(first + SEGMENT, width), CHUNK):
-                found, above = _candidates_step(s_row, scratch, n_cand, start, width, last, bound, CHUNK)
-                n_cand += found
-                n_above += above
+        tl.store(scratch + _exclusive_cumsum(cand), pack_key_position(key, cols), mask=cand)
         counts = counts_ptr + row * stride_counts + 2 * segment
-        tl.store(counts, n_cand)
-        tl.store(counts + 1, n_above)
-
-
-@triton.jit
-def _candidates_step(s_row, scratch, stored, start, width, last, bound, CHUNK: tl.constexpr):
-    """The candidates among positions [start, start + CHUNK), stored in position order from scratch[stored];
-    how many, and how many lie strictly above the bound."""
-    cols = start + tl.arange(0, CHUNK)
-    inside = cols < width
-    key = order_key(tl.load(s_row + cols, mask=inside, other=float("-inf")), cols, last)
-    cand = inside & (key >= bound)
-    tl.store(scratch + stored + _exclusive_cumsum(cand), pack_key_position(key, cols), mask=cand)
-    return tl.sum(cand.to(tl.int32), 0), tl.sum((cand & (key > bound)).to(tl.int32), 0)
+        tl.store(counts, tl.sum(cand.to(tl.int32), 0))
+        tl.store(counts + 1, tl.sum((cand & (key > bound)).to(tl.int32), 0))
 
 
 @triton.jit
@@ -363,18 +328,20 @@ REGISTER_CAPS: dict[str, int | None] = {"maxima": None, "bound": None, "candidat
 # selection took 47.6 against 46.9 us on the H100 and 47.3 against 47.1 on the H200 (bench.kernels,
 # twenty-eighth and twenty-ninth sessions): in a graph the launch costs little, and the last program of a
 # row then selects alone where the bound launch runs every row's select side by side.
-# The two passes over the row (pass 1's maxima, pass 2's candidates): `chunk` positions read a step of each
-# program's loop over its segment (None: the whole segment in one step, as before the loop), `warps` a program,
-# `stages` the loop's software pipelining (None: Triton's default). Every choice gives the same maxima, stretches
-# and counts. Why they were tried: in one step of 4,096 positions in 8 warps the candidates pass held 128
-# registers a thread (above), so 2 programs shared an SM, each reading its 16 KB, then computing, with nothing
-# else in flight: at B=64, 64K it took 20.6 us to read 16.8 MB (~4 us of the H200's bandwidth); pass 1 took 7.8.
-# Timed on the H100 (thirtieth session, B=64, 64K, segments of 2,048, bench.kernels' row-pass sweep): candidates
-# pass in 4 warps 43.2 us for the whole selection against 46.1 in 8 (2 warps over 512-position steps 44.0; steps
-# of 1,024 in 8 warps 51.5); pass 1 within 0.2 us every way; both in 4 warps 42.9.
+# The two passes over the row (pass 1's maxima, pass 2's candidates): `warps` a program and `stages` (None:
+# Triton's default); every choice gives the same maxima, stretches and counts. Why: a segment of 4,096 positions
+# in 8 warps held 128 registers a thread in the candidates pass (above), so 2 programs shared an SM, each
+# reading its 16 KB, then computing, with nothing else in flight: at B=64, 64K it took 20.6 us to read 16.8 MB
+# (~4 us of the H200's bandwidth). Timed on the H100 (thirtieth session, B=64, 64K, segments of 2,048,
+# bench.kernels' row-pass sweep): the whole selection with the candidates pass in 4 warps 43.2 us against 46.1
+# in 8; pass 1 within 0.2 us every way; both in 4 warps 42.9.
+# Tried and removed (thirty-first session): each program walking its segment in steps of 512 or 1,024 positions
+# (fewer registers a step). It lost or tied on the H100 twice, since 4 warps over the whole segment already let
+# more programs share an SM: candidates pass 45.7 us in 1,024-position steps and 43.4 in 512 (2 warps), against
+# 41.7 whole; pass 1 42.4 and 43.0 against 41.8.
 ROW_PASS_LAUNCHES: dict[str, dict[str, int | None]] = {
-    "maxima": {"chunk": None, "warps": 4, "stages": None},
-    "candidates": {"chunk": None, "warps": 4, "stages": None},
+    "maxima": {"warps": 4, "stages": None},
+    "candidates": {"warps": 4, "stages": None},
 }
 # The candidates' move finds each element's segment in a [GATHER, segments] comparison: this many cells
 # (about 64 a thread at 8 warps) bound the chunk, so long rows (many segments) move in smaller chunks.
@@ -394,15 +361,15 @@ RESIDENT_BOUND = True
 SEGMENT = 2048
 
 
-def row_pass_launch(name: str, given: dict[str, int | None] | None, group: int, segment: int) -> dict:
-    """The launch keywords of a pass over the row (`ROW_PASS_LAUNCHES[name]` updated by `given`): its CHUNK, a
-    power of two between the group and the segment, its warps and, if set, its stages."""
+def row_pass_launch(name: str, given: dict[str, int | None] | None = None) -> dict:
+    """The launch keywords of a pass over the row (`ROW_PASS_LAUNCHES[name]` updated by `given`): its warps and,
+    if set, its stages."""
     launch = {**ROW_PASS_LAUNCHES[name], **(given or {})}
-    chunk = min(max(launch["chunk"] or segment, group), segment)
-    if chunk & (chunk - 1):
-        raise ValueError(f"{name} chunk {launch['chunk']} is not a power of two")
+    unknown = set(launch) - set(ROW_PASS_LAUNCHES[name])
+    if unknown:
+        raise ValueError(f"{name} pass: unknown launch knobs {sorted(unknown)} (known: warps, stages)")
     stages = {} if launch["stages"] is None else {"num_stages": launch["stages"]}
-    return {"CHUNK": chunk, "num_warps": launch["warps"], **stages}
+    return {"num_warps": launch["warps"], **stages}
 
 
 def group_size(width: int, topk: int, group: int | None = None) -> int:
@@ -435,7 +402,7 @@ def select_slots(scores: torch.Tensor, positions: torch.Tensor, window: int, top
     maxima: pass 1's group maxima [B, ceil(L / group)], already computed (the indexer's logits kernel
     writes them beside the logits: indexer.GroupMaxima): its launch is skipped. `group` must be theirs.
     register_caps: each launch's register cap by name (`REGISTER_CAPS` by default): the same output.
-    row_pass_launches: "maxima" and / or "candidates": that pass's chunk, warps and stages over
+    row_pass_launches: "maxima" and / or "candidates": that pass's warps and stages over
     `ROW_PASS_LAUNCHES`' (missing keys keep theirs): the same output.
     resident_bound: the bound's select holds the maxima in registers (`RESIDENT_BOUND` by default; rows of
     at most its block of maxima): the same output."""
@@ -494,7 +461,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
         if (SORT_FINISH and not INTERPRETED if sort_finish is None else sort_finish) else 0
     caps = {**REGISTER_CAPS, **(register_caps or {})}
     resident = RESIDENT_BOUND if resident_bound is None else resident_bound
-    passes = {name: row_pass_launch(name, (row_pass_launches or {}).get(name), group, segment)
+    passes = {name: row_pass_launch(name, (row_pass_launches or {}).get(name))
               for name in ROW_PASS_LAUNCHES}
     # The passes over the row run SEGMENT positions a program, so a row is spread over the GPU; the
     # selects over ~1024 maxima and ~k candidates and the sort need the whole row: one program each.
