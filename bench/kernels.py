@@ -113,19 +113,22 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
         w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
         w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
         fp8 = moe.quantize_packed(moe.PackedMoE(w13, w2))
-        # name: (weights, moe.FUSED_ACT_QUANT). The act_quant row is the fp8 path with the SiLU-and-mul output
-        # quantized by the launch that adds the split partials (split-K only), checked for the fp8 row's bits.
-        variants = {"bf16": (moe.PackedMoE(w13, w2), False), "fp8_w8a8": (fp8, False),
-                    "fp8_w8a8_act_quant": (fp8, True)}
+        # name: (weights, moe switches set for the row). bf16 and fp8_w8a8 run as deployed; the other fp8 rows
+        # (the deployment's split only) put a quantize launch back: the tokens' (x_launch), or the tokens' and
+        # the SiLU-and-mul output's (unfused, the path before moe.FUSED_X_QUANT and FUSED_ACT_QUANT), each
+        # checked for the fp8_w8a8 row's bits.
+        variants = {"bf16": (moe.PackedMoE(w13, w2), {}), "fp8_w8a8": (fp8, {}),
+                    "fp8_w8a8_x_launch": (fp8, {"FUSED_X_QUANT": False}),
+                    "fp8_w8a8_unfused": (fp8, {"FUSED_X_QUANT": False, "FUSED_ACT_QUANT": False})}
         for batch in BATCHES:
             inputs = [(torch.randn(batch, hidden, generator=gen).to(torch.bfloat16).cuda(),
                        *_routing(gen, batch, experts, top_k))
                       for _ in range(CALLS_PER_GRAPH)]
             bf16_us, fp8_out = {}, {}
             default_split = moe.gate_up_splits(hidden, inter)
-            for (name, (packed, act_quant)), split in [(v, sp) for v in variants.items()
-                                                       for sp in sorted({1, default_split})]:
-                if act_quant and split == 1:  # the switch needs the partials' own launch
+            for (name, (packed, switches)), split in [(v, sp) for v in variants.items()
+                                                      for sp in sorted({1, default_split})]:
+                if switches and split != default_split:
                     continue
                 expert_bytes = 3 * inter * hidden * (1 if packed.fp8 else 2)
                 if packed.fp8:
@@ -133,17 +136,17 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
                 bytes_moved = touched_experts(experts, top_k, batch) * expert_bytes + 2 * batch * hidden * 2
                 flops = 2 * batch * top_k * 3 * inter * hidden
                 best_cfg, best_us = moe.moe_config(experts, inter, packed.fp8, batch), None
-                run = lambda x, i, w, c, split=split, packed=packed, act_quant=act_quant: _fused_moe_act_quant(  # noqa: E731
-                    act_quant, x, packed, w, i, config=c, split_k=split)
+                run = lambda x, i, w, c, split=split, packed=packed, switches=switches: _fused_moe_with(  # noqa: E731
+                    switches, x, packed, w, i, config=c, split_k=split)
                 same_bits = None
-                if packed.fp8:  # the act_quant row runs after the fp8 row of its split: its bits must be those
+                if packed.fp8:  # the other fp8 rows run after the fp8_w8a8 row of their split: its bits they must give
                     x0, ids0, w0 = inputs[0]
                     out0 = run(x0, ids0, w0, best_cfg).clone()
-                    if act_quant:
+                    if switches:
                         same_bits = bool(torch.equal(out0, fp8_out[split]))
                     else:
                         fp8_out[split] = out0
-                if tune and not act_quant and split == default_split:  # the deployment's split only: it is what
+                if tune and not switches and split == default_split:  # the deployment's split only: it is what
                     x0, ids0, w0 = inputs[0]                                # the config file serves
                     want = run(x0, ids0, w0, moe.DEFAULT_CONFIG)
                     for cfg in MOE_CANDIDATES:
@@ -172,7 +175,7 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
                                  speedup_vs_torch=torch_us / us if torch_us else None,
                                  speedup_vs_bf16=bf16_us[split] / us if name != "bf16" else None, config=best_cfg,
                                  same_bits_as_fp8=same_bits))
-                if vs is not None and split == default_split and not act_quant:  # the deployment's split, same inputs
+                if vs is not None and split == default_split and not switches:  # as deployed, same inputs
                     vs.moe(rows[-1], packed, inputs, best_cfg, split, reference=(
                         lambda x, i, w, w13=w13, w2=w2: _torch_moe(x, w13, w2, i, w)) if name == "bf16" else None)
                 print(json.dumps(rows[-1]), flush=True)
@@ -180,14 +183,17 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
         torch.cuda.empty_cache()
 
 
-def _fused_moe_act_quant(act_quant: bool, *args, **kwargs) -> torch.Tensor:
-    """moe.fused_moe with moe.FUSED_ACT_QUANT set for this call (a graph captures the launches it makes)."""
-    saved = moe.FUSED_ACT_QUANT
-    moe.FUSED_ACT_QUANT = act_quant
+def _fused_moe_with(switches: dict[str, bool], *args, **kwargs) -> torch.Tensor:
+    """moe.fused_moe with moe's `switches` (e.g. FUSED_X_QUANT) set for this call (a graph captures the launches
+    it makes)."""
+    saved = {name: getattr(moe, name) for name in switches}
+    for name, value in switches.items():
+        setattr(moe, name, value)
     try:
         return moe.fused_moe(*args, **kwargs)
     finally:
-        moe.FUSED_ACT_QUANT = saved
+        for name, value in saved.items():
+            setattr(moe, name, value)
 
 
 # ---------------------------------------------------------------- sparse MLA decode
