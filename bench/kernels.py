@@ -113,13 +113,11 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
         w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
         w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
         fp8 = moe.quantize_packed(moe.PackedMoE(w13, w2))
-        # name: (weights, moe switches set for the row). bf16 and fp8_w8a8 run as deployed; the other fp8 rows
-        # (the deployment's split only) put a quantize launch back: the tokens' (x_launch), or the tokens' and
-        # the SiLU-and-mul output's (unfused, the path before moe.FUSED_X_QUANT and FUSED_ACT_QUANT), each
-        # checked for the fp8_w8a8 row's bits.
+        # name: (weights, moe switches set for the row). bf16 and fp8_w8a8 run as deployed; the act_launch row
+        # (the deployment's split only) puts the SiLU-and-mul output's quantize launch back (moe.FUSED_ACT_QUANT
+        # off), checked for the fp8_w8a8 row's bits.
         variants = {"bf16": (moe.PackedMoE(w13, w2), {}), "fp8_w8a8": (fp8, {}),
-                    "fp8_w8a8_x_launch": (fp8, {"FUSED_X_QUANT": False}),
-                    "fp8_w8a8_unfused": (fp8, {"FUSED_X_QUANT": False, "FUSED_ACT_QUANT": False})}
+                    "fp8_w8a8_act_launch": (fp8, {"FUSED_ACT_QUANT": False})}
         for batch in BATCHES:
             inputs = [(torch.randn(batch, hidden, generator=gen).to(torch.bfloat16).cuda(),
                        *_routing(gen, batch, experts, top_k))
@@ -184,7 +182,7 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
 
 
 def _fused_moe_with(switches: dict[str, bool], *args, **kwargs) -> torch.Tensor:
-    """moe.fused_moe with moe's `switches` (e.g. FUSED_X_QUANT) set for this call (a graph captures the launches
+    """moe.fused_moe with moe's `switches` (e.g. FUSED_ACT_QUANT) set for this call (a graph captures the launches
     it makes)."""
     saved = {name: getattr(moe, name) for name in switches}
     for name, value in switches.items():

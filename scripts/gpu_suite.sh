@@ -80,11 +80,10 @@ want bench_indexer && section bench_indexer "${KERNELS_TIMEOUT:-200}" $PY -m ben
 # The selection's defaults against the launch before them, same inputs and outputs (bench.kernels --only select).
 want bench_select && section bench_select "${BENCH_TIMEOUT:-90}" $PY -m bench.kernels --json "$OUT/kernels_select.json" \
     --only select
-# The fp8 MoE with the tokens quantized by gate/up (moe.FUSED_X_QUANT) and the SiLU-and-mul output by the launch
-# that adds the split partials
-# (moe.FUSED_ACT_QUANT), issue 15 item 5: their bits against the quantize launches', with the fp8 kernel tests.
+# The fp8 MoE with the SiLU-and-mul output quantized by the launch that adds the split partials
+# (moe.FUSED_ACT_QUANT, issue 15 item 5): its bits against the two launches', with the fp8 kernel tests.
 want moe_fp8_tests && section moe_fp8_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
-    -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_moe_fused_act_quant.py tests/kernels/test_moe_fused_x_quant.py tests/kernels/test_triton_kernels.py -k "fp8 or quant"
+    -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_moe_fused_act_quant.py tests/kernels/test_triton_kernels.py -k "fp8 or act_quant"
 # The fused MoE bench alone (bf16 and fp8 at I = 256 / 512 / 2,048; no SGLang wheel, unlike bench_kernels_vs).
 want bench_moe && section bench_moe "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_moe.json" \
     --only moe --batches "${MOE_BATCHES:-1,8,32,64,128}"

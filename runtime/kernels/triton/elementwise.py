@@ -38,22 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 def quantize_group(x, FP8_MAX: tl.constexpr):
     """One token's 128 channels, float32 (zeros past the width) -> (e4m3 range values, their scale). The one
     formula of every activation quantization (quantize_groups, and kernels that quantize what they computed)."""
-    scale = group_scale(tl.max(tl.abs(x), axis=0), FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
     return tl.clamp(x / scale, -FP8_MAX, FP8_MAX), scale
-
-
-@triton.jit
-def quantize_rows(x, FP8_MAX: tl.constexpr):
-    """quantize_group for a block of tokens [rows, 128] at once -> (values [rows, 128], scales [rows]): a row's
-    maximum is exact in any order, and the rest is quantize_group's elementwise formula, so each row gets its
-    bits."""
-    scale = group_scale(tl.max(tl.abs(x), axis=1), FP8_MAX)
-    return tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX), scale
-
-
-@triton.jit
-def group_scale(amax, FP8_MAX: tl.constexpr):
-    return tl.maximum(amax, 1e-12) / FP8_MAX
 
 
 @triton.jit

@@ -16,10 +16,9 @@ own (column tiles walked per program: `down_launch`); neither touches an output'
 combine sums a token's K expert outputs in rank order, then adds the shared expert.
 
 fp8 path: weights e4m3 with one float32 scale per 128x128 block ([E, N/128, K/128]), activations
-quantized per token per 128 channels on the fly, always by quantize_group's formula: the tokens by gate/up as
-it loads them (FUSED_X_QUANT; quantize_groups otherwise), and with split-K gate/up the SiLU-and-mul output by the
-launch that adds the partials (FUSED_ACT_QUANT). BLOCK_K is the block size, so each K step applies one
-activation scale per row and one weight scale per column.
+quantized per token per 128 channels on the fly (quantize_groups; with split-K gate/up, the launch that adds
+the partials quantizes the SiLU-and-mul output itself: FUSED_ACT_QUANT); BLOCK_K is the block size, so
+each K step applies one activation scale per row and one weight scale per column.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from runtime.kernels.triton.elementwise import (
     FP8_MAX,
     quantize_group,
     quantize_groups,
-    quantize_rows,
     quantize_weight_blocks,
 )
 
@@ -60,14 +58,13 @@ BUCKET_LAUNCHES = True
 # fp8_w8a8_act_quant row, no shared expert): 0.9-2.3 us faster at every batch size at I = 256 and 512, e.g.
 # I=256 bs 8 78.6 against 80.6 us, I=512 bs 1 26.5 against 28.3; same bits at every point.
 FUSED_ACT_QUANT = True
+# Tried and removed (thirty-first session): gate/up quantizing the tokens it loads, each BLOCK_K step's 128 channels
+# of its rows in registers by quantize_group's formula, in place of the quantize_groups launch before the MoE. The
+# same bits, one launch fewer, but slower wherever the loop is long: the step's row maxima and divisions sit between
+# the loads and the MMA of a pipelined loop, and every N-tile program redoes them. H100, fp8, as deployed otherwise:
+# I=256 bs 8 82.1 against 76.0 us, bs 128 304.9 against 298.8; I=2048 bs 8 425.0 against 399.9; equal only at bs 1.
 # What the fused launch rounds the act to before quantizing it: the act buffer's dtype on the fp8 path.
 ACT_ROUNDING = tl.constexpr(tl.bfloat16)
-# fp8: gate/up quantizes the tokens it loads itself, each BLOCK_K step's 128 channels of its rows in registers
-# (quantize_rows: quantize_group's formula), in place of a quantize_groups launch before the MoE and the e4m3
-# tokens and scales through memory: the same bits, one launch a layer fewer (issue 15 item 5: "quantize the
-# activation once per layer, scales in registers"). Every gate/up program of a row block requantizes its rows
-# (one max and a division per element against a 128 x BLOCK_N MMA): the tokens are a few KB, read from L2.
-FUSED_X_QUANT = True
 
 
 @dataclass(frozen=True)
@@ -252,10 +249,8 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
                     stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
                     part_ptr, k_chunk,
                     FP8: tl.constexpr, ROUTING: tl.constexpr, SPLIT_K: tl.constexpr, FUSED_SPLITS: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr):
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # act[r, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, I + n]) for the rows r of this tile.
-    # QUANT_X (FP8 only): x is the 16-bit tokens, quantized here a BLOCK_K step at a time (FUSED_X_QUANT).
     # ROUTING: ALIGNED (tiles from align_tokens), DENSE (one expert, the shared one, for every row in
     # order) or PER_ROW (tile m = routed row m alone, expert ids[m]: small batches skip the alignment).
     # SPLIT_K > 1: this program sums D over [pid_k * k_chunk, +k_chunk) and writes float32 partials
@@ -282,7 +277,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
                                               offs_n, n_ok, split * k_chunk,
                                               tl.minimum(hidden, (split + 1) * k_chunk), inter, stride_x,
                                               stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8,
-                                              PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, QUANT_X, FP8_MAX)
+                                              PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
             total_gate += acc_gate
             total_up += acc_up
         act = total_gate * tl.sigmoid(total_gate) * total_up
@@ -292,7 +287,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
     acc_gate, acc_up = _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok, offs_n, n_ok,
                                       pid_k * k_chunk, tl.minimum(hidden, (pid_k + 1) * k_chunk), inter, stride_x,
                                       stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8, PRECISION,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, QUANT_X, FP8_MAX)
+                                      BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_K == 1:
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up
         out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
@@ -306,8 +301,7 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows
 @triton.jit
 def _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok, offs_n, n_ok, k_start, k_end,
                    inter, stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr):
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The gate and up float32 sums of a tile's rows over D in [k_start, k_end), from zero, in BLOCK_K steps."""
     w_gate = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
     w_up = w_gate + inter * stride_wn
@@ -322,11 +316,7 @@ def _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_o
         b_gate = tl.load(w_gate + offs_k[:, None], mask=b_mask, other=0.0)
         b_up = tl.load(w_up + offs_k[:, None], mask=b_mask, other=0.0)
         if FP8:
-            if QUANT_X:  # the step's 128 channels are one quantization group (BLOCK_K == FP8_GROUP)
-                a, a_s = quantize_rows(a.to(tl.float32), FP8_MAX)
-                a = a.to(b_gate.dtype)
-            else:
-                a_s = tl.load(x_scale_ptr + tokens * stride_xs + k0 // BLOCK_K, mask=row_ok, other=0.0)
+            a_s = tl.load(x_scale_ptr + tokens * stride_xs + k0 // BLOCK_K, mask=row_ok, other=0.0)
             s_base = w_scale_ptr + expert * stride_wse + k0 // BLOCK_K
             s_gate = tl.load(s_base + (offs_n // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
             s_up = tl.load(s_base + ((offs_n + inter) // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
@@ -510,8 +500,7 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
         warps, stages = 4, 1
     quantize_partials = split_k > 1 and not fused and fp8 and FUSED_ACT_QUANT
     precision = _precision(x.dtype)
-    quant_x = fp8 and x_scale is None  # the 16-bit tokens, quantized by gate/up (FUSED_X_QUANT)
-    dummy = x if x_scale is None else x_scale  # never read without a scale
+    dummy = x_scale if fp8 else x  # never read when FP8 is off
     k_chunk = triton.cdiv(triton.cdiv(hidden, split_k), BLOCK_K) * BLOCK_K
     part = None
     if split_k > 1 and not fused:
@@ -526,10 +515,10 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n), 1 if fused else split_k)](
         x, dummy, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_expert,
         num_rows, top_k, hidden, inter,
-        x.stride(0), 0 if x_scale is None else x_scale.stride(0), w13.stride(0), w13.stride(1),
+        x.stride(0), x_scale.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1),
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0), part, k_chunk,
         FP8=fp8, ROUTING=routing, SPLIT_K=split_k, FUSED_SPLITS=fused, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=BLOCK_K, QUANT_X=quant_x, FP8_MAX=FP8_MAX, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
     act_scale = None
     if quantize_partials:
         act = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device=x.device)
@@ -572,7 +561,7 @@ def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, t
         return out
     config = config or moe_config(num_experts, inter, weights.fp8, num_tokens)
     split_k = split_k or gate_up_splits(hidden, inter)
-    x_in, x_scale = quantize_groups(x) if weights.fp8 and not FUSED_X_QUANT else (x, None)
+    x_in, x_scale = quantize_groups(x) if weights.fp8 else (x, None)
     if num_tokens * top_k <= PER_ROW_MAX_ROWS:
         if alignment is not None:
             raise ValueError(f"alignment given for {num_tokens * top_k} routed rows: the per-row path "
