@@ -38,9 +38,13 @@ from runtime.kernels.triton.configs import config_file_name
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
 CALLS_PER_GRAPH = 6
 # Only BLOCK_N, warps and stages vary (moe.py: BLOCK_M and BLOCK_K fix a row's reduction order).
+# Deeper pipelines (5-6 stages) since the thirty-first session: an fp8 step moves half a bf16 step's bytes, so a
+# program needs more steps in flight to keep as many bytes on the way (fp8 reached 56-72% of the read roofline at
+# bs 8 on the H100, bf16 79-87%).
 MOE_CANDIDATES = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
                   ((16, 4, 4), (32, 4, 4), (32, 4, 2), (32, 2, 4), (64, 4, 4), (64, 4, 3), (64, 8, 3),
-                   (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))]
+                   (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3),
+                   (32, 4, 6), (32, 2, 6), (64, 4, 5), (64, 4, 6), (128, 4, 4), (128, 4, 5))]
 
 
 def graph_us(calls, reps: int = 15) -> float:
