@@ -1,11 +1,11 @@
-"""`python -m canary <command>`: golden record/check, bisect and the fault matrix."""
+"""`python -m canary <command>`: golden record/check, bisect, the fault matrix and an A/B baseline server."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from canary.cli import bisect
+from canary.cli import baseline_server, bisect
 from canary.cli import faults as faults_cli
 from canary.cli import golden as golden_cli
 
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     golden_cli.add_parser(sub)
     bisect.add_parser(sub)
     faults_cli.add_parser(sub)
+    baseline_server.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

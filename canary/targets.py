@@ -127,7 +127,8 @@ def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[st
                     host: str | None = None, max_running: int | None = 128, num_pages: int | None = 8192,
                     env: dict[str, str] | None = None, log_dir: Path | None = None,
                     startup_timeout_s: float = 120.0, port: int | None = None,
-                    cpus: Collection[int] | None = None) -> Iterator[Target]:
+                    cpus: Collection[int] | None = None, tree: Path | None = None,
+                    python: str | None = None) -> Iterator[Target]:
     """Start `python -m runtime.serve --model MODEL ARGS` on a free loopback port; stop it (and its
     children) on exit. Stdout and stderr both go to `Target.log_path`.
 
@@ -136,9 +137,10 @@ def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[st
     free one (a PD side restarted in place passes its old one). `cpus` pins the server, every thread of
     it, to those CPUs (`pinned_command`); None leaves it to the scheduler. The default pool holds every
     session's whole context at once (80 sessions x a few hundred tokens): a smaller pool would turn
-    the gate into a preemption benchmark."""
+    the gate into a preemption benchmark. `tree`: another checkout whose runtime (and relative model path)
+    to start, under `python` (default: this interpreter), for an A/B baseline (canary.cli.baseline_server)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "runtime.serve", "--model", model, "--port", str(port)]
+    cmd = [python or sys.executable, "-m", "runtime.serve", "--model", model, "--port", str(port)]
     for flag, value in (("--host", host), ("--max-running", max_running), ("--num-pages", num_pages)):
         if value is not None:
             cmd += [flag, str(value)]
@@ -153,13 +155,16 @@ def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[st
     # One torch thread for the engine: the harness (HTTP client, oracles) needs the other core, and
     # two torch threads fighting a busy client thrash (docs/results.md, "one engine thread").
     full_env = {**os.environ, "DSV4_NUM_THREADS": os.environ.get("DSV4_NUM_THREADS", "1"), **(env or {})}
+    if tree is not None:  # the other checkout's packages first (`-m` puts its cwd first too)
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), full_env.get("PYTHONPATH")]))
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env,
+                                cwd=tree)
     root = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(root, proc, startup_timeout_s, log_path)
         yield Target(f"embedded:{Path(model).name}{'+' + '+'.join(faults) if faults else ''}", root + "/v1",
-                     Path(model).name if Path(model).exists() else model, True,
+                     Path(model).name if Path(tree or ".", model).exists() else model, True,
                      api_key=api_key_in(args) or "EMPTY", log_path=log_path, pid=proc.pid)
     finally:
         _stop(proc)

@@ -175,16 +175,15 @@ fi
 if want gate_ab_tree; then
     AB_PORT=${AB_PORT:-18431}
     ab_cpus=${AB_SERVER_CPUS-$([ "$(nproc)" -ge 8 ] && echo 4,5)}
-    pin_baseline=(); pin_candidate=()
-    [ -n "$ab_cpus" ] && pin_baseline=(taskset -c "$ab_cpus") && pin_candidate=(--server-cpus "$ab_cpus")
-    ab_py=$(realpath -s "$(command -v "$PY")")  # the same interpreter, from the other tree's directory
-    (cd "${AB_TREE:?gate_ab_tree needs AB_TREE}" && DSV4_NUM_THREADS=1 setsid "${pin_baseline[@]}" "$ab_py" \
-        -m runtime.serve --model golden/models/canary-moe-v2 --port "$AB_PORT" --max-running 128 --num-pages 8192 \
-        --dtype float32 >"$OUT/ab_baseline_server.log" 2>&1 &)
+    pin=(); [ -n "$ab_cpus" ] && pin=(--server-cpus "$ab_cpus")
+    # The other tree's server as the gate starts its own (pool, threads, CPUs: canary.targets.embedded_server),
+    # with this interpreter (the device image's; the other tree has no .venv there).
+    setsid $PY -m canary baseline-server --tree "${AB_TREE:?gate_ab_tree needs AB_TREE}" --port "$AB_PORT" \
+        "${pin[@]}" --python "$(realpath -s "$(command -v "$PY")")" --log-dir "$OUT" -- --dtype "${GATE_DTYPE:-float32}" >"$OUT/ab_baseline_server.log" 2>&1 &
     $PY -c "from canary.targets import wait_healthy; wait_healthy('http://127.0.0.1:$AB_PORT', None, 120, None)"
-    section gate_ab_tree "${GATE_TIMEOUT:-300}" "${GATE[@]}" "${pin_candidate[@]}" \
+    section gate_ab_tree "${GATE_TIMEOUT:-300}" "${GATE[@]}" "${pin[@]}" \
         --baseline-url "http://127.0.0.1:$AB_PORT" --report-dir "$OUT/gate_ab"
-    pkill -f -- "--port $AB_PORT" || true
+    pkill -TERM -f -- "baseline-server --tree" || true
 fi
 # Where the gate's time goes, server and harness together (needs py-spy's wheel in .whl).
 want gate_profile && section gate_profile "${GATE_TIMEOUT:-300}" /tmp/site/bin/py-spy record --subprocesses --threads --rate 100 \
