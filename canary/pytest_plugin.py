@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,22 @@ def pytest_configure(config: pytest.Config) -> None:
         sampled_ratio=opt("sampled_ratio"), stop_ratio=opt("stop_ratio"), multibyte_ratio=opt("multibyte_ratio"),
         small_pool_pages=opt("small_pool_pages"), calibrate=opt("calibrate"), perf_workload=workload)
     config.stash[NOTES] = []
+    if not hasattr(config, "workerinput"):  # the main process (xdist stops its workers its own way)
+        unwind_on_sigterm()
+
+
+def unwind_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a CI job cancelled, a device call's limit) unwinds the run as Ctrl-C does, so fixtures
+    and `with embedded_server(...)` blocks stop the servers they started. By default Python dies at once, and those
+    servers, in process groups of their own, run on, holding their ports, CPUs and GPU memory for whatever runs
+    next. A second SIGTERM (a teardown that hangs) kills as before."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt(f"signal {signum}: stopping, servers first")
 
 
 def _server_cpus(spec: str | None, remote: bool, pd: bool) -> list[int] | None:

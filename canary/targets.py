@@ -183,6 +183,14 @@ def pinned_command(cmd: Sequence[str], cpus: Collection[int]) -> list[str]:
     return [sys.executable, "-c", _PIN_THEN_EXEC, ",".join(map(str, wanted)), *cmd]
 
 
+def alive(pid: int | None) -> bool:
+    """Whether process `pid` still runs (a child that exited stays a zombie until reaped: not alive)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def check_cpus(cpus: Collection[int]) -> list[int]:
     """`cpus`, sorted, once each; ValueError naming the CPUs this process may not give its children."""
     wanted = sorted(set(cpus))

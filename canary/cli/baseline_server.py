@@ -47,7 +47,7 @@ def interpreter(tree: Path, given: str | None) -> str:
 
 
 def command(args: argparse.Namespace) -> int:
-    from canary.targets import check_cpus, embedded_server, parse_cpu_list
+    from canary.targets import alive, check_cpus, embedded_server, parse_cpu_list
 
     tree = args.tree.resolve()
     if not (tree / "runtime" / "serve.py").is_file():
@@ -78,11 +78,3 @@ def command(args: argparse.Namespace) -> int:
                 return 1
     print("baseline server stopped", flush=True)
     return 0
-
-
-def alive(pid: int | None) -> bool:
-    """Whether process `pid` still runs (a child that exited stays a zombie until reaped: not alive)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from canary.cli.baseline_server import alive, interpreter
-from canary.targets import free_port
+from canary.cli.baseline_server import interpreter
+from canary.targets import alive, free_port
 from runtime.config import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from canary.oracles.logprob_close import Generation, check_logprobs_close
-from canary.targets import embedded_server
+from canary.targets import alive, embedded_server
 
 pytestmark = pytest.mark.e2e
 BODY = {"model": "tiny-random", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,
@@ -46,10 +46,7 @@ def wait_exited(pid: int, timeout_s: float = 30.0) -> bool:
     """True once `pid` is a zombie or gone (the launcher reaps it when its block ends)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except FileNotFoundError:
+        if not alive(pid):
             return True
         time.sleep(0.2)
     return False
