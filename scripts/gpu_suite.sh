@@ -179,11 +179,13 @@ if want gate_ab_tree; then
     # The other tree's server as the gate starts its own (pool, threads, CPUs: canary.targets.embedded_server),
     # with this interpreter (the device image's; the other tree has no .venv there).
     setsid $PY -m canary baseline-server --tree "${AB_TREE:?gate_ab_tree needs AB_TREE}" --port "$AB_PORT" \
-        "${pin[@]}" --python "$(realpath -s "$(command -v "$PY")")" --log-dir "$OUT" -- --dtype "${GATE_DTYPE:-float32}" >"$OUT/ab_baseline_server.log" 2>&1 &
+        "${pin[@]}" --python "$(realpath -s "$(command -v "$PY")")" --log-dir "$OUT" -- --dtype "${GATE_DTYPE:-float32}" \
+        >"$OUT/ab_baseline_server.log" 2>&1 &
+    ab_pid=$!  # setsid execs in place (a background job leads no group): this is the command itself
     $PY -c "from canary.targets import wait_healthy; wait_healthy('http://127.0.0.1:$AB_PORT', None, 120, None)"
     section gate_ab_tree "${GATE_TIMEOUT:-300}" "${GATE[@]}" "${pin[@]}" \
         --baseline-url "http://127.0.0.1:$AB_PORT" --report-dir "$OUT/gate_ab"
-    pkill -TERM -f -- "baseline-server --tree" || true
+    kill -TERM "$ab_pid" 2>/dev/null; wait "$ab_pid" 2>/dev/null  # it stops its server before it exits
 fi
 # Where the gate's time goes, server and harness together (needs py-spy's wheel in .whl).
 want gate_profile && section gate_profile "${GATE_TIMEOUT:-300}" /tmp/site/bin/py-spy record --subprocesses --threads --rate 100 \
