@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-DEFAULT_MODEL = "golden/models/canary-moe-v2"
+from runtime.config import DEFAULT_MODEL
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -67,14 +67,18 @@ def command(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # leave the context below, which stops the server
         signal.signal(sig, lambda *_: stop.set())
-    with embedded_server(args.model, serve_args, port=args.port, cpus=cpus, tree=tree,
-                         python=interpreter(tree, args.python), log_dir=args.log_dir,
-                         startup_timeout_s=args.startup_timeout) as target:
-        print(f"baseline server from {tree} at {target.root_url} (log {target.log_path})", flush=True)
-        while not stop.wait(1.0):
-            if not alive(target.pid):  # a server that died leaves no one to serve the A/B: say so, not hang
-                tail = target.log_path.read_text()[-2000:] if target.log_path else ""
-                print(f"error: the baseline server exited; its log ends:\n{tail}", file=sys.stderr)
-                return 1
+    try:
+        with embedded_server(args.model, serve_args, port=args.port, cpus=cpus, tree=tree,
+                             python=interpreter(tree, args.python), log_dir=args.log_dir,
+                             startup_timeout_s=args.startup_timeout) as target:
+            print(f"baseline server from {tree} at {target.root_url} (log {target.log_path})", flush=True)
+            while not stop.wait(1.0):
+                if not alive(target.pid):  # a server that died leaves no one to serve the A/B: say so, not hang
+                    tail = target.log_path.read_text()[-2000:] if target.log_path else ""
+                    print(f"error: the baseline server exited; its log ends:\n{tail}", file=sys.stderr)
+                    return 1
+    except (RuntimeError, TimeoutError) as exc:  # it never became healthy (its log's end is in the message)
+        print(f"error: the baseline server did not start: {exc}", file=sys.stderr)
+        return 1
     print("baseline server stopped", flush=True)
     return 0

@@ -78,6 +78,15 @@ def test_a_server_that_dies_ends_the_command_with_its_log(tmp_path):
     assert "the baseline server exited" in err
 
 
+def test_a_server_that_never_starts_ends_the_command_with_its_log(tmp_path):
+    """A runtime.serve argument the server refuses: it exits before /health answers."""
+    done = subprocess.run([sys.executable, "-m", "canary", "baseline-server", "--tree", str(ROOT), "--log-dir",
+                           str(tmp_path), "--", "--no-such-flag"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    assert "the baseline server did not start" in done.stderr and "--no-such-flag" in done.stderr
+
+
 @pytest.mark.parametrize("args, words", [
     (["--tree", "/"], "not a checkout of this project"),
     (["--tree", str(ROOT), "--model", "golden/models/no-such-model"], "not found in"),
