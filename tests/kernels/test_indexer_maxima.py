@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from runtime.kernels import cuda_torch
-from runtime.kernels.triton import INTERPRETED, elementwise, indexer, topk
+from runtime.kernels.triton import elementwise, indexer, topk
 from tests.kernels.test_indexer_topk import assert_prefix_invariant
 from tests.kernels.test_triton_kernels import DEVICE, DTYPES, ON_GPU, SEEDS, _indexer_case, poisoned
 
@@ -59,7 +59,7 @@ def fused_run(q, w, keys, table, lens, page_size, positions, window, k, group, k
 def pass_1(logits, positions, window, k, group) -> torch.Tensor:
     """topk._maxima_kernel's own output on a poisoned buffer, launched as selection_launches does."""
     rows, width = logits.shape
-    segment = max(64 if INTERPRETED else topk.SEGMENT, group)
+    segment = topk.segment_size(group)
     maxima = torch.full((rows, triton.cdiv(width, group)), POISON, dtype=torch.int64, device=DEVICE)
     topk._maxima_kernel[(rows, triton.cdiv(width, segment))](
         logits, positions.to(DEVICE), maxima, width, logits.stride(0), maxima.stride(0), WINDOW=window,

@@ -502,15 +502,13 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
     precision = _precision(x.dtype)
     dummy = x_scale if fp8 else x  # never read when FP8 is off
     k_chunk = triton.cdiv(triton.cdiv(hidden, split_k), BLOCK_K) * BLOCK_K
-    part = None
-    if split_k > 1 and not fused:
-        part = torch.empty(split_k, num_rows, 2 * inter, dtype=torch.float32, device=x.device)
-    if quantize_partials:
-        # Gate/up writes only its partials and the launch adding them writes the fp8 act: no bfloat16 act is ever
-        # stored, so gate/up is handed the partials for the act pointer it never writes (no allocation).
-        act = part
-    else:
-        act = torch.empty(num_rows, inter, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
+    # Split partials in their own launch: gate/up writes float32 partials, not the act. With the fused act quantize
+    # that launch writes the fp8 act itself, so no bfloat16 act is stored at all: gate/up is handed the partials for
+    # the act pointer it never writes. Without partials, `part` is never read (the act stands in).
+    part = torch.empty(split_k, num_rows, 2 * inter, dtype=torch.float32, device=x.device) \
+        if split_k > 1 and not fused else None
+    act = part if quantize_partials and part is not None else \
+        torch.empty(num_rows, inter, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
     part = act if part is None else part
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n), 1 if fused else split_k)](
         x, dummy, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_expert,

@@ -372,6 +372,12 @@ def row_pass_launch(name: str, given: dict[str, int | None] | None = None) -> di
     return {"num_warps": launch["warps"], **stages}
 
 
+def segment_size(group: int, segment: int | None = None) -> int:
+    """Positions a program of the passes over the row covers: `segment`, by default SEGMENT (the interpreter: 64),
+    and never less than a group (a maximum is one program's)."""
+    return max(segment or (64 if INTERPRETED else SEGMENT), group)
+
+
 def group_size(width: int, topk: int, group: int | None = None) -> int:
     """Positions per pass-1 maximum: a power of two leaving at least topk groups (the bound needs
     them), by default about max(1024, 2 * topk) groups (few candidates, a cheap select over the maxima)."""
@@ -441,7 +447,7 @@ def selection_launches(scores: torch.Tensor, positions: torch.Tensor, window: in
     assert width < 2**31
     scores, positions = scores.contiguous().float(), positions.contiguous()
     group = group_size(width, topk, group)
-    segment = max(segment or (64 if INTERPRETED else SEGMENT), group)
+    segment = segment_size(group, segment)
     assert segment & (segment - 1) == 0, f"segment {segment} is not a power of two"
     n_segments = triton.cdiv(width, segment)
     if scratch is None:
