@@ -628,7 +628,7 @@ def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=block_h,
                      BLOCK_S=64, BLOCK_G=128, BLOCK_R=64, NARROW=narrow, SPLITS=5, TAIL=False, BLOCK_ALL=1024,
-                     ROWSUM_MMA=mma_sums, FP8=False)
+                     ROWSUM_MMA=mma_sums)
     done = compile_for_sm90("runtime.kernels.triton.mla_grouped", "_sparse_mla_grouped_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=warps, num_stages=2,
                             enable_fp_fusion=False)

@@ -42,7 +42,6 @@ from runtime.kernels.triton.mla_blocks import (
     _row_sums_mma,
 )
 from runtime.kernels.triton.tickets import ticket_counters
-from runtime.kvcache import latent_fp8
 
 LOG2E = 1.4426950408889634
 # Programs that fill the device without spreading chunks; the interpreter's small value lets the
@@ -301,10 +300,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                       merge: str | None = None, v_split: int | None = None, narrow_partials: bool | None = None,
                       skip_tail: bool | None = None, rowsum_mma: bool | None = None, column_groups: int | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer), or the fp8 latent cache's rows
-    ([num_slots, bytes] uint8, runtime/kvcache/latent_fp8.py: read by the column-grouped kernel only, as the 16-bit
-    kernel on its dequantized rows); slots: [T, S] int32 slot ids of the selected positions, -1 = none (each row
-    needs >= 1). Returns [T, H, C] in q.dtype.
+    """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
+    selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
     num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
     block): default_launch's unless given (fix them per deployment, not per batch: they set a
     row's reduction order). narrow_partials: each chunk's unnormalized sum rounded to q's
@@ -355,11 +352,6 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     ticket = spread and merge == "ticket"
     stream = not spread and merge == "memory" and splits > 1
     rope_dim = width - latent_dim
-    fp8 = kv_cache.dtype == torch.uint8
-    if fp8 and kv_cache.shape[1] != latent_fp8.row_bytes(latent_dim, rope_dim, q.dtype):
-        want = latent_fp8.row_bytes(latent_dim, rope_dim, q.dtype)
-        raise ValueError(f"fp8 latent cache rows of {kv_cache.shape[1]} bytes for a {latent_dim} + {rope_dim} "
-                         f"{q.dtype} query: latent_fp8.row_bytes gives {want}")
     warps, stages = ((4, 1) if INTERPRETED else
                      (num_warps or launch["num_warps"], num_stages or launch["num_stages"]))
     part = stats = tickets = out  # unused unless spread
@@ -379,19 +371,14 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     if column_groups == mla_grouped.GROUPS and not runs_grouped:
         raise ValueError("column_groups=4 runs one column block, not merge='memory', and groups of >= 16 latent "
                          f"columns (latent {latent_dim})")
-    if fp8 and (not runs_grouped or column_groups == 1):
-        raise ValueError("the fp8 latent cache is read by the column-grouped kernel only (column_groups=4: one column "
-                         f"block, not merge='memory', groups of >= 16 latent columns; latent {latent_dim})")
     # A launch the grouped kernel does not run takes the ungrouped one: the same bits on the GPU.
-    groups = column_groups or (launch["column_groups"] if runs_grouped and not fp8 else 1)
-    if fp8:
-        groups = mla_grouped.GROUPS
+    groups = column_groups or (launch["column_groups"] if runs_grouped else 1)
     if groups == mla_grouped.GROUPS:
         mla_grouped.launch(head_blocks * (splits if spread else 1) * tokens, q, kv_cache, slots, out, part, stats,
                            tickets, heads, selected, blocks_per_chunk, scale * LOG2E, latent=latent_dim,
                            rope=rope_dim, spread=spread, ticket=ticket, precision=precision, block_h=block_h,
                            block_s=block_s, narrow=part_dtype != torch.float32, splits=splits, tail=skip_tail,
-                           rowsum_mma=rowsum_mma, warps=warps, stages=stages, fp8=fp8)
+                           rowsum_mma=rowsum_mma, warps=warps, stages=stages)
         if spread and not ticket:
             _merge(part, stats, out, tokens, heads, latent_dim, splits)
         return out

@@ -17,10 +17,6 @@ count; compiled as a launch specializes it, the ungrouped kernel spills ~0.2 KB 
 bench.kernel_resources, docs/results.md's twenty-sixth session. The grouping stays on its timings: 11-17%
 faster at every batch, the same bits.)
 
-With FP8 the cache rows are runtime/kvcache/latent_fp8.py's bytes: each column group of the latent is loaded as
-e4m3 and times its scale (exact: a power of two) into q's dtype, the rope part as stored; from there the kernel is the
-same, so its output is the 16-bit kernel's on the dequantized cache (GPU test).
-
 Modes (bits alike in both): spread (a program per chunk, its state to memory, folded by the last
 program's ticket or by attention._merge_kernel) and gathered (a program per query and head block,
 the chunks folded in registers). A third, the fold's A kept in a float32 tile in memory as each chunk
@@ -43,8 +39,6 @@ from runtime.kernels.triton.mla_blocks import (
 )
 
 GROUPS = 4
-# The fp8 row's scales (latent_fp8.SCALE_BYTES: GROUPS float32) sit between the latent and the rope part.
-FP8_SCALE_BYTES: tl.constexpr = tl.constexpr(4 * GROUPS)
 
 
 def block_g(latent: int) -> int:
@@ -66,28 +60,6 @@ def _load_groups(base, offs_g, rows_ok, LATENT: tl.constexpr, BLOCK_G: tl.conste
                  mask=rows_ok[:, None] & (2 * BLOCK_G + offs_g < LATENT)[None, :], other=0.0)
     g3 = tl.load(base + 3 * BLOCK_G + offs_g[None, :],
                  mask=rows_ok[:, None] & (3 * BLOCK_G + offs_g < LATENT)[None, :], other=0.0)
-    return g0, g1, g2, g3
-
-
-@triton.jit
-def _dequantized_group(values, scales, G: tl.constexpr, offs_g, rows_ok, dtype: tl.constexpr, LATENT: tl.constexpr,
-                       BLOCK_G: tl.constexpr):
-    """Column group G of fp8 rows: e4m3 values times the row's scale G, in `dtype` (exact: latent_fp8's doc)."""
-    cols = G * BLOCK_G + offs_g
-    scale = tl.load(scales + G, mask=rows_ok[:, None], other=0.0)
-    raw = tl.load(values + cols[None, :], mask=rows_ok[:, None] & (cols < LATENT)[None, :], other=0.0)
-    return (raw.to(tl.float32) * scale).to(dtype)
-
-
-@triton.jit
-def _load_fp8_groups(rows, rows_ok, offs_g, dtype: tl.constexpr, LATENT: tl.constexpr, BLOCK_G: tl.constexpr):
-    """_load_groups of fp8 cache rows (`rows`: [rows, 1] byte pointers at each row's start), dequantized."""
-    values = rows.to(tl.pointer_type(tl.float8e4nv))
-    scales = (rows + LATENT).to(tl.pointer_type(tl.float32))
-    g0 = _dequantized_group(values, scales, 0, offs_g, rows_ok, dtype, LATENT, BLOCK_G)
-    g1 = _dequantized_group(values, scales, 1, offs_g, rows_ok, dtype, LATENT, BLOCK_G)
-    g2 = _dequantized_group(values, scales, 2, offs_g, rows_ok, dtype, LATENT, BLOCK_G)
-    g3 = _dequantized_group(values, scales, 3, offs_g, rows_ok, dtype, LATENT, BLOCK_G)
     return g0, g1, g2, g3
 
 
@@ -123,7 +95,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                                TICKET: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
                                NARROW: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr,
-                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, FP8: tl.constexpr):
+                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     # The grid of attention._sparse_mla_kernel with one column block: head blocks fastest.
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(heads, BLOCK_H)
@@ -158,13 +130,8 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
         valid = slot >= 0
         rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
         # Masked: -1 slots may point at never-written (NaN-poisoned) rows, and 0 * NaN = NaN.
-        if FP8:
-            kv0, kv1, kv2, kv3 = _load_fp8_groups(rows, valid, offs_g, q_ptr.dtype.element_ty, LATENT, BLOCK_G)
-            rope_rows = (rows + LATENT + FP8_SCALE_BYTES).to(q_ptr.dtype)
-        else:
-            kv0, kv1, kv2, kv3 = _load_groups(rows, offs_g, valid, LATENT, BLOCK_G)
-            rope_rows = rows + LATENT
-        kv_rope = tl.load(rope_rows + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+        kv0, kv1, kv2, kv3 = _load_groups(rows, offs_g, valid, LATENT, BLOCK_G)
+        kv_rope = tl.load(rows + LATENT + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
         # mla_blocks._block_scores's k-chain, a column group at a time.
         scores = tl.dot(q0, tl.trans(kv0), input_precision=PRECISION)
         scores = tl.dot(q1, tl.trans(kv1), scores, input_precision=PRECISION)
@@ -226,15 +193,13 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
 
 def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int, selected: int, blocks_per_chunk: int,
            sm_scale_log2: float, *, latent: int, rope: int, spread: bool, ticket: bool, precision: str, block_h: int,
-           block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, warps: int, stages: int,
-           fp8: bool = False) -> None:
-    """One launch over `grid` programs (attention.sparse_mla_decode's grid with one column block); `fp8`: kv_cache
-    holds latent_fp8's rows (uint8, its stride in bytes)."""
+           block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, warps: int, stages: int) -> None:
+    """One launch over `grid` programs (attention.sparse_mla_decode's grid with one column block)."""
     _sparse_mla_grouped_kernel[(grid,)](
         q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, sm_scale_log2,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
         LATENT=latent, ROPE=rope, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h, BLOCK_S=block_s,
         BLOCK_G=block_g(latent),
         BLOCK_R=max(16, triton.next_power_of_2(rope)), NARROW=narrow, SPLITS=splits, TAIL=tail,
-        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, FP8=fp8, num_warps=warps,
+        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, num_warps=warps,
         num_stages=stages, enable_fp_fusion=False)

@@ -264,9 +264,6 @@ def sparse_mla_two_pass(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
     (SCORES_LAUNCH, VALUES_LAUNCH unless given): scores_* for the scores pass, values_* and block_v
     (latent columns per program) for the values pass. skip_tail: both passes stop after each query's
     last chunk with a selected slot (the same bits; see scores_pass)."""
-    if kv_cache.dtype == torch.uint8:
-        raise ValueError("the fp8 latent cache is read by the one-pass column-grouped kernel only "
-                         "(attention.sparse_mla_decode; set attention.PREFILL_LAUNCH for prefill passes)")
     tokens, heads, _ = q.shape
     if out is None:
         out = torch.empty(tokens, heads, latent_dim, dtype=q.dtype, device=q.device)
