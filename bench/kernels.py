@@ -9,7 +9,8 @@ different inputs (other experts, other cache slots), so replays do not re-read a
   python -m bench.kernels --json out.json [--tune-out tuned.json] [--only moe,mla,indexer]
 
 --tune-out: sweep MoE launch configs per batch bucket; a candidate counts only if its output is
-bit-identical to the default config's (buckets must not break batch invariance).
+bit-identical to the default config's (buckets must not break batch invariance). Install the result with
+`python -m runtime.kernels.triton.configs install tuned.json` (runtime/kernels/triton/configs.py).
 
 --vs-sglang: SGLang's Triton fused MoE and sparse MLA decode beside ours on the same inputs
 (bench/sglang_kernels.py: wheel from scripts/sglang_wheel.sh, device command, what is timed).

@@ -84,3 +84,73 @@ def test_loading_a_bad_file_fails_instead_of_following_it(tmp_path, monkeypatch)
         assert configs.load_table(NAME.replace("TEST_GPU", "ABSENT_GPU")) == {}  # no file: the default launch
     finally:
         configs.load_table.cache_clear()
+
+
+# ---- installing a tune (`python -m runtime.kernels.triton.configs install`)
+
+TUNED_NAME = NAME  # device TEST_GPU
+DECODE = {"1": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5}, "8": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}}
+
+
+def _write(directory, name, table) -> None:
+    (directory / name).write_text(json.dumps(table))
+
+
+def _tune(tmp_path, tables: dict):
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(tables))
+    return path
+
+
+def test_install_replaces_the_tuned_buckets_and_keeps_the_larger_ones(tmp_path):
+    tables = tmp_path / "configs"
+    tables.mkdir()
+    _write(tables, NAME, {"1": GOOD["1"], "16": GOOD["1"], "4096": GOOD["4096"]})
+    lines = configs.install(_tune(tmp_path, {NAME: DECODE}), tables)
+    written = json.loads((tables / NAME).read_text())
+    # 1 and 8 are the tune's; 16 and 4096, above its largest bucket, stay as they were
+    assert list(written) == ["1", "8", "16", "4096"]
+    assert written["1"] == DECODE["1"] and written["8"] == DECODE["8"]
+    assert written["16"] == GOOD["1"] and written["4096"] == GOOD["4096"]
+    assert lines[0] == f"{NAME}: 2 bucket(s) changed" and any(line.startswith("  8: (none) ->") for line in lines)
+    configs.check_table(NAME, written)
+
+
+def test_install_borrows_another_devices_larger_buckets_for_a_new_file_and_says_so(tmp_path):
+    tables = tmp_path / "configs"
+    tables.mkdir()
+    other = NAME.replace("TEST_GPU", "OTHER_GPU")
+    _write(tables, other, {"1": GOOD["1"], "4096": GOOD["4096"]})
+    lines = configs.install(_tune(tmp_path, {NAME: DECODE}), tables, borrow_from="OTHER_GPU")
+    written = json.loads((tables / NAME).read_text())
+    assert list(written) == ["1", "8", "4096"] and written["4096"] == GOOD["4096"]
+    assert any("4096" in line and "from OTHER_GPU, not timed on this device" in line for line in lines)
+    # without --borrow-from a new file holds the tune alone
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    configs.install(_tune(tmp_path, {NAME: DECODE}), alone)
+    assert list(json.loads((alone / NAME).read_text())) == ["1", "8"]
+
+
+def test_a_bad_tuned_launch_installs_nothing(tmp_path):
+    tables = tmp_path / "configs"
+    tables.mkdir()
+    _write(tables, NAME, GOOD)
+    before = (tables / NAME).read_text()
+    second = NAME.replace("N=256", "N=512")
+    bad = {NAME: DECODE, second: {"1": {**DECODE["1"], "BLOCK_K": 64}}}
+    with pytest.raises(configs.ConfigError, match="BLOCK_K"):
+        configs.install(_tune(tmp_path, bad), tables)
+    assert (tables / NAME).read_text() == before and not (tables / second).exists()
+
+
+def test_install_command_line(tmp_path, capsys):
+    tables = tmp_path / "configs"
+    tables.mkdir()
+    assert configs.main(["install", str(_tune(tmp_path, {NAME: DECODE})), "--dir", str(tables)]) == 0
+    assert f"{NAME}: 2 bucket(s) changed" in capsys.readouterr().out
+    assert configs.main(["install", str(_tune(tmp_path, {"../x.json": DECODE})), "--dir", str(tables)]) == 1
+    assert "not a config file name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        configs.main(["install", str(tmp_path / "absent.json")])
+    assert "no such file" in capsys.readouterr().err

@@ -4,12 +4,25 @@ A file maps a batch-size bucket ("1", "2", ... tokens) to Triton launch paramete
 the smallest bucket >= its size (the largest bucket past the end). Only parameters that leave a
 row's reduction order unchanged may vary between buckets (see moe.py), so buckets never break
 batch invariance.
+
+A tune (`python -m bench.kernels --only moe --tune-out tuned.json`, on the GPU the tables are for) is
+installed into the committed tables by
+
+    python -m runtime.kernels.triton.configs install tuned.json [--borrow-from DEVICE] [--dir DIR]
+
+which checks every tuned launch, keeps an existing file's buckets above the tune's largest (the prefill
+buckets a decode tune does not time), borrows those from DEVICE's file of the same kernel, shard and dtype
+for a file that has none yet (`--borrow-from NVIDIA_H200`: said in what it prints, untimed here), and
+prints each bucket it changed.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
+import re
+import sys
 from pathlib import Path
 
 import torch
@@ -95,3 +108,81 @@ def pick(table: dict[int, dict], tokens: int) -> dict | None:
         if tokens <= bucket:
             return table[bucket]
     return table[buckets[-1]]
+
+
+def _device_of(name: str) -> str:
+    found = re.search(r",device_name=([^,]+),", name)
+    if found is None:
+        raise ConfigError(f"{name}: no device_name in the file name")
+    return found.group(1)
+
+
+def merge_tuned(name: str, tuned: dict[int, dict], directory: Path, borrow_from: str | None = None
+                ) -> tuple[dict[int, dict], list[str]]:
+    """File `name`'s table after installing `tuned` (checked buckets): the tuned buckets, then the buckets above the
+    largest tuned one from the file as it is, or, when there is no such file, from `borrow_from`'s file of the same
+    kernel, shard and dtype. Returns the table and one line per bucket that changed or was borrowed."""
+    existing, source = {}, "kept"
+    path = directory / name
+    if path.exists():
+        existing = check_table(name, json.loads(path.read_text()))
+    elif borrow_from is not None:
+        other = name.replace(f",device_name={_device_of(name)},", f",device_name={borrow_from},")
+        if (directory / other).exists():
+            existing, source = check_table(other, json.loads((directory / other).read_text())), f"from {borrow_from}"
+    table = dict(tuned)
+    notes = []
+    for bucket, launch in sorted(tuned.items()):
+        before = existing.get(bucket)
+        if before != launch:
+            notes.append(f"  {bucket}: {json.dumps(before) if before else '(none)'} -> {json.dumps(launch)}")
+    for bucket, launch in sorted(existing.items()):
+        if bucket > max(tuned):
+            table[bucket] = launch
+            if source != "kept":
+                notes.append(f"  {bucket}: {json.dumps(launch)} ({source}, not timed on this device)")
+    return dict(sorted(table.items())), notes
+
+
+def install(tuned_file: Path, directory: Path = CONFIG_DIR, borrow_from: str | None = None) -> list[str]:
+    """Install `bench.kernels --tune-out`'s {file: {bucket: launch}} into `directory` (merge_tuned, file by file).
+    Every file is checked before any is written: a bad launch changes nothing. Returns what it printed."""
+    raw = json.loads(tuned_file.read_text())
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{tuned_file}: expected a non-empty {{file name: {{bucket: launch}}}} object")
+    merged = {}
+    for name, table in raw.items():
+        if "/" in name or not name.endswith(".json"):
+            raise ConfigError(f"{tuned_file}: {name!r} is not a config file name")
+        merged[name] = merge_tuned(name, check_table(name, table), directory, borrow_from)
+    lines = []
+    for name, (table, notes) in merged.items():
+        check_table(name, {str(k): v for k, v in table.items()})
+        (directory / name).write_text(json.dumps({str(k): v for k, v in table.items()}, indent=1) + "\n")
+        lines += [f"{name}: {len(notes)} bucket(s) changed" if notes else f"{name}: unchanged", *notes]
+    load_table.cache_clear()
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.kernels.triton.configs",
+                                     description="Install a tune into the launch tables (see the module doc).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    put = sub.add_parser("install", help="merge `bench.kernels --tune-out` output into the tables")
+    put.add_argument("tuned", type=Path)
+    put.add_argument("--borrow-from", metavar="DEVICE", help="device_name whose larger buckets a new file takes")
+    put.add_argument("--dir", type=Path, default=CONFIG_DIR, help="the tables' folder (default: the package's)")
+    args = parser.parse_args(argv)
+    if not args.tuned.is_file():
+        parser.error(f"no such file: {args.tuned}")
+    try:
+        lines = install(args.tuned, args.dir, args.borrow_from)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
