@@ -1,7 +1,6 @@
-"""align_tokens has three implementations (the one-program counting kernel for few routed rows, the
-one-program register sort up to ALIGN_SORT_KERNEL_MAX_ROWS, a library sort + scans above); they
-must build exactly one layout, element for element, or a batch whose routed-row count crosses a
-threshold would group its rows differently. And fused_moe's `alignment` (its layout computed
+"""align_tokens has two implementations (the one-program register sort up to ALIGN_SORT_KERNEL_MAX_ROWS, a library
+sort + scans above); they must build exactly one layout, element for element, or a batch whose routed-row count
+crosses the threshold would group its rows differently. And fused_moe's `alignment` (its layout computed
 beforehand) gives the bits of the path that computes it.
 
 Runs the Triton kernels under the interpreter on CPU (integer work: exact there) and on the GPU.
@@ -21,28 +20,22 @@ pytestmark = pytest.mark.kernels
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _layout_with(ids: torch.Tensor, experts: int, counting_max: int, sort_kernel_max: int, block_m: int = moe.BLOCK_M):
-    """align_tokens with its two thresholds set: which implementation builds the layout."""
-    saved = moe.ALIGN_KERNEL_MAX_ROWS, moe.ALIGN_SORT_KERNEL_MAX_ROWS
-    moe.ALIGN_KERNEL_MAX_ROWS, moe.ALIGN_SORT_KERNEL_MAX_ROWS = counting_max, sort_kernel_max
+def _layout_with(ids: torch.Tensor, experts: int, sort_kernel_max: int, block_m: int = moe.BLOCK_M):
+    """align_tokens with its threshold set: which implementation builds the layout."""
+    saved = moe.ALIGN_SORT_KERNEL_MAX_ROWS
+    moe.ALIGN_SORT_KERNEL_MAX_ROWS = sort_kernel_max
     try:
         return moe.align_tokens(ids, experts, block_m)
     finally:
-        moe.ALIGN_KERNEL_MAX_ROWS, moe.ALIGN_SORT_KERNEL_MAX_ROWS = saved
-
-
-def kernel_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The counting kernel's layout, whatever the row count (its threshold raised past it)."""
-    return _layout_with(ids, experts, ids.numel(), ids.numel())
+        moe.ALIGN_SORT_KERNEL_MAX_ROWS = saved
 
 
 def register_sort_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-program register sort's layout (the counting kernel's threshold at 0)."""
-    return _layout_with(ids, experts, 0, max(ids.numel(), moe.ALIGN_SORT_KERNEL_MAX_ROWS))
+    return _layout_with(ids, experts, max(ids.numel(), moe.ALIGN_SORT_KERNEL_MAX_ROWS))
 
 
 def sort_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layout_with(ids, experts, 0, 0)
+    return _layout_with(ids, experts, 0)
 
 
 @settings(max_examples=10)
@@ -50,18 +43,18 @@ def sort_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Te
        experts=st.sampled_from([1, 5, 64, 256]), top_k=st.sampled_from([1, 2, 6]),
        skew=st.sampled_from([0.0, 0.9]))
 @example(seed=0, tokens=64, experts=256, top_k=6, skew=0.0)
-def test_sort_path_builds_the_kernels_layout_exactly(seed, tokens, experts, top_k, skew):
+def test_register_sort_builds_the_library_sorts_layout_exactly(seed, tokens, experts, top_k, skew):
+    """Few routed rows (one token's, the decode step's at bs 3-64), the expert counts 1 to 256, skewed or not."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
     if skew:  # most rows on one expert: long runs, many padded tiles elsewhere
         hot = torch.rand(tokens, top_k, generator=gen) < skew
         ids = torch.where(hot, torch.zeros_like(ids), ids)
     ids = ids.to(torch.int32).to(DEVICE)
-    want_rows, want_tiles = kernel_layout(ids, experts)
-    for name, layout in (("library sort", sort_layout), ("register sort", register_sort_layout)):
-        got_rows, got_tiles = layout(ids, experts)
-        assert torch.equal(got_tiles.cpu(), want_tiles.cpu()), f"tile owners differ ({name})"
-        assert torch.equal(got_rows.cpu(), want_rows.cpu()), f"row placement differs ({name})"
+    want_rows, want_tiles = sort_layout(ids, experts)
+    got_rows, got_tiles = moe.align_tokens(ids, experts)  # the default dispatch: the register sort
+    assert torch.equal(got_tiles.cpu(), want_tiles.cpu()), "tile owners differ"
+    assert torch.equal(got_rows.cpu(), want_rows.cpu()), "row placement differs"
 
 
 @settings(max_examples=6, deadline=None)
@@ -69,14 +62,14 @@ def test_sort_path_builds_the_kernels_layout_exactly(seed, tokens, experts, top_
        experts=st.sampled_from([5, 256]), skew=st.sampled_from([0.0, 0.9]))
 @example(seed=0, tokens=128, experts=256, skew=0.0)  # the decode step at bs 128: 768 routed rows
 @example(seed=1, tokens=341, experts=256, skew=0.9)  # 2,046 rows, one expert holding most
-def test_register_sort_builds_the_library_sorts_layout_above_the_counting_kernels_range(seed, tokens, experts, skew):
-    """The rows the register sort serves by default (above ALIGN_KERNEL_MAX_ROWS, top-6)."""
+def test_register_sort_builds_the_library_sorts_layout_at_decode_and_prefill_sizes(seed, tokens, experts, skew):
+    """Up to ALIGN_SORT_KERNEL_MAX_ROWS at top-6."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, experts, (tokens, 6), generator=gen)
     if skew:
         ids = torch.where(torch.rand(tokens, 6, generator=gen) < skew, torch.zeros_like(ids), ids)
     ids = ids.to(torch.int32).to(DEVICE)
-    assert moe.ALIGN_KERNEL_MAX_ROWS < ids.numel() <= moe.ALIGN_SORT_KERNEL_MAX_ROWS
+    assert ids.numel() <= moe.ALIGN_SORT_KERNEL_MAX_ROWS
     want_rows, want_tiles = sort_layout(ids, experts)
     got_rows, got_tiles = moe.align_tokens(ids, experts)  # the default dispatch: the register sort
     assert torch.equal(got_tiles.cpu(), want_tiles.cpu()), "tile owners differ"
@@ -86,7 +79,7 @@ def test_register_sort_builds_the_library_sorts_layout_above_the_counting_kernel
 def test_layout_comparison_catches_a_reordered_expert():
     """Negative control: the same rows of one expert in another order must fail the comparison."""
     ids = torch.tensor([[3, 1], [3, 0], [1, 3]], dtype=torch.int32, device=DEVICE)
-    want_rows, _ = kernel_layout(ids, 4)
+    want_rows, _ = register_sort_layout(ids, 4)
     got_rows, _ = sort_layout(ids, 4)
     planted = got_rows.clone()
     real = (planted < ids.numel()).nonzero().flatten()
@@ -96,7 +89,7 @@ def test_layout_comparison_catches_a_reordered_expert():
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the tests above compile it for real")
-@pytest.mark.parametrize("block", [512, 2048])
+@pytest.mark.parametrize("block", [16, 64, 512, 2048])
 def test_register_sort_compiles_for_the_gpu_without_one(block):
     """sort, histogram and gather through sm_90's compiler (the interpreter accepts more)."""
     from tests.kernels.test_indexer_topk import compile_for_sm90
@@ -110,12 +103,10 @@ def test_register_sort_compiles_for_the_gpu_without_one(block):
 
 @pytest.mark.parametrize("block_m", [32, 64, 128])  # 128: the H200 bf16 I=256 table's 4,096-token bucket
 def test_taller_tiles_build_one_layout_on_every_path(block_m):
-    """bench/moe_tiles.py's taller tiles go through the same three paths."""
+    """bench/moe_tiles.py's taller tiles go through both paths."""
     gen = torch.Generator().manual_seed(block_m)
     ids = torch.randint(0, 256, (60, 6), generator=gen).to(torch.int32).to(DEVICE)  # 360 rows
-    layouts = []
-    for counting_max, sort_kernel_max in ((ids.numel(), ids.numel()), (0, ids.numel()), (0, 0)):
-        layouts.append(_layout_with(ids, 256, counting_max, sort_kernel_max, block_m))
+    layouts = [_layout_with(ids, 256, sort_kernel_max, block_m) for sort_kernel_max in (ids.numel(), 0)]
     for rows, tiles in layouts[1:]:
         assert torch.equal(tiles.cpu(), layouts[0][1].cpu()) and torch.equal(rows.cpu(), layouts[0][0].cpu())
     assert layouts[0][0].numel() % block_m == 0
@@ -156,3 +147,12 @@ def test_fused_moe_refuses_an_alignment_that_cannot_be_used():
     packed, x, ids, route_w = _small_moe(2)  # 12 routed rows: the per-row path, no alignment
     with pytest.raises(ValueError, match="per-row path"):
         moe.fused_moe(x, packed, route_w, ids, alignment=moe.align_tokens(ids, packed.w2.shape[0]))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the refusal of a host without CUDA")
+def test_alignment_bench_refuses_a_host_without_cuda(capsys):
+    from bench import moe_align
+
+    with pytest.raises(SystemExit):
+        moe_align.main(["--rows", "48"])
+    assert "needs a CUDA device" in capsys.readouterr().err

@@ -131,43 +131,10 @@ def _tile_rows(pid_m, tile_expert_ptr, sorted_rows_ptr, num_rows, ROUTING: tl.co
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_tiles"])
-def _align_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_experts, num_tiles,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
-    # One program: counting sort of the routed rows by expert, stable, padded to BLOCK_M per expert.
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for r0 in range(0, num_rows, CHUNK):
-        offs = r0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1)
-        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    for p0 in range(0, num_tiles * BLOCK_M, FILL):
-        offs = p0 + tl.arange(0, FILL)
-        tl.store(sorted_rows_ptr + offs, tl.full((FILL,), 0, tl.int32) + num_rows, mask=offs < num_tiles * BLOCK_M)
-    tl.debug_barrier()
-    seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for r0 in range(0, num_rows, CHUNK):
-        offs = r0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1)
-        hit = (ids[None, :] == experts[:, None]).to(tl.int32)  # [BLOCK_E, CHUNK]
-        before = tl.cumsum(hit, axis=1) - hit  # earlier rows of the same expert in this chunk
-        dest = tl.sum(hit * (starts[:, None] + seen[:, None] + before), axis=0)
-        tl.store(sorted_rows_ptr + dest, offs, mask=offs < num_rows)
-        seen += tl.sum(hit, axis=1)
-    for t0 in range(0, num_tiles, CHUNK):
-        tiles = t0 + tl.arange(0, CHUNK)
-        ended = (ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32)
-        owner = tl.sum(ended * (experts[None, :] < num_experts), axis=1)
-        tl.store(tile_expert_ptr + tiles, tl.where(owner < num_experts, owner, -1), mask=tiles < num_tiles)
-
-
-@triton.jit(do_not_specialize=["num_rows", "num_tiles"])
 def _align_sort_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_experts, num_tiles,
                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr):
     # One program, every routed row at once (BLOCK >= rows): the rows sorted by (expert, row) in
-    # registers, so row order within an expert, i.e. _align_kernel's stable layout. A row's place is
+    # registers, so row order within an expert: the library sort's stable layout. A row's place is
     # its expert's padded start + its rank among the expert's rows; an expert's tiles are where its
     # ranks 0, BLOCK_M, 2 BLOCK_M, ... land.
     offs = tl.arange(0, BLOCK)
@@ -189,12 +156,12 @@ def _align_sort_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_
     tl.store(tile_expert_ptr + dest // BLOCK_M, expert, mask=placed & (rank % BLOCK_M == 0))
 
 
-# Routed rows up to ALIGN_KERNEL_MAX_ROWS: _align_kernel (a [E, 32] compare per 32 rows, serial over
-# the rows: 3 ms per layer at 4,096 tokens on the H200, so only for few rows). Up to
-# ALIGN_SORT_KERNEL_MAX_ROWS: _align_sort_kernel, one launch where the library path takes a dozen
-# (27 us per layer at bs 128 on the H200). Above: library sort + scans, which scale. All three build
-# one layout (tests/kernels/test_moe_align.py), so which one runs never changes a bit.
-ALIGN_KERNEL_MAX_ROWS = 256
+# Routed rows up to ALIGN_SORT_KERNEL_MAX_ROWS: _align_sort_kernel, one launch where the library path takes
+# a dozen. Above: library sort + scans, which scale. Both build one layout (tests/kernels/test_moe_align.py), so
+# which one runs never changes a bit. A one-program counting kernel (an [E, 32] compare per 32 rows, serial over
+# the rows) served up to 256 rows until the thirty-second session: `python -m bench.moe_align` on the H100 gave it
+# 8.0 / 12.8 / 31.6 / 41.3 us at 18 / 48 / 192 / 256 rows (bs 3 / 8 / 32 / 43 at top-6) against the register
+# sort's 6.1 / 6.1 / 5.6 / 5.7 (and 56.9 against 6.7 at 384 rows), once per MoE layer of every decode step.
 ALIGN_SORT_KERNEL_MAX_ROWS = 2048
 
 
@@ -213,13 +180,10 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_
         return _align_with_sort(flat, num_experts, num_tiles, block_m)
     sorted_rows = torch.empty(num_tiles * block_m, dtype=torch.int32, device=flat.device)
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=flat.device)
-    if rows > ALIGN_KERNEL_MAX_ROWS:
+    if rows:
         _align_sort_kernel[(1,)](flat, sorted_rows, tile_expert, rows, num_experts, num_tiles, BLOCK_M=block_m,
-                                 BLOCK=triton.next_power_of_2(rows), BINS=triton.next_power_of_2(num_experts + 1),
-                                 FILL=512, num_warps=8)
-    elif rows:
-        _align_kernel[(1,)](flat, sorted_rows, tile_expert, rows, num_experts, num_tiles, BLOCK_M=block_m,
-                            BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=32, FILL=512, num_warps=8)
+                                 BLOCK=max(16, triton.next_power_of_2(rows)),
+                                 BINS=triton.next_power_of_2(num_experts + 1), FILL=512, num_warps=8)
     return sorted_rows, tile_expert
 
 
