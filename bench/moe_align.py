@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         layouts = {name: _align_with(ids, args.experts, limit(rows)) for name, limit in PATHS.items()}
         first = next(iter(layouts.values()))
         same = all(torch.equal(a, b) for layout in layouts.values() for a, b in zip(layout, first))
-        row = {"rows": rows, "same_layout": same, "sort_kernel_max_rows": moe.ALIGN_SORT_KERNEL_MAX_ROWS}
+        row: dict[str, object] = {"rows": rows, "same_layout": same,
+                                  "sort_kernel_max_rows": moe.ALIGN_SORT_KERNEL_MAX_ROWS}
         for name, limit in PATHS.items():
             lim = limit(rows)
             row[f"{name}_us"] = graph_us([lambda lim=lim, ids=ids: _align_with(ids, args.experts, lim)] * 3)
