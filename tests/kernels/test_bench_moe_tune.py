@@ -1,0 +1,66 @@
+"""bench.kernels' MoE tune, second stage (`_tune_down`): a bucket's down-projection launch is taken only when it keeps
+the default config's bits and is faster than the bucket as the first stage left it; a candidate the GPU cannot hold
+is skipped, not fatal. The MoE itself is stubbed: the stage's choice is what is tested (the GPU runs the real one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from bench import kernels
+
+pytestmark = pytest.mark.kernels
+
+FIRST = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
+WANT = torch.arange(6.0)
+
+
+def _stage(monkeypatch, times: dict, wrong: set = frozenset(), too_big: set = frozenset(), first_us=10.0):
+    """Run `_tune_down` over MOE_DOWN_CANDIDATES with each candidate's (BLOCK_N, N_TILES) timed as `times` says
+    (default 20 us), bit-different where in `wrong`, out of resources where in `too_big`."""
+    def key(cfg):
+        down = cfg.get("down")
+        return None if down is None else (down["BLOCK_N"], down["N_TILES"], down["num_warps"], down["num_stages"])
+
+    def run(x, i, w, cfg):
+        k = key(cfg)
+        if k in too_big:
+            raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+        return WANT + 1 if k in wrong else WANT.clone()
+
+    timing = {}
+
+    def fake_graph_us(calls, reps=15):
+        calls[0]()  # the stage times the candidate it just checked
+        return timing["next"]
+
+    monkeypatch.setattr(kernels, "graph_us", fake_graph_us)
+
+    def timed_run(x, i, w, cfg):
+        timing["next"] = times.get(key(cfg), 20.0)
+        return run(x, i, w, cfg)
+    inputs = [(None, None, None)] * 2
+    return kernels._tune_down(timed_run, inputs, WANT, dict(FIRST), first_us, "test")
+
+
+def test_the_fastest_bit_keeping_down_launch_is_taken(monkeypatch):
+    cands = [(c["BLOCK_N"], c["N_TILES"], c["num_warps"], c["num_stages"]) for c in kernels.MOE_DOWN_CANDIDATES]
+    fastest, faster_but_wrong, too_big = cands[3], cands[1], cands[7]
+    cfg, us = _stage(monkeypatch, {fastest: 7.0, faster_but_wrong: 5.0, too_big: 1.0, cands[0]: 8.0},
+                     wrong={faster_but_wrong}, too_big={too_big})
+    assert cfg == {**FIRST, "down": kernels.MOE_DOWN_CANDIDATES[3]} and us == 7.0
+
+
+def test_no_down_launch_when_none_is_faster(monkeypatch):
+    cfg, us = _stage(monkeypatch, {}, first_us=10.0)  # every candidate 20 us against the bucket's 10
+    assert cfg == FIRST and us == 10.0
+
+
+def test_down_candidates_are_knobs_a_table_may_set():
+    from runtime.kernels.triton import configs
+
+    name = "fused_moe,E=256,N=256,device_name=TEST_GPU,dtype=bf16.json"
+    table = {str(i + 1): {**FIRST, "down": down} for i, down in enumerate(kernels.MOE_DOWN_CANDIDATES)}
+    assert len(configs.check_table(name, table)) == len(kernels.MOE_DOWN_CANDIDATES)
+    assert all(down["BLOCK_N"] >= 64 for down in kernels.MOE_DOWN_CANDIDATES)  # moe.down_launch's floor
