@@ -87,6 +87,20 @@ want moe_fp8_tests && section moe_fp8_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m
 # The fused MoE bench alone (bf16 and fp8 at I = 256 / 512 / 2,048; no SGLang wheel, unlike bench_kernels_vs).
 want bench_moe && section bench_moe "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_moe.json" \
     --only moe --batches "${MOE_BATCHES:-1,8,32,64,128}"
+# The fused MoE taken apart (each launch's time per call) and the alignment's two paths by routed rows.
+want moe_anatomy && section moe_anatomy "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_anatomy --json "$OUT/moe_anatomy.json"
+want moe_align && section moe_align "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_align --json "$OUT/moe_align.json"
+# The MoE tables re-tuned for this GPU (bench.kernels --tune-out: the plain launch, then the down projection's own),
+# installed into this copy's tables (`configs install`: what changed is in moe_tune_install.log; bring tuned.json back
+# and install it in the tree the same way), then the MoE GPU tests on the installed tables.
+if want moe_tune; then
+    section moe_tune "${TUNE_TIMEOUT:-300}" $PY -m bench.kernels --json "$OUT/kernels_tune.json" --only moe \
+        --batches 1,2,4,8,16,32,64,128 --tune-out "$OUT/tuned.json"
+    [ -s "$OUT/tuned.json" ] && section moe_tune_install 60 $PY -m runtime.kernels.triton.configs install "$OUT/tuned.json"
+    section moe_tune_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
+        -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_triton_kernels.py tests/kernels/test_moe_fused_act_quant.py \
+        tests/kernels/test_moe_align.py -k "moe or fp8 or act_quant or align"
+fi
 want indexer_anatomy && section indexer_anatomy "${BENCH_TIMEOUT:-90}" $PY -m bench.indexer_anatomy --out "$OUT/indexer_anatomy.json"
 # Do mma.sync (tiles under 64 rows) and wgmma add alike, and do row sums depend on the warps? (the
 # MLA kernel's BLOCK_H and the MoE's BLOCK_M could then follow the batch)

@@ -150,9 +150,10 @@ def test_fused_moe_refuses_an_alignment_that_cannot_be_used():
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the refusal of a host without CUDA")
-def test_alignment_bench_refuses_a_host_without_cuda(capsys):
-    from bench import moe_align
+@pytest.mark.parametrize("bench, argv", [("moe_align", ["--rows", "48"]), ("moe_anatomy", ["--batches", "8"])])
+def test_moe_benches_refuse_a_host_without_cuda(bench, argv, capsys):
+    import importlib
 
     with pytest.raises(SystemExit):
-        moe_align.main(["--rows", "48"])
+        importlib.import_module(f"bench.{bench}").main(argv)
     assert "needs a CUDA device" in capsys.readouterr().err
