@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -607,6 +608,12 @@ def bench_indexer(ceilings, rows: list) -> None:
         print(json.dumps(rows[-1]), flush=True)
 
 
+def stop_on_sigterm(signum, frame):
+    """SIGTERM as KeyboardInterrupt: `timeout` (gpu_suite's sections) ends a long run with SIGTERM, which would kill
+    the process before its `finally` writes what it measured (a cut-off tune lost all of its buckets)."""
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path, required=True)
@@ -628,6 +635,7 @@ def main() -> None:
     rows: list = []
     tuned: dict = {}
     only = args.only.split(",")
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         if "select" in only:
             bench_select_defaults(rows)

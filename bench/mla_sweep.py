@@ -35,7 +35,16 @@ from typing import Any
 
 import torch
 
-from bench.kernels import CALLS_PER_GRAPH, MLA_CONTEXT, MLA_LATENT, MLA_ROPE, MLA_WINDOW, graph_us, mla_inputs
+from bench.kernels import (
+    CALLS_PER_GRAPH,
+    MLA_CONTEXT,
+    MLA_LATENT,
+    MLA_ROPE,
+    MLA_WINDOW,
+    graph_us,
+    mla_inputs,
+    stop_on_sigterm,
+)
 from runtime.kernels.triton import attention, mla_prefill
 
 # (BLOCK_H, BLOCK_S, chunk positions, warps, stages, V_SPLIT[, narrow partials]); chunk >= S: one
@@ -312,10 +321,6 @@ def _vs_sglang():
     return vs
 
 
-def _stop(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path, required=True)
@@ -347,7 +352,7 @@ def main() -> None:
     rows: list = []
     free: list = []
     # `timeout` ends a long run with SIGTERM: still print the summary and write the JSON.
-    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         heads = [int(h) for h in args.heads.split(",")]
         prepared = {h: prepare(h, args.topk, batches, cache, vs) for h in heads}

@@ -64,3 +64,19 @@ def test_down_candidates_are_knobs_a_table_may_set():
     table = {str(i + 1): {**FIRST, "down": down} for i, down in enumerate(kernels.MOE_DOWN_CANDIDATES)}
     assert len(configs.check_table(name, table)) == len(kernels.MOE_DOWN_CANDIDATES)
     assert all(down["BLOCK_N"] >= 64 for down in kernels.MOE_DOWN_CANDIDATES)  # moe.down_launch's floor
+
+
+def test_sigterm_ends_a_bench_run_as_ctrl_c_does():
+    """gpu_suite's `timeout` stops a section with SIGTERM: bench.kernels (and mla_sweep) turn it into the
+    KeyboardInterrupt their `finally` writes the JSON and the tune on, instead of dying with nothing written."""
+    import os
+    import signal
+    import time
+
+    previous = signal.signal(signal.SIGTERM, kernels.stop_on_sigterm)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)  # the handler runs at once; without it this ends and the test fails
+    finally:
+        signal.signal(signal.SIGTERM, previous)
