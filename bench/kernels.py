@@ -160,22 +160,12 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
                 if tune and not switches and split == default_split:  # the deployment's split only: it is what
                     x0, ids0, w0 = inputs[0]                                # the config file serves
                     want = run(x0, ids0, w0, moe.DEFAULT_CONFIG)
-                    for cfg in MOE_CANDIDATES:
-                        try:
-                            got = run(x0, ids0, w0, cfg)
-                        except triton.runtime.errors.OutOfResources as err:  # e.g. a wide tile's stages on a GPU
-                            print(f"  skip {cfg} (I={inter} bs={batch} {name}): {err}", flush=True)  # with less smem
-                            continue
-                        if not torch.equal(got, want):
-                            print(f"  reject {cfg} (I={inter} bs={batch} {name}): bits differ from the default",
-                                  flush=True)
-                            continue
-                        us = graph_us([lambda x=x, i=i, w=w, c=cfg: run(x, i, w, c) for x, i, w in inputs], reps=8)
-                        if best_us is None or us < best_us:
-                            best_cfg, best_us = cfg, us
+                    where = f"I={inter} bs={batch} {name}"
+                    best_cfg, best_us = _fastest_keeping_bits(run, inputs, want, MOE_CANDIDATES, best_cfg, None, where)
                     if batch * top_k > moe.PER_ROW_MAX_ROWS:  # the per-row path keeps one column tile a program
-                        best_cfg, best_us = _tune_down(run, inputs, want, best_cfg, best_us, f"I={inter} bs={batch} "
-                                                       f"{name}")
+                        best_cfg, best_us = _fastest_keeping_bits(
+                            run, inputs, want, [{**best_cfg, "down": down} for down in MOE_DOWN_CANDIDATES], best_cfg,
+                            best_us, where)
                     tuned.setdefault(config_file_name("fused_moe", experts, inter, name), {})[str(batch)] = best_cfg
                 us = graph_us([lambda x=x, i=i, w=w: run(x, i, w, best_cfg) for x, i, w in inputs])
                 torch_us = None
@@ -197,20 +187,20 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
         torch.cuda.empty_cache()
 
 
-def _tune_down(run, inputs, want, config: dict, config_us: float | None, where: str) -> tuple[dict, float | None]:
-    """The bucket's launch with the down projection's own launch (MOE_DOWN_CANDIDATES) where one is faster and keeps
-    the default config's bits, else `config` as it was."""
+def _fastest_keeping_bits(run, inputs, want, candidates: list[dict], best: dict, best_us: float | None,
+                          where: str) -> tuple[dict, float | None]:
+    """The fastest of `candidates` that gives `want` (the default config's bits), if faster than `best_us` (None:
+    any), else (`best`, `best_us`). A candidate the GPU cannot hold (a wide tile's stages in less shared memory) is
+    skipped. The tune's two stages: the bucket's launch, then its down projection's own launch beside it."""
     x0, ids0, w0 = inputs[0]
-    best, best_us = config, config_us
-    for down in MOE_DOWN_CANDIDATES:
-        cfg = {**config, "down": down}
+    for cfg in candidates:
         try:
             got = run(x0, ids0, w0, cfg)
         except triton.runtime.errors.OutOfResources as err:
-            print(f"  skip down {down} ({where}): {err}", flush=True)
+            print(f"  skip {cfg} ({where}): {err}", flush=True)
             continue
         if not torch.equal(got, want):
-            print(f"  reject down {down} ({where}): bits differ from the default", flush=True)
+            print(f"  reject {cfg} ({where}): bits differ from the default", flush=True)
             continue
         us = graph_us([lambda x=x, i=i, w=w, c=cfg: run(x, i, w, c) for x, i, w in inputs], reps=8)
         if best_us is None or us < best_us:

@@ -1,14 +1,13 @@
-"""The MoE alignment's two implementations timed at each routed-row count (moe.align_tokens picks one by its
-threshold, ALIGN_SORT_KERNEL_MAX_ROWS): the one-program register sort and the library sort + scans. Each point checks
-that the two build one layout (as tests/kernels/test_moe_align.py does), then times each, and align_tokens as
-deployed, as CUDA-graph replays (bench.kernels.graph_us). (A third, a one-program counting kernel, served up to 256 rows
-until this bench timed it: runtime/kernels/triton/moe.py keeps its figures.)
+"""The MoE alignment's two implementations timed at each routed-row count (moe.align_tokens picks one by its threshold,
+ALIGN_SORT_KERNEL_MAX_ROWS, or as `path=` says): the one-program register sort and the library sort + scans. Each
+point checks that the two build one layout (as tests/kernels/test_moe_align.py does), then times each, and
+align_tokens as deployed, as CUDA-graph replays (bench.kernels.graph_us). (A third, a one-program counting kernel,
+served up to 256 rows until this bench timed it: runtime/kernels/triton/moe.py keeps its figures.)
 
     python -m bench.moe_align [--rows 48,96,192,...] [--experts 256] [--top-k 6] [--json OUT]
 
 The decode step runs the alignment once per MoE layer (fused_moe's aligned path: more than moe.PER_ROW_MAX_ROWS routed
-rows), so its time at bs 3-42 (17-256 routed rows at top-6) is on every such step's critical path.
-"""
+rows), so its time at bs 3-42 (17-256 routed rows at top-6) is on every such step's critical path."""
 
 from __future__ import annotations
 
@@ -20,18 +19,6 @@ import torch
 
 from bench.kernels import graph_us
 from runtime.kernels.triton import moe
-
-# name: ALIGN_SORT_KERNEL_MAX_ROWS for the rows, which picks the implementation
-PATHS = {"register_sort": lambda rows: rows, "library_sort": lambda rows: 0}
-
-
-def _align_with(ids: torch.Tensor, experts: int, sort_max: int):
-    saved = moe.ALIGN_SORT_KERNEL_MAX_ROWS
-    moe.ALIGN_SORT_KERNEL_MAX_ROWS = sort_max
-    try:
-        return moe.align_tokens(ids, experts)
-    finally:
-        moe.ALIGN_SORT_KERNEL_MAX_ROWS = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,14 +40,14 @@ def main(argv: list[str] | None = None) -> int:
         tokens = -(-rows // args.top_k)
         ids = torch.stack([torch.randperm(args.experts, generator=gen)[:args.top_k] for _ in range(tokens)])
         ids = ids.reshape(-1)[:rows].to(torch.int32).cuda()
-        layouts = {name: _align_with(ids, args.experts, limit(rows)) for name, limit in PATHS.items()}
+        layouts = {path: moe.align_tokens(ids, args.experts, path=path) for path in moe.ALIGN_PATHS}
         first = next(iter(layouts.values()))
         same = all(torch.equal(a, b) for layout in layouts.values() for a, b in zip(layout, first))
         row: dict[str, object] = {"rows": rows, "same_layout": same,
                                   "sort_kernel_max_rows": moe.ALIGN_SORT_KERNEL_MAX_ROWS}
-        for name, limit in PATHS.items():
-            lim = limit(rows)
-            row[f"{name}_us"] = graph_us([lambda lim=lim, ids=ids: _align_with(ids, args.experts, lim)] * 3)
+        for path in moe.ALIGN_PATHS:
+            run = lambda path=path, ids=ids: moe.align_tokens(ids, args.experts, path=path)  # noqa: E731
+            row[f"{path}_us"] = graph_us([run] * 3)
         row["deployed_us"] = graph_us([lambda ids=ids: moe.align_tokens(ids, args.experts)] * 3)
         rows_out.append(row)
         print(json.dumps(row), flush=True)

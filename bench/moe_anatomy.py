@@ -4,10 +4,9 @@ found the alignment's counting kernel this way: 31 of 196 us at bs 32, fp8 I=256
 
     python -m bench.moe_anatomy [--inter 256,512] [--batches 8,32,128] [--calls 20] [--json OUT]
 
-torch.profiler over `--calls` eager calls after a warm-up; the kernels' device time summed by name and divided by the
-calls. Eager launches, not a graph replay: the per-kernel times are the same, the gaps between them are not measured
-(bench.kernels times the whole under a graph).
-"""
+bench.step_profile's `kernel_table` (torch.profiler over `--calls` eager calls after a warm-up; each kernel's device
+time per call, largest first). Eager launches, not a graph replay: the per-kernel times are the same, the gaps between
+them are not measured (bench.kernels times the whole under a graph)."""
 
 from __future__ import annotations
 
@@ -16,29 +15,12 @@ import json
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bench.kernels import _routing
+from bench.step_profile import kernel_table
 from runtime.kernels.triton import moe
 
 EXPERTS, TOP_K, HIDDEN = 256, 6, 4096
-
-
-def per_kernel_us(call, calls: int) -> dict[str, float]:
-    """Device microseconds per call of each kernel `call` launches, by kernel name, in launch order."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type.name == "CUDA":
-            name = event.name.split("(")[0]
-            times[name] = times.get(name, 0.0) + event.device_time_total / calls
-    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,12 +45,13 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(batch, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
             ids, weights = _routing(gen, batch, EXPERTS, TOP_K)
             for name, packed in variants.items():
-                kernels = per_kernel_us(lambda packed=packed: moe.fused_moe(x, packed, weights, ids), args.calls)
-                row = dict(I=inter, bs=batch, variant=name, total_us=sum(kernels.values()), kernels_us=kernels,
+                kernels = kernel_table(lambda _, packed=packed: moe.fused_moe(x, packed, weights, ids), None,
+                                       args.calls)
+                row = dict(I=inter, bs=batch, variant=name, total_us=sum(k["us"] for k in kernels), kernels=kernels,
                            config=moe.moe_config(EXPERTS, inter, packed.fp8, batch))
                 rows.append(row)
                 print(f"I={inter} bs={batch} {name}: {row['total_us']:.1f} us  "
-                      + "  ".join(f"{k} {v:.1f}" for k, v in kernels.items()), flush=True)
+                      + "  ".join(f"{k['kernel'].split('(')[0]} {k['us']:.1f}" for k in kernels), flush=True)
         del variants, w13, w2
         torch.cuda.empty_cache()
     if args.json:

@@ -1,6 +1,7 @@
-"""bench.kernels' MoE tune, second stage (`_tune_down`): a bucket's down-projection launch is taken only when it keeps
-the default config's bits and is faster than the bucket as the first stage left it; a candidate the GPU cannot hold
-is skipped, not fatal. The MoE itself is stubbed: the stage's choice is what is tested (the GPU runs the real one)."""
+"""bench.kernels' MoE tune, second stage (`_fastest_keeping_bits` over the down-projection launches): a bucket's down
+launch is taken only when it keeps the default config's bits and is faster than the bucket as the first stage left it;
+a candidate the GPU cannot hold is skipped, not fatal. The MoE itself is stubbed: the stage's choice is what is tested
+(the GPU runs the real one)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ WANT = torch.arange(6.0)
 
 
 def _stage(monkeypatch, times: dict, wrong: set = frozenset(), too_big: set = frozenset(), first_us=10.0):
-    """Run `_tune_down` over MOE_DOWN_CANDIDATES with each candidate's (BLOCK_N, N_TILES) timed as `times` says
+    """Run the tune's second stage over MOE_DOWN_CANDIDATES with each candidate's launch timed as `times` says
     (default 20 us), bit-different where in `wrong`, out of resources where in `too_big`."""
     def key(cfg):
         down = cfg.get("down")
@@ -41,7 +42,8 @@ def _stage(monkeypatch, times: dict, wrong: set = frozenset(), too_big: set = fr
         timing["next"] = times.get(key(cfg), 20.0)
         return run(x, i, w, cfg)
     inputs = [(None, None, None)] * 2
-    return kernels._tune_down(timed_run, inputs, WANT, dict(FIRST), first_us, "test")
+    candidates = [{**FIRST, "down": down} for down in kernels.MOE_DOWN_CANDIDATES]
+    return kernels._fastest_keeping_bits(timed_run, inputs, WANT, candidates, dict(FIRST), first_us, "test")
 
 
 def test_the_fastest_bit_keeping_down_launch_is_taken(monkeypatch):

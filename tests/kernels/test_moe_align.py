@@ -20,22 +20,12 @@ pytestmark = pytest.mark.kernels
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _layout_with(ids: torch.Tensor, experts: int, sort_kernel_max: int, block_m: int = moe.BLOCK_M):
-    """align_tokens with its threshold set: which implementation builds the layout."""
-    saved = moe.ALIGN_SORT_KERNEL_MAX_ROWS
-    moe.ALIGN_SORT_KERNEL_MAX_ROWS = sort_kernel_max
-    try:
-        return moe.align_tokens(ids, experts, block_m)
-    finally:
-        moe.ALIGN_SORT_KERNEL_MAX_ROWS = saved
-
-
 def register_sort_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layout_with(ids, experts, max(ids.numel(), moe.ALIGN_SORT_KERNEL_MAX_ROWS))
+    return moe.align_tokens(ids, experts, path="register_sort")
 
 
 def sort_layout(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layout_with(ids, experts, 0)
+    return moe.align_tokens(ids, experts, path="library_sort")
 
 
 @settings(max_examples=10)
@@ -106,7 +96,7 @@ def test_taller_tiles_build_one_layout_on_every_path(block_m):
     """bench/moe_tiles.py's taller tiles go through both paths."""
     gen = torch.Generator().manual_seed(block_m)
     ids = torch.randint(0, 256, (60, 6), generator=gen).to(torch.int32).to(DEVICE)  # 360 rows
-    layouts = [_layout_with(ids, 256, sort_kernel_max, block_m) for sort_kernel_max in (ids.numel(), 0)]
+    layouts = [moe.align_tokens(ids, 256, block_m, path=path) for path in moe.ALIGN_PATHS]
     for rows, tiles in layouts[1:]:
         assert torch.equal(tiles.cpu(), layouts[0][1].cpu()) and torch.equal(rows.cpu(), layouts[0][0].cpu())
     assert layouts[0][0].numel() % block_m == 0
@@ -147,6 +137,11 @@ def test_fused_moe_refuses_an_alignment_that_cannot_be_used():
     packed, x, ids, route_w = _small_moe(2)  # 12 routed rows: the per-row path, no alignment
     with pytest.raises(ValueError, match="per-row path"):
         moe.fused_moe(x, packed, route_w, ids, alignment=moe.align_tokens(ids, packed.w2.shape[0]))
+
+
+def test_an_unknown_alignment_path_is_refused():
+    with pytest.raises(ValueError, match="alignment path 'counting'"):
+        moe.align_tokens(torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), 8, path="counting")
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the refusal of a host without CUDA")

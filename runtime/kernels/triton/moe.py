@@ -165,18 +165,26 @@ def _align_sort_kernel(ids_ptr, sorted_rows_ptr, tile_expert_ptr, num_rows, num_
 ALIGN_SORT_KERNEL_MAX_ROWS = 2048
 
 
-def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+# align_tokens' implementations, for a caller that picks one (bench.moe_align, tests/kernels/test_moe_align.py).
+ALIGN_PATHS = ("register_sort", "library_sort")
+
+
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M,
+                 path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Group routed rows by expert into BLOCK_M-row tiles (block_m: bench/moe_tiles.py only), with no
     host sync (capturable).
 
     Returns sorted_rows [NB*BLOCK_M] (routed row ids in row order within each expert; TK marks
     padding) and tile_expert [NB] (-1: unused tile). NB is a static bound: sum_e ceil(count_e /
     BLOCK_M) <= ceil((TK + min(E, TK) * (BLOCK_M - 1)) / BLOCK_M). Both implementations build this
-    one layout exactly (tests/kernels/test_moe_align.py), so which one runs never changes a bit."""
+    one layout exactly (tests/kernels/test_moe_align.py), so which one runs never changes a bit.
+    path: one of ALIGN_PATHS; None: the register sort up to ALIGN_SORT_KERNEL_MAX_ROWS rows, the library sort above."""
+    if path not in (None, *ALIGN_PATHS):
+        raise ValueError(f"alignment path {path!r}: one of {ALIGN_PATHS} or None")
     flat = topk_ids.reshape(-1)
     rows = flat.numel()
     num_tiles = triton.cdiv(rows + min(num_experts, rows) * (block_m - 1), block_m)
-    if rows > ALIGN_SORT_KERNEL_MAX_ROWS:
+    if path == "library_sort" or (path is None and rows > ALIGN_SORT_KERNEL_MAX_ROWS):
         return _align_with_sort(flat, num_experts, num_tiles, block_m)
     sorted_rows = torch.empty(num_tiles * block_m, dtype=torch.int32, device=flat.device)
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=flat.device)
