@@ -55,7 +55,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 # `kernel_tests` is the first half alone; KERNEL_TEST_FILES / KERNEL_TEST_K narrow it to what a change touched.
 KERNEL_TEST_FILES=${KERNEL_TEST_FILES:-tests/kernels/test_triton_kernels.py tests/kernels/test_moe_align.py \
     tests/kernels/test_graph_static.py tests/kernels/test_fused_glue.py tests/kernels/test_indexer_topk.py \
-    tests/kernels/test_mla_prefill.py tests/kernels/test_indexer_maxima.py}
+    tests/kernels/test_mla_prefill.py tests/kernels/test_indexer_maxima.py tests/kernels/test_indexer_pages.py}
 (want graph_tests || want kernel_tests) && section graph_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -v \
     -p no:cacheprovider --run-gpu -n "${KERNEL_TEST_WORKERS:-4}" $KERNEL_TEST_FILES ${KERNEL_TEST_K:+-k "$KERNEL_TEST_K"}
 want graph_tests && section graph_runner_tests "${GRAPH_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
@@ -74,9 +74,12 @@ want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY 
 # full blocks) and the logits loop taken apart (bench/indexer_anatomy.py).
 want indexer_tests && section indexer_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
     -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_indexer_topk.py tests/kernels/test_triton_kernels.py \
-    tests/kernels/test_indexer_maxima.py -k "indexer or select or sort or maxima"
+    tests/kernels/test_indexer_maxima.py tests/kernels/test_indexer_pages.py -k "indexer or select or sort or maxima or page"
 want bench_indexer && section bench_indexer "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_indexer.json" \
     --only indexer
+# The page-tile indexer (TMA copies of whole pages) beside the pointer kernel: times, same bits, its launches, and
+# logits + selection with each (bench.indexer_pages).
+want bench_pages && section bench_pages "${BENCH_TIMEOUT:-90}" $PY -m bench.indexer_pages --json "$OUT/indexer_pages.json"
 # The selection's defaults against the launch before them, same inputs and outputs (bench.kernels --only select).
 want bench_select && section bench_select "${BENCH_TIMEOUT:-90}" $PY -m bench.kernels --json "$OUT/kernels_select.json" \
     --only select

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels import cuda_torch
-from runtime.kernels.triton import INTERPRETED, topk
+from runtime.kernels.triton import INTERPRETED, indexer_pages, topk
 from runtime.kernels.triton.topk import store_group_maxima
 
 # Positions are cut into blocks of BLOCK_L, up to MAX_BLOCKS of them walked by one program. A step of
@@ -92,6 +92,11 @@ FUSED_MAXIMA = False
 # thread: `bench.kernels` times that, `logits_register_caps`: mixed, H200 fp8 167.8 against 173.4 us, bf16
 # 345.2 against 332.2, H100 fp8 204.1 against 201.7; not taken.) A cap changes no bit, only the allocation.
 REGISTER_CAP: dict[bool, int | None] = {False: None, True: 128}
+# The logits by indexer_pages' kernel (each 64-position tile's keys and key scales copied by TMA from its page)
+# where the call fits it (`indexer_pages.fits`: whole tiles a page, TMA-ready caches, no fused maxima), by
+# whether the keys are fp8. The same bits (GPU test). Off until timed on the H200 (bench.kernels'
+# `logits_page_tma`).
+PAGE_TMA: dict[bool, bool] = {True: False, False: False}
 
 
 class GroupMaxima(NamedTuple):
@@ -249,7 +254,8 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
                    out: torch.Tensor | None = None, blocks: int | None = None,
                    early_scale: bool | None = None, maxima: GroupMaxima | None = None,
                    register_cap: int | None = None, launch: dict | None = None,
-                   unmasked_full_blocks: bool | None = None, prefetch_scale: bool | None = None) -> torch.Tensor:
+                   unmasked_full_blocks: bool | None = None, prefetch_scale: bool | None = None,
+                   page_tma: bool | None = None) -> torch.Tensor:
     """q: [T, HI, DI] (key_cache's dtype); head_weights: [T, HI] float32; key_cache: [num_slots, DI];
     page_table: [T, P] int32; seq_lens: [T] int32 (keys per query); key_scale: [num_slots] float32 for
     fp8 keys. Returns float32 [T, P * page_size], -inf past each query's length. blocks: position
@@ -259,12 +265,20 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     register_cap: registers a thread may use (`REGISTER_CAP` by default; 0: none): the same bits.
     launch: block_l / num_warps / num_stages over `LAUNCH`'s (tests and benches).
     unmasked_full_blocks: `UNMASKED_FULL_BLOCKS` for the keys' dtype by default: the same bits.
-    prefetch_scale: `PREFETCH_SCALE` by default (only with unmasked full blocks and a key scale): the same bits."""
+    prefetch_scale: `PREFETCH_SCALE` by default (only with unmasked full blocks and a key scale): the same bits.
+    page_tma: indexer_pages' kernel where the call fits it (`PAGE_TMA` for the keys' dtype by default; the
+    pointer kernel's knobs above then do not apply): the same bits."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
         out = torch.empty(tokens, length, dtype=torch.float32, device=q.device)
     if tokens == 0 or length == 0:
+        return out
+    block_d = key_block(dim, q.dtype)
+    if (PAGE_TMA[key_cache.dtype.itemsize == 1] if page_tma is None else page_tma) and maxima is None and \
+            indexer_pages.fits(key_cache, key_scale, page_size):
+        indexer_pages.page_logits(q, head_weights, key_cache, page_table, seq_lens, page_size, out, key_scale,
+                                  block_d, SPREAD_PROGRAMS)
         return out
     shape = launch_shape(launch)
     block_l = shape["block_l"]
@@ -272,7 +286,6 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     blocks = blocks or blocks_per_program(tokens, length, block_l, max_blocks)
     block_h = max(16, triton.next_power_of_2(heads))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    block_d = key_block(dim, q.dtype)
     if maxima is not None:
         _check_maxima(maxima, tokens, length, block_l)
     # Without maxima their pointers are any tensor's (never read or written).
