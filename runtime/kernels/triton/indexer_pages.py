@@ -109,9 +109,12 @@ def _indexer_pages_kernel(q_ptr, w_ptr, key_desc, scale_ptr, table_ptr, lens_ptr
         # copy of them was waited for at once). Here each full tile's scales are loaded during the tile before,
         # from a page loaded the tile before that: neither load's latency stands between tiles. The last tiles
         # reload their own (no mask). The same values, multiplied the same way.
+        # A program with no full tile reads page 0's scales here, never the page its first entry names: the
+        # entries past a query's length are no pages of its (a runtime may leave anything there).
         last = tl.maximum(full - 1, 0)
-        next_scale = tl.load(scale_ptr + _tile_row(table_row, first, page_size) + tl.arange(0, TILE))
-        next_page = tl.load(table_row + (first + tl.minimum(1, last) * TILE) // page_size)
+        first_page = tl.where(full > 0, tl.load(table_row + first // page_size), 0)
+        next_scale = tl.load(scale_ptr + first_page * page_size + first % page_size + tl.arange(0, TILE))
+        next_page = tl.load(table_row + (first + tl.minimum(1, last) * TILE) // page_size)  # used only if full > 0
         for tile in range(0, full):
             key_scale = next_scale
             ahead = first + tl.minimum(tile + 1, last) * TILE
