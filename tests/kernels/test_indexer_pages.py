@@ -168,14 +168,20 @@ def test_page_tiles_under_graph_replay_and_side_stream(scaled):
     assert torch.equal(side, eager), "side stream differs from eager"
 
 
+def _timed_launches() -> list[tuple[int, int]]:
+    """(warps, stages) of the default launch and of every launch variant the bench times."""
+    return sorted({(knobs.get("num_warps", indexer_pages.LAUNCH["num_warps"]),
+                    knobs.get("num_stages", indexer_pages.LAUNCH["num_stages"]))
+                   for knobs in [{}, *(v.get("launch", {}) for v in indexer_pages.LAUNCH_VARIANTS.values())]})
+
+
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above compile it for real")
 @pytest.mark.parametrize("scale_ahead", [False, True])
-@pytest.mark.parametrize("stages", sorted({v.get("launch", {}).get("num_stages", indexer_pages.LAUNCH["num_stages"])
-                                           for v in indexer_pages.LAUNCH_VARIANTS.values()}))
-def test_the_page_kernel_compiles_for_the_gpu_without_one(scale_ahead, stages):
+@pytest.mark.parametrize("warps, stages", _timed_launches())
+def test_the_page_kernel_compiles_for_the_gpu_without_one(scale_ahead, warps, stages):
     """The deployment's launch (fp8 keys of 128 lanes, 64 heads, 16 tiles of 64 a program) through sm_90's
-    compiler at each timed stage count: TMA descriptors, wgmma on a copied tile and the loop-carried scales are
-    what the interpreter cannot vouch for."""
+    compiler at each timed warp and stage count: TMA descriptors, wgmma on a copied tile and the loop-carried
+    scales are what the interpreter cannot vouch for."""
     signature = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "key_desc": "tensordesc<fp8e4nv[64, 128]>",
                  "scale_ptr": "*fp32", "table_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": "*fp32", "heads": "i32",
                  "dim": "i32", "page_size": "i32", "width": "i32", "stride_qt": "i32", "stride_qh": "i32",
@@ -183,5 +189,5 @@ def test_the_page_kernel_compiles_for_the_gpu_without_one(scale_ahead, stages):
     constants = dict(KEY_SCALE=True, PRECISION="tf32", TILES=16, BLOCK_H=64, BLOCK_D=128, TILE=64,
                      SCALE_AHEAD=scale_ahead)
     done = compile_for_sm90("runtime.kernels.triton.indexer_pages", "_indexer_pages_kernel", signature, constants,
-                            num_warps=indexer_pages.LAUNCH["num_warps"], num_stages=stages)
+                            num_warps=warps, num_stages=stages)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
