@@ -191,3 +191,23 @@ def test_the_page_kernel_compiles_for_the_gpu_without_one(scale_ahead, warps, st
     done = compile_for_sm90("runtime.kernels.triton.indexer_pages", "_indexer_pages_kernel", signature, constants,
                             num_warps=warps, num_stages=stages)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_pointer_knob_keeps_the_pointer_kernel(monkeypatch):
+    """The tests and benches that compare the pointer kernel's launches (blocks, scales, masks, launch shapes) must
+    run it, not the page kernel the default switch would pick: else they compare the page kernel with itself. Asking
+    for the page kernel together with a pointer knob is refused."""
+    calls = []
+    real = indexer_pages.page_logits
+    monkeypatch.setattr(indexer_pages, "page_logits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(indexer, "PAGE_TMA", {True: True, False: True})
+    q, w, keys, table, lens, key_scale = _case(2, 2, 4 * TILE, TILE, DTYPES[0], True)
+    out = poisoned(2, table.shape[1] * TILE, dtype=torch.float32)
+    for knob in (dict(blocks=1), dict(early_scale=False), dict(launch={"num_stages": 1}),
+                 dict(unmasked_full_blocks=False), dict(prefetch_scale=False), dict(register_cap=0)):
+        indexer.indexer_logits(q, w, keys, table, lens, TILE, key_scale=key_scale, out=out, **knob)
+        assert not calls, f"{knob} ran the page kernel"
+        with pytest.raises(ValueError, match="none of the pointer kernel's knobs"):
+            indexer.indexer_logits(q, w, keys, table, lens, TILE, key_scale=key_scale, page_tma=True, **knob)
+    indexer.indexer_logits(q, w, keys, table, lens, TILE, key_scale=key_scale, out=out)
+    assert len(calls) == 1

@@ -92,11 +92,12 @@ FUSED_MAXIMA = False
 # thread: `bench.kernels` times that, `logits_register_caps`: mixed, H200 fp8 167.8 against 173.4 us, bf16
 # 345.2 against 332.2, H100 fp8 204.1 against 201.7; not taken.) A cap changes no bit, only the allocation.
 REGISTER_CAP: dict[bool, int | None] = {False: None, True: 128}
-# The logits by indexer_pages' kernel (each 64-position tile's keys and key scales copied by TMA from its page)
-# where the call fits it (`indexer_pages.fits`: whole tiles a page, TMA-ready caches, no fused maxima), by
-# whether the keys are fp8. The same bits (GPU test). Off until timed on the H200 (bench.kernels'
-# `logits_page_tma`).
-PAGE_TMA: dict[bool, bool] = {True: False, False: False}
+# The logits by indexer_pages' kernel (each 64-position tile's keys copied by TMA from its page) where the call
+# fits it (`indexer_pages.fits`: whole tiles a page, TMA-ready caches, no fused maxima), by whether the keys are
+# fp8. The same bits (GPU tests). On the H200 (thirty-third session, bench.indexer_pages, 64K positions) fp8 keys
+# 138.2 us against 156.8 at B=64 (with the selection 182.5 against 202.4), 45.0 / 44.4 at B=16, 5.8 / 6.3 at B=1;
+# bf16 keys 258.0 / 330.6, 69.8 / 87.9, 7.6 / 9.2. The runtime's caches (pages of 16) keep the pointer kernel.
+PAGE_TMA: dict[bool, bool] = {True: True, False: True}
 
 
 class GroupMaxima(NamedTuple):
@@ -266,8 +267,9 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     launch: block_l / num_warps / num_stages over `LAUNCH`'s (tests and benches).
     unmasked_full_blocks: `UNMASKED_FULL_BLOCKS` for the keys' dtype by default: the same bits.
     prefetch_scale: `PREFETCH_SCALE` by default (only with unmasked full blocks and a key scale): the same bits.
-    page_tma: indexer_pages' kernel where the call fits it (`PAGE_TMA` for the keys' dtype by default; the
-    pointer kernel's knobs above then do not apply): the same bits."""
+    page_tma: indexer_pages' kernel where the call fits it (`PAGE_TMA` for the keys' dtype by default, unless a
+    knob of the pointer kernel above is given: tests and benches that turn one compare pointer launches): the
+    same bits. True with a pointer knob is refused."""
     tokens, heads, dim = q.shape
     length = page_table.shape[1] * page_size
     if out is None:
@@ -275,8 +277,16 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
     if tokens == 0 or length == 0:
         return out
     block_d = key_block(dim, q.dtype)
-    if (PAGE_TMA[key_cache.dtype.itemsize == 1] if page_tma is None else page_tma) and maxima is None and \
-            indexer_pages.fits(key_cache, key_scale, page_size):
+    pointer_knobs = [name for name, value in (("blocks", blocks), ("early_scale", early_scale),
+                                              ("register_cap", register_cap), ("launch", launch),
+                                              ("unmasked_full_blocks", unmasked_full_blocks),
+                                              ("prefetch_scale", prefetch_scale)) if value is not None]
+    if page_tma and pointer_knobs:
+        raise ValueError(f"page_tma=True runs the page kernel, which has none of the pointer kernel's knobs "
+                         f"{pointer_knobs}")
+    if page_tma is None:
+        page_tma = PAGE_TMA[key_cache.dtype.itemsize == 1] and not pointer_knobs
+    if page_tma and maxima is None and indexer_pages.fits(key_cache, key_scale, page_size):
         indexer_pages.page_logits(q, head_weights, key_cache, page_table, seq_lens, page_size, out, key_scale,
                                   block_d, SPREAD_PROGRAMS)
         return out
