@@ -546,6 +546,9 @@ def bench_indexer(ceilings, rows: list) -> None:
             q, w, keys, page_table, lens, page_size, key_scale=scale, **kw)
         logits = logits_fn()
         logits_us = graph_us([logits_fn] * 3)
+        # The default is the page-tile kernel where the caches fit it (indexer.PAGE_TMA); the variants below are the
+        # pointer kernel's (a pointer knob keeps it), each asked for the default's bits.
+        pointer = _logits_variant(logits_fn, logits, page_tma=False)
         # The logits kernel's speed switches the other way, each beside the deployed kernel: the key scale
         # loaded before the keys (indexer.EARLY_SCALE), full blocks without masks (UNMASKED_FULL_BLOCKS, by key
         # dtype), and, keys with a scale only, the scales loaded one block ahead (PREFETCH_SCALE, with
@@ -587,7 +590,8 @@ def bench_indexer(ceilings, rows: list) -> None:
         bytes_moved = batch * context * (key_bytes + 4)
         flops = 2 * batch * heads * dim * context
         roof = roofline_us(bytes_moved, flops, ceilings)
-        rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us, topk_us=topk_us,
+        rows.append(dict(kernel="indexer", keys=name, B=batch, context=context, logits_us=logits_us,
+                         logits_pointer_kernel=pointer, topk_us=topk_us,
                          logits_plus_topk_us=both_us, logits_plus_select_ours_us=ours_both_us, **selection,
                          logits_other_early_scale=logits_other_early_scale,
                          logits_unmasked_full_blocks=logits_unmasked_full_blocks,
