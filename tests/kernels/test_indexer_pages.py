@@ -24,6 +24,7 @@ from tests.kernels.test_triton_kernels import (
     _indexer_case,
     _scaled_keys,
     assert_prefix_invariant,
+    launches_changing_bits,
     poisoned,
 )
 
@@ -138,17 +139,9 @@ def test_page_tile_launches_keep_the_pointer_kernels_bits(keys_dtype):
     q, w, keys, table, lens, key_scale = _case(5, 4, 3000, 64, torch.bfloat16, keys_dtype == "fp8", 64, 128)
     want = _logits(q, w, keys, table, lens, 64, key_scale, page_tma=False)
     assert not torch.isnan(want).any()
-    changed, refused = [], []
-    for name, knobs in indexer_pages.LAUNCH_VARIANTS.items():
-        try:
-            got = _logits(q, w, keys, table, lens, 64, key_scale, page_tma=True, **knobs)
-        except Exception as err:  # noqa: BLE001 - triton's OutOfResources (shared memory, registers)
-            if "OutOfResources" not in type(err).__name__:
-                raise
-            refused.append(name)
-            continue
-        if not torch.equal(got, want):
-            changed.append(name)
+    changed, refused = launches_changing_bits(
+        indexer_pages.LAUNCH_VARIANTS, lambda knobs: _logits(q, w, keys, table, lens, 64, key_scale, page_tma=True,
+                                                             **knobs), want)
     assert not changed, f"page-tile launches {changed} changed logits' bits"
     print(f"page-tile launches the chip could not hold: {refused}")
 

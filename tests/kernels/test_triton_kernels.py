@@ -850,10 +850,19 @@ def test_indexer_launch_variants_keep_the_deployed_bits(keys_dtype):
         q = q.to(keys.dtype)
     want = _run_indexer(q, w, keys, table, lens, 64, key_scale)
     assert not torch.isnan(want).any()
+    changed, refused = launches_changing_bits(
+        indexer.LAUNCH_VARIANTS, lambda knobs: _run_indexer(q, w, keys, table, lens, 64, key_scale, launch=knobs), want)
+    assert not changed, f"launch shapes {changed} changed logits' bits: they must not be deployed"
+    print(f"launch shapes the chip could not hold: {refused}")
+
+
+def launches_changing_bits(variants: dict, run, want: torch.Tensor) -> tuple[list[str], list[str]]:
+    """Run each of `variants` (name: knobs) through `run(knobs)`: the names whose output is not `want`'s bits,
+    and the names the chip could not hold (Triton's OutOfResources: shared memory, registers)."""
     changed, refused = [], []
-    for name, knobs in indexer.LAUNCH_VARIANTS.items():
+    for name, knobs in variants.items():
         try:
-            got = _run_indexer(q, w, keys, table, lens, 64, key_scale, launch=knobs)
+            got = run(knobs)
         except Exception as err:  # noqa: BLE001 - triton's OutOfResources (shared memory, registers)
             if "OutOfResources" not in type(err).__name__:
                 raise
@@ -861,8 +870,7 @@ def test_indexer_launch_variants_keep_the_deployed_bits(keys_dtype):
             continue
         if not torch.equal(got, want):
             changed.append(name)
-    assert not changed, f"launch shapes {changed} changed logits' bits: they must not be deployed"
-    print(f"launch shapes the chip could not hold: {refused}")
+    return changed, refused
 
 
 def test_indexer_spreads_small_steps_over_more_programs():

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from runtime.kernels import cuda_torch
 from runtime.kernels.triton import INTERPRETED, indexer_pages, topk
+from runtime.kernels.triton.indexer_pages import query_operands
 from runtime.kernels.triton.topk import store_group_maxima
 
 # Positions are cut into blocks of BLOCK_L, up to MAX_BLOCKS of them walked by one program. A step of
@@ -187,14 +188,8 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, key_scale_ptr, table_ptr, lens_ptr, o
     if MAXIMA:
         last = tl.load(pos_ptr + query).to(tl.int64) - WINDOW
     maxima_row = maxima_ptr + query * stride_maxima
-    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    h_ok = offs_h < heads
-    d_ok = offs_d < dim
-    q = tl.load(q_ptr + query * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    q_t = tl.trans(q)  # [BLOCK_D, BLOCK_H]
-    w = tl.load(w_ptr + query * stride_w + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    q_t, w = query_operands(q_ptr, w_ptr, query, heads, dim, stride_qt, stride_qh, stride_w, BLOCK_H, BLOCK_D)
     out_row = out_ptr + query * stride_out
     table_row = table_ptr + query * stride_table
     first = tl.program_id(1) * BLOCKS * BLOCK_L

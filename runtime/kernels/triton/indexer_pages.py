@@ -54,6 +54,20 @@ LAUNCH_VARIANTS: dict[str, dict[str, Any]] = {
 
 
 @triton.jit
+def query_operands(q_ptr, w_ptr, query, heads, dim, stride_qt, stride_qh, stride_w, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """A query's MMA operand q^T [BLOCK_D, BLOCK_H] (zeros past the heads and the dim) and its head weights
+    [BLOCK_H] in float32 (zeros past the heads): held by a program of either indexer kernel throughout."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < heads
+    q = tl.load(q_ptr + query * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & (offs_d < dim)[None, :], other=0.0)
+    w = tl.load(w_ptr + query * stride_w + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    return tl.trans(q), w
+
+
+@triton.jit
 def _tile_row(table_row, start, page_size):
     """The key cache row of position `start`'s slot (a tile's first: the tile's rows follow it in its page)."""
     return tl.load(table_row + start // page_size) * page_size + start % page_size
@@ -93,13 +107,7 @@ def _indexer_pages_kernel(q_ptr, w_ptr, key_desc, scale_ptr, table_ptr, lens_ptr
     # One program: TILES consecutive tiles of one query, q held throughout (as the pointer kernel).
     query = tl.program_id(0).to(tl.int64)
     length = tl.minimum(tl.load(lens_ptr + query), width)  # nothing is stored past the row's width
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    h_ok = offs_h < heads
-    q = tl.load(q_ptr + query * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None] & (offs_d < dim)[None, :], other=0.0)
-    q_t = tl.trans(q)  # [BLOCK_D, BLOCK_H]
-    w = tl.load(w_ptr + query * stride_w + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    q_t, w = query_operands(q_ptr, w_ptr, query, heads, dim, stride_qt, stride_qh, stride_w, BLOCK_H, BLOCK_D)
     out_row = out_ptr + query * stride_out
     table_row = table_ptr + query * stride_table
     first = tl.program_id(1) * TILES * TILE
