@@ -45,7 +45,8 @@ def bench_batch(batch: int, case, ceilings: dict, variants: bool, page_size: int
 
         def pages(**knobs) -> torch.Tensor:  # the page kernel with page_logits' tiles / launch / scale_ahead
             indexer_pages.page_logits(q, w, keys, table, lens, page_size, out, scale,
-                                      indexer.key_block(q.shape[2], q.dtype), indexer.SPREAD_PROGRAMS, **knobs)
+                                      indexer.key_block(q.shape[2], q.dtype),
+                                      knobs.pop("tiles", None) or indexer.page_tiles(batch, context), **knobs)
             return out
 
         want = pointer().clone()
@@ -54,10 +55,9 @@ def bench_batch(batch: int, case, ceilings: dict, variants: bool, page_size: int
         roof = roofline_us(batch * context * (key_bytes + 4), 2 * batch * q.shape[1] * q.shape[2] * context, ceilings)
         row: dict[str, Any] = dict(kernel="indexer_pages", keys=name, B=batch, context=context,
                                    pointer_us=graph_us([pointer] * 3), pages_us=graph_us([pages] * 3), same_bits=same,
-                                   roofline_us=roof, defaults=dict(indexer_pages.LAUNCH, tiles=indexer_pages.
-                                                                   tiles_per_program(batch, context,
-                                                                                     indexer.SPREAD_PROGRAMS),
-                                                                   scale_ahead=indexer_pages.SCALE_AHEAD))
+                                   roofline_us=roof,
+                                   defaults=dict(indexer_pages.LAUNCH, tiles=indexer.page_tiles(batch, context),
+                                                 scale_ahead=indexer_pages.SCALE_AHEAD))
         row["pct_roofline_pointer"] = 100 * roof / row["pointer_us"]
         row["pct_roofline_pages"] = 100 * roof / row["pages_us"]
         if variants:

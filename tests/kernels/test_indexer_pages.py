@@ -41,7 +41,10 @@ def _logits(q, w, keys, table, lens, page_size, key_scale=None, *, page_tma, **p
     if page_tma and page_knobs:
         assert indexer_pages.fits(keys, key_scale, page_size)
         indexer_pages.page_logits(q, w, keys, table, lens, page_size, out, key_scale,
-                                  indexer.key_block(q.shape[2], q.dtype), indexer.SPREAD_PROGRAMS, **page_knobs)
+                                  indexer.key_block(q.shape[2], q.dtype),
+                                  page_knobs.pop("tiles", None) or indexer.page_tiles(q.shape[0],
+                                                                                      table.shape[1] * page_size),
+                                  **page_knobs)
     else:
         indexer.indexer_logits(q, w, keys, table, lens, page_size, key_scale=key_scale, out=out, page_tma=page_tma)
     return out
@@ -84,7 +87,7 @@ def test_page_tiles_give_the_pointer_kernels_bits(seed, queries, context, page_s
 @given(seed=SEEDS, dtype=st.sampled_from(DTYPES), scaled=st.booleans())
 def test_page_tile_rows_do_not_depend_on_the_batch(seed, dtype, scaled):
     """f(x)[:k] == f(x[:k]): a smaller batch spreads each row over more programs of fewer tiles
-    (tiles_per_program), and no row's bits move."""
+    (indexer.page_tiles), and no row's bits move."""
     q, w, keys, table, lens, key_scale = _case(seed, 5, 9 * TILE + 5, TILE, dtype, scaled)
     run = lambda k: _logits(q[:k], w[:k], keys, table[:k], lens[:k], TILE, key_scale, page_tma=True)  # noqa: E731
     assert_prefix_invariant(run(5), run, 5)

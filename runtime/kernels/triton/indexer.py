@@ -119,6 +119,12 @@ def blocks_per_program(tokens: int, length: int, block_l: int, max_blocks: int =
     return blocks
 
 
+def page_tiles(tokens: int, length: int) -> int:
+    """Tiles a program of indexer_pages' kernel walks: `blocks_per_program`'s rule over its tiles (at most
+    MAX_POSITIONS positions a program, fewer for a small step)."""
+    return blocks_per_program(tokens, length, indexer_pages.TILE, indexer_pages.MAX_POSITIONS // indexer_pages.TILE)
+
+
 def key_block(dim: int, dtype: torch.dtype) -> int:
     """BLOCK_D for keys of `dim` in `dtype`: at least the MMA's smallest K, 16 for 16- and 32-bit
     operands and 32 for fp8 (sm_90 refuses an fp8 dot of K 16 at compile time: seen on the H100 with
@@ -283,7 +289,7 @@ def indexer_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch
         page_tma = PAGE_TMA[key_cache.dtype.itemsize == 1] and not pointer_knobs
     if page_tma and maxima is None and indexer_pages.fits(key_cache, key_scale, page_size):
         indexer_pages.page_logits(q, head_weights, key_cache, page_table, seq_lens, page_size, out, key_scale,
-                                  block_d, SPREAD_PROGRAMS)
+                                  block_d, page_tiles(tokens, length))
         return out
     shape = launch_shape(launch)
     block_l = shape["block_l"]

@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4
 
 from runtime.kernels.triton import INTERPRETED
+from runtime.kernels.triton.matmul import tma_loadable
 
 TILE = 16 if INTERPRETED else 64  # the interpreter's time grows with the tile
 # Positions a program walks at most (as the pointer kernel's 8 blocks of 128), fewer for small steps.
@@ -146,43 +147,27 @@ def _indexer_pages_kernel(q_ptr, w_ptr, key_desc, scale_ptr, table_ptr, lens_ptr
                      None, KEY_SCALE, False, PRECISION, TILE, True)
 
 
-def tma_ready(t: torch.Tensor) -> bool:
-    """TMA copies boxes from a 16-byte-aligned base, with 16-byte-aligned strides but the last (unit)."""
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and \
-        all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
-
-
 def fits(key_cache: torch.Tensor, key_scale: torch.Tensor | None, page_size: int) -> bool:
     """Whether the page-tile kernel can run these caches: whole tiles in a page, a TMA-ready 2-D key cache,
     and a key scale vector of unit stride (a tile's scales are one contiguous load)."""
-    return page_size % TILE == 0 and key_cache.dim() == 2 and tma_ready(key_cache) and \
+    return page_size % TILE == 0 and key_cache.dim() == 2 and key_cache.stride(1) == 1 and \
+        tma_loadable(key_cache) and \
         (key_scale is None or (key_scale.dim() == 1 and key_scale.stride(0) == 1))
-
-
-def tiles_per_program(tokens: int, length: int, spread_programs: int) -> int:
-    """Tiles a program walks: MAX_POSITIONS' worth, halved until a call has `spread_programs` programs
-    (the pointer kernel's rule: a small step spreads over more programs) or one tile is left."""
-    tiles = max(1, MAX_POSITIONS // TILE)
-    while tiles > 1 and tokens * triton.cdiv(length, TILE * tiles) < spread_programs:
-        tiles //= 2
-    return tiles
 
 
 def page_logits(q: torch.Tensor, head_weights: torch.Tensor, key_cache: torch.Tensor, page_table: torch.Tensor,
                 seq_lens: torch.Tensor, page_size: int, out: torch.Tensor, key_scale: torch.Tensor | None,
-                block_d: int, spread_programs: int, tiles: int | None = None, launch: dict | None = None,
-                scale_ahead: bool | None = None) -> None:
+                block_d: int, tiles: int, launch: dict | None = None, scale_ahead: bool | None = None) -> None:
     """indexer.indexer_logits' logits into `out` [T, P * page_size] (the caller checked `fits` and allocated
-    out). block_d: the MMA's K (indexer.key_block); tiles: tiles a program walks (`tiles_per_program` by
-    default); launch: num_warps / num_stages over LAUNCH's; scale_ahead: SCALE_AHEAD by default. Every tiling,
-    launch and scale load gives the same bits."""
+    out). block_d: the MMA's K (indexer.key_block); tiles: tiles a program walks (indexer.page_tiles, the
+    pointer kernel's spreading rule, by default); launch: num_warps / num_stages over LAUNCH's; scale_ahead:
+    SCALE_AHEAD by default. Every tiling, launch and scale load gives the same bits."""
     tokens, heads, _ = q.shape
     length = page_table.shape[1] * page_size
     unknown = set(launch or ()) - set(LAUNCH)
     if unknown:
         raise ValueError(f"page-tile indexer launch knobs {sorted(unknown)} unknown; known: {sorted(LAUNCH)}")
     shape = {**LAUNCH, **(dict(num_stages=1) if INTERPRETED else {}), **(launch or {})}
-    tiles = tiles or tiles_per_program(tokens, length, spread_programs)
     key_desc = TensorDescriptor.from_tensor(key_cache, [TILE, block_d])
     _indexer_pages_kernel[(tokens, triton.cdiv(length, TILE * tiles))](
         q, head_weights, key_desc, key_scale if key_scale is not None else head_weights, page_table, seq_lens, out,
