@@ -37,7 +37,7 @@ SHAPES = [(9, 3, 256, 128), (16, 6, 384, 256)]
 LAUNCHES = [{"gate_up": {"TMA": True}},
             {"down": {"BLOCK_N": 64, "TMA": True}},
             {"gate_up": {"TMA": True, "FUSED_SPLITS": True, "BLOCK_N": 64, "num_stages": 3},
-             "down": {"BLOCK_N": 128, "N_TILES": 3, "TMA": True, "num_stages": 3}},
+             "down": {"BLOCK_N": 128, "N_TILES": 3, "TMA": True, "FLAT": True, "num_stages": 3}},
             {"gate_up": {"TMA": True, "BLOCK_N": 16}, "down": {"BLOCK_N": 64, "N_TILES": 2, "TMA": True}}]
 
 

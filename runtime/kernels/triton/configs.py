@@ -48,7 +48,8 @@ def config_file_name(kind: str, num_experts: int, shard: int, dtype: str) -> str
 KNOBS = {"fused_moe": {"BLOCK_M": int, "BLOCK_N": int, "num_warps": int, "num_stages": int,
                        "gate_up": {"FUSED_SPLITS": bool, "TMA": bool, "BLOCK_N": int, "num_warps": int,
                                    "num_stages": int},
-                       "down": {"BLOCK_N": int, "N_TILES": int, "TMA": bool, "num_warps": int, "num_stages": int}}}
+                       "down": {"BLOCK_N": int, "N_TILES": int, "TMA": bool, "FLAT": bool, "num_warps": int,
+                                "num_stages": int}}}
 REQUIRED = {"fused_moe": ("BLOCK_N", "num_warps", "num_stages")}
 
 

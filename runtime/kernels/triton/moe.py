@@ -358,11 +358,13 @@ def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, so
                  stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
                  FP8: tl.constexpr, ROUTING: tl.constexpr, WEIGHTED: tl.constexpr, W_TMA: tl.constexpr,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 N_TILES: tl.constexpr):
+                 N_TILES: tl.constexpr, FLAT: tl.constexpr):
     # out[r, n] = route_w[r] * (act[r] . w2[e, n]), float32. A program writes N_TILES column tiles of
     # its rows, one after the other (`down_launch`): at prefill sizes the down GEMM is I = 256 deep,
     # two k steps, so a program per column tile is all prologue and epilogue; walking the columns in
     # one flattened loop keeps the weight loads of the next tile in flight under this one's MMAs.
+    # FLAT: that walk as one loop over (column tile, k step) written out, each tile stored on its last step (the
+    # persistent-GEMM form the pipeliner takes whole), in place of the nested loops `tl.range(flatten=True)` flattens.
     # Which program computes a column never changes its bits: each output's k steps are the same.
     # W_TMA: the weight tiles through w_desc (w as [E * D, I], boxes [BLOCK_N, BLOCK_K]), as in _gate_up_kernel.
     pid_m = tl.program_id(0)
@@ -376,6 +378,20 @@ def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, so
         _down_tile(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok,
                    pid_n * BLOCK_N, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse,
                    stride_wsn, stride_out, FP8, WEIGHTED, W_TMA, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif FLAT:
+        k_steps = tl.cdiv(inter, BLOCK_K)
+        first_n = pid_n * N_TILES * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in tl.range(0, N_TILES * k_steps):
+            n_start = first_n + (step // k_steps) * BLOCK_N
+            k0 = (step % k_steps) * BLOCK_K
+            acc = _down_step(acc, act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, rows64, row_ok,
+                             n_start, k0, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse,
+                             stride_wsn, FP8, W_TMA, PRECISION, BLOCK_N, BLOCK_K)
+            if k0 + BLOCK_K >= inter:  # the tile's last k step: out with it, the next tile from zero
+                _down_store(out_ptr, route_w_ptr, acc, rows64, row_ok, n_start, hidden, stride_out, WEIGHTED,
+                            BLOCK_N)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         for tile in tl.range(0, N_TILES, flatten=True):
             _down_tile(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64,
@@ -389,32 +405,51 @@ def _down_tile(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, rout
                n_start, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
                FP8: tl.constexpr, WEIGHTED: tl.constexpr, W_TMA: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One BLOCK_M x BLOCK_N output tile of the down projection, I summed from zero in BLOCK_K steps. W_TMA: the
-    weight tile by descriptor (the host asks D % BLOCK_N == 0; columns past I come as zeros, as masked)."""
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
-    w_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-    w_row = (expert * hidden).to(tl.int32) + n_start  # the tile's first row in w_desc
+    """One BLOCK_M x BLOCK_N output tile of the down projection, I summed from zero in BLOCK_K steps."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < inter
-        a = tl.load(act_ptr + rows64[:, None] * stride_act + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        if W_TMA:
-            b = w_desc.load([w_row, k0]).T
-        else:
-            b = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
-            a_s = tl.load(act_scale_ptr + rows64 * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
-            b_s = tl.load(w_scale_ptr + expert * stride_wse + (offs_n // BLOCK_K) * stride_wsn + k0 // BLOCK_K,
-                          mask=n_ok, other=0.0)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        else:
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = _down_step(acc, act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, rows64, row_ok, n_start,
+                         k0, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, FP8,
+                         W_TMA, PRECISION, BLOCK_N, BLOCK_K)
+    _down_store(out_ptr, route_w_ptr, acc, rows64, row_ok, n_start, hidden, stride_out, WEIGHTED, BLOCK_N)
+
+
+@triton.jit
+def _down_step(acc, act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, rows64, row_ok, n_start, k0, hidden,
+               inter, stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, FP8: tl.constexpr,
+               W_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc plus one BLOCK_K step (I in [k0, k0 + BLOCK_K)) of the tile at column n_start. W_TMA: the weight tile by
+    descriptor (the host asks D % BLOCK_N == 0; columns past I come as zeros, as masked)."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < inter
+    a = tl.load(act_ptr + rows64[:, None] * stride_act + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0)
+    if W_TMA:
+        b = w_desc.load([(expert * hidden).to(tl.int32) + n_start, k0]).T
+    else:
+        w_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+        b = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if FP8:
+        a_s = tl.load(act_scale_ptr + rows64 * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
+        b_s = tl.load(w_scale_ptr + expert * stride_wse + (offs_n // BLOCK_K) * stride_wsn + k0 // BLOCK_K,
+                      mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _down_store(out_ptr, route_w_ptr, acc, rows64, row_ok, n_start, hidden, stride_out, WEIGHTED: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A finished tile (times each row's routing weight when WEIGHTED) into out, float32."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
     if WEIGHTED:
         acc = acc * tl.load(route_w_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows64[:, None] * stride_out + offs_n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + rows64[:, None] * stride_out + offs_n[None, :], acc,
+             mask=row_ok[:, None] & (offs_n < hidden)[None, :])
 
 
 @triton.jit
@@ -459,12 +494,12 @@ def gate_up_launch(config: dict, routing: int = ALIGNED, split_k: int = 1) -> di
 
 def down_launch(config: dict, routing: int = ALIGNED) -> dict:
     """The down projection's launch: BLOCK_N (at least 64), N_TILES column tiles per program, warps,
-    stages and TMA (as gate_up_launch's). A bucket's "down" entry overrides the gate/up launch it
-    otherwise follows; none of these knobs reaches a row's bits (each output's k steps are fixed by
-    BLOCK_K). The per-row path (one row a tile) keeps one column tile per program: its tiles are
-    already many and short."""
+    stages, TMA (as gate_up_launch's) and FLAT (the column walk as one loop over tile and k step). A
+    bucket's "down" entry overrides the gate/up launch it otherwise follows; none of these knobs
+    reaches a row's bits (each output's k steps are fixed by BLOCK_K). The per-row path (one row a
+    tile) keeps one column tile per program: its tiles are already many and short."""
     down = {"BLOCK_N": max(config["BLOCK_N"], 64), "N_TILES": 1, "num_warps": config["num_warps"],
-            "num_stages": config["num_stages"], "TMA": False}
+            "num_stages": config["num_stages"], "TMA": False, "FLAT": False}
     if routing != PER_ROW and BUCKET_LAUNCHES:
         down.update(config.get("down", {}))
     return down

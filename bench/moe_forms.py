@@ -1,13 +1,13 @@
-"""The fused MoE's weight tiles by TMA descriptor (the gate/up and down launches' "TMA" knob, moe.weight_boxes)
-beside the deployed pointer loads (issue 15: fp8 >= 1.7x bf16 and 85% of the read roofline at I = 256).
+"""The fused MoE's launch forms beside the deployed table (issue 15: fp8 >= 1.7x bf16 and 85% of the read roofline at
+I = 256): the weight tiles by TMA descriptor (the gate/up and down launches' "TMA" knob, moe.weight_boxes) and the down
+projection's column walk as one flat loop over (tile, k step) (its "FLAT" knob, with N_TILES column tiles a program).
 
-    python -m bench.moe_tma [--inter 256,512,2048] [--batches 8,32,128] [--json OUT]
+    python -m bench.moe_forms [--inter 256,512,2048] [--batches 8,32,128] [--json OUT]
 
 bench.kernels' MoE case (E = 256, top-6, D = 4096, the same inputs, CALLS_PER_GRAPH calls a graph replay), bf16 and
-fp8, at each shard and batch size: the deployed table's launch, then the same launch with the gate/up weights, the
-down weights or both by descriptor, and both with one stage more (a copy that needs no registers leaves room for
-another in flight). Each row: time, the read roofline's share, fp8 over bf16 of the same launch kind, and whether the
-output has the deployed launch's bits (it must: the same values reach the same dot).
+fp8, at each shard and batch size: the deployed table's launch, then each form. Each row: time, the read roofline's
+share, fp8 over bf16 of the same form, and whether the output has the deployed launch's bits (it must: the same values
+reach the same dot in the same k order).
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ EXPERTS, TOP_K, HIDDEN = 256, 6, 4096
 
 
 def variants(config: dict) -> dict[str, dict]:
-    """The deployed launch and its TMA variants (the bucket's own "gate_up" / "down" entries kept, TMA set)."""
+    """The deployed launch and its forms (the bucket's own "gate_up" / "down" entries kept, the form's knobs set)."""
     gate_up, down = dict(config.get("gate_up", {})), dict(config.get("down", {}))
-    deeper = {"gate_up": {**gate_up, "TMA": True, "num_stages": gate_up.get("num_stages", config["num_stages"]) + 1},
-              "down": {**down, "TMA": True, "num_stages": moe.down_launch(config)["num_stages"] + 1}}
-    return {"deployed": config,
-            "tma_gate_up": {**config, "gate_up": {**gate_up, "TMA": True}},
-            "tma_down": {**config, "down": {**down, "TMA": True}},
-            "tma_both": {**config, "gate_up": {**gate_up, "TMA": True}, "down": {**down, "TMA": True}},
-            "tma_both_deeper": {**config, **deeper}}
+    forms = {"deployed": config,
+             "tma_gate_up": {**config, "gate_up": {**gate_up, "TMA": True}},
+             "tma_down": {**config, "down": {**down, "TMA": True}},
+             "tma_both": {**config, "gate_up": {**gate_up, "TMA": True}, "down": {**down, "TMA": True}}}
+    for block_n, tiles, warps, stages in ((64, 2, 4, 3), (64, 4, 4, 3), (64, 4, 4, 4), (128, 2, 4, 3), (64, 8, 4, 4)):
+        forms[f"flat_down_{block_n}x{tiles}_w{warps}s{stages}"] = {**config, "down": dict(
+            BLOCK_N=block_n, N_TILES=tiles, FLAT=True, num_warps=warps, num_stages=stages)}
+    return forms
 
 
 def bench_shard(inter: int, batches: list[int], ceilings: dict, gen: torch.Generator) -> list[dict]:
@@ -74,7 +75,7 @@ def bench_shard(inter: int, batches: list[int], ceilings: dict, gen: torch.Gener
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.moe_tma", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.moe_forms", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inter", default="256,512,2048", help="expert intermediate sizes (shards)")
     parser.add_argument("--batches", default="8,32,128", help="tokens")
