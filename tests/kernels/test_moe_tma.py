@@ -159,7 +159,7 @@ def _compile_cases():
                     "hidden": "i32", "inter": "i32", "stride_act": "i32", "stride_as": "i32", "stride_we": "i32",
                     "stride_wn": "i32", "stride_wse": "i32", "stride_wsn": "i32", "stride_out": "i32"},
                    dict(FP8=fp8, ROUTING=moe.ALIGNED, WEIGHTED=True, W_TMA=True, PRECISION="tf32", BLOCK_M=16,
-                        BLOCK_N=block_n, BLOCK_K=moe.BLOCK_K, N_TILES=n_tiles), warps, stages)
+                        BLOCK_N=block_n, BLOCK_K=moe.BLOCK_K, N_TILES=n_tiles, FLAT=n_tiles > 1), warps, stages)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above compile it for real")
