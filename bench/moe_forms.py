@@ -31,9 +31,14 @@ def variants(config: dict) -> dict[str, dict]:
              "tma_gate_up": {**config, "gate_up": {**gate_up, "TMA": True}},
              "tma_down": {**config, "down": {**down, "TMA": True}},
              "tma_both": {**config, "gate_up": {**gate_up, "TMA": True}, "down": {**down, "TMA": True}}}
-    for block_n, tiles, warps, stages in ((64, 2, 4, 3), (64, 4, 4, 3), (64, 4, 4, 4), (128, 2, 4, 3), (64, 8, 4, 4)):
+    for block_n, tiles, warps, stages in ((64, 2, 4, 3), (64, 4, 4, 3), (128, 2, 4, 3), (64, 2, 2, 3)):
         forms[f"flat_down_{block_n}x{tiles}_w{warps}s{stages}"] = {**config, "down": dict(
             BLOCK_N=block_n, N_TILES=tiles, FLAT=True, num_warps=warps, num_stages=stages)}
+    # Plain down launches the tune does not try (MOE_DOWN_CANDIDATES): 2 warps (ncu on the H100, fp8 I=256 bs 32:
+    # the 4-warp launch holds 6 programs an SM, by registers and by shared memory alike, 75% of DRAM bandwidth).
+    for block_n, warps, stages in ((64, 2, 3), (64, 2, 4), (128, 2, 3), (64, 4, 4), (128, 4, 4)):
+        forms[f"down_{block_n}_w{warps}s{stages}"] = {**config, "down": dict(
+            BLOCK_N=block_n, N_TILES=1, num_warps=warps, num_stages=stages)}
     return forms
 
 
