@@ -6,8 +6,8 @@ projection's column walk as one flat loop over (tile, k step) (its "FLAT" knob, 
 
 bench.kernels' MoE case (E = 256, top-6, D = 4096, the same inputs, CALLS_PER_GRAPH calls a graph replay), bf16 and
 fp8, at each shard and batch size: the deployed table's launch, then each form. Each row: time, the read roofline's
-share, fp8 over bf16 of the same form, and whether the output has the deployed launch's bits (it must: the same values
-reach the same dot in the same k order).
+share, fp8 over bf16 of the same form, and whether the output has the deployed launch's bits (it must, but for fp8's
+64-row tiles: the same values reach the same dot in the same k order).
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def variants(config: dict) -> dict[str, dict]:
     for block_n, warps, stages in ((64, 2, 3), (64, 2, 4), (128, 2, 3), (64, 4, 4), (128, 4, 4)):
         forms[f"down_{block_n}_w{warps}s{stages}"] = {**config, "down": dict(
             BLOCK_N=block_n, N_TILES=1, num_warps=warps, num_stages=stages)}
+    # 64-row tiles: wgmma from 64 rows (moe.py). bf16 keeps its bits (bench.mma_bits); fp8 does not - its 16-row
+    # tiles convert each weight to float16 for mma.sync, where wgmma reads the e4m3 tile from shared memory and adds
+    # in its own precision - so this row times what an fp8 switch to wgmma would buy, at every bucket or none.
+    forms["tiles_64"] = {**config, "BLOCK_M": 64}
     return forms
 
 
