@@ -93,10 +93,6 @@ want bench_moe && section bench_moe "${KERNELS_TIMEOUT:-200}" $PY -m bench.kerne
 # The fused MoE taken apart (each launch's time per call) and the alignment's two paths by routed rows.
 want moe_anatomy && section moe_anatomy "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_anatomy --json "$OUT/moe_anatomy.json"
 want moe_align && section moe_align "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_align --json "$OUT/moe_align.json"
-# The MoE's launch forms (weight tiles by TMA descriptor, the down projection's flat column walk) beside the deployed
-# table: times, fp8 over bf16, same bits (bench.moe_forms).
-want moe_forms && section moe_forms "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_forms --json "$OUT/moe_forms.json" \
-    --batches "${MOE_FORMS_BATCHES:-8,32,128}"
 # The MoE tables re-tuned for this GPU (bench.kernels --tune-out: the plain launch, then the down projection's own),
 # installed into this copy's tables (`configs install`: what changed is in moe_tune_install.log; bring tuned.json back
 # and install it in the tree the same way), then the MoE GPU tests on the installed tables.

@@ -17,7 +17,7 @@ NAME = "fused_moe,E=256,N=256,device_name=TEST_GPU,dtype=bf16.json"
 GOOD = {"1": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4},
         "4096": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2,
                  "gate_up": {"FUSED_SPLITS": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-                 "down": {"BLOCK_N": 128, "N_TILES": 4, "TMA": True, "num_warps": 8, "num_stages": 2}}}
+                 "down": {"BLOCK_N": 128, "N_TILES": 4, "num_warps": 8, "num_stages": 2}}}
 
 
 @pytest.mark.parametrize("path", sorted(configs.CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
@@ -51,7 +51,6 @@ def _with(bucket: str, **changes) -> dict:
     (_with("1", BLOCK_N=48), ["BLOCK_N", "power of two", "48"]),
     (_with("1", num_warps=True), ["num_warps", "True"]),
     (_with("4096", gate_up__FUSED_SPLITS=1), ["FUSED_SPLITS", "true or false"]),
-    (_with("4096", down__TMA="yes"), ["bucket 4096.down", "TMA", "true or false"]),
     (_with("1", num_stages=None), ["bucket 1", "missing", "num_stages"]),
     (_with("1", gate_up=[]), ["bucket 1.gate_up", "an object"]),
     ({"0": GOOD["1"]}, ["bucket '0'", "positive token count"]),

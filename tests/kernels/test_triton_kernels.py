@@ -139,16 +139,15 @@ def test_align_tokens_places_every_row_once_in_its_experts_tile(seed, tokens, ex
        dtype=st.sampled_from(sorted(set(DTYPES) | {torch.float32}, key=str)), split_k=st.sampled_from([1, 3]),
        launch=st.sampled_from([{"down": {"BLOCK_N": 64, "N_TILES": 2}},
                                {"down": {"BLOCK_N": 64, "N_TILES": 3, "num_warps": 8}},
-                               {"down": {"BLOCK_N": 64, "N_TILES": 3, "FLAT": True}},
                                {"gate_up": {"FUSED_SPLITS": True}},
                                {"gate_up": {"FUSED_SPLITS": True, "BLOCK_N": 16, "num_warps": 8},
                                 "down": {"BLOCK_N": 128, "N_TILES": 1, "num_stages": 3}}]))
 @example(seed=0, tokens=33, shared=True, dtype=DTYPES[0], split_k=3,
-         launch={"gate_up": {"FUSED_SPLITS": True}, "down": {"BLOCK_N": 64, "N_TILES": 3, "FLAT": True}})
+         launch={"gate_up": {"FUSED_SPLITS": True}, "down": {"BLOCK_N": 64, "N_TILES": 3}})
 def test_moe_gate_up_and_down_launches_keep_a_rows_bits(seed, tokens, shared, dtype, split_k, launch):
     """A bucket's own gate/up and down launches (moe.gate_up_launch: splits added in the tile's program;
-    moe.down_launch: column tiles walked per program, nested or FLAT; BLOCK_N, warps, stages) only move which
-    program computes what: the output equals the bucket's plain launch bit for bit (hidden 130 leaves a column
+    moe.down_launch: column tiles walked per program; BLOCK_N, warps, stages) only move which program
+    computes what: the output equals the bucket's plain launch bit for bit (hidden 130 leaves a column
     tile part-masked inside the walk, D 130 cut in 3 splits leaves a short last split), and both match
     the reference."""
     experts, top_k, hidden, inter = 9, 3, 130, 40

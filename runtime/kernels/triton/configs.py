@@ -43,13 +43,10 @@ def config_file_name(kind: str, num_experts: int, shard: int, dtype: str) -> str
 # The knobs a bucket may set, by kernel kind. None of them reaches a row's reduction order (moe.py: BLOCK_K is a
 # constant, never tuned), which is what lets buckets differ without breaking batch invariance; a file that sets
 # anything else is refused when it loads, not followed. "gate_up" and "down" are a bucket's own launches of the
-# two GEMMs, each with its knobs (TMA: the weight tiles by descriptor, moe.weight_boxes; the same values reach the
-# same dot).
+# two GEMMs, each with its knobs.
 KNOBS = {"fused_moe": {"BLOCK_M": int, "BLOCK_N": int, "num_warps": int, "num_stages": int,
-                       "gate_up": {"FUSED_SPLITS": bool, "TMA": bool, "BLOCK_N": int, "num_warps": int,
-                                   "num_stages": int},
-                       "down": {"BLOCK_N": int, "N_TILES": int, "TMA": bool, "FLAT": bool, "num_warps": int,
-                                "num_stages": int}}}
+                       "gate_up": {"FUSED_SPLITS": bool, "BLOCK_N": int, "num_warps": int, "num_stages": int},
+                       "down": {"BLOCK_N": int, "N_TILES": int, "num_warps": int, "num_stages": int}}}
 REQUIRED = {"fused_moe": ("BLOCK_N", "num_warps", "num_stages")}
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4
 
 from runtime.kernels.triton import INTERPRETED
 from runtime.kernels.triton.configs import config_file_name, load_table, pick
@@ -40,7 +39,6 @@ from runtime.kernels.triton.elementwise import (
     quantize_groups,
     quantize_weight_blocks,
 )
-from runtime.kernels.triton.matmul import tma_loadable
 
 BLOCK_M = 16  # rows per tile unless a bucket says: decode has ~TK/E <= 3 rows per expert at bs 128, E 256, K 6
 BLOCK_K = 128  # reduction step; equal to the fp8 scale block, so one scale per step
@@ -218,13 +216,12 @@ def _align_with_sort(flat: torch.Tensor, num_experts: int, num_tiles: int,
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
-def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_desc, w_scale_ptr, act_ptr, sorted_rows_ptr, tile_expert_ptr,
+def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, act_ptr, sorted_rows_ptr, tile_expert_ptr,
                     num_rows, top_k, hidden, inter,
                     stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
                     part_ptr, k_chunk,
                     FP8: tl.constexpr, ROUTING: tl.constexpr, SPLIT_K: tl.constexpr, FUSED_SPLITS: tl.constexpr,
-                    W_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # act[r, n] = silu(x[tok] . w[e, n]) * (x[tok] . w[e, I + n]) for the rows r of this tile.
     # ROUTING: ALIGNED (tiles from align_tokens), DENSE (one expert, the shared one, for every row in
     # order) or PER_ROW (tile m = routed row m alone, expert ids[m]: small batches skip the alignment).
@@ -233,8 +230,6 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_desc, w_scale_ptr, act_ptr, sor
     # FUSED_SPLITS (a prefill bucket's gate/up launch): one program walks the splits in order and adds
     # each split's partials to running totals, the additions _split_act_kernel makes (0 + p0 + p1 ...),
     # then applies SiLU-and-mul itself: no partials through memory, no second launch.
-    # W_TMA: the weight tiles come through w_desc (w as [E * 2I, D], boxes [BLOCK_N, BLOCK_K]), copies the pipeliner
-    # issues stages ahead with no address math; the same values reach the same dot, so the same bits.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -250,10 +245,10 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_desc, w_scale_ptr, act_ptr, sor
         total_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for split in range(0, SPLIT_K):
-            acc_gate, acc_up = _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, tokens,
-                                              row_ok, offs_n, n_ok, split * k_chunk,
+            acc_gate, acc_up = _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok,
+                                              offs_n, n_ok, split * k_chunk,
                                               tl.minimum(hidden, (split + 1) * k_chunk), inter, stride_x,
-                                              stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8, W_TMA,
+                                              stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8,
                                               PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
             total_gate += acc_gate
             total_up += acc_up
@@ -261,10 +256,10 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_desc, w_scale_ptr, act_ptr, sor
         out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
         tl.store(out, act.to(act_ptr.dtype.element_ty), mask=ok)
         return
-    acc_gate, acc_up = _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, tokens, row_ok, offs_n,
-                                      n_ok, pid_k * k_chunk, tl.minimum(hidden, (pid_k + 1) * k_chunk), inter,
-                                      stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8, W_TMA,
-                                      PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc_gate, acc_up = _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok, offs_n, n_ok,
+                                      pid_k * k_chunk, tl.minimum(hidden, (pid_k + 1) * k_chunk), inter, stride_x,
+                                      stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8, PRECISION,
+                                      BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_K == 1:
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up
         out = act_ptr + rows[:, None].to(tl.int64) * stride_act + offs_n[None, :]
@@ -276,16 +271,12 @@ def _gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_desc, w_scale_ptr, act_ptr, sor
 
 
 @triton.jit
-def _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, tokens, row_ok, offs_n, n_ok, k_start,
-                   k_end, inter, stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8: tl.constexpr,
-                   W_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """The gate and up float32 sums of a tile's rows over D in [k_start, k_end), from zero, in BLOCK_K steps.
-    W_TMA: the weight tiles by descriptor (whole column tiles: the host asks I % BLOCK_N == 0; columns past D come
-    as zeros, as the masked loads give them)."""
+def _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, expert, tokens, row_ok, offs_n, n_ok, k_start, k_end,
+                   inter, stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, FP8: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The gate and up float32 sums of a tile's rows over D in [k_start, k_end), from zero, in BLOCK_K steps."""
     w_gate = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
     w_up = w_gate + inter * stride_wn
-    gate_row = (expert * 2 * inter).to(tl.int32) + tl.program_id(1) * BLOCK_N  # the tile's first row in w_desc
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -293,13 +284,9 @@ def _gate_up_range(x_ptr, x_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, token
         k_ok = offs_k < k_end
         a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        if W_TMA:
-            b_gate = w_desc.load([gate_row, k0]).T
-            b_up = w_desc.load([gate_row + inter, k0]).T
-        else:
-            b_mask = k_ok[:, None] & n_ok[None, :]
-            b_gate = tl.load(w_gate + offs_k[:, None], mask=b_mask, other=0.0)
-            b_up = tl.load(w_up + offs_k[:, None], mask=b_mask, other=0.0)
+        b_mask = k_ok[:, None] & n_ok[None, :]
+        b_gate = tl.load(w_gate + offs_k[:, None], mask=b_mask, other=0.0)
+        b_up = tl.load(w_up + offs_k[:, None], mask=b_mask, other=0.0)
         if FP8:
             a_s = tl.load(x_scale_ptr + tokens * stride_xs + k0 // BLOCK_K, mask=row_ok, other=0.0)
             s_base = w_scale_ptr + expert * stride_wse + k0 // BLOCK_K
@@ -353,20 +340,16 @@ def _split_act_quant_kernel(part_ptr, q_ptr, scale_ptr, num_rows, inter, stride_
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # as matmul.py: no variant per row count
-def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, sorted_rows_ptr, tile_expert_ptr,
+def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_rows_ptr, tile_expert_ptr,
                  route_w_ptr, num_rows, hidden, inter,
                  stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-                 FP8: tl.constexpr, ROUTING: tl.constexpr, WEIGHTED: tl.constexpr, W_TMA: tl.constexpr,
-                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 N_TILES: tl.constexpr, FLAT: tl.constexpr):
+                 FP8: tl.constexpr, ROUTING: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr):
     # out[r, n] = route_w[r] * (act[r] . w2[e, n]), float32. A program writes N_TILES column tiles of
     # its rows, one after the other (`down_launch`): at prefill sizes the down GEMM is I = 256 deep,
     # two k steps, so a program per column tile is all prologue and epilogue; walking the columns in
     # one flattened loop keeps the weight loads of the next tile in flight under this one's MMAs.
-    # FLAT: that walk as one loop over (column tile, k step) written out, each tile stored on its last step (the
-    # persistent-GEMM form the pipeliner takes whole), in place of the nested loops `tl.range(flatten=True)` flattens.
     # Which program computes a column never changes its bits: each output's k steps are the same.
-    # W_TMA: the weight tiles through w_desc (w as [E * D, I], boxes [BLOCK_N, BLOCK_K]), as in _gate_up_kernel.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, rows = _tile_rows(pid_m, tile_expert_ptr, sorted_rows_ptr, num_rows, ROUTING, BLOCK_M)
@@ -375,81 +358,43 @@ def _down_kernel(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, so
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)
     if N_TILES == 1:
-        _down_tile(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok,
+        _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok,
                    pid_n * BLOCK_N, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse,
-                   stride_wsn, stride_out, FP8, WEIGHTED, W_TMA, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    elif FLAT:
-        k_steps = tl.cdiv(inter, BLOCK_K)
-        first_n = pid_n * N_TILES * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in tl.range(0, N_TILES * k_steps):
-            n_start = first_n + (step // k_steps) * BLOCK_N
-            k0 = (step % k_steps) * BLOCK_K
-            acc = _down_step(acc, act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, rows64, row_ok,
-                             n_start, k0, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse,
-                             stride_wsn, FP8, W_TMA, PRECISION, BLOCK_N, BLOCK_K)
-            if k0 + BLOCK_K >= inter:  # the tile's last k step: out with it, the next tile from zero
-                _down_store(out_ptr, route_w_ptr, acc, rows64, row_ok, n_start, hidden, stride_out, WEIGHTED,
-                            BLOCK_N)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                   stride_wsn, stride_out, FP8, WEIGHTED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         for tile in tl.range(0, N_TILES, flatten=True):
-            _down_tile(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64,
-                       row_ok, (pid_n * N_TILES + tile) * BLOCK_N, hidden, inter, stride_act, stride_as, stride_we,
-                       stride_wn, stride_wse, stride_wsn, stride_out, FP8, WEIGHTED, W_TMA, PRECISION, BLOCK_M,
-                       BLOCK_N, BLOCK_K)
+            _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok,
+                       (pid_n * N_TILES + tile) * BLOCK_N, hidden, inter, stride_act, stride_as, stride_we,
+                       stride_wn, stride_wse, stride_wsn, stride_out, FP8, WEIGHTED, PRECISION, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
 
 
 @triton.jit
-def _down_tile(act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok,
-               n_start, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-               FP8: tl.constexpr, WEIGHTED: tl.constexpr, W_TMA: tl.constexpr, PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_tile(act_ptr, act_scale_ptr, w_ptr, w_scale_ptr, out_ptr, route_w_ptr, expert, rows64, row_ok, n_start,
+               hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+               FP8: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile of the down projection, I summed from zero in BLOCK_K steps."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        acc = _down_step(acc, act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, rows64, row_ok, n_start,
-                         k0, hidden, inter, stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, FP8,
-                         W_TMA, PRECISION, BLOCK_N, BLOCK_K)
-    _down_store(out_ptr, route_w_ptr, acc, rows64, row_ok, n_start, hidden, stride_out, WEIGHTED, BLOCK_N)
-
-
-@triton.jit
-def _down_step(acc, act_ptr, act_scale_ptr, w_ptr, w_desc, w_scale_ptr, expert, rows64, row_ok, n_start, k0, hidden,
-               inter, stride_act, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, FP8: tl.constexpr,
-               W_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc plus one BLOCK_K step (I in [k0, k0 + BLOCK_K)) of the tile at column n_start. W_TMA: the weight tile by
-    descriptor (the host asks D % BLOCK_N == 0; columns past I come as zeros, as masked)."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < inter
-    a = tl.load(act_ptr + rows64[:, None] * stride_act + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0)
-    if W_TMA:
-        b = w_desc.load([(expert * hidden).to(tl.int32) + n_start, k0]).T
-    else:
-        w_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    w_rows = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < inter
+        a = tl.load(act_ptr + rows64[:, None] * stride_act + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         b = tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-    if FP8:
-        a_s = tl.load(act_scale_ptr + rows64 * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
-        b_s = tl.load(w_scale_ptr + expert * stride_wse + (offs_n // BLOCK_K) * stride_wsn + k0 // BLOCK_K,
-                      mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-    else:
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _down_store(out_ptr, route_w_ptr, acc, rows64, row_ok, n_start, hidden, stride_out, WEIGHTED: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """A finished tile (times each row's routing weight when WEIGHTED) into out, float32."""
-    offs_n = n_start + tl.arange(0, BLOCK_N)
+        if FP8:
+            a_s = tl.load(act_scale_ptr + rows64 * stride_as + k0 // BLOCK_K, mask=row_ok, other=0.0)
+            b_s = tl.load(w_scale_ptr + expert * stride_wse + (offs_n // BLOCK_K) * stride_wsn + k0 // BLOCK_K,
+                          mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if WEIGHTED:
         acc = acc * tl.load(route_w_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows64[:, None] * stride_out + offs_n[None, :], acc,
-             mask=row_ok[:, None] & (offs_n < hidden)[None, :])
+    tl.store(out_ptr + rows64[:, None] * stride_out + offs_n[None, :], acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -480,12 +425,11 @@ def moe_config(num_experts: int, inter: int, fp8: bool, tokens: int) -> dict:
 
 
 def gate_up_launch(config: dict, routing: int = ALIGNED, split_k: int = 1) -> dict:
-    """The gate/up GEMM's launch: BLOCK_N, warps, stages, FUSED_SPLITS (the tile's program adds
-    its split partials itself: same additions as _split_act_kernel, so the same bits) and TMA (the
-    weight tiles by descriptor where `weight_boxes` allows: the same values into the same dot). A
-    bucket's "gate_up" entry overrides the bucket's own; the per-row path and unsplit shapes never fuse."""
+    """The gate/up GEMM's launch: BLOCK_N, warps, stages and FUSED_SPLITS (the tile's program adds
+    its split partials itself: same additions as _split_act_kernel, so the same bits). A bucket's
+    "gate_up" entry overrides the bucket's own; the per-row path and unsplit shapes never fuse."""
     launch = {"BLOCK_N": config["BLOCK_N"], "num_warps": config["num_warps"], "num_stages": config["num_stages"],
-              "FUSED_SPLITS": False, "TMA": False}
+              "FUSED_SPLITS": False}
     if routing != PER_ROW and BUCKET_LAUNCHES:
         launch.update(config.get("gate_up", {}))
     launch["FUSED_SPLITS"] = bool(launch["FUSED_SPLITS"]) and split_k > 1
@@ -493,28 +437,15 @@ def gate_up_launch(config: dict, routing: int = ALIGNED, split_k: int = 1) -> di
 
 
 def down_launch(config: dict, routing: int = ALIGNED) -> dict:
-    """The down projection's launch: BLOCK_N (at least 64), N_TILES column tiles per program, warps,
-    stages, TMA (as gate_up_launch's) and FLAT (the column walk as one loop over tile and k step). A
-    bucket's "down" entry overrides the gate/up launch it otherwise follows; none of these knobs
-    reaches a row's bits (each output's k steps are fixed by BLOCK_K). The per-row path (one row a
-    tile) keeps one column tile per program: its tiles are already many and short."""
+    """The down projection's launch: BLOCK_N (at least 64), N_TILES column tiles per program, warps
+    and stages. A bucket's "down" entry overrides the gate/up launch it otherwise follows; none of
+    these knobs reaches a row's bits (each output's k steps are fixed by BLOCK_K). The per-row path
+    (one row a tile) keeps one column tile per program: its tiles are already many and short."""
     down = {"BLOCK_N": max(config["BLOCK_N"], 64), "N_TILES": 1, "num_warps": config["num_warps"],
-            "num_stages": config["num_stages"], "TMA": False, "FLAT": False}
+            "num_stages": config["num_stages"]}
     if routing != PER_ROW and BUCKET_LAUNCHES:
         down.update(config.get("down", {}))
     return down
-
-
-def weight_boxes(w: torch.Tensor, rows_per_part: int, block_n: int) -> TensorDescriptor | None:
-    """Expert weights w [E, R, K] as one [E * R, K] TMA descriptor of [block_n, BLOCK_K] boxes, or None where a
-    box would not hold exactly the values the masked pointer loads give: each box's rows must lie inside one part
-    of rows_per_part (an expert's D rows; its gate or its up I rows), the strides must be TMA's, and the weights
-    1 or 2 bytes (fp8, 16-bit: float32 boxes of 128 columns are not a shared-memory layout the dot takes on every
-    target). Columns past K come as zeros, as masked."""
-    flat = w.view(-1, w.shape[-1]) if w.is_contiguous() else None
-    if flat is None or w.element_size() > 2 or rows_per_part % block_n or not tma_loadable(flat):
-        return None
-    return TensorDescriptor.from_tensor(flat, [block_n, BLOCK_K])
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -537,7 +468,6 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
     gate_up = gate_up_launch(config, routing, split_k)
     block_n, warps, stages = gate_up["BLOCK_N"], gate_up["num_warps"], gate_up["num_stages"]
     fused = gate_up["FUSED_SPLITS"]
-    w13_boxes = weight_boxes(w13, inter, block_n) if gate_up["TMA"] else None
     if INTERPRETED:
         warps, stages = 4, 1
     quantize_partials = split_k > 1 and not fused and fp8 and FUSED_ACT_QUANT
@@ -553,13 +483,12 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
         torch.empty(num_rows, inter, dtype=torch.bfloat16 if fp8 else x.dtype, device=x.device)
     part = act if part is None else part
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n), 1 if fused else split_k)](
-        x, dummy, w13, w13 if w13_boxes is None else w13_boxes, w13_scale if fp8 else w13, act, sorted_rows,
-        tile_expert,
+        x, dummy, w13, w13_scale if fp8 else w13, act, sorted_rows, tile_expert,
         num_rows, top_k, hidden, inter,
         x.stride(0), x_scale.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1),
         w13_scale.stride(0) if fp8 else 0, w13_scale.stride(1) if fp8 else 0, act.stride(0), part, k_chunk,
-        FP8=fp8, ROUTING=routing, SPLIT_K=split_k, FUSED_SPLITS=fused, W_TMA=w13_boxes is not None,
-        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+        FP8=fp8, ROUTING=routing, SPLIT_K=split_k, FUSED_SPLITS=fused, PRECISION=precision, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
     act_scale = None
     if quantize_partials:
         act = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device=x.device)
@@ -575,15 +504,13 @@ def _expert_pass(x, x_scale, w13, w13_scale, w2, w2_scale, routing, sorted_rows,
     down = down_launch(config, routing)
     if INTERPRETED:
         down["num_warps"], down["num_stages"] = 4, 1
-    w2_boxes = weight_boxes(w2, hidden, down["BLOCK_N"]) if down.pop("TMA") else None
     _down_kernel[(num_tiles, triton.cdiv(hidden, down["BLOCK_N"] * down["N_TILES"]))](
-        act, act_scale if fp8 else act, w2, w2 if w2_boxes is None else w2_boxes, w2_scale if fp8 else w2, out,
-        sorted_rows, tile_expert,
+        act, act_scale if fp8 else act, w2, w2_scale if fp8 else w2, out, sorted_rows, tile_expert,
         route_w if route_w is not None else out, num_rows, hidden, inter,
         act.stride(0), act_scale.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1),
         w2_scale.stride(0) if fp8 else 0, w2_scale.stride(1) if fp8 else 0, out.stride(0),
-        FP8=fp8, ROUTING=routing, WEIGHTED=route_w is not None, W_TMA=w2_boxes is not None, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_K=BLOCK_K, **down)
+        FP8=fp8, ROUTING=routing, WEIGHTED=route_w is not None, PRECISION=precision, BLOCK_M=block_m,
+        BLOCK_K=BLOCK_K, **down)
 
 
 def fused_moe(x: torch.Tensor, weights: PackedMoE, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
