@@ -119,7 +119,25 @@ def _torch_moe(x, w13, w2, ids, weights):
     return torch.einsum("te,etd->td", dense_w.to(x.dtype), y)
 
 
-def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
+def moe_splits(spec: str, hidden: int, inter: int) -> list[int]:
+    """The gate/up split-K counts `--moe-splits` names for one shard, sorted, each once: integers, and "default"
+    for moe.gate_up_splits' count at this shape (the deployment's)."""
+    splits = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if part == "default":
+            splits.add(moe.gate_up_splits(hidden, inter))
+        elif part.isdigit() and int(part) >= 1:
+            splits.add(int(part))
+        else:
+            raise ValueError(f"--moe-splits: {part!r} is neither a positive split count nor 'default' (in {spec!r})")
+    return sorted(splits)
+
+
+def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None, splits: str = "1,default") -> None:
+    """splits: the gate/up split-K counts timed at each point (`moe_splits`); the tune and the fp8 switch rows run
+    at the deployment's only. With `vs`, SGLang is timed beside every split's row (the same inputs): a split other
+    than the deployment's is a question for the rule (moe.gate_up_splits), which holds one count per shape."""
     experts, top_k, hidden = 256, 6, 4096
     gen = torch.Generator().manual_seed(0)
     for inter in (256, 512, 2048):
@@ -138,7 +156,7 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
             bf16_us, fp8_out = {}, {}
             default_split = moe.gate_up_splits(hidden, inter)
             for (name, (packed, switches)), split in [(v, sp) for v in variants.items()
-                                                      for sp in sorted({1, default_split})]:
+                                                      for sp in moe_splits(splits, hidden, inter)]:
                 if switches and split != default_split:
                     continue
                 expert_bytes = 3 * inter * hidden * (1 if packed.fp8 else 2)
@@ -179,7 +197,7 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None) -> None:
                                  speedup_vs_torch=torch_us / us if torch_us else None,
                                  speedup_vs_bf16=bf16_us[split] / us if name != "bf16" else None, config=best_cfg,
                                  same_bits_as_fp8=same_bits))
-                if vs is not None and split == default_split and not switches:  # as deployed, same inputs
+                if vs is not None and not switches:  # the deployment's launch at this split, same inputs
                     vs.moe(rows[-1], packed, inputs, best_cfg, split, reference=(
                         lambda x, i, w, w13=w13, w2=w2: _torch_moe(x, w13, w2, i, w)) if name == "bf16" else None)
                 print(json.dumps(rows[-1]), flush=True)
@@ -615,7 +633,13 @@ def main() -> None:
     parser.add_argument("--only", default="moe,mla,indexer")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes (MoE and MLA)")
     parser.add_argument("--vs-sglang", action="store_true", help="time SGLang's Triton kernels beside ours")
+    parser.add_argument("--moe-splits", default="1,default",
+                        help="gate/up split-K counts timed at each MoE point: integers and 'default' (the shape's own)")
     args = parser.parse_args()
+    try:
+        moe_splits(args.moe_splits, 4096, 256)
+    except ValueError as err:
+        parser.error(str(err))
     vs = None
     if args.vs_sglang:  # before any GPU work: a missing wheel fails at once, with what to do
         from bench.sglang_kernels import VsSGLang
@@ -638,7 +662,7 @@ def main() -> None:
         if "mla" in only:
             bench_mla(ceilings, rows, vs)
         if "moe" in only:
-            bench_moe(ceilings, args.tune_out is not None, rows, tuned, vs)
+            bench_moe(ceilings, args.tune_out is not None, rows, tuned, vs, args.moe_splits)
     finally:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit,
                     command=" ".join(sys.argv), ceilings=ceilings)

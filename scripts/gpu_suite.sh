@@ -67,7 +67,7 @@ want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.st
 # ---- issue 15: our sparse MLA decode and indexer selection beside SGLang's (needs .whl-sglang carried),
 # and the decode GEMM tile sweep (which configs keep the default's bits, and their times)
 want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_vs.json" \
-    --only "${KERNELS_ONLY:-mla,indexer}" --batches 1,8,32,64,128 --vs-sglang
+    --only "${KERNELS_ONLY:-mla,indexer}" --batches 1,8,32,64,128 --vs-sglang --moe-splits "${MOE_SPLITS:-1,default}"
 # The indexer's selection and logits (issue 15 item 4): their GPU tests, then the bench alone (no SGLang
 # wheel: the selection's launches one by one, its radix-vs-sort variants, the logits' eviction policies,
 # the selection's pass 1 fused into the logits kernel both ways, the logits kernel's launch shapes and unmasked
@@ -89,7 +89,7 @@ want moe_fp8_tests && section moe_fp8_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m
     -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_moe_fused_act_quant.py tests/kernels/test_triton_kernels.py -k "fp8 or act_quant"
 # The fused MoE bench alone (bf16 and fp8 at I = 256 / 512 / 2,048; no SGLang wheel, unlike bench_kernels_vs).
 want bench_moe && section bench_moe "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_moe.json" \
-    --only moe --batches "${MOE_BATCHES:-1,8,32,64,128}"
+    --only moe --batches "${MOE_BATCHES:-1,8,32,64,128}" --moe-splits "${MOE_SPLITS:-1,default}"
 # The fused MoE taken apart (each launch's time per call) and the alignment's two paths by routed rows.
 want moe_anatomy && section moe_anatomy "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_anatomy --json "$OUT/moe_anatomy.json"
 want moe_align && section moe_align "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_align --json "$OUT/moe_align.json"

@@ -82,3 +82,17 @@ def test_sigterm_ends_a_bench_run_as_ctrl_c_does():
             time.sleep(2)  # the handler runs at once; without it this ends and the test fails
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_moe_splits_names_each_count_once_with_the_shapes_own():
+    """`--moe-splits`: integers and "default" (moe.gate_up_splits at the shard), sorted, each once; anything else is
+    refused by name before any GPU work."""
+    from runtime.kernels.triton import moe
+
+    own = moe.gate_up_splits(4096, 256)
+    assert kernels.moe_splits("1,default", 4096, 256) == sorted({1, own})
+    assert kernels.moe_splits("4,2,1,default", 4096, 256) == sorted({1, 2, 4, own})
+    assert kernels.moe_splits("default", 4096, 2048) == [moe.gate_up_splits(4096, 2048)]
+    for bad in ("0", "two", "1,,2", "-1"):
+        with pytest.raises(ValueError, match="--moe-splits"):
+            kernels.moe_splits(bad, 4096, 256)
