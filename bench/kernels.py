@@ -119,19 +119,25 @@ def _torch_moe(x, w13, w2, ids, weights):
     return torch.einsum("te,etd->td", dense_w.to(x.dtype), y)
 
 
-def moe_splits(spec: str, hidden: int, inter: int) -> list[int]:
-    """The gate/up split-K counts `--moe-splits` names for one shard, sorted, each once: integers, and "default"
-    for moe.gate_up_splits' count at this shape (the deployment's)."""
-    splits = set()
-    for part in spec.split(","):
-        part = part.strip()
+def parse_moe_splits(spec: str) -> tuple[set[int], bool]:
+    """`--moe-splits`' split-K counts (a comma list of positive integers and "default") as (the counts, whether
+    the shape's own is asked for); anything else is refused by name."""
+    counts, own = set(), False
+    for part in (p.strip() for p in spec.split(",")):
         if part == "default":
-            splits.add(moe.gate_up_splits(hidden, inter))
+            own = True
         elif part.isdigit() and int(part) >= 1:
-            splits.add(int(part))
+            counts.add(int(part))
         else:
             raise ValueError(f"--moe-splits: {part!r} is neither a positive split count nor 'default' (in {spec!r})")
-    return sorted(splits)
+    return counts, own
+
+
+def moe_splits(spec: str, hidden: int, inter: int) -> list[int]:
+    """The split-K counts `--moe-splits` names for one shard, sorted, each once; "default" is moe.gate_up_splits'
+    count at this shape (the deployment's)."""
+    counts, own = parse_moe_splits(spec)
+    return sorted(counts | ({moe.gate_up_splits(hidden, inter)} if own else set()))
 
 
 def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None, splits: str = "1,default") -> None:
@@ -637,7 +643,7 @@ def main() -> None:
                         help="gate/up split-K counts timed at each MoE point: integers and 'default' (the shape's own)")
     args = parser.parse_args()
     try:
-        moe_splits(args.moe_splits, 4096, 256)
+        parse_moe_splits(args.moe_splits)
     except ValueError as err:
         parser.error(str(err))
     vs = None
