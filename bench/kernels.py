@@ -643,9 +643,12 @@ def main() -> None:
                         help="gate/up split-K counts timed at each MoE point: integers and 'default' (the shape's own)")
     args = parser.parse_args()
     try:
-        parse_moe_splits(args.moe_splits)
+        _, own_split = parse_moe_splits(args.moe_splits)
     except ValueError as err:
         parser.error(str(err))
+    if args.tune_out is not None and not own_split:  # the tune runs at the deployment's split only
+        parser.error(f"--tune-out tunes each shape at its own split count: --moe-splits {args.moe_splits!r} must name "
+                     "'default'")
     vs = None
     if args.vs_sglang:  # before any GPU work: a missing wheel fails at once, with what to do
         from bench.sglang_kernels import VsSGLang

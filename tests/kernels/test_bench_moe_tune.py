@@ -96,3 +96,22 @@ def test_moe_splits_names_each_count_once_with_the_shapes_own():
     for bad in ("0", "two", "1,,2", "-1"):
         with pytest.raises(ValueError, match="--moe-splits"):
             kernels.moe_splits(bad, 4096, 256)
+
+
+def test_a_tune_without_the_deployments_split_is_refused_before_any_gpu_work(monkeypatch, capsys, tmp_path):
+    """`--tune-out` tunes each shape at its own split count only: a `--moe-splits` list without "default" would tune
+    nothing, so the command line is refused (the parser's exit 2, with the reason); with "default" it goes on to
+    the device (here: the stubbed first GPU step)."""
+    import sys
+
+    def no_gpu():
+        raise RuntimeError("reached the GPU")
+    monkeypatch.setattr(kernels, "measure_ceilings", no_gpu)
+    argv = ["bench.kernels", "--json", str(tmp_path / "k.json"), "--only", "moe", "--tune-out", str(tmp_path / "t.json")]
+    monkeypatch.setattr(sys, "argv", [*argv, "--moe-splits", "1,2"])
+    with pytest.raises(SystemExit) as stop:
+        kernels.main()
+    assert stop.value.code == 2 and "must name 'default'" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", [*argv, "--moe-splits", "2,default"])
+    with pytest.raises(RuntimeError, match="reached the GPU"):
+        kernels.main()

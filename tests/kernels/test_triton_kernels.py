@@ -387,6 +387,75 @@ def test_sparse_mla_column_groups_keep_the_deployments_bits_on_the_gpu(heads, la
         assert torch.equal(run(spread=False, merge="registers", column_groups=4, num_warps=8), want)
 
 
+def _run_chunk_runs(q, cache, slots, latent, scale, **launch):
+    out = poisoned(q.shape[0], q.shape[1], latent, dtype=q.dtype)
+    return attention.sparse_mla_decode(q, cache, slots, latent, scale, out=out, **launch)
+
+
+@settings(max_examples=6 if ON_GPU else 3)
+@given(seed=SEEDS, queries=st.sampled_from([1, 3]), heads=st.sampled_from([16, 20]), latent=st.sampled_from([64, 192]),
+       topk=st.sampled_from([40, 100]), splits=st.sampled_from([2, 3, 5, 7]), run=st.sampled_from([2, 3, 4, 9]),
+       groups=st.sampled_from([1, 4]), v_split=st.sampled_from([1, 2]), narrow=st.booleans(),
+       skip_tail=st.booleans(), dtype=st.sampled_from(DTYPES))
+@example(seed=5, queries=3, heads=20, latent=192, topk=100, splits=7, run=3, groups=4, v_split=1, narrow=True,
+         skip_tail=True, dtype=torch.float16)
+def test_sparse_mla_chunk_runs_give_the_gathered_modes_bits(seed, queries, heads, latent, topk, splits, run, groups,
+                                                             v_split, narrow, skip_tail, dtype):
+    """chunks_per_program (spread programs that run several chunks each, every chunk's state to memory as
+    it ends): the gathered launch's bits with either fold (ticket, merge launch), runs that do not divide
+    N and runs longer than N, skip_tail asked for (left off by a run), both kernels (on the CPU the
+    grouped kernel is compared with itself), and the reference's values."""
+    rope_dim, window = 16, 12
+    groups = 1 if v_split > 1 else groups  # the grouped kernel runs one column block
+    q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, 3 * (window + topk),
+                                                      window, topk, dtype)
+    scale = (latent + rope_dim) ** -0.5
+    launch = dict(num_splits=splits, block_h=16, block_s=16, v_split=v_split, narrow_partials=narrow,
+                  column_groups=groups)
+    want = _run_chunk_runs(q, cache, slots, latent, scale, spread=False, merge="registers", **launch)
+    for merge in ("ticket", "kernel"):
+        got = _run_chunk_runs(q, cache, slots, latent, scale, spread=True, merge=merge, chunks_per_program=run,
+                              skip_tail=skip_tail, **launch)
+        assert torch.equal(got, want), f"chunk runs of {run} ({merge}) changed bits"
+    assert_close_scaled(want, reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale), dtype)
+
+
+def test_sparse_mla_chunk_runs_control_a_run_folded_as_one_chunk_changes_bits():
+    """Negative control for the bit equality above: the bug a run invites, a program treating its run as
+    one long chunk (one online softmax across the chunk ends, no per-chunk rounding), changes the bits
+    (here: N / 3 chunks of three times the length), so that test sees a run's fold order."""
+    q, cache, slots, _, _ = _attention_case(11, 3, 20, 64, 16, 3 * (12 + 100), 12, 100, DTYPES[1])
+    launch = dict(block_h=16, block_s=16, narrow_partials=True, spread=True, merge="ticket")
+    want = _run_chunk_runs(q, cache, slots, 64, 0.1, num_splits=6, chunks_per_program=3, **launch)
+    bug = _run_chunk_runs(q, cache, slots, 64, 0.1, num_splits=2, **launch)
+    assert not torch.equal(bug, want), "a run folded as one chunk gives the same bits: the equality shows nothing"
+
+
+def test_sparse_mla_chunk_runs_refuse_a_run_below_one():
+    q, cache, slots, _, _ = _attention_case(0, 1, 16, 64, 16, 300, 8, 100, DTYPES[0])
+    with pytest.raises(ValueError, match="chunks_per_program"):
+        attention.sparse_mla_decode(q, cache, slots, 64, 0.1, num_splits=3, block_s=16, spread=True,
+                                    chunks_per_program=0)
+
+
+@gpu
+@pytest.mark.parametrize("heads,topk,launch", [(64, 512, {}), (16, 640, {}), (64, 640, dict(block_h=32, num_warps=8)),
+                                               (16, 512, dict(column_groups=1))])
+def test_sparse_mla_chunk_runs_keep_the_deployments_bits_on_the_gpu(heads, topk, launch):
+    """Compiled, at the deployment shapes (C=512, R=64, window 128): runs of 2, 3, 5 and N chunks give the
+    gathered launch's bits in both folds, bs 1 and 5 (the grouped kernel by default, the ungrouped one asked
+    for)."""
+    for queries in (1, 5):
+        q, cache, slots, _, _ = _attention_case(queries, queries, heads, 512, 64, 2 * (topk + 128), 128, topk,
+                                                torch.bfloat16, page_size=64)
+        want = _run_chunk_runs(q, cache, slots, 512, 0.04, spread=False, merge="registers", **launch)
+        for run in (2, 3, 5, 16):
+            for merge in ("ticket", "kernel"):
+                got = _run_chunk_runs(q, cache, slots, 512, 0.04, spread=True, merge=merge, chunks_per_program=run,
+                                      **launch)
+                assert torch.equal(got, want), f"chunk runs of {run} ({merge}) changed bits at bs {queries}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_sparse_mla_row_sums_as_an_mma_match_the_reference_in_every_mode(dtype):
     """rowsum_mma (the softmax row sums as p @ ones over the 16-bit p, a candidate deployment knob):
