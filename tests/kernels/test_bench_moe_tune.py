@@ -107,7 +107,8 @@ def test_a_tune_without_the_deployments_split_is_refused_before_any_gpu_work(mon
     def no_gpu():
         raise RuntimeError("reached the GPU")
     monkeypatch.setattr(kernels, "measure_ceilings", no_gpu)
-    argv = ["bench.kernels", "--json", str(tmp_path / "k.json"), "--only", "moe", "--tune-out", str(tmp_path / "t.json")]
+    argv = ["bench.kernels", "--json", str(tmp_path / "k.json"), "--only", "moe",
+            "--tune-out", str(tmp_path / "t.json")]
     monkeypatch.setattr(sys, "argv", [*argv, "--moe-splits", "1,2"])
     with pytest.raises(SystemExit) as stop:
         kernels.main()

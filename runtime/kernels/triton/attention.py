@@ -322,7 +322,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     launch. chunks_per_program: in the spread mode, the chunks each program runs (each chunk's state
     to memory as it ends; the fold reads all N in chunk order): 1 (None) is one program a chunk, more
     give fewer, longer programs (the gathered grid x N / chunks_per_program), the same bits; it
-    leaves skip_tail off (its skipped chunks are empty states either way). rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
+    leaves skip_tail off (its skipped chunks are empty states either way).
+    rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
     than tl.sum's, the same for every BLOCK_H and warp count; default_launch's: on for H >= 64).
     Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set, passes
     of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, passes of LARGE_BATCH_ROWS to
