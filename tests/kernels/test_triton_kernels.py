@@ -431,6 +431,35 @@ def test_sparse_mla_chunk_runs_control_a_run_folded_as_one_chunk_changes_bits():
     assert not torch.equal(bug, want), "a run folded as one chunk gives the same bits: the equality shows nothing"
 
 
+def test_chunk_run_rule_spreads_in_the_fewest_runs_that_fill_the_device(monkeypatch):
+    """launch_mode with CHUNK_RUN_WAVES: gathered from the fill on, below it the fewest programs a query that
+    reach it (one chunk a program at the smallest batches); without it, `spreads`' two modes."""
+    monkeypatch.setattr(attention, "_fill_programs", lambda index: 132)
+    monkeypatch.setattr(attention, "INTERPRETED", False)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(attention, "CHUNK_RUN_WAVES", None)
+    assert attention.launch_mode(16, 4, 10, cpu) == (True, 1) and attention.launch_mode(32, 4, 10, cpu) == (False, 1)
+    monkeypatch.setattr(attention, "CHUNK_RUN_WAVES", 2.0)  # 264 programs
+    assert attention.launch_mode(1, 4, 10, cpu) == (True, 1)  # 4 programs: every chunk its own
+    assert attention.launch_mode(16, 4, 10, cpu) == (True, 2)  # 64 programs: 5 runs wanted, of 2 chunks each
+    assert attention.launch_mode(32, 4, 10, cpu) == (True, 4)  # 128: 3 runs wanted -> runs of 4 (3 programs)
+    assert attention.launch_mode(64, 4, 10, cpu) == (True, 5)  # 256: 2 runs
+    assert attention.launch_mode(66, 4, 10, cpu) == (False, 1)  # 264: the gathered grid fills it
+    assert attention.launch_mode(3, 4, 1, cpu) == (False, 1)  # one chunk: nothing to spread
+
+
+def test_sparse_mla_rows_keep_their_bits_across_the_chunk_run_switch(monkeypatch):
+    """With runs of chunks chosen by the batch (CHUNK_RUN_WAVES; the interpreter's fill is 8 programs), the
+    prefixes of a batch cross one-chunk programs, runs of 2 and 3 and the gathered mode with the same bits."""
+    monkeypatch.setattr(attention, "CHUNK_RUN_WAVES", 1.0)
+    q, cache, slots, dense_kv, mask = _attention_case(9, 5, 20, 64, 16, 3 * (12 + 100), 12, 100, DTYPES[1])
+    launch = dict(num_splits=5, block_h=16, block_s=16, narrow_partials=True)
+    modes = [attention.launch_mode(k, 2, 5, q.device) for k in range(1, 6)]
+    assert {run for spread, run in modes if spread} == {2, 3} and (False, 1) in modes, modes
+    full = _run_chunk_runs(q, cache, slots, 64, 0.1, **launch)
+    assert_prefix_invariant(full, lambda k: _run_chunk_runs(q[:k], cache, slots[:k], 64, 0.1, **launch), 5)
+
+
 def test_sparse_mla_chunk_runs_refuse_a_run_below_one():
     q, cache, slots, _, _ = _attention_case(0, 1, 16, 64, 16, 300, 8, 100, DTYPES[0])
     with pytest.raises(ValueError, match="chunks_per_program"):

@@ -26,6 +26,7 @@ follow the batch (`spreads`):
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -123,6 +124,13 @@ def default_num_splits(num_selected: int, num_heads: int) -> int:
     return default_launch(num_selected, num_heads)["num_splits"]
 
 
+# Spread programs may run several chunks each (chunks_per_program). With CHUNK_RUN_WAVES set, a pass that
+# leaves the mode to the batch and whose gathered grid is below CHUNK_RUN_WAVES x the SM count spreads its
+# chunks in runs: the fewest programs a query that reach that count (one chunk a program at the smallest
+# batches). None: the two-mode rule (`spreads`). Free to follow the batch: every run gives the same bits.
+CHUNK_RUN_WAVES: float | None = None
+
+
 @functools.cache
 def _fill_programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -134,6 +142,19 @@ def spreads(tokens: int, programs_per_query: int, splits: int, device: torch.dev
     wins at 32 programs and loses at 128). Free to follow the batch: both modes give the same bits."""
     fill = INTERPRETER_FILL if INTERPRETED else _fill_programs(device.index or 0) // 2
     return splits > 1 and tokens * programs_per_query < fill
+
+
+def launch_mode(tokens: int, programs_per_query: int, splits: int, device: torch.device) -> tuple[bool, int]:
+    """(spread, chunks a spread program runs) for a pass that leaves the mode to the batch: `spreads`' rule
+    with one chunk a program, or with CHUNK_RUN_WAVES its runs of chunks."""
+    if CHUNK_RUN_WAVES is None or splits == 1:
+        return spreads(tokens, programs_per_query, splits, device), 1
+    fill = INTERPRETER_FILL if INTERPRETED else CHUNK_RUN_WAVES * _fill_programs(device.index or 0)
+    gathered = tokens * programs_per_query
+    if gathered >= fill:
+        return False, 1
+    runs = min(splits, math.ceil(fill / gathered))
+    return True, triton.cdiv(splits, runs)
 
 
 
@@ -310,7 +331,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     row's reduction order). narrow_partials: each chunk's unnormalized sum rounded to q's
     16-bit dtype (half the partial-state bytes; float32 q keeps float32).
     spread: one program per chunk (True) or per query (False); the same bits either way. None:
-    spread exactly when T x H/BLOCK_H x v_split programs would leave most SMs idle (`spreads`).
+    spread exactly when T x H/BLOCK_H x v_split programs would leave most SMs idle (`launch_mode`).
     merge: spread: "ticket" = the last program of each query folds the chunks, else a second launch
     does; not spread: "memory" = the program writes each chunk's state and folds them back from
     memory (no second accumulator in registers), else it folds in registers. The same bits in
@@ -354,8 +375,10 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     part_dtype = q.dtype if narrow and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     blocks_per_chunk, splits = chunk_blocks(selected, splits, block_s)
     head_blocks = triton.cdiv(heads, block_h)
-    spread = (spreads(tokens, head_blocks * v_split, splits, q.device) if spread is None
-              else spread and splits > 1)
+    if spread is None:
+        spread, auto_run = launch_mode(tokens, head_blocks * v_split, splits, q.device)
+        chunks_per_program = chunks_per_program or auto_run
+    spread = spread and splits > 1
     merge = merge or launch["merge" if spread else "gathered_fold"]
     ticket = spread and merge == "ticket"
     if chunks_per_program is not None and chunks_per_program < 1:
