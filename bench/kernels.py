@@ -300,23 +300,19 @@ def bench_mla(ceilings, rows: list, vs=None) -> None:
                                      for q, s in calls_in[:2]], reps=5)
                 us = graph_us([lambda q=q, s=s, c=cache: attention.sparse_mla_decode(q, c, s, latent, scale)
                                for q, s in calls_in])
-                spread, run = attention.launch_mode(batch, -(-heads // launch["block_h"]) * launch["v_split"],
-                                                    launch["num_splits"], cache.device)
-                # Every launch mode (same bits) of the same launch, for choosing the switch and folds: spread
-                # programs of one chunk or of runs of 2 / 5 chunks, gathered with either fold.
+                spread = attention.spreads(batch, -(-heads // launch["block_h"]) * launch["v_split"],
+                                           launch["num_splits"], cache.device)
+                # Every launch mode (same bits) of the same launch, for choosing the switch and folds.
                 modes_us = {}
-                for spread_, merge, run_ in ((True, "ticket", 1), (True, "kernel", 1), (True, "ticket", 2),
-                                             (True, "ticket", 5), (False, "registers", 1), (False, "memory", 1)):
-                    name = f"{'spread' if spread_ else 'gathered'}/{merge}" + (f"/runs{run_}" if run_ > 1 else "")
+                for spread_, merge in ((True, "ticket"), (True, "kernel"), (False, "registers"), (False, "memory")):
                     try:
-                        modes_us[name] = graph_us(
-                            [lambda q=q, s=s, sp=spread_, m=merge, r=run_, c=cache: attention.sparse_mla_decode(
-                                q, c, s, latent, scale, spread=sp, merge=m, chunks_per_program=r)
-                             for q, s in calls_in], reps=8)
+                        modes_us[f"{'spread' if spread_ else 'gathered'}/{merge}"] = graph_us(
+                            [lambda q=q, s=s, sp=spread_, m=merge, c=cache: attention.sparse_mla_decode(
+                                q, c, s, latent, scale, spread=sp, merge=m) for q, s in calls_in], reps=8)
                     except Exception as err:  # noqa: BLE001 - one mode failing must not lose the row
-                        print(f"  mla mode {name}: {type(err).__name__}: {str(err)[:200]}")
+                        print(f"  mla mode spread={spread_} merge={merge}: {type(err).__name__}: {str(err)[:200]}")
                 rows.append(dict(kernel="sparse_mla", H=heads, topk=topk, selected=selected, bs=batch,
-                                 splits=launch["num_splits"], mode="spread" if spread else "gathered", chunk_run=run,
+                                 splits=launch["num_splits"], mode="spread" if spread else "gathered",
                                  us=us, roofline_us=roof, pct_roofline=100 * roof / us, torch_us=torch_us,
                                  speedup_vs_torch=torch_us / us, launch=launch, modes_us=modes_us))
                 if vs is not None:

@@ -130,16 +130,6 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
 # and with 4 column blocks (251 KB, "Eighth session").
 # The newest question first: a run cut short by its timeout still answers it.
 FREE_VARIANTS: dict[str, dict[str, Any]] = {
-    # Runs of chunks (thirty-fifth session, H=64 bs 32-64 and H=16 bs 64-128 behind SGLang): the spread mode
-    # with each program running 2, 3 or 5 chunks (10 at top-512), each chunk's state through memory, so the
-    # grid sits between the spread mode's N programs a query and the gathered mode's one.
-    "runs2/groups4/ticket": dict(spread=True, merge="ticket", column_groups=4, chunks_per_program=2),
-    "runs3/groups4/ticket": dict(spread=True, merge="ticket", column_groups=4, chunks_per_program=3),
-    "runs5/groups4/ticket": dict(spread=True, merge="ticket", column_groups=4, chunks_per_program=5),
-    "runs3/groups4/kernel": dict(spread=True, merge="kernel", column_groups=4, chunks_per_program=3),
-    "runs5/groups4/kernel": dict(spread=True, merge="kernel", column_groups=4, chunks_per_program=5),
-    "runs5/groups4+bh32/w8": dict(spread=True, merge="ticket", column_groups=4, chunks_per_program=5, block_h=32,
-                                  num_warps=8),
     # Registers (issue 15, bs 32-128 at H=64, where SGLang's one-accumulator kernel was 16-20% faster):
     # the latent in four column groups (mla_grouped; deployed at H=64 since the sixteenth session),
     # with 8 warps or 3 stages, the spread mode of each, and the ungrouped kernel (column_groups=1).

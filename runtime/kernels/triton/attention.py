@@ -26,7 +26,6 @@ follow the batch (`spreads`):
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -77,7 +76,7 @@ LARGE_BATCH_LAUNCH: dict | None = dict(block_h=64, num_warps=8)
 LARGE_BATCH_ROWS = 128
 # The knobs those launches may set: the ones that left a row's bits alone under MMA row sums.
 _FREE_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge", "v_split", "skip_tail",
-                         "rowsum_mma", "column_groups", "chunks_per_program"})
+                         "rowsum_mma", "column_groups"})
 
 
 def default_launch(num_selected: int, num_heads: int) -> dict:
@@ -124,13 +123,6 @@ def default_num_splits(num_selected: int, num_heads: int) -> int:
     return default_launch(num_selected, num_heads)["num_splits"]
 
 
-# Spread programs may run several chunks each (chunks_per_program). With CHUNK_RUN_WAVES set, a pass that
-# leaves the mode to the batch and whose gathered grid is below CHUNK_RUN_WAVES x the SM count spreads its
-# chunks in runs: the fewest programs a query that reach that count (one chunk a program at the smallest
-# batches). None: the two-mode rule (`spreads`). Free to follow the batch: every run gives the same bits.
-CHUNK_RUN_WAVES: float | None = None
-
-
 @functools.cache
 def _fill_programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -144,19 +136,6 @@ def spreads(tokens: int, programs_per_query: int, splits: int, device: torch.dev
     return splits > 1 and tokens * programs_per_query < fill
 
 
-def launch_mode(tokens: int, programs_per_query: int, splits: int, device: torch.device) -> tuple[bool, int]:
-    """(spread, chunks a spread program runs) for a pass that leaves the mode to the batch: `spreads`' rule
-    with one chunk a program, or with CHUNK_RUN_WAVES its runs of chunks."""
-    if CHUNK_RUN_WAVES is None or splits == 1:
-        return spreads(tokens, programs_per_query, splits, device), 1
-    fill = INTERPRETER_FILL if INTERPRETED else CHUNK_RUN_WAVES * _fill_programs(device.index or 0)
-    gathered = tokens * programs_per_query
-    if gathered >= fill:
-        return False, 1
-    runs = min(splits, math.ceil(fill / gathered))
-    return True, triton.cdiv(splits, runs)
-
-
 
 @triton.jit
 def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, ticket_ptr,
@@ -166,21 +145,19 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
                        NARROW: tl.constexpr, SPLITS: tl.constexpr, STREAM: tl.constexpr, TAIL: tl.constexpr,
-                       BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, RUN: tl.constexpr):
+                       BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
     # head blocks and latent-column blocks) run side by side and share them through L2. With
     # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
-    # output columns (more, smaller programs and partial states at small batch). A spread program
-    # runs RUN chunks (RUNS programs a query); with RUN > 1 it streams each chunk's state (STREAM).
-    RUNS: tl.constexpr = (SPLITS + RUN - 1) // RUN
+    # output columns (more, smaller programs and partial states at small batch).
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(heads, BLOCK_H)
     head_block = pid % head_blocks
     v_block = (pid // head_blocks) % V_SPLIT
     rest = pid // head_blocks // V_SPLIT
     if SPREAD:
-        chunk = rest % RUNS
-        query = (rest // RUNS).to(tl.int64)
+        chunk = rest % SPLITS
+        query = (rest // SPLITS).to(tl.int64)
     else:
         chunk = 0
         query = rest.to(tl.int64)
@@ -198,7 +175,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
     q_lat = tl.load(q_rows + offs_c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
     q_rope = tl.load(q_rows + LATENT + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     first_block, end_block = _block_range(idx_ptr, query, chunk, stride_idx, selected, blocks_per_chunk, SPREAD, TAIL,
-                                          BLOCK_S, BLOCK_ALL, RUN)
+                                          BLOCK_S, BLOCK_ALL)
     # Folded state and the running chunk's state. -1e30, finite: an empty chunk must not give inf - inf.
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -231,7 +208,7 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
             if NARROW:  # the chunk's sum as the spread mode stores it, in every mode
                 acc = acc.to(q_ptr.dtype.element_ty).to(tl.float32)
-            if STREAM:  # the chunk's state to memory, as a one-chunk spread program writes it
+            if STREAM:  # the chunk's state to memory, as a spread program would write it
                 at = (query * SPLITS + block // blocks_per_chunk) * heads + offs_h
                 tl.store(part_ptr + at[:, None] * LATENT + offs_v[None, :], acc.to(part_ptr.dtype.element_ty),
                          mask=ok)
@@ -244,20 +221,19 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
             acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
     out_ptrs = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
     if SPREAD:
-        if not STREAM:  # one chunk: its state, folded from the empty state (the same bits)
-            base = (query * SPLITS + chunk) * heads + offs_h
-            tl.store(part_ptr + base[:, None] * LATENT + offs_v[None, :], A.to(part_ptr.dtype.element_ty), mask=ok)
-            # Every column block stores the same (M, L): its own ticket then covers the (M, L) it reads.
-            tl.store(stats_ptr + base * 2, M, mask=h_ok)
-            tl.store(stats_ptr + base * 2 + 1, L, mask=h_ok)
+        base = (query * SPLITS + chunk) * heads + offs_h
+        tl.store(part_ptr + base[:, None] * LATENT + offs_v[None, :], A.to(part_ptr.dtype.element_ty), mask=ok)
+        # Every column block stores the same (M, L): its own ticket then covers the (M, L) it reads.
+        tl.store(stats_ptr + base * 2, M, mask=h_ok)
+        tl.store(stats_ptr + base * 2 + 1, L, mask=h_ok)
         if TICKET:
-            # The last of a (query, head block)'s programs to finish folds all N states (in chunk
+            # The last of a (query, head block)'s N programs to finish folds all N states (in chunk
             # order, whichever program it is) and re-arms the counter for the next launch. The
             # barrier + release/acquire ticket make every program's stores visible to it.
             tl.debug_barrier()
             counter = ticket_ptr + (query * head_blocks + head_block) * V_SPLIT + v_block
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == RUNS - 1:
+            if ticket == SPLITS - 1:
                 tl.debug_barrier()
                 out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_v, ok, SPLITS,
                                      SPLITS, LATENT, BLOCK_H, BLOCK_V)
@@ -323,7 +299,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                       num_warps: int | None = None, num_stages: int | None = None, spread: bool | None = None,
                       merge: str | None = None, v_split: int | None = None, narrow_partials: bool | None = None,
                       skip_tail: bool | None = None, rowsum_mma: bool | None = None, column_groups: int | None = None,
-                      chunks_per_program: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
     num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
@@ -331,7 +307,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     row's reduction order). narrow_partials: each chunk's unnormalized sum rounded to q's
     16-bit dtype (half the partial-state bytes; float32 q keeps float32).
     spread: one program per chunk (True) or per query (False); the same bits either way. None:
-    spread exactly when T x H/BLOCK_H x v_split programs would leave most SMs idle (`launch_mode`).
+    spread exactly when T x H/BLOCK_H x v_split programs would leave most SMs idle (`spreads`).
     merge: spread: "ticket" = the last program of each query folds the chunks, else a second launch
     does; not spread: "memory" = the program writes each chunk's state and folds them back from
     memory (no second accumulator in registers), else it folds in registers. The same bits in
@@ -340,11 +316,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     more than SKIP_TAIL_ROWS rows (prefill), where such rows are common. column_groups: 4 runs
     mla_grouped's kernel (the latent in four column groups: fewer registers; one column block, not
     merge="memory"), 1 this module's; None: default_launch's where the grouped kernel runs the
-    launch. chunks_per_program: in the spread mode, the chunks each program runs (each chunk's state
-    to memory as it ends; the fold reads all N in chunk order): 1 (None) is one program a chunk, more
-    give fewer, longer programs (the gathered grid x N / chunks_per_program), the same bits; it
-    leaves skip_tail off (its skipped chunks are empty states either way).
-    rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
+    launch. rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
     than tl.sum's, the same for every BLOCK_H and warp count; default_launch's: on for H >= 64).
     Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set, passes
     of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, passes of LARGE_BATCH_ROWS to
@@ -360,13 +332,12 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     rows_launch = _rows_launch(tokens)
     p = None if rows_launch is None else _free_knobs(
         *rows_launch, dict(block_h=block_h, num_warps=num_warps, num_stages=num_stages, spread=spread, merge=merge,
-                           v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma, column_groups=column_groups,
-                           chunks_per_program=chunks_per_program),
+                           v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma, column_groups=column_groups),
         launch["rowsum_mma"])
     if p is not None:
         block_h, num_warps, num_stages, spread = p["block_h"], p["num_warps"], p["num_stages"], p["spread"]
         merge, v_split, skip_tail, rowsum_mma = p["merge"], p["v_split"], p["skip_tail"], p["rowsum_mma"]
-        column_groups, chunks_per_program = p["column_groups"], p["chunks_per_program"]
+        column_groups = p["column_groups"]
     splits = num_splits or launch["num_splits"]
     block_h = block_h or launch["block_h"]
     block_s = block_s or launch["block_s"]
@@ -375,17 +346,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     part_dtype = q.dtype if narrow and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     blocks_per_chunk, splits = chunk_blocks(selected, splits, block_s)
     head_blocks = triton.cdiv(heads, block_h)
-    if spread is None:
-        spread, auto_run = launch_mode(tokens, head_blocks * v_split, splits, q.device)
-        chunks_per_program = chunks_per_program or auto_run
-    spread = spread and splits > 1
+    spread = (spreads(tokens, head_blocks * v_split, splits, q.device) if spread is None
+              else spread and splits > 1)
     merge = merge or launch["merge" if spread else "gathered_fold"]
     ticket = spread and merge == "ticket"
-    if chunks_per_program is not None and chunks_per_program < 1:
-        raise ValueError(f"chunks_per_program={chunks_per_program}: at least 1")
-    run = min(chunks_per_program or 1, splits) if spread else 1
-    runs = triton.cdiv(splits, run)  # spread programs a (query, head block, column block)
-    stream = (not spread and merge == "memory" and splits > 1) or run > 1
+    stream = not spread and merge == "memory" and splits > 1
     rope_dim = width - latent_dim
     warps, stages = ((4, 1) if INTERPRETED else
                      (num_warps or launch["num_warps"], num_stages or launch["num_stages"]))
@@ -398,34 +363,34 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     rowsum_mma = launch["rowsum_mma"] if rowsum_mma is None else rowsum_mma
     if skip_tail is None:
         skip_tail = SKIP_TAIL_ROWS is not None and tokens > SKIP_TAIL_ROWS
-    skip_tail = skip_tail and splits > 1 and run == 1
+    skip_tail = skip_tail and splits > 1
     precision = mma_precision(q.dtype)
     if column_groups not in (None, 1, mla_grouped.GROUPS):
         raise ValueError(f"column_groups={column_groups}: 1 or {mla_grouped.GROUPS}")
-    runs_grouped = v_split == 1 and (spread or not stream) and mla_grouped.fits(latent_dim)
+    runs_grouped = v_split == 1 and not stream and mla_grouped.fits(latent_dim)
     if column_groups == mla_grouped.GROUPS and not runs_grouped:
         raise ValueError("column_groups=4 runs one column block, not merge='memory', and groups of >= 16 latent "
                          f"columns (latent {latent_dim})")
     # A launch the grouped kernel does not run takes the ungrouped one: the same bits on the GPU.
     groups = column_groups or (launch["column_groups"] if runs_grouped else 1)
     if groups == mla_grouped.GROUPS:
-        mla_grouped.launch(head_blocks * (runs if spread else 1) * tokens, q, kv_cache, slots, out, part, stats,
+        mla_grouped.launch(head_blocks * (splits if spread else 1) * tokens, q, kv_cache, slots, out, part, stats,
                            tickets, heads, selected, blocks_per_chunk, scale * LOG2E, latent=latent_dim,
                            rope=rope_dim, spread=spread, ticket=ticket, precision=precision, block_h=block_h,
                            block_s=block_s, narrow=part_dtype != torch.float32, splits=splits, tail=skip_tail,
-                           rowsum_mma=rowsum_mma, warps=warps, stages=stages, run=run)
+                           rowsum_mma=rowsum_mma, warps=warps, stages=stages)
         if spread and not ticket:
             _merge(part, stats, out, tokens, heads, latent_dim, splits)
         return out
     block_c = triton.next_power_of_2(latent_dim)
     # No mul+add contraction: the fold must round alike in registers and from memory.
-    _sparse_mla_kernel[(head_blocks * v_split * (runs if spread else 1) * tokens,)](
+    _sparse_mla_kernel[(head_blocks * v_split * (splits if spread else 1) * tokens,)](
         q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
         LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
         NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, TAIL=skip_tail,
-        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, RUN=run, num_warps=warps,
+        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, num_warps=warps,
         num_stages=stages, enable_fp_fusion=False)
     if spread and not ticket:
         _merge(part, stats, out, tokens, heads, latent_dim, splits)

@@ -110,14 +110,13 @@ def _tail_end_block(idx_ptr, query, stride_idx, selected, blocks_per_chunk, BLOC
 
 
 @triton.jit
-def _block_range(idx_ptr, query, part, stride_idx, selected, blocks_per_chunk, SPREAD: tl.constexpr,
-                 TAIL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_ALL: tl.constexpr, RUN: tl.constexpr = 1):
-    """The BLOCK_S blocks a program runs: its run of RUN chunks (spread: chunks part * RUN on) or every
-    chunk of the query, up to the tail's bound (skip_tail). Shared by attention's kernel and
-    mla_grouped's."""
-    if SPREAD:  # this program's chunks only
-        first_block = part * RUN * blocks_per_chunk
-        end_block = tl.minimum(first_block + RUN * blocks_per_chunk, tl.cdiv(selected, BLOCK_S))
+def _block_range(idx_ptr, query, chunk, stride_idx, selected, blocks_per_chunk, SPREAD: tl.constexpr,
+                 TAIL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_ALL: tl.constexpr):
+    """The BLOCK_S blocks a program runs: its chunk's (spread) or every chunk of the query, up to the
+    tail's bound (skip_tail). Shared by this module's kernel and mla_grouped's."""
+    if SPREAD:  # this program's chunk only
+        first_block = chunk * blocks_per_chunk
+        end_block = tl.minimum(first_block + blocks_per_chunk, tl.cdiv(selected, BLOCK_S))
     else:  # every chunk of the query
         first_block = 0
         end_block = tl.cdiv(selected, BLOCK_S)

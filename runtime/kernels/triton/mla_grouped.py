@@ -95,19 +95,15 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                                TICKET: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
                                NARROW: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr,
-                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, RUN: tl.constexpr):
-    # The grid of attention._sparse_mla_kernel with one column block: head blocks fastest. A spread
-    # program runs RUN chunks (RUNS programs a query); with RUN > 1 (spread only) it writes each chunk's
-    # state as the chunk ends (a one-chunk program writes its folded state, the same bits).
-    RUNS: tl.constexpr = (SPLITS + RUN - 1) // RUN
-    STREAM: tl.constexpr = RUN > 1
+                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+    # The grid of attention._sparse_mla_kernel with one column block: head blocks fastest.
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(heads, BLOCK_H)
     head_block = pid % head_blocks
     rest = pid // head_blocks
     if SPREAD:
-        chunk = rest % RUNS
-        query = (rest // RUNS).to(tl.int64)
+        chunk = rest % SPLITS
+        query = (rest // SPLITS).to(tl.int64)
     else:
         chunk = 0
         query = rest.to(tl.int64)
@@ -120,7 +116,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
     q0, q1, q2, q3 = _load_groups(q_rows, offs_g, h_ok, LATENT, BLOCK_G)
     q_rope = tl.load(q_rows + LATENT + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     first_block, end_block = _block_range(idx_ptr, query, chunk, stride_idx, selected, blocks_per_chunk, SPREAD, TAIL,
-                                          BLOCK_S, BLOCK_ALL, RUN)
+                                          BLOCK_S, BLOCK_ALL)
     # Folded state and the running chunk's state, a column group each (attention._sparse_mla_kernel's).
     M = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     L = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -162,34 +158,27 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                 acc1 = _round_trip(acc1, q_ptr.dtype.element_ty)
                 acc2 = _round_trip(acc2, q_ptr.dtype.element_ty)
                 acc3 = _round_trip(acc3, q_ptr.dtype.element_ty)
-            if STREAM:  # (spread only) the chunk's state to memory, as a one-chunk program writes it
-                at = (query * SPLITS + block // blocks_per_chunk) * heads + offs_h
-                _store_groups(part_ptr + at[:, None] * LATENT, h_ok, offs_g, acc0, acc1, acc2, acc3, LATENT, BLOCK_G)
-                tl.store(stats_ptr + at * 2, m_i, mask=h_ok)
-                tl.store(stats_ptr + at * 2 + 1, l_i, mask=h_ok)
-            else:
-                M_new, keep, take = _fold_weights(M, m_i)  # mla_blocks._fold, a column group at a time
-                L = L * keep + l_i * take
-                M = M_new
-                A0 = _fold_rows(A0, acc0, keep, take)
-                A1 = _fold_rows(A1, acc1, keep, take)
-                A2 = _fold_rows(A2, acc2, keep, take)
-                A3 = _fold_rows(A3, acc3, keep, take)
+            M_new, keep, take = _fold_weights(M, m_i)  # mla_blocks._fold, a column group at a time
+            L = L * keep + l_i * take
+            M = M_new
+            A0 = _fold_rows(A0, acc0, keep, take)
+            A1 = _fold_rows(A1, acc1, keep, take)
+            A2 = _fold_rows(A2, acc2, keep, take)
+            A3 = _fold_rows(A3, acc3, keep, take)
             m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
             l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
             acc0, acc1, acc2, acc3 = _zero_groups(BLOCK_H, BLOCK_G)
     out_rows = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh
     if SPREAD:  # this chunk's state, as attention._sparse_mla_kernel's spread programs store it
-        if not STREAM:
-            base = (query * SPLITS + chunk) * heads + offs_h
-            _store_groups(part_ptr + base[:, None] * LATENT, h_ok, offs_g, A0, A1, A2, A3, LATENT, BLOCK_G)
-            tl.store(stats_ptr + base * 2, M, mask=h_ok)
-            tl.store(stats_ptr + base * 2 + 1, L, mask=h_ok)
+        base = (query * SPLITS + chunk) * heads + offs_h
+        _store_groups(part_ptr + base[:, None] * LATENT, h_ok, offs_g, A0, A1, A2, A3, LATENT, BLOCK_G)
+        tl.store(stats_ptr + base * 2, M, mask=h_ok)
+        tl.store(stats_ptr + base * 2 + 1, L, mask=h_ok)
         if TICKET:
             tl.debug_barrier()
             counter = ticket_ptr + query * head_blocks + head_block
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == RUNS - 1:
+            if ticket == SPLITS - 1:
                 tl.debug_barrier()
                 offs_c = tl.arange(0, 4 * BLOCK_G)
                 ok = h_ok[:, None] & (offs_c < LATENT)[None, :]
@@ -204,8 +193,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
 
 def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int, selected: int, blocks_per_chunk: int,
            sm_scale_log2: float, *, latent: int, rope: int, spread: bool, ticket: bool, precision: str, block_h: int,
-           block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, warps: int, stages: int,
-           run: int = 1) -> None:
+           block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, warps: int, stages: int) -> None:
     """One launch over `grid` programs (attention.sparse_mla_decode's grid with one column block)."""
     _sparse_mla_grouped_kernel[(grid,)](
         q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, sm_scale_log2,
@@ -213,5 +201,5 @@ def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int,
         LATENT=latent, ROPE=rope, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h, BLOCK_S=block_s,
         BLOCK_G=block_g(latent),
         BLOCK_R=max(16, triton.next_power_of_2(rope)), NARROW=narrow, SPLITS=splits, TAIL=tail,
-        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, RUN=run, num_warps=warps,
+        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, num_warps=warps,
         num_stages=stages, enable_fp_fusion=False)
