@@ -12,13 +12,15 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from canary.oracles.tolerances import assert_close_to_reference
 from canary.oracles.topk_compare import wrong_topk_indices
 from runtime.kernels import cuda_torch, reference
-from runtime.kernels.triton import INTERPRETED, attention, elementwise, glue, indexer, matmul, moe
+from runtime.kernels.triton import INTERPRETED, attention, elementwise, glue, indexer, matmul, mla_grouped, moe
 
 pytestmark = pytest.mark.kernels
 
@@ -363,6 +365,65 @@ def test_sparse_mla_column_groups_refuse_what_they_do_not_run():
         attention.sparse_mla_decode(q, cache, slots, 32, 0.1, num_splits=3, block_s=16, column_groups=4)
 
 
+@settings(max_examples=6 if ON_GPU else 3)
+@given(seed=SEEDS, queries=st.sampled_from([1, 3]), heads=st.sampled_from([16, 20]), latent=st.sampled_from([64, 192]),
+       topk=st.sampled_from([36, 100]), splits=st.sampled_from([2, 7, 9]), rowsum_mma=st.booleans(),
+       narrow=st.booleans(), dtype=st.sampled_from(DTYPES))
+@example(seed=6, queries=3, heads=20, latent=192, topk=100, splits=7, rowsum_mma=False, narrow=True,
+         dtype=torch.float16)
+def test_sparse_mla_one_block_chunks_keep_the_general_loops_bits(seed, queries, heads, latent, topk, splits,
+                                                                 rowsum_mma, narrow, dtype):
+    """mla_grouped.ONE_BLOCK_CHUNKS (chunks of one BLOCK_S block folded as each block ends, one accumulator a
+    column group): the general loop's bits in every grouped mode, whether the chunks are one block (window 12 +
+    top-100 = 7 blocks of 16 in 7 or 9 chunks) or not (2 chunks; the flag then changes nothing)."""
+    rope_dim, window = 16, 12
+    q, cache, slots, dense_kv, mask = _attention_case(seed, queries, heads, latent, rope_dim, 3 * (window + topk),
+                                                      window, topk, dtype)
+    scale = (latent + rope_dim) ** -0.5
+    outs = {}
+    for one_block in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mla_grouped, "ONE_BLOCK_CHUNKS", one_block)
+            for spread, merge in GROUPED_MODES:
+                outs[one_block, spread, merge] = _run_grouped(q, cache, slots, latent, scale, splits, spread, merge,
+                                                              narrow_partials=narrow, rowsum_mma=rowsum_mma)
+    assert_same_bits(outs)
+    assert_close_scaled(outs[False, False, "registers"],
+                        reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale), dtype)
+
+
+def _run_grouped(q, cache, slots, latent, scale, splits, spread, merge, **launch):
+    out = poisoned(q.shape[0], q.shape[1], latent, dtype=q.dtype)
+    return attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=splits, block_h=16, block_s=16,
+                                       spread=spread, merge=merge, column_groups=4, out=out, **launch)
+
+
+_ONE_BLOCK_FOLD = mla_grouped._fold_block_chunk
+
+
+@triton.jit
+def _fold_block_chunk_unrounded(scores, kv0, kv1, kv2, kv3, M, L, A0, A1, A2, A3, dtype: tl.constexpr,
+                                BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr,
+                                PRECISION: tl.constexpr, NARROW: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+    """A planted slip: the one-block loop's fold without rounding the chunk's sum to the 16-bit dtype."""
+    return _ONE_BLOCK_FOLD(scores, kv0, kv1, kv2, kv3, M, L, A0, A1, A2, A3, dtype, BLOCK_H, BLOCK_S, BLOCK_G,
+                           PRECISION, False, ROWSUM_MMA)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="a planted jit helper is swapped in by name: the interpreter only")
+def test_sparse_mla_one_block_chunks_control_an_unrounded_chunk_sum_is_caught(monkeypatch):
+    """Negative control for the test above: with the one-block loop's fold planted without the chunk sum's
+    16-bit rounding, its bits leave the general loop's (which also shows the one-block loop is what ran)."""
+    q, cache, slots, _, _ = _attention_case(6, 3, 20, 64, 16, 3 * (12 + 100), 12, 100, torch.float16)
+    monkeypatch.setattr(mla_grouped, "ONE_BLOCK_CHUNKS", False)
+    want = _run_grouped(q, cache, slots, 64, 0.1, 7, False, "registers", narrow_partials=True)
+    monkeypatch.setattr(mla_grouped, "ONE_BLOCK_CHUNKS", True)
+    assert torch.equal(_run_grouped(q, cache, slots, 64, 0.1, 7, False, "registers", narrow_partials=True), want)
+    monkeypatch.setattr(mla_grouped, "_fold_block_chunk", _fold_block_chunk_unrounded)
+    bug = _run_grouped(q, cache, slots, 64, 0.1, 7, False, "registers", narrow_partials=True)
+    assert not torch.equal(bug, want), "the planted slip left the bits alone: the equality shows nothing"
+
+
 @gpu
 @pytest.mark.parametrize("heads,latent,rope,window,topk,dtype", [
     (64, 512, 64, 128, 512, torch.bfloat16), (64, 512, 64, 128, 640, torch.bfloat16),
@@ -381,10 +442,13 @@ def test_sparse_mla_column_groups_keep_the_deployments_bits_on_the_gpu(heads, la
             out = poisoned(q.shape[0], heads, latent, dtype=dtype)
             return attention.sparse_mla_decode(q, cache, slots, latent, 0.04, out=out, **launch)
         want = run(spread=False, merge="registers", column_groups=1)
-        for spread, merge in GROUPED_MODES:
-            got = run(spread=spread, merge=merge, column_groups=4)
-            assert torch.equal(got, want), f"bits changed: column groups, {spread=}, {merge=}"
-        assert torch.equal(run(spread=False, merge="registers", column_groups=4, num_warps=8), want)
+        for one_block in (True, False):  # one-block chunks' own loop (every shape here) and the general one
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(mla_grouped, "ONE_BLOCK_CHUNKS", one_block)
+                for spread, merge in GROUPED_MODES:
+                    got = run(spread=spread, merge=merge, column_groups=4)
+                    assert torch.equal(got, want), f"bits changed: column groups, {spread=}, {merge=}, {one_block=}"
+                assert torch.equal(run(spread=False, merge="registers", column_groups=4, num_warps=8), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -614,12 +678,14 @@ def test_sparse_mla_with_row_sums_as_an_mma_compiles_for_the_gpu(block_h):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the column-group tests compile it for real")
 @pytest.mark.parametrize("spread, ticket", [(False, False), (True, True)])
-@pytest.mark.parametrize("block_h, warps, narrow, mma_sums", [(16, 4, True, True), (16, 8, False, False),
-                                                              (64, 8, True, True)])
-def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket, block_h, warps, narrow, mma_sums):
+@pytest.mark.parametrize("block_h, warps, narrow, mma_sums, one_block", [
+    (16, 4, True, True, True), (16, 4, True, True, False), (16, 8, False, False, True), (64, 8, True, True, True)])
+def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket, block_h, warps, narrow, mma_sums,
+                                                                   one_block):
     """mla_grouped's kernel (gathered, spread + ticket) through sm_90's compiler at each launch that
-    runs it on a GPU: H=64's default (16-head blocks, 4 warps, narrow partials, MMA row sums), the
-    default under 64 heads (8 warps, neither) and the large-batch / prefill launch (64-head blocks, 8 warps)."""
+    runs it on a GPU: H=64's default (16-head blocks, 4 warps, narrow partials, MMA row sums; one-block chunks'
+    loop and the general one), the default under 64 heads (8 warps, neither) and the large-batch / prefill
+    launch (64-head blocks, 8 warps)."""
     from tests.kernels.test_indexer_topk import compile_for_sm90
 
     pointers = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16",
@@ -628,7 +694,7 @@ def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=block_h,
                      BLOCK_S=64, BLOCK_G=128, BLOCK_R=64, NARROW=narrow, SPLITS=5, TAIL=False, BLOCK_ALL=1024,
-                     ROWSUM_MMA=mma_sums)
+                     ROWSUM_MMA=mma_sums, ONE_BLOCK=one_block)
     done = compile_for_sm90("runtime.kernels.triton.mla_grouped", "_sparse_mla_grouped_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=warps, num_stages=2,
                             enable_fp_fusion=False)

@@ -39,6 +39,12 @@ from runtime.kernels.triton.mla_blocks import (
 )
 
 GROUPS = 4
+# Chunks of one BLOCK_S block (every deployment since the seventeenth session: 64-position chunks) run a loop
+# with one accumulator per column group: each block's sum starts from zero and is folded at once, so the
+# running chunk's rescaled accumulators (a second [BLOCK_H, C] float32 tile) are never live. The same
+# operations less the no-ops (a zero accumulator times alpha, an empty state's sum times alpha): the same
+# bits, checked against the general loop (off) and the ungrouped kernel by the tests.
+ONE_BLOCK_CHUNKS = True
 
 
 def block_g(latent: int) -> int:
@@ -88,6 +94,39 @@ def _round_trip(x, dtype):
 
 
 @triton.jit
+def _block_chunk_sum(p_v, kv, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
+                     NARROW: tl.constexpr, dtype: tl.constexpr):
+    """One column group of a one-block chunk's weighted sum: the general loop's dot onto its zeroed accumulator
+    (zero x alpha is +0), rounded as a chunk's sum is."""
+    acc = tl.dot(p_v, kv, tl.zeros((BLOCK_H, BLOCK_G), dtype=tl.float32), input_precision=PRECISION)
+    if NARROW:
+        acc = _round_trip(acc, dtype)
+    return acc
+
+
+@triton.jit
+def _fold_block_chunk(scores, kv0, kv1, kv2, kv3, M, L, A0, A1, A2, A3, dtype: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr, NARROW: tl.constexpr,
+                      ROWSUM_MMA: tl.constexpr):
+    """A chunk of one block, from the empty state (m -1e30, l 0, acc 0) and folded into (M, L, A): the general
+    loop's operations without the empty state's terms (max(-1e30, x); 0 x alpha + s = s; a zero accumulator)."""
+    m = tl.maximum(tl.full((BLOCK_H,), -1e30, dtype=tl.float32), tl.max(scores, axis=1))
+    p = tl.exp2(scores - m[:, None])
+    p_v = p.to(kv0.dtype)
+    if ROWSUM_MMA:
+        l_c = _row_sums_mma(p_v, BLOCK_S, PRECISION)
+    else:
+        l_c = tl.sum(p, axis=1)
+    M_new, keep, take = _fold_weights(M, m)
+    L = L * keep + l_c * take
+    A0 = _fold_rows(A0, _block_chunk_sum(p_v, kv0, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
+    A1 = _fold_rows(A1, _block_chunk_sum(p_v, kv1, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
+    A2 = _fold_rows(A2, _block_chunk_sum(p_v, kv2, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
+    A3 = _fold_rows(A3, _block_chunk_sum(p_v, kv3, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
+    return M_new, L, A0, A1, A2, A3
+
+
+@triton.jit
 def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, ticket_ptr,
                                heads, selected, blocks_per_chunk, sm_scale_log2,
                                stride_qt, stride_qh, stride_kv, stride_idx, stride_ot, stride_oh,
@@ -95,7 +134,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                                TICKET: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
                                NARROW: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr,
-                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
     # The grid of attention._sparse_mla_kernel with one column block: head blocks fastest.
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(heads, BLOCK_H)
@@ -139,35 +178,40 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
         scores = tl.dot(q3, tl.trans(kv3), scores, input_precision=PRECISION)
         scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=PRECISION)
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        p_v = p.to(kv0.dtype)
-        if ROWSUM_MMA:
-            l_i = l_i * alpha + _row_sums_mma(p_v, BLOCK_S, PRECISION)
+        if ONE_BLOCK:  # this block is a whole chunk: its state from the empty one, folded at once
+            M, L, A0, A1, A2, A3 = _fold_block_chunk(scores, kv0, kv1, kv2, kv3, M, L, A0, A1, A2, A3,
+                                                     q_ptr.dtype.element_ty, BLOCK_H, BLOCK_S, BLOCK_G, PRECISION,
+                                                     NARROW, ROWSUM_MMA)
         else:
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = tl.dot(p_v, kv0, acc0 * alpha[:, None], input_precision=PRECISION)
-        acc1 = tl.dot(p_v, kv1, acc1 * alpha[:, None], input_precision=PRECISION)
-        acc2 = tl.dot(p_v, kv2, acc2 * alpha[:, None], input_precision=PRECISION)
-        acc3 = tl.dot(p_v, kv3, acc3 * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-        if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
-            if NARROW:
-                acc0 = _round_trip(acc0, q_ptr.dtype.element_ty)
-                acc1 = _round_trip(acc1, q_ptr.dtype.element_ty)
-                acc2 = _round_trip(acc2, q_ptr.dtype.element_ty)
-                acc3 = _round_trip(acc3, q_ptr.dtype.element_ty)
-            M_new, keep, take = _fold_weights(M, m_i)  # mla_blocks._fold, a column group at a time
-            L = L * keep + l_i * take
-            M = M_new
-            A0 = _fold_rows(A0, acc0, keep, take)
-            A1 = _fold_rows(A1, acc1, keep, take)
-            A2 = _fold_rows(A2, acc2, keep, take)
-            A3 = _fold_rows(A3, acc3, keep, take)
-            m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
-            l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            acc0, acc1, acc2, acc3 = _zero_groups(BLOCK_H, BLOCK_G)
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            p_v = p.to(kv0.dtype)
+            if ROWSUM_MMA:
+                l_i = l_i * alpha + _row_sums_mma(p_v, BLOCK_S, PRECISION)
+            else:
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc0 = tl.dot(p_v, kv0, acc0 * alpha[:, None], input_precision=PRECISION)
+            acc1 = tl.dot(p_v, kv1, acc1 * alpha[:, None], input_precision=PRECISION)
+            acc2 = tl.dot(p_v, kv2, acc2 * alpha[:, None], input_precision=PRECISION)
+            acc3 = tl.dot(p_v, kv3, acc3 * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+            if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
+                if NARROW:
+                    acc0 = _round_trip(acc0, q_ptr.dtype.element_ty)
+                    acc1 = _round_trip(acc1, q_ptr.dtype.element_ty)
+                    acc2 = _round_trip(acc2, q_ptr.dtype.element_ty)
+                    acc3 = _round_trip(acc3, q_ptr.dtype.element_ty)
+                M_new, keep, take = _fold_weights(M, m_i)  # mla_blocks._fold, a column group at a time
+                L = L * keep + l_i * take
+                M = M_new
+                A0 = _fold_rows(A0, acc0, keep, take)
+                A1 = _fold_rows(A1, acc1, keep, take)
+                A2 = _fold_rows(A2, acc2, keep, take)
+                A3 = _fold_rows(A3, acc3, keep, take)
+                m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+                l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+                acc0, acc1, acc2, acc3 = _zero_groups(BLOCK_H, BLOCK_G)
     out_rows = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh
     if SPREAD:  # this chunk's state, as attention._sparse_mla_kernel's spread programs store it
         base = (query * SPLITS + chunk) * heads + offs_h
@@ -201,5 +245,6 @@ def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int,
         LATENT=latent, ROPE=rope, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h, BLOCK_S=block_s,
         BLOCK_G=block_g(latent),
         BLOCK_R=max(16, triton.next_power_of_2(rope)), NARROW=narrow, SPLITS=splits, TAIL=tail,
-        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, num_warps=warps,
-        num_stages=stages, enable_fp_fusion=False)
+        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma,
+        ONE_BLOCK=ONE_BLOCK_CHUNKS and blocks_per_chunk == 1, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=False)
