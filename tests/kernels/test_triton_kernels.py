@@ -384,6 +384,7 @@ def test_sparse_mla_one_block_chunks_keep_the_general_loops_bits(seed, queries, 
     for one_block in (False, True):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(mla_grouped, "ONE_BLOCK_CHUNKS", one_block)
+            patch.setattr(mla_grouped, "ONE_BLOCK_MIN_WARPS", 1)  # the interpreter's launches are 4 warps
             for spread, merge in GROUPED_MODES:
                 outs[one_block, spread, merge] = _run_grouped(q, cache, slots, latent, scale, splits, spread, merge,
                                                               narrow_partials=narrow, rowsum_mma=rowsum_mma)
@@ -415,6 +416,7 @@ def test_sparse_mla_one_block_chunks_control_an_unrounded_chunk_sum_is_caught(mo
     """Negative control for the test above: with the one-block loop's fold planted without the chunk sum's
     16-bit rounding, its bits leave the general loop's (which also shows the one-block loop is what ran)."""
     q, cache, slots, _, _ = _attention_case(6, 3, 20, 64, 16, 3 * (12 + 100), 12, 100, torch.float16)
+    monkeypatch.setattr(mla_grouped, "ONE_BLOCK_MIN_WARPS", 1)
     monkeypatch.setattr(mla_grouped, "ONE_BLOCK_CHUNKS", False)
     want = _run_grouped(q, cache, slots, 64, 0.1, 7, False, "registers", narrow_partials=True)
     monkeypatch.setattr(mla_grouped, "ONE_BLOCK_CHUNKS", True)
@@ -445,6 +447,7 @@ def test_sparse_mla_column_groups_keep_the_deployments_bits_on_the_gpu(heads, la
         for one_block in (True, False):  # one-block chunks' own loop (every shape here) and the general one
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(mla_grouped, "ONE_BLOCK_CHUNKS", one_block)
+                patch.setattr(mla_grouped, "ONE_BLOCK_MIN_WARPS", 1)
                 for spread, merge in GROUPED_MODES:
                     got = run(spread=spread, merge=merge, column_groups=4)
                     assert torch.equal(got, want), f"bits changed: column groups, {spread=}, {merge=}, {one_block=}"
@@ -1332,3 +1335,13 @@ def test_graph_oracle_fails_on_capture_time_metadata():
         graph.replay()
         seed_box[0] = False
         assert torch.equal(out, run(static[0], static[1], static[2])), "graph replay differs from eager"
+
+
+def test_one_block_loop_runs_where_chunks_are_one_block_and_warps_reach_the_floor(monkeypatch):
+    """mla_grouped.one_block_loop: chunks of one block at ONE_BLOCK_MIN_WARPS warps or more (where it was
+    faster on the H100), never with ONE_BLOCK_CHUNKS off."""
+    monkeypatch.setattr(mla_grouped, "ONE_BLOCK_MIN_WARPS", 8)
+    assert mla_grouped.one_block_loop(1, 8) and not mla_grouped.one_block_loop(1, 4)
+    assert not mla_grouped.one_block_loop(2, 8)
+    monkeypatch.setattr(mla_grouped, "ONE_BLOCK_CHUNKS", False)
+    assert not mla_grouped.one_block_loop(1, 8)

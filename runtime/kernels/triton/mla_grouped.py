@@ -43,8 +43,12 @@ GROUPS = 4
 # with one accumulator per column group: each block's sum starts from zero and is folded at once, so the
 # running chunk's rescaled accumulators (a second [BLOCK_H, C] float32 tile) are never live. The same
 # operations less the no-ops (a zero accumulator times alpha, an empty state's sum times alpha): the same
-# bits, checked against the general loop (off) and the ungrouped kernel by the tests.
+# bits, checked against the general loop (off) and the ungrouped kernel by the tests. Launches of fewer than
+# ONE_BLOCK_MIN_WARPS warps keep the general loop: on the H100 (thirty-fifth session, .perf A/B, same bits) the
+# one-block loop was 11% faster at H=64 bs 128 (64-head blocks, 8 warps: 90.2 -> 81.5 us) and 1-2% at H=16 (8
+# warps), but 4-7% slower at H=64 bs 32-64 (16-head blocks, 4 warps: 40.8 -> 44.0 us at bs 32).
 ONE_BLOCK_CHUNKS = True
+ONE_BLOCK_MIN_WARPS = 8
 
 
 def block_g(latent: int) -> int:
@@ -235,6 +239,11 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                       _normalize(A2, L, h_ok), _normalize(A3, L, h_ok), LATENT, BLOCK_G)
 
 
+def one_block_loop(blocks_per_chunk: int, warps: int) -> bool:
+    """Whether a launch runs the one-block chunks' loop (ONE_BLOCK_CHUNKS, ONE_BLOCK_MIN_WARPS)."""
+    return ONE_BLOCK_CHUNKS and blocks_per_chunk == 1 and warps >= ONE_BLOCK_MIN_WARPS
+
+
 def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int, selected: int, blocks_per_chunk: int,
            sm_scale_log2: float, *, latent: int, rope: int, spread: bool, ticket: bool, precision: str, block_h: int,
            block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, warps: int, stages: int) -> None:
@@ -246,5 +255,5 @@ def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int,
         BLOCK_G=block_g(latent),
         BLOCK_R=max(16, triton.next_power_of_2(rope)), NARROW=narrow, SPLITS=splits, TAIL=tail,
         BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma,
-        ONE_BLOCK=ONE_BLOCK_CHUNKS and blocks_per_chunk == 1, num_warps=warps, num_stages=stages,
+        ONE_BLOCK=one_block_loop(blocks_per_chunk, warps), num_warps=warps, num_stages=stages,
         enable_fp_fusion=False)
