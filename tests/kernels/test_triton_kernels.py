@@ -502,7 +502,8 @@ def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
 
 def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
     """PREFILL_LAUNCH: passes of more than PREFILL_LAUNCH_ROWS rows run it, shorter passes the
-    deployment's; a caller's argument wins; SMALL_BATCH_LAUNCH likewise at the other end. Their knobs
+    deployment's; a caller's argument wins; SMALL_BATCH_LAUNCH likewise at the other end, MID_BATCH_LAUNCH
+    in the band after it. Their knobs
     keep a row's bits (the outputs stay the plain launch's), so which launch ran is read from the
     kernel's launch arguments."""
     q, cache, slots, _, _ = _attention_case(2, 3, 20, 64, 16, 120, 8, 64, DTYPES[0])
@@ -548,6 +549,20 @@ def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
     assert launch == [(16, 1)] and torch.equal(out, want), "a 3-row pass took SMALL_BATCH_LAUNCH"
     monkeypatch.setattr(attention, "SMALL_BATCH_LAUNCH", dict(block_s=32))
     with pytest.raises(ValueError, match="reduction order"):  # BLOCK_S sets the chunking: never per batch
+        run(2)
+    # MID_BATCH_LAUNCH: passes of SMALL_BATCH_ROWS + 1 to MID_BATCH_ROWS rows, the same rules.
+    monkeypatch.setattr(attention, "SMALL_BATCH_LAUNCH", dict(block_h=32, v_split=4))
+    monkeypatch.setattr(attention, "SMALL_BATCH_ROWS", 1)
+    monkeypatch.setattr(attention, "MID_BATCH_LAUNCH", dict(block_h=64, v_split=2))
+    monkeypatch.setattr(attention, "MID_BATCH_ROWS", 2)
+    out, launch = run(1)
+    assert launch == [(32, 4)] and torch.equal(out, want[:1]), "a 1-row pass left SMALL_BATCH_LAUNCH"
+    out, launch = run(2)
+    assert launch == [(64, 2)] and torch.equal(out, want[:2]), "a 2-row pass did not take MID_BATCH_LAUNCH"
+    out, launch = run(3)
+    assert launch == [(16, 1)] and torch.equal(out, want), "a 3-row pass took MID_BATCH_LAUNCH"
+    monkeypatch.setattr(attention, "MID_BATCH_LAUNCH", dict(num_splits=2))
+    with pytest.raises(ValueError, match="reduction order"):
         run(2)
 
 

@@ -58,8 +58,9 @@ SKIP_TAIL_ROWS: int | None = 256
 # passes run with rowsum_mma too, or a prompt's bits would follow the size of its prefill chunk.
 # 64-head blocks in column groups, one pass (mla_prefill.sparse_mla then skips its two-pass form): the
 # slice's 4,096-row pass 16.31 ms against 16.51 in two passes, the same logits (H200, "Seventeenth
-# session", bench.decode_step --prefill-variants).
-PREFILL_LAUNCH: dict | None = dict(block_h=64, num_warps=8)
+# session", bench.decode_step --prefill-variants). 3 stages: 2,093 us against 2,226 for a 4,096-row pass at H=64
+# top-512 (H100, thirty-fifth session, bench.mla_sweep --free --rowsum-mma "stages3", the same bits).
+PREFILL_LAUNCH: dict | None = dict(block_h=64, num_warps=8, num_stages=3)
 PREFILL_LAUNCH_ROWS = 256
 # Passes of at most SMALL_BATCH_ROWS rows (decode steps whose few queries leave most SMs idle: bs 1 at
 # H=64 is N chunks x 4 head blocks = 20 programs) take these knobs, under PREFILL_LAUNCH's rules; None:
@@ -67,12 +68,19 @@ PREFILL_LAUNCH_ROWS = 256
 # `bench.mla_sweep --free` ("spread/v4/ticket", "spread/v8/ticket"); none is measured yet.
 SMALL_BATCH_LAUNCH: dict | None = None
 SMALL_BATCH_ROWS = 8
+# Passes of SMALL_BATCH_ROWS + 1 to MID_BATCH_ROWS rows take these knobs, under the same rules; None: never.
+# Candidate: 8 warps for H=64's 16-head blocks (then on the one-block loop, mla_grouped.ONE_BLOCK_MIN_WARPS):
+# gathered, bs 16 36.6 / 32 38.9 us against 38.3 / 41.0, but bs 64 75.4 against 54.4 (H100, thirty-fifth
+# session, bench.mla_sweep --free --rowsum-mma "groups4+w8"), hence a band below 64 rows.
+MID_BATCH_LAUNCH: dict | None = None
+MID_BATCH_ROWS = 32
 # Passes of LARGE_BATCH_ROWS to PREFILL_LAUNCH_ROWS rows (the largest decode buckets) take these knobs,
 # under the same rules. 64-head blocks: one program gathers a query's rows for all 64 heads (four
 # programs did), which the latent's column groups made fit: H=64, bs 128 85.7 us against 101.8 with
 # 16-head blocks, the same bits (H200, bench.mla_sweep --free --rowsum-mma, "Seventeenth session");
-# at bs 64 its 64 programs leave half the SMs idle (77.1 against 54.2), hence the band.
-LARGE_BATCH_LAUNCH: dict | None = dict(block_h=64, num_warps=8)
+# at bs 64 its 64 programs leave half the SMs idle (77.1 against 54.2), hence the band. 3 stages: bs 128
+# 76.5 us against 82.5 (H100, thirty-fifth session, "stages3", the same bits).
+LARGE_BATCH_LAUNCH: dict | None = dict(block_h=64, num_warps=8, num_stages=3)
 LARGE_BATCH_ROWS = 128
 # The knobs those launches may set: the ones that left a row's bits alone under MMA row sums.
 _FREE_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge", "v_split", "skip_tail",
@@ -270,6 +278,8 @@ def _rows_launch(tokens: int) -> tuple[str, dict] | None:
         return "PREFILL_LAUNCH", PREFILL_LAUNCH
     if SMALL_BATCH_LAUNCH is not None and tokens <= SMALL_BATCH_ROWS:
         return "SMALL_BATCH_LAUNCH", SMALL_BATCH_LAUNCH
+    if MID_BATCH_LAUNCH is not None and SMALL_BATCH_ROWS < tokens <= MID_BATCH_ROWS:
+        return "MID_BATCH_LAUNCH", MID_BATCH_LAUNCH
     if LARGE_BATCH_LAUNCH is not None and LARGE_BATCH_ROWS <= tokens <= PREFILL_LAUNCH_ROWS:
         return "LARGE_BATCH_LAUNCH", LARGE_BATCH_LAUNCH
     return None
@@ -319,9 +329,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     launch. rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
     than tl.sum's, the same for every BLOCK_H and warp count; default_launch's: on for H >= 64).
     Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set, passes
-    of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, passes of LARGE_BATCH_ROWS to
-    PREFILL_LAUNCH_ROWS rows LARGE_BATCH_LAUNCH's (each only where the deployment, or the table, takes
-    MMA row sums)."""
+    of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, then up to MID_BATCH_ROWS rows
+    MID_BATCH_LAUNCH's, passes of LARGE_BATCH_ROWS to PREFILL_LAUNCH_ROWS rows LARGE_BATCH_LAUNCH's (each
+    only where the deployment, or the table, takes MMA row sums)."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
     if out is None:
