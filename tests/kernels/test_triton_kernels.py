@@ -603,6 +603,18 @@ def test_large_batch_launch_takes_its_band_and_only_mma_row_sum_deployments(monk
                 assert torch.equal(out, want[:rows]), f"H={heads}, {rows} rows: the band's launch changed the bits"
 
 
+def test_a_caller_asking_for_tl_sum_row_sums_runs_its_own_launch_at_a_tables_row_count(monkeypatch):
+    """rowsum_mma=False from the caller at a row-count table's rows: the table is not applied (its launch would
+    change tl.sum's bits) and nothing is refused; the pass runs the caller's launch (the free-knob sweep's
+    tl.sum base at bs 128 raised here before)."""
+    q, cache, slots, _, _ = _attention_case(1, 3, 64, 64, 16, 40, 8, 24, DTYPES[0])
+    run = lambda: attention.sparse_mla_decode(q, cache, slots, 64, 0.1, rowsum_mma=False)  # noqa: E731
+    want = run()
+    monkeypatch.setattr(attention, "LARGE_BATCH_LAUNCH", dict(block_h=64, num_warps=8))
+    monkeypatch.setattr(attention, "LARGE_BATCH_ROWS", 2)
+    assert torch.equal(run(), want)
+
+
 @pytest.mark.parametrize("launch, match", [(dict(block_s=32), "block_s"), (dict(num_splits=2), "num_splits"),
                                            (dict(block_h=64, rowsum_mma=False), "rowsum_mma=True")])
 def test_prefill_launch_refuses_knobs_that_change_bits(monkeypatch, launch, match):

@@ -288,7 +288,10 @@ def _rows_launch(tokens: int) -> tuple[str, dict] | None:
 def _free_knobs(name: str, table: dict, given: dict, deployment_mma: bool) -> dict | None:
     """A row-count launch table (`name`) under the caller's own (non-None) arguments, checked; None
     where it does not apply: a deployment with tl.sum's row sums (its launch shape is part of its
-    numerics) when neither the table nor the caller asks for MMA row sums."""
+    numerics) when neither the table nor the caller asks for MMA row sums, or when the caller asks for tl.sum's
+    (a table's launch would change those bits; mla_sweep --free runs such passes at every batch)."""
+    if given.get("rowsum_mma") is False:
+        return None
     other = set(table) - _FREE_KNOBS
     if other:
         raise ValueError(f"{name} sets {sorted(other)}: they change a row's reduction order, so a row's bits "
