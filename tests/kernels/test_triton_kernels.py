@@ -550,11 +550,11 @@ def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
     monkeypatch.setattr(attention, "SMALL_BATCH_LAUNCH", dict(block_s=32))
     with pytest.raises(ValueError, match="reduction order"):  # BLOCK_S sets the chunking: never per batch
         run(2)
-    # MID_BATCH_LAUNCH: passes of SMALL_BATCH_ROWS + 1 to MID_BATCH_ROWS rows, the same rules.
+    # MID_BATCH_LAUNCH: passes in the MID_BATCH_ROWS band, the same rules.
     monkeypatch.setattr(attention, "SMALL_BATCH_LAUNCH", dict(block_h=32, v_split=4))
     monkeypatch.setattr(attention, "SMALL_BATCH_ROWS", 1)
     monkeypatch.setattr(attention, "MID_BATCH_LAUNCH", dict(block_h=64, v_split=2))
-    monkeypatch.setattr(attention, "MID_BATCH_ROWS", 2)
+    monkeypatch.setattr(attention, "MID_BATCH_ROWS", (2, 2))
     out, launch = run(1)
     assert launch == [(32, 4)] and torch.equal(out, want[:1]), "a 1-row pass left SMALL_BATCH_LAUNCH"
     out, launch = run(2)

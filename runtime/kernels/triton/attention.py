@@ -68,12 +68,14 @@ PREFILL_LAUNCH_ROWS = 256
 # `bench.mla_sweep --free` ("spread/v4/ticket", "spread/v8/ticket"); none is measured yet.
 SMALL_BATCH_LAUNCH: dict | None = None
 SMALL_BATCH_ROWS = 8
-# Passes of SMALL_BATCH_ROWS + 1 to MID_BATCH_ROWS rows take these knobs, under the same rules; None: never.
-# Candidate: 8 warps for H=64's 16-head blocks (then on the one-block loop, mla_grouped.ONE_BLOCK_MIN_WARPS):
-# gathered, bs 16 36.6 / 32 38.9 us against 38.3 / 41.0, but bs 64 75.4 against 54.4 (H100, thirty-fifth
-# session, bench.mla_sweep --free --rowsum-mma "groups4+w8"), hence a band below 64 rows.
-MID_BATCH_LAUNCH: dict | None = None
-MID_BATCH_ROWS = 32
+# Passes of MID_BATCH_ROWS[0] to MID_BATCH_ROWS[1] rows take these knobs, under the same rules; None: never.
+# 8 warps and 3 stages for H=64's 16-head blocks (8 warps run the one-block loop, mla_grouped.ONE_BLOCK_MIN_WARPS):
+# H100, thirty-fifth session (.perf/rows_ab.py, the deployment's auto mode, the same bits), top-512 / top-640 us:
+# bs 24 36.9 / 43.2 against 39.9 / 46.9, bs 32 38.3 / 45.0 against 41.1 / 48.6; but bs 9-16 (the spread mode
+# below 17 rows at H=64) 12-42% slower and bs 48 38-39% slower, hence the band (the gathered mode's first rows
+# to 32).
+MID_BATCH_LAUNCH: dict | None = dict(num_warps=8, num_stages=3)
+MID_BATCH_ROWS = (17, 32)
 # Passes of LARGE_BATCH_ROWS to PREFILL_LAUNCH_ROWS rows (the largest decode buckets) take these knobs,
 # under the same rules. 64-head blocks: one program gathers a query's rows for all 64 heads (four
 # programs did), which the latent's column groups made fit: H=64, bs 128 85.7 us against 101.8 with
@@ -278,7 +280,7 @@ def _rows_launch(tokens: int) -> tuple[str, dict] | None:
         return "PREFILL_LAUNCH", PREFILL_LAUNCH
     if SMALL_BATCH_LAUNCH is not None and tokens <= SMALL_BATCH_ROWS:
         return "SMALL_BATCH_LAUNCH", SMALL_BATCH_LAUNCH
-    if MID_BATCH_LAUNCH is not None and SMALL_BATCH_ROWS < tokens <= MID_BATCH_ROWS:
+    if MID_BATCH_LAUNCH is not None and MID_BATCH_ROWS[0] <= tokens <= MID_BATCH_ROWS[1]:
         return "MID_BATCH_LAUNCH", MID_BATCH_LAUNCH
     if LARGE_BATCH_LAUNCH is not None and LARGE_BATCH_ROWS <= tokens <= PREFILL_LAUNCH_ROWS:
         return "LARGE_BATCH_LAUNCH", LARGE_BATCH_LAUNCH
@@ -332,7 +334,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     launch. rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
     than tl.sum's, the same for every BLOCK_H and warp count; default_launch's: on for H >= 64).
     Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set, passes
-    of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, then up to MID_BATCH_ROWS rows
+    of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, passes in the MID_BATCH_ROWS band
     MID_BATCH_LAUNCH's, passes of LARGE_BATCH_ROWS to PREFILL_LAUNCH_ROWS rows LARGE_BATCH_LAUNCH's (each
     only where the deployment, or the table, takes MMA row sums)."""
     tokens, heads, width = q.shape
