@@ -5,6 +5,8 @@ a candidate the GPU cannot hold is skipped, not fatal. The MoE itself is stubbed
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import triton
@@ -102,8 +104,6 @@ def test_a_tune_without_the_deployments_split_is_refused_before_any_gpu_work(mon
     """`--tune-out` tunes each shape at its own split count only: a `--moe-splits` list without "default" would tune
     nothing, so the command line is refused (the parser's exit 2, with the reason); with "default" it goes on to
     the device (here: the stubbed first GPU step)."""
-    import sys
-
     def no_gpu():
         raise RuntimeError("reached the GPU")
     monkeypatch.setattr(kernels, "measure_ceilings", no_gpu)

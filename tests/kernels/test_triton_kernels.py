@@ -324,6 +324,12 @@ def test_sparse_mla_launch_modes_give_the_same_bits(seed, queries, heads, topk, 
 GROUPED_MODES = [(True, "ticket"), (True, "kernel"), (False, "registers")]
 
 
+def _run_grouped(q, cache, slots, latent, scale, splits, spread, merge, **launch):
+    out = poisoned(q.shape[0], q.shape[1], latent, dtype=q.dtype)
+    return attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=splits, block_h=16, block_s=16,
+                                       spread=spread, merge=merge, column_groups=4, out=out, **launch)
+
+
 @settings(max_examples=6 if ON_GPU else 3)
 @given(seed=SEEDS, queries=st.sampled_from([1, 3]), heads=st.sampled_from([16, 20, 64]),
        latent=st.sampled_from([64, 192, 512]), topk=st.sampled_from([40, 100]), splits=st.sampled_from([1, 3, 5]),
@@ -341,10 +347,8 @@ def test_sparse_mla_column_groups_match_the_reference_in_every_mode(seed, querie
     scale = (latent + rope_dim) ** -0.5
 
     def run(q, s, spread, merge):
-        out = poisoned(q.shape[0], heads, latent, dtype=dtype)
-        return attention.sparse_mla_decode(q, cache, s, latent, scale, num_splits=splits, block_h=16, block_s=16,
-                                           spread=spread, merge=merge, narrow_partials=narrow, rowsum_mma=rowsum_mma,
-                                           column_groups=4, out=out)
+        return _run_grouped(q, cache, s, latent, scale, splits, spread, merge, narrow_partials=narrow,
+                            rowsum_mma=rowsum_mma)
     outs = {mode: run(q, slots, *mode) for mode in GROUPED_MODES}
     assert_same_bits(outs)
     assert_close_scaled(outs[GROUPED_MODES[0]], reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale),
@@ -391,12 +395,6 @@ def test_sparse_mla_one_block_chunks_keep_the_general_loops_bits(seed, queries, 
     assert_same_bits(outs)
     assert_close_scaled(outs[False, False, "registers"],
                         reference.sparse_attention(q.cpu(), dense_kv, mask, latent, scale), dtype)
-
-
-def _run_grouped(q, cache, slots, latent, scale, splits, spread, merge, **launch):
-    out = poisoned(q.shape[0], q.shape[1], latent, dtype=q.dtype)
-    return attention.sparse_mla_decode(q, cache, slots, latent, scale, num_splits=splits, block_h=16, block_s=16,
-                                       spread=spread, merge=merge, column_groups=4, out=out, **launch)
 
 
 _ONE_BLOCK_FOLD = mla_grouped._fold_block_chunk
@@ -503,9 +501,8 @@ def test_sparse_mla_row_sums_as_an_mma_free_the_head_block_and_warps():
 def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
     """PREFILL_LAUNCH: passes of more than PREFILL_LAUNCH_ROWS rows run it, shorter passes the
     deployment's; a caller's argument wins; SMALL_BATCH_LAUNCH likewise at the other end, MID_BATCH_LAUNCH
-    in the band after it. Their knobs
-    keep a row's bits (the outputs stay the plain launch's), so which launch ran is read from the
-    kernel's launch arguments."""
+    in its band. Their knobs keep a row's bits (the outputs stay the plain launch's), so which launch ran
+    is read from the kernel's launch arguments."""
     q, cache, slots, _, _ = _attention_case(2, 3, 20, 64, 16, 120, 8, 64, DTYPES[0])
     scale = 80 ** -0.5
     # column_groups=1: the kernel whose launches are recorded here (a GPU groups every head count)

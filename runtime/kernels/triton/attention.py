@@ -34,12 +34,12 @@ import triton.language as tl
 from runtime.kernels.triton import INTERPRETED, mla_grouped
 from runtime.kernels.triton.mla_blocks import (
     _block_range,
+    _block_row_sums,
     _block_scores,
     _fold,
     _fold_partials,
     _gather_block,
     _normalize,
-    _row_sums_mma,
 )
 from runtime.kernels.triton.tickets import ticket_counters
 
@@ -205,15 +205,11 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
-        if ROWSUM_MMA:
-            # The row sum of the same 16-bit p the values are weighted by, as an MMA: with it, BLOCK_H
-            # and warps stop being part of a deployment's numerics.
-            p_v = p.to(kv_v.dtype)
-            l_i = l_i * alpha + _row_sums_mma(p_v, BLOCK_S, PRECISION)
-            acc = tl.dot(p_v, kv_v, acc * alpha[:, None], input_precision=PRECISION)
-        else:
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None], input_precision=PRECISION)
+        p_v = p.to(kv_v.dtype)
+        # With ROWSUM_MMA the row sum of the same 16-bit p the values are weighted by, as an MMA: BLOCK_H
+        # and warps then stop being part of a deployment's numerics.
+        l_i = l_i * alpha + _block_row_sums(p, p_v, BLOCK_S, PRECISION, ROWSUM_MMA)
+        acc = tl.dot(p_v, kv_v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
         if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
             if NARROW:  # the chunk's sum as the spread mode stores it, in every mode

@@ -69,6 +69,14 @@ def _row_sums_mma(p_v, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _block_row_sums(p, p_v, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+    """A block's softmax row sums: of the 16-bit p_v as an MMA (ROWSUM_MMA), else tl.sum of the float32 p."""
+    if ROWSUM_MMA:
+        return _row_sums_mma(p_v, BLOCK_S, PRECISION)
+    return tl.sum(p, axis=1)
+
+
+@triton.jit
 def _normalize(A, L, h_ok):
     return A / tl.where(h_ok, L, 1.0)[:, None]  # padding heads (L = 0) divide by 1, not 0
 

@@ -31,11 +31,11 @@ import triton.language as tl
 
 from runtime.kernels.triton.mla_blocks import (
     _block_range,
+    _block_row_sums,
     _fold_partials,
     _fold_rows,
     _fold_weights,
     _normalize,
-    _row_sums_mma,
 )
 
 GROUPS = 4
@@ -117,12 +117,8 @@ def _fold_block_chunk(scores, kv0, kv1, kv2, kv3, M, L, A0, A1, A2, A3, dtype: t
     m = tl.maximum(tl.full((BLOCK_H,), -1e30, dtype=tl.float32), tl.max(scores, axis=1))
     p = tl.exp2(scores - m[:, None])
     p_v = p.to(kv0.dtype)
-    if ROWSUM_MMA:
-        l_c = _row_sums_mma(p_v, BLOCK_S, PRECISION)
-    else:
-        l_c = tl.sum(p, axis=1)
     M_new, keep, take = _fold_weights(M, m)
-    L = L * keep + l_c * take
+    L = L * keep + _block_row_sums(p, p_v, BLOCK_S, PRECISION, ROWSUM_MMA) * take
     A0 = _fold_rows(A0, _block_chunk_sum(p_v, kv0, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
     A1 = _fold_rows(A1, _block_chunk_sum(p_v, kv1, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
     A2 = _fold_rows(A2, _block_chunk_sum(p_v, kv2, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
@@ -191,10 +187,7 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             p_v = p.to(kv0.dtype)
-            if ROWSUM_MMA:
-                l_i = l_i * alpha + _row_sums_mma(p_v, BLOCK_S, PRECISION)
-            else:
-                l_i = l_i * alpha + tl.sum(p, axis=1)
+            l_i = l_i * alpha + _block_row_sums(p, p_v, BLOCK_S, PRECISION, ROWSUM_MMA)
             acc0 = tl.dot(p_v, kv0, acc0 * alpha[:, None], input_precision=PRECISION)
             acc1 = tl.dot(p_v, kv1, acc1 * alpha[:, None], input_precision=PRECISION)
             acc2 = tl.dot(p_v, kv2, acc2 * alpha[:, None], input_precision=PRECISION)
