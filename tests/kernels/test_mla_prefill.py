@@ -19,7 +19,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from runtime.kernels import reference
-from runtime.kernels.triton import INTERPRETED, attention, mla_prefill
+from runtime.kernels.triton import INTERPRETED, attention, mla_blocks, mla_prefill
 from tests.kernels.test_triton_kernels import (
     DEVICE,
     DTYPES,
@@ -158,8 +158,10 @@ def test_bit_check_fails_without_the_narrow_rounding_of_the_chunk_sums():
 
 
 @triton.jit
-def _tree_row_sums(p_v, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
-    return tl.sum(p_v.to(tl.float32), axis=1)
+def _tree_sum_step(scores, m_i, l_i, dtype: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                   ROWSUM_MMA: tl.constexpr):
+    """mla_blocks._online_step with tl.sum's row sums whatever the caller asks (the planted bug)."""
+    return mla_blocks._online_step(scores, m_i, l_i, dtype, BLOCK_S, PRECISION, False)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="a compiled kernel keeps the helper it was compiled with; the "
@@ -172,7 +174,7 @@ def test_bit_check_fails_with_tree_row_sums(monkeypatch):
     q, cache, slots, dense_kv, mask = _attention_case(13, 3, 20, 64, 16, 200, 8, 56, torch.float32)
     scale = 80 ** -0.5
     want = one_pass(q, cache, slots, 64, scale, num_splits=3, block_s=16)
-    monkeypatch.setattr(mla_prefill, "_row_sums_mma", _tree_row_sums)
+    monkeypatch.setattr(mla_prefill, "_online_step", _tree_sum_step)
     got = two_pass(q, cache, slots, 64, scale, num_splits=3, block_s=16)
     assert_close_scaled(got, reference.sparse_attention(q.cpu(), dense_kv, mask, 64, scale), torch.float32)
     with pytest.raises(AssertionError, match="bits differ"):

@@ -34,12 +34,12 @@ import triton.language as tl
 from runtime.kernels.triton import INTERPRETED, mla_grouped
 from runtime.kernels.triton.mla_blocks import (
     _block_range,
-    _block_row_sums,
     _block_scores,
     _fold,
     _fold_partials,
     _gather_block,
     _normalize,
+    _online_step,
 )
 from runtime.kernels.triton.tickets import ticket_counters
 
@@ -202,15 +202,8 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
         else:  # this program's columns again (an L1 hit)
             kv_v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & v_ok[None, :], other=0.0)
         scores = _block_scores(q_lat, q_rope, kv_lat, kv_rope, valid, sm_scale_log2, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        p_v = p.to(kv_v.dtype)
-        # With ROWSUM_MMA the row sum of the same 16-bit p the values are weighted by, as an MMA: BLOCK_H
-        # and warps then stop being part of a deployment's numerics.
-        l_i = l_i * alpha + _block_row_sums(p, p_v, BLOCK_S, PRECISION, ROWSUM_MMA)
+        m_i, alpha, p_v, l_i = _online_step(scores, m_i, l_i, kv_v.dtype, BLOCK_S, PRECISION, ROWSUM_MMA)
         acc = tl.dot(p_v, kv_v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
         if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
             if NARROW:  # the chunk's sum as the spread mode stores it, in every mode
                 acc = acc.to(q_ptr.dtype.element_ty).to(tl.float32)

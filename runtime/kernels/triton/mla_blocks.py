@@ -77,6 +77,21 @@ def _block_row_sums(p, p_v, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, ROWS
 
 
 @triton.jit
+def _online_step(scores, m_i, l_i, dtype: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                 ROWSUM_MMA: tl.constexpr):
+    """A block's step of the running chunk state: the new max, the old state's rescale (alpha), the 16-bit
+    weights the values are summed with, and the new row sum. The caller rescales its accumulator(s) by alpha
+    and adds p_v @ values (one tile, or one column group at a time in mla_grouped)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    p_v = p.to(dtype)
+    # With ROWSUM_MMA the row sum of the same 16-bit p the values are weighted by, as an MMA: BLOCK_H
+    # and warps then stop being part of a deployment's numerics.
+    return m_new, alpha, p_v, l_i * alpha + _block_row_sums(p, p_v, BLOCK_S, PRECISION, ROWSUM_MMA)
+
+
+@triton.jit
 def _normalize(A, L, h_ok):
     return A / tl.where(h_ok, L, 1.0)[:, None]  # padding heads (L = 0) divide by 1, not 0
 

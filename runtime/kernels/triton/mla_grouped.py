@@ -36,6 +36,7 @@ from runtime.kernels.triton.mla_blocks import (
     _fold_rows,
     _fold_weights,
     _normalize,
+    _online_step,
 )
 
 GROUPS = 4
@@ -183,16 +184,11 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                                                      q_ptr.dtype.element_ty, BLOCK_H, BLOCK_S, BLOCK_G, PRECISION,
                                                      NARROW, ROWSUM_MMA)
         else:
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            p_v = p.to(kv0.dtype)
-            l_i = l_i * alpha + _block_row_sums(p, p_v, BLOCK_S, PRECISION, ROWSUM_MMA)
+            m_i, alpha, p_v, l_i = _online_step(scores, m_i, l_i, kv0.dtype, BLOCK_S, PRECISION, ROWSUM_MMA)
             acc0 = tl.dot(p_v, kv0, acc0 * alpha[:, None], input_precision=PRECISION)
             acc1 = tl.dot(p_v, kv1, acc1 * alpha[:, None], input_precision=PRECISION)
             acc2 = tl.dot(p_v, kv2, acc2 * alpha[:, None], input_precision=PRECISION)
             acc3 = tl.dot(p_v, kv3, acc3 * alpha[:, None], input_precision=PRECISION)
-            m_i = m_new
             if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
                 if NARROW:
                     acc0 = _round_trip(acc0, q_ptr.dtype.element_ty)

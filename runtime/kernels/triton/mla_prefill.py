@@ -21,8 +21,8 @@ Each float operation is the one-pass kernel's with the same inputs, in the same 
 are those of `sparse_mla_decode(..., rowsum_mma=True)` at the same N, BLOCK_S and narrow partials:
 with MMA row sums neither BLOCK_H nor the column split changes a row's bits (an MMA's column
 results do not depend on the tile's shape; shown on the H200 for BLOCK_H, warps and V_SPLIT).
-Shared formulas are attention's own @triton.jit helpers (`_fold_weights`, `_fold_rows`,
-`_row_sums_mma`, `_normalize`), not copies. Only the row sums as an MMA have this form: tl.sum's
+Shared formulas are mla_blocks' @triton.jit helpers (`_online_step` with MMA row sums, `_fold_weights`,
+`_fold_rows`, `_normalize`), not copies. Only the row sums as an MMA have this form: tl.sum's
 tree follows the layout, so a tl.sum deployment's bits could not be kept.
 
 Deployed through `sparse_mla`: the prefill passes (more than attention.PREFILL_LAUNCH_ROWS rows)
@@ -46,7 +46,7 @@ from runtime.kernels.triton.mla_blocks import (
     _fold_weights,
     _gather_block,
     _normalize,
-    _row_sums_mma,
+    _online_step,
     _tail_end_block,
 )
 
@@ -95,11 +95,8 @@ def _scores_pass(q_ptr, kv_ptr, idx_ptr, p_ptr, alpha_ptr, keep_ptr, take_ptr, s
         valid, _, kv_lat, kv_rope = _gather_block(kv_ptr, idx_ptr, query, block, selected, stride_kv, stride_idx,
                                                   offs_c, c_ok, offs_r, r_ok, LATENT, BLOCK_S)
         scores = _block_scores(q_lat, q_rope, kv_lat, kv_rope, valid, sm_scale_log2, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p_v = tl.exp2(scores - m_new[:, None]).to(kv_lat.dtype)
-        l_i = l_i * alpha + _row_sums_mma(p_v, BLOCK_S, PRECISION)
-        m_i = m_new
+        # Row sums as an MMA always: this form's numerics are the rowsum_mma deployment's.
+        m_i, alpha, p_v, l_i = _online_step(scores, m_i, l_i, kv_lat.dtype, BLOCK_S, PRECISION, True)
         tl.store(p_rows + offs_s[None, :], p_v, mask=h_ok[:, None])
         tl.store(alpha_ptr + (query * blocks + block) * heads + offs_h, alpha, mask=h_ok)
         if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == blocks):  # a chunk ends here
