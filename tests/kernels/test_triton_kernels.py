@@ -547,17 +547,24 @@ def test_row_count_launches_apply_to_their_row_counts_only(monkeypatch):
     monkeypatch.setattr(attention, "SMALL_BATCH_LAUNCH", dict(block_s=32))
     with pytest.raises(ValueError, match="reduction order"):  # BLOCK_S sets the chunking: never per batch
         run(2)
-    # MID_BATCH_LAUNCH: passes in the MID_BATCH_ROWS band, the same rules.
+    # MID_BATCH_LAUNCH: gathered passes of at most MID_BATCH_ROWS rows, the same rules.
     monkeypatch.setattr(attention, "SMALL_BATCH_LAUNCH", dict(block_h=32, v_split=4))
     monkeypatch.setattr(attention, "SMALL_BATCH_ROWS", 1)
     monkeypatch.setattr(attention, "MID_BATCH_LAUNCH", dict(block_h=64, v_split=2))
-    monkeypatch.setattr(attention, "MID_BATCH_ROWS", (2, 2))
+    monkeypatch.setattr(attention, "MID_BATCH_ROWS", 2)
     out, launch = run(1)
     assert launch == [(32, 4)] and torch.equal(out, want[:1]), "a 1-row pass left SMALL_BATCH_LAUNCH"
     out, launch = run(2)
     assert launch == [(64, 2)] and torch.equal(out, want[:2]), "a 2-row pass did not take MID_BATCH_LAUNCH"
     out, launch = run(3)
     assert launch == [(16, 1)] and torch.equal(out, want), "a 3-row pass took MID_BATCH_LAUNCH"
+    # Its lower bound is the automatic mode's switch (2 rows x 1 head block < INTERPRETER_FILL: spread), wherever
+    # the switch falls (a smaller fill: gathered).
+    out, launch = run(2, spread=None)
+    assert launch == [(16, 1)] and torch.equal(out, want[:2]), "a pass the deployment spreads took MID_BATCH_LAUNCH"
+    monkeypatch.setattr(attention, "INTERPRETER_FILL", 2)
+    out, launch = run(2, spread=None)
+    assert launch == [(64, 2)] and torch.equal(out, want[:2]), "a gathered pass did not take MID_BATCH_LAUNCH"
     monkeypatch.setattr(attention, "MID_BATCH_LAUNCH", dict(num_splits=2))
     with pytest.raises(ValueError, match="reduction order"):
         run(2)
@@ -580,6 +587,7 @@ def test_large_batch_launch_takes_its_band_and_only_mma_row_sum_deployments(monk
     monkeypatch.setattr(attention, "LARGE_BATCH_ROWS", 3)
     monkeypatch.setattr(attention, "PREFILL_LAUNCH_ROWS", 4)
     monkeypatch.setattr(attention, "PREFILL_LAUNCH", None)  # the band's upper end alone
+    monkeypatch.setattr(attention, "MID_BATCH_LAUNCH", None)  # (gathered passes of <= 32 rows would take it)
     for heads, band_block_h in ((64, 64), (20, 16)):  # default_launch: MMA row sums at H >= 64 only
         q, cache, slots, _, _ = _attention_case(4, 5, heads, 64, 16, 120, 8, 64, DTYPES[0])
 

@@ -68,14 +68,15 @@ PREFILL_LAUNCH_ROWS = 256
 # `bench.mla_sweep --free` ("spread/v4/ticket", "spread/v8/ticket"); none is measured yet.
 SMALL_BATCH_LAUNCH: dict | None = None
 SMALL_BATCH_ROWS = 8
-# Passes of MID_BATCH_ROWS[0] to MID_BATCH_ROWS[1] rows take these knobs, under the same rules; None: never.
-# 8 warps and 3 stages for H=64's 16-head blocks (8 warps run the one-block loop, mla_grouped.ONE_BLOCK_MIN_WARPS):
-# H100, thirty-fifth session (.perf/rows_ab.py, the deployment's auto mode, the same bits), top-512 / top-640 us:
-# bs 24 36.9 / 43.2 against 39.9 / 46.9, bs 32 38.3 / 45.0 against 41.1 / 48.6; but bs 9-16 (the spread mode
-# below 17 rows at H=64) 12-42% slower and bs 48 38-39% slower, hence the band (the gathered mode's first rows
-# to 32).
+# Passes of at most MID_BATCH_ROWS rows that the deployment's launch runs in the gathered mode (`spreads`: from
+# 17 rows at H=64 on 132 SMs) take these knobs, under the same rules; None: never. 8 warps and 3 stages for
+# H=64's 16-head blocks (8 warps run the one-block loop, mla_grouped.ONE_BLOCK_MIN_WARPS): H100, thirty-fifth
+# session (.perf/rows_ab.py, the deployment's auto mode, the same bits), top-512 / top-640 us: bs 24 36.9 / 43.2
+# against 39.9 / 46.9, bs 32 38.3 / 45.0 against 41.1 / 48.6; but bs 9-16 (the spread mode) 12-42% slower and
+# bs 48 38-39% slower (256 programs of 8 warps: two waves), hence the band. The mode, not a row count, bounds
+# it below: the switch moves with the GPU's SM count.
 MID_BATCH_LAUNCH: dict | None = dict(num_warps=8, num_stages=3)
-MID_BATCH_ROWS = (17, 32)
+MID_BATCH_ROWS = 32
 # Passes of LARGE_BATCH_ROWS to PREFILL_LAUNCH_ROWS rows (the largest decode buckets) take these knobs,
 # under the same rules. 64-head blocks: one program gathers a query's rows for all 64 heads (four
 # programs did), which the latent's column groups made fit: H=64, bs 128 85.7 us against 101.8 with
@@ -263,13 +264,14 @@ def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, stride_ot, stride_oh,
              out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _rows_launch(tokens: int) -> tuple[str, dict] | None:
-    """The launch table a pass of `tokens` rows takes over default_launch's, with its name, if any."""
+def _rows_launch(tokens: int, gathered: bool) -> tuple[str, dict] | None:
+    """The launch table a pass of `tokens` rows takes over default_launch's, with its name, if any.
+    gathered: whether the pass runs the gathered mode before any table's knobs (MID_BATCH_LAUNCH's bound)."""
     if PREFILL_LAUNCH is not None and tokens > PREFILL_LAUNCH_ROWS:
         return "PREFILL_LAUNCH", PREFILL_LAUNCH
     if SMALL_BATCH_LAUNCH is not None and tokens <= SMALL_BATCH_ROWS:
         return "SMALL_BATCH_LAUNCH", SMALL_BATCH_LAUNCH
-    if MID_BATCH_LAUNCH is not None and MID_BATCH_ROWS[0] <= tokens <= MID_BATCH_ROWS[1]:
+    if MID_BATCH_LAUNCH is not None and gathered and tokens <= MID_BATCH_ROWS:
         return "MID_BATCH_LAUNCH", MID_BATCH_LAUNCH
     if LARGE_BATCH_LAUNCH is not None and LARGE_BATCH_ROWS <= tokens <= PREFILL_LAUNCH_ROWS:
         return "LARGE_BATCH_LAUNCH", LARGE_BATCH_LAUNCH
@@ -323,8 +325,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     launch. rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
     than tl.sum's, the same for every BLOCK_H and warp count; default_launch's: on for H >= 64).
     Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set, passes
-    of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, passes in the MID_BATCH_ROWS band
-    MID_BATCH_LAUNCH's, passes of LARGE_BATCH_ROWS to PREFILL_LAUNCH_ROWS rows LARGE_BATCH_LAUNCH's (each
+    of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, gathered passes of at most MID_BATCH_ROWS
+    rows MID_BATCH_LAUNCH's, passes of LARGE_BATCH_ROWS to PREFILL_LAUNCH_ROWS rows LARGE_BATCH_LAUNCH's (each
     only where the deployment, or the table, takes MMA row sums)."""
     tokens, heads, width = q.shape
     selected = slots.shape[1]
@@ -333,7 +335,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     if tokens == 0:
         return out
     launch = default_launch(selected, heads)
-    rows_launch = _rows_launch(tokens)
+    # The mode of the launch before any table (the caller's knobs, else the deployment's): MID_BATCH_LAUNCH's bound.
+    _, chunks = chunk_blocks(selected, num_splits or launch["num_splits"], block_s or launch["block_s"])
+    gathered = not (spreads(tokens, triton.cdiv(heads, block_h or launch["block_h"]) * (v_split or launch["v_split"]),
+                            chunks, q.device) if spread is None else spread and chunks > 1)
+    rows_launch = _rows_launch(tokens, gathered)
     p = None if rows_launch is None else _free_knobs(
         *rows_launch, dict(block_h=block_h, num_warps=num_warps, num_stages=num_stages, spread=spread, merge=merge,
                            v_split=v_split, skip_tail=skip_tail, rowsum_mma=rowsum_mma, column_groups=column_groups),
