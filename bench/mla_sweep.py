@@ -130,6 +130,9 @@ def time_candidate(heads: int, topk: int, candidate: tuple, batches: list, cache
 # and with 4 column blocks (251 KB, "Eighth session").
 # The newest question first: a run cut short by its timeout still answers it.
 FREE_VARIANTS: dict[str, dict[str, Any]] = {
+    # The spread mode (deployed at bs <= 16 for H=64) with its merge as a programmatic dependent launch
+    # (attention.PDL_MERGE; issue 15, 1.5x at bs <= 8): the merge's launch latency behind the chunks' work.
+    "spread": dict(spread=True, merge="kernel"), "spread+pdl": dict(spread=True, merge="kernel", pdl=True),
     # Registers (issue 15, bs 32-128 at H=64, where SGLang's one-accumulator kernel was 16-20% faster):
     # the latent in four column groups (mla_grouped; deployed at H=64 since the sixteenth session),
     # with 8 warps or 3 stages, the spread mode of each, and the ungrouped kernel (column_groups=1).
@@ -166,7 +169,6 @@ FREE_VARIANTS: dict[str, dict[str, Any]] = {
     "bh64/w8/v2+stages1": dict(block_h=64, num_warps=8, v_split=2, num_stages=1),
     # One program per chunk (the spread mode) at every batch: one accumulator, no fold in registers,
     # the chunks' states through memory; with 64-head tiles a chunk's rows are gathered once.
-    "spread": dict(spread=True, merge="kernel"),
     "spread/bh32/w8": dict(spread=True, merge="kernel", block_h=32, num_warps=8),
     "spread/bh64/w8": dict(spread=True, merge="kernel", block_h=64, num_warps=8),
     "spread/bh64/w8/ticket": dict(spread=True, merge="ticket", block_h=64, num_warps=8),

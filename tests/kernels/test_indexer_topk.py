@@ -406,10 +406,13 @@ signature.update({key: "constexpr" for key in constants})
 for ints in (False, True):
     aligned = {(i,): [["tt.divisibility", 16]] for i, n, kind in params
                if kind.startswith("*") or (ints and kind in ("i32", "i64") and n not in free)}
-    triton.compile(ASTSource(fn=fn, signature=dict(signature), constexprs=constants, attrs=aligned),
-                   target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+    kernel = triton.compile(ASTSource(fn=fn, signature=dict(signature), constexprs=constants, attrs=aligned),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 print("compiled")
+# The grid-dependency instructions in the code (programmatic dependent launch: attention.PDL_MERGE).
+import re
+print("griddepcontrol:", sorted(set(re.findall(r"griddepcontrol\\.\\w+", kernel.asm["ptx"]))))
 """
 _KERNELS = {  # name: (signature, constexprs beyond the shared ones)
     "_maxima_kernel": ({"scores_ptr": "*fp32", "pos_ptr": "*i64", "maxima_ptr": "*i64", "width": "i32",

@@ -258,6 +258,34 @@ def test_sparse_mla_launch_modes_agree_on_the_gpu(heads, topk, launch):
 
 
 @gpu
+@pytest.mark.parametrize("heads,topk,queries", [(64, 512, 1), (64, 640, 8), (16, 640, 3), (64, 512, 16)])
+def test_sparse_mla_merge_as_a_dependent_launch_keeps_the_bits_on_the_gpu(heads, topk, queries):
+    """The spread mode's merge as a programmatic dependent launch (attention.PDL_MERGE): it may start while the
+    chunk programs run and must wait for them, so its output is the plain launch's bit for bit, eager and under
+    graph replay (the graph keeps the launch's programmatic edge). Each output poisoned before its run."""
+    if not attention.pdl_launch(True, torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch below sm_90")
+    q, cache, slots, _, _ = _attention_case(11, queries, heads, 512, 64, 2 * (topk + 128), 128, topk, torch.bfloat16,
+                                            page_size=64)
+
+    def run(pdl, out):
+        return attention.sparse_mla_decode(q, cache, slots, 512, 0.04, spread=True, merge="kernel", pdl=pdl, out=out)
+    want = run(False, poisoned(queries, heads, 512, dtype=torch.bfloat16))
+    got = run(True, poisoned(queries, heads, 512, dtype=torch.bfloat16))
+    assert torch.equal(got, want), "the dependent merge launch changed the bits (or read unfinished chunk states)"
+    out = poisoned(queries, heads, 512, dtype=torch.bfloat16)
+    run(True, out)  # compiled and warm before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(True, out)
+    for _ in range(20):  # replays race the merge against its chunks again each time
+        out.copy_(poisoned(queries, heads, 512, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), "a graph replay of the dependent merge launch differs"
+
+
+@gpu
 def test_sparse_mla_invariant_across_the_spread_switch_on_the_gpu():
     """160 queries x 1 head block: chunks spread below half the SM count, not above it; prefixes on
     both sides of the switch give the rows' same bits."""
@@ -684,7 +712,7 @@ def test_sparse_mla_with_skip_tail_compiles_for_the_gpu_without_one(spread, tick
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
                      BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=stream, TAIL=True,
-                     BLOCK_ALL=1024, ROWSUM_MMA=False)
+                     BLOCK_ALL=1024, ROWSUM_MMA=False, PDL=False)
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=4, num_stages=2,
                             enable_fp_fusion=False)
@@ -703,7 +731,7 @@ def test_sparse_mla_with_row_sums_as_an_mma_compiles_for_the_gpu(block_h):
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=False, TICKET=False, PRECISION="tf32", BLOCK_H=block_h,
                      BLOCK_S=64, BLOCK_C=512, BLOCK_R=64, V_SPLIT=1, NARROW=True, SPLITS=5, STREAM=False, TAIL=False,
-                     BLOCK_ALL=1024, ROWSUM_MMA=True)
+                     BLOCK_ALL=1024, ROWSUM_MMA=True, PDL=False)
     # 16-head blocks launch at 4 warps (default_launch, H=64), 64-head ones at 8 (LARGE_BATCH_LAUNCH).
     done = compile_for_sm90("runtime.kernels.triton.attention", "_sparse_mla_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants,
@@ -729,11 +757,59 @@ def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=block_h,
                      BLOCK_S=64, BLOCK_G=128, BLOCK_R=64, NARROW=narrow, SPLITS=5, TAIL=False, BLOCK_ALL=1024,
-                     ROWSUM_MMA=mma_sums, ONE_BLOCK=one_block)
+                     ROWSUM_MMA=mma_sums, ONE_BLOCK=one_block, PDL=False)
     done = compile_for_sm90("runtime.kernels.triton.mla_grouped", "_sparse_mla_grouped_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=warps, num_stages=2,
                             enable_fp_fusion=False)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_merge_dependent_launch_is_off_by_default_and_never_in_the_interpreter(monkeypatch):
+    """PDL_MERGE is off until the GPU shows its time; asked for where it cannot run (the interpreter, the CPU) it
+    is not used, and the output is the plain launch's."""
+    assert attention.PDL_MERGE is False
+    assert attention.pdl_launch(None, torch.device("cpu")) is False
+    if INTERPRETED:
+        monkeypatch.setattr(attention, "PDL_MERGE", True)
+        device = torch.device(DEVICE)
+        assert attention.pdl_launch(None, device) is False and attention.pdl_launch(True, device) is False
+        q, cache, slots, _, _ = _attention_case(2, 2, 20, 64, 16, 120, 8, 64, DTYPES[0])
+        run = lambda pdl: attention.sparse_mla_decode(q, cache, slots, 64, 0.1, num_splits=3, block_s=16,  # noqa: E731
+                                                      spread=True, merge="kernel", pdl=pdl)
+        assert torch.equal(run(True), run(False))
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the dependent-launch bit test compiles them for real")
+@pytest.mark.parametrize("kernel, pdl, wants", [("_merge_kernel", True, ["griddepcontrol.wait"]),
+                                               ("_merge_kernel", False, []),
+                                               ("_sparse_mla_kernel", True, ["griddepcontrol.launch_dependents"]),
+                                               ("_sparse_mla_grouped_kernel", True,
+                                                ["griddepcontrol.launch_dependents"])])
+def test_merge_dependent_launch_compiles_its_wait_and_trigger_for_the_gpu(kernel, pdl, wants):
+    """PDL=True puts griddepcontrol.wait before the merge's first read and the chunk programs' trigger in their
+    sm_90 code; PDL=False (the default) leaves both out (a merge launched as a dependent without its wait could
+    read chunk states not yet written)."""
+    from tests.kernels.test_indexer_topk import compile_for_sm90
+
+    merge = kernel == "_merge_kernel"
+    pointers = dict(part_ptr="*bf16", stats_ptr="*fp32", out_ptr="*bf16") if merge else dict(
+        q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", part_ptr="*bf16", stats_ptr="*fp32",
+        ticket_ptr="*i32")
+    names = ["heads", "stride_ot", "stride_oh"] if merge else [
+        "heads", "selected", "blocks_per_chunk", "stride_qt", "stride_qh", "stride_kv", "stride_idx", "stride_ot",
+        "stride_oh"]
+    signature = {**pointers, **dict.fromkeys(names, "i32"), **({} if merge else {"sm_scale_log2": "fp32"})}
+    spread = dict(LATENT=512, ROPE=64, SPREAD=True, TICKET=False, PRECISION="tf32", BLOCK_H=16, BLOCK_S=64,
+                  BLOCK_R=64, NARROW=True, SPLITS=10, TAIL=False, BLOCK_ALL=1024, ROWSUM_MMA=True, PDL=False)
+    constants = {"_merge_kernel": dict(SPLITS=10, LATENT=512, BLOCK_H=8, BLOCK_C=128),
+                 "_sparse_mla_kernel": dict(spread, BLOCK_C=512, V_SPLIT=1, STREAM=False),
+                 "_sparse_mla_grouped_kernel": dict(spread, BLOCK_G=128, ONE_BLOCK=False)}[kernel]
+    module = "runtime.kernels.triton." + ("mla_grouped" if kernel == "_sparse_mla_grouped_kernel" else "attention")
+    done = compile_for_sm90(module, kernel, signature, {**constants, "PDL": pdl}, num_warps=4, num_stages=2,
+                            enable_fp_fusion=False)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    found = [line for line in done.stdout.splitlines() if line.startswith("griddepcontrol")]
+    assert found == [f"griddepcontrol: {wants}"], found
 
 
 def test_launch_mode_oracle_fails_when_a_mode_folds_other_chunks():

@@ -85,6 +85,12 @@ MID_BATCH_ROWS = 32
 # 76.5 us against 82.5 (H100, thirty-fifth session, "stages3", the same bits).
 LARGE_BATCH_LAUNCH: dict | None = dict(block_h=64, num_warps=8, num_stages=3)
 LARGE_BATCH_ROWS = 128
+# The spread mode's merge launch as a programmatic dependent launch (sm_90+, not the interpreter): its programs
+# may become resident while the chunk programs still run (they trigger it as they start) and wait at
+# griddepcontrol.wait for the whole grid's stores, so the merge's launch latency hides behind the chunks' work
+# (bs <= 16 at H=64 runs spread: 2 launches of a few us each). The same kernels, so the same bits; off until
+# the GPU shows its time (bench.mla_sweep --free "spread" against "spread+pdl", and the GPU bit test).
+PDL_MERGE = False
 # The knobs those launches may set: the ones that left a row's bits alone under MMA row sums.
 _FREE_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge", "v_split", "skip_tail",
                          "rowsum_mma", "column_groups"})
@@ -156,7 +162,9 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
                        PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, V_SPLIT: tl.constexpr,
                        NARROW: tl.constexpr, SPLITS: tl.constexpr, STREAM: tl.constexpr, TAIL: tl.constexpr,
-                       BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr):
+                       BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # the merge launch may start now: it waits for this whole grid at griddepcontrol.wait
+        tl.extra.cuda.gdc_launch_dependents()
     # Flat grid, head blocks fastest: the programs that gather the same cache rows (one query's
     # head blocks and latent-column blocks) run side by side and share them through L2. With
     # V_SPLIT > 1 each program scores over the whole latent but averages only its BLOCK_C / V_SPLIT
@@ -251,8 +259,11 @@ def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, tic
 
 @triton.jit
 def _merge_kernel(part_ptr, stats_ptr, out_ptr, heads, stride_ot, stride_oh,
-                  SPLITS: tl.constexpr, LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+                  SPLITS: tl.constexpr, LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+                  PDL: tl.constexpr = False):
     # Small [BLOCK_H, BLOCK_C] tiles: at bs 1 the merge's reads spread over many SMs.
+    if PDL:  # launched before the chunk programs end: nothing is read before their grid is done and flushed
+        tl.extra.cuda.gdc_wait()
     query = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < heads
@@ -305,7 +316,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                       num_warps: int | None = None, num_stages: int | None = None, spread: bool | None = None,
                       merge: str | None = None, v_split: int | None = None, narrow_partials: bool | None = None,
                       skip_tail: bool | None = None, rowsum_mma: bool | None = None, column_groups: int | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      pdl: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, C+R]; kv_cache: [num_slots, C+R] (one layer); slots: [T, S] int32 slot ids of the
     selected positions, -1 = none (each row needs >= 1). Returns [T, H, C] in q.dtype.
     num_splits, block_h, block_s, num_warps, num_stages, v_split (latent-column blocks per head
@@ -322,7 +333,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     more than SKIP_TAIL_ROWS rows (prefill), where such rows are common. column_groups: 4 runs
     mla_grouped's kernel (the latent in four column groups: fewer registers; one column block, not
     merge="memory"), 1 this module's; None: default_launch's where the grouped kernel runs the
-    launch. rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
+    launch. pdl: the spread mode's merge launch as a programmatic dependent launch (`pdl_launch`; None:
+    PDL_MERGE), the same bits. rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
     than tl.sum's, the same for every BLOCK_H and warp count; default_launch's: on for H >= 64).
     Passes of more than PREFILL_LAUNCH_ROWS rows take PREFILL_LAUNCH's knobs where it is set, passes
     of at most SMALL_BATCH_ROWS rows SMALL_BATCH_LAUNCH's, gathered passes of at most MID_BATCH_ROWS
@@ -360,6 +372,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
               else spread and splits > 1)
     merge = merge or launch["merge" if spread else "gathered_fold"]
     ticket = spread and merge == "ticket"
+    pdl = spread and not ticket and pdl_launch(pdl, q.device)
     stream = not spread and merge == "memory" and splits > 1
     rope_dim = width - latent_dim
     warps, stages = ((4, 1) if INTERPRETED else
@@ -388,9 +401,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
                            tickets, heads, selected, blocks_per_chunk, scale * LOG2E, latent=latent_dim,
                            rope=rope_dim, spread=spread, ticket=ticket, precision=precision, block_h=block_h,
                            block_s=block_s, narrow=part_dtype != torch.float32, splits=splits, tail=skip_tail,
-                           rowsum_mma=rowsum_mma, warps=warps, stages=stages)
+                           rowsum_mma=rowsum_mma, warps=warps, stages=stages, pdl=pdl)
         if spread and not ticket:
-            _merge(part, stats, out, tokens, heads, latent_dim, splits)
+            _merge(part, stats, out, tokens, heads, latent_dim, splits, pdl)
         return out
     block_c = triton.next_power_of_2(latent_dim)
     # No mul+add contraction: the fold must round alike in registers and from memory.
@@ -400,16 +413,30 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
         LATENT=latent_dim, ROPE=rope_dim, SPREAD=spread, TICKET=ticket, PRECISION=precision, BLOCK_H=block_h,
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), V_SPLIT=v_split,
         NARROW=part_dtype != torch.float32, SPLITS=splits, STREAM=stream, TAIL=skip_tail,
-        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, num_warps=warps,
+        BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma, PDL=pdl, num_warps=warps,
         num_stages=stages, enable_fp_fusion=False)
     if spread and not ticket:
-        _merge(part, stats, out, tokens, heads, latent_dim, splits)
+        _merge(part, stats, out, tokens, heads, latent_dim, splits, pdl)
     return out
 
 
-def _merge(part, stats, out, tokens: int, heads: int, latent_dim: int, splits: int) -> None:
-    """The spread mode's second launch: each query's chunk states folded in chunk order."""
+def _merge(part, stats, out, tokens: int, heads: int, latent_dim: int, splits: int, pdl: bool = False) -> None:
+    """The spread mode's second launch: each query's chunk states folded in chunk order. pdl: as a programmatic
+    dependent launch of the chunk programs' (which then ran with PDL=True: `pdl_launch`)."""
     merge_h, merge_c = min(8, triton.next_power_of_2(heads)), min(128, triton.next_power_of_2(latent_dim))
     _merge_kernel[(tokens, triton.cdiv(heads, merge_h), triton.cdiv(latent_dim, merge_c))](
         part, stats, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
-        LATENT=latent_dim, BLOCK_H=merge_h, BLOCK_C=merge_c, num_warps=4, enable_fp_fusion=False)
+        LATENT=latent_dim, BLOCK_H=merge_h, BLOCK_C=merge_c, PDL=pdl, num_warps=4, enable_fp_fusion=False,
+        **({"launch_pdl": True} if pdl else {}))
+
+
+def pdl_launch(asked: bool | None, device: torch.device) -> bool:
+    """Whether a spread pass's merge runs as a programmatic dependent launch: asked (None: PDL_MERGE) and the
+    device has it (sm_90+; the interpreter runs launches one after the other, and has no griddepcontrol)."""
+    asked = PDL_MERGE if asked is None else asked
+    return asked and not INTERPRETED and device.type == "cuda" and _capability(device.index or 0)[0] >= 9
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)

@@ -135,7 +135,10 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                                TICKET: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
                                NARROW: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr,
-                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                               BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    if PDL:  # the merge launch may start now (attention.PDL_MERGE): it waits for this whole grid
+        tl.extra.cuda.gdc_launch_dependents()
     # The grid of attention._sparse_mla_kernel with one column block: head blocks fastest.
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(heads, BLOCK_H)
@@ -235,8 +238,10 @@ def one_block_loop(blocks_per_chunk: int, warps: int) -> bool:
 
 def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int, selected: int, blocks_per_chunk: int,
            sm_scale_log2: float, *, latent: int, rope: int, spread: bool, ticket: bool, precision: str, block_h: int,
-           block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, warps: int, stages: int) -> None:
-    """One launch over `grid` programs (attention.sparse_mla_decode's grid with one column block)."""
+           block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, warps: int, stages: int,
+           pdl: bool = False) -> None:
+    """One launch over `grid` programs (attention.sparse_mla_decode's grid with one column block). pdl: trigger
+    the merge's programmatic dependent launch as the programs start (spread mode, attention.pdl_launch)."""
     _sparse_mla_grouped_kernel[(grid,)](
         q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, sm_scale_log2,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
@@ -244,5 +249,5 @@ def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int,
         BLOCK_G=block_g(latent),
         BLOCK_R=max(16, triton.next_power_of_2(rope)), NARROW=narrow, SPLITS=splits, TAIL=tail,
         BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma,
-        ONE_BLOCK=one_block_loop(blocks_per_chunk, warps), num_warps=warps, num_stages=stages,
+        ONE_BLOCK=one_block_loop(blocks_per_chunk, warps), PDL=pdl, num_warps=warps, num_stages=stages,
         enable_fp_fusion=False)
