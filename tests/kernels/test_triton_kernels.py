@@ -262,27 +262,33 @@ def test_sparse_mla_launch_modes_agree_on_the_gpu(heads, topk, launch):
 def test_sparse_mla_merge_as_a_dependent_launch_keeps_the_bits_on_the_gpu(heads, topk, queries):
     """The spread mode's merge as a programmatic dependent launch (attention.PDL_MERGE): it may start while the
     chunk programs run and must wait for them, so its output is the plain launch's bit for bit, eager and under
-    graph replay (the graph keeps the launch's programmatic edge). Each output poisoned before its run."""
+    graph replay (the graph keeps the launch's programmatic edge). Consecutive passes alternate two inputs
+    whose outputs differ, so a merge that read the chunk states before this pass wrote them (the last pass's,
+    in the same memory under replay) gives the other input's answer; each output poisoned before its run."""
     if not attention.pdl_launch(True, torch.device("cuda")):
         pytest.skip("no programmatic dependent launch below sm_90")
     q, cache, slots, _, _ = _attention_case(11, queries, heads, 512, 64, 2 * (topk + 128), 128, topk, torch.bfloat16,
                                             page_size=64)
+    inputs = [q, -q]
 
-    def run(pdl, out):
+    def run(pdl, q, out):
         return attention.sparse_mla_decode(q, cache, slots, 512, 0.04, spread=True, merge="kernel", pdl=pdl, out=out)
-    want = run(False, poisoned(queries, heads, 512, dtype=torch.bfloat16))
-    got = run(True, poisoned(queries, heads, 512, dtype=torch.bfloat16))
-    assert torch.equal(got, want), "the dependent merge launch changed the bits (or read unfinished chunk states)"
-    out = poisoned(queries, heads, 512, dtype=torch.bfloat16)
-    run(True, out)  # compiled and warm before the capture
+    wants = [run(False, x, poisoned(queries, heads, 512, dtype=torch.bfloat16)) for x in inputs]
+    assert not torch.equal(wants[0], wants[1]), "the two inputs' outputs must differ, or a stale read hides"
+    for i in range(6):
+        got = run(True, inputs[i % 2], poisoned(queries, heads, 512, dtype=torch.bfloat16))
+        assert torch.equal(got, wants[i % 2]), "the dependent merge launch changed the bits (or read stale states)"
+    static_q, out = q.clone(), poisoned(queries, heads, 512, dtype=torch.bfloat16)
+    run(True, static_q, out)  # compiled and warm before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run(True, out)
-    for _ in range(20):  # replays race the merge against its chunks again each time
+        run(True, static_q, out)
+    for i in range(20):  # each replay races the merge against its chunks again, over the last replay's states
+        static_q.copy_(inputs[i % 2])
         out.copy_(poisoned(queries, heads, 512, dtype=torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, want), "a graph replay of the dependent merge launch differs"
+        assert torch.equal(out, wants[i % 2]), "a graph replay of the dependent merge launch differs"
 
 
 @gpu
