@@ -154,6 +154,14 @@ def spreads(tokens: int, programs_per_query: int, splits: int, device: torch.dev
 
 
 
+def _runs_spread(asked: bool | None, tokens: int, head_blocks: int, v_split: int, splits: int,
+                 device: torch.device) -> bool:
+    """The mode a pass runs: the caller's (spreading only more than one chunk), else the automatic one."""
+    if asked is None:
+        return spreads(tokens, head_blocks * v_split, splits, device)
+    return asked and splits > 1
+
+
 @triton.jit
 def _sparse_mla_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_ptr, ticket_ptr,
                        heads, selected, blocks_per_chunk, sm_scale_log2,
@@ -349,8 +357,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     launch = default_launch(selected, heads)
     # The mode of the launch before any table (the caller's knobs, else the deployment's): MID_BATCH_LAUNCH's bound.
     _, chunks = chunk_blocks(selected, num_splits or launch["num_splits"], block_s or launch["block_s"])
-    gathered = not (spreads(tokens, triton.cdiv(heads, block_h or launch["block_h"]) * (v_split or launch["v_split"]),
-                            chunks, q.device) if spread is None else spread and chunks > 1)
+    gathered = not _runs_spread(spread, tokens, triton.cdiv(heads, block_h or launch["block_h"]),
+                                v_split or launch["v_split"], chunks, q.device)
     rows_launch = _rows_launch(tokens, gathered)
     p = None if rows_launch is None else _free_knobs(
         *rows_launch, dict(block_h=block_h, num_warps=num_warps, num_stages=num_stages, spread=spread, merge=merge,
@@ -368,8 +376,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     part_dtype = q.dtype if narrow and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     blocks_per_chunk, splits = chunk_blocks(selected, splits, block_s)
     head_blocks = triton.cdiv(heads, block_h)
-    spread = (spreads(tokens, head_blocks * v_split, splits, q.device) if spread is None
-              else spread and splits > 1)
+    spread = _runs_spread(spread, tokens, head_blocks, v_split, splits, q.device)
     merge = merge or launch["merge" if spread else "gathered_fold"]
     ticket = spread and merge == "ticket"
     pdl = spread and not ticket and pdl_launch(pdl, q.device)
