@@ -1,7 +1,7 @@
 """The PD router: one OpenAI-compatible front for prefill and decode servers.
 
     python -m runtime.router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]
-        [--host 127.0.0.1] [--port 30000] [--timeout S] [--upstream-pools N] [--health-every S]
+        [--host 127.0.0.1] [--port 30000] [--timeout S] [--health-every S]
 
 Each chat request gets a fresh room id and goes, unchanged, to one prefill server and one decode server
 (round robin) with the room and the prefill server's URL in two headers (runtime/disagg/protocol.py).
@@ -12,7 +12,8 @@ the request offered to the next one, up to MAX_PREFILL_TRIES servers: the client
 Likewise a decode server that cannot be reached: the same room goes to the next one (MAX_DECODE_TRIES).
 Every upstream's /health is polled in the background (runtime/router_health.py): a server failing it
 is passed over until it passes again, and the router's own /health is 200 only while each role has a
-healthy server.
+healthy server. Every upstream call goes through runtime/upstream_http.py's lean HTTP/1.1 client:
+two of them lie on each request's first-token path.
 """
 
 from __future__ import annotations
@@ -27,16 +28,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 from runtime.router_health import HEALTH_EVERY_S, UpstreamHealth
 from runtime.server.errors import ApiError
 from runtime.server.prometheus_text import parse_samples, sample_sum
 from runtime.server.trace import NO_TRACE, TRACE_HEADER, Trace, TraceLog
+from runtime.upstream_http import Connect, Exchange, UpstreamConnectError, UpstreamError, UpstreamReply, Upstreams
 
 FORWARDED_HEADERS = ("authorization", "content-type", TRACE_HEADER)
 # Upstream samples the router's /metrics sums over the pair (the gate's page-leak and preemption
@@ -49,15 +49,6 @@ PAIR_SUMS = {"dsv4_kv_pages_in_use": "dsv4_pd_upstream_kv_pages_in_use",
              "dsv4_prefix_cache_lookup_tokens_total": "dsv4_pd_upstream_prefix_cache_lookup_tokens_total"}
 
 
-# httpcore 1.0's pool walks every connection it holds on each request it queues and each it releases,
-# and for each idle one counts the idle ones again: O(N^2) a pass. Under the 80-session PD gate on the
-# H200 the router held ~160 upstream connections in one pool and spent 82% of its event loop in that
-# walk (py-spy, 2026-12-04): the router was the pair's bottleneck (750 tok/s, TTFT p50 1.06 s, against
-# the colocated server's 2,372 tok/s and 0.05 s). A request's two calls go through one of this many
-# pools, the least busy (`PoolLoads`), so each pool holds about 1/UPSTREAM_POOLS of a burst's connections.
-UPSTREAM_POOLS = 16
-# Where a request notes the pool it took (the ASGI scope's state), for `PoolLoads.give_back`.
-POOL_KEY = "router_upstream_pool"
 # Prefill servers a request is offered to when the ones before took nothing of it (shutting down, down
 # or out of the decode side's reach: `_prefill_refused`), nothing having reached its client yet; each
 # try costs a decode call.
@@ -75,42 +66,6 @@ UPSTREAM_REST_S = 2.0
 Answer = TypeVar("Answer")  # what one upstream's try gives the request (`offer`)
 
 
-class PoolLoads:
-    """Which upstream pool a request's calls go through: the one with the fewest requests in flight,
-    the lowest-numbered among equals. One request at a time therefore always finds pool 0's kept-alive
-    connections (in turn over 16 pools, a router serving fewer than ~3 requests a second found each
-    pool's connections expired - httpx keeps them 5 s - and paid a new one on its TTFT path: 0.3-0.4 ms
-    on the 2-core host), and a burst still spreads evenly (`UPSTREAM_POOLS` says why it must)."""
-
-    def __init__(self, pools: int) -> None:
-        self.in_flight = [0] * pools
-
-    def take(self) -> int:
-        pool = min(range(len(self.in_flight)), key=self.in_flight.__getitem__)
-        self.in_flight[pool] += 1
-        return pool
-
-    def give_back(self, scope: Scope) -> None:
-        """Give back the pool a request took, noted under POOL_KEY in its scope's state (if any)."""
-        pool = scope.get("state", {}).get(POOL_KEY)
-        if pool is not None:
-            self.in_flight[pool] -= 1
-
-
-class GiveBackPools:
-    """ASGI middleware: once a request is over - after its whole answer, a streamed one too, or its
-    cancellation - the upstream pool it took goes back (`PoolLoads.give_back`)."""
-
-    def __init__(self, app: ASGIApp, loads: PoolLoads) -> None:
-        self.app, self.loads = app, loads
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.loads.give_back(scope)
-
-
 def _kind(name: str) -> str:
     return "counter" if name.endswith("_total") else "gauge"
 
@@ -120,25 +75,52 @@ def _unreachable(role: str, url: str, exc: Exception) -> Response:
                     code="pd_upstream_unreachable").response()
 
 
+# Prefill calls left to run to their end by a request whose client hung up (`_settle`): held here, as
+# nothing else refers to them once the request's stream is gone.
+_SETTLING: set[asyncio.Task] = set()
+
+
 async def _settle(task: asyncio.Task) -> None:
-    """Let the prefill call end (it answers once the room is done or failed; a cancelled call closes
-    its connection, which the prefill server takes as the request given up)."""
+    """Wait for the prefill call to end (it answers once the room is done or failed), without ending it.
+    A caller cancelled meanwhile (a client that hung up cancels its stream's tasks) leaves the call to
+    run to its end: the prefill side finishes the room it is writing, and the decode side, which holds
+    the client's abort until the request's admission, frees both ends. Cancelling the call instead
+    closes its connection, which the prefill server takes as the request given up: the router does that
+    on purpose only when the decode side failed (`prefill_call.cancel()` before this)."""
     try:
-        await task
-    except (httpx.HTTPError, asyncio.CancelledError):
+        await asyncio.shield(task)
+    except UpstreamError:
         pass
+    except asyncio.CancelledError:
+        if task.cancelled():
+            return  # the call was cancelled on purpose, and has ended
+        _SETTLING.add(task)
+        task.add_done_callback(_settled)
+        raise
+
+
+def _settled(task: asyncio.Task) -> None:
+    _SETTLING.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: an upstream failure after the client left is nobody's to report
+
+
+async def _prefill_answer(exchange: Exchange) -> bytes:
+    """The prompt's call's answer, read whole (so its connection is reused)."""
+    return await (await exchange.reply()).aread()
+
+
+async def _get(upstreams: Upstreams, url: str, headers: dict[str, str] | None = None) -> tuple[UpstreamReply, bytes]:
+    reply = await upstreams.request("GET", url, headers)
+    return reply, await reply.aread()
 
 
 def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 60.0,
-                      pools: int = UPSTREAM_POOLS, health_every_s: float | None = HEALTH_EVERY_S,
-                      make_client: Callable[..., httpx.AsyncClient] | None = None) -> FastAPI:
-    """The router's app. `make_client` builds each upstream pool's client from httpx.AsyncClient's
-    keyword arguments (default: httpx.AsyncClient; bench/router_pools.py puts in-memory upstreams
-    under them). `health_every_s`: the upstreams' /health poll period; None polls nothing."""
+                      health_every_s: float | None = HEALTH_EVERY_S, connect: Connect | None = None) -> FastAPI:
+    """The router's app. `health_every_s`: the upstreams' /health poll period; None polls nothing.
+    `connect` opens each upstream connection (default: TCP; tests put in-memory upstreams under it)."""
     if not prefill or not decode:
         raise ValueError("the router needs at least one --prefill and one --decode server")
-    if pools < 1:
-        raise ValueError(f"the router needs at least one upstream connection pool, got {pools}")
     pick_prefill, pick_decode = itertools.cycle(prefill), itertools.cycle(decode)
     resting: dict[str, float] = {}  # upstream URL -> the loop time until which requests pass it over
 
@@ -174,41 +156,35 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             url = next_up(pick, count)
         raise AssertionError("unreachable: the last try returns")
 
-    loads = PoolLoads(pools)
-    clients: list[httpx.AsyncClient] = []  # clients[0] also carries the GETs (health, metrics, traces)
+    # No cap on connections: a request holds two at once, its prefill call's until its decode call has
+    # opened the room (under httpx's default cap of 100 a burst of prefill calls once held every
+    # connection while their decode calls waited for one - a wedge until the PD deadline).
+    upstreams = Upstreams(timeout_s, connect=connect)
     traces = TraceLog()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        # No cap on connections, nor on those kept alive: a request holds two, its prefill call's until
-        # its decode call has opened the room, and the decode call starts only once the prompt's body is
-        # out, so under httpx's default cap (100) a burst of prefill calls held every connection while
-        # their decode calls waited for one - a wedge until the PD deadline. Connections beyond the
-        # default 20 kept alive were closed after each use, and the next request paid a new one.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        make = make_client or httpx.AsyncClient
-        clients[:] = [make(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=limits) for _ in range(pools)]
         # One poll before serving, so the router's /health is the pair's from its first answer.
         await health.poll_once(check_health)
         poller = asyncio.create_task(health.run(check_health))
         yield
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
-        await asyncio.gather(*(client.aclose() for client in clients))
+        await upstreams.aclose()
 
     async def check_health(url: str) -> int:
-        return (await clients[0].get(f"{url}/health", timeout=health.timeout_s)).status_code
+        return (await _get(upstreams, f"{url}/health"))[0].status_code
 
     app = FastAPI(title="dsv4 PD router", lifespan=lifespan)
+    app.state.upstreams = upstreams  # read by tests
 
     async def proxy_get(request: Request, path: str) -> Response:
         url = next_up(pick_decode, len(decode))
         try:
-            reply = await clients[0].get(f"{url}{path}", headers=_forwarded(request))
-        except httpx.HTTPError as exc:
+            reply, content = await _get(upstreams, f"{url}{path}", _forwarded(request))
+        except UpstreamError as exc:
             return _unreachable("decode", url, exc)
-        return Response(reply.content, status_code=reply.status_code,
-                        media_type=reply.headers.get("content-type"))
+        return Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
 
     @app.get("/health")
     async def health_route() -> Response:
@@ -232,8 +208,8 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for url in urls:
                 try:
-                    text = (await clients[0].get(f"{url}/metrics", headers=_forwarded(request))).text
-                except httpx.HTTPError:
+                    text = (await _get(upstreams, f"{url}/metrics", _forwarded(request)))[1].decode()
+                except UpstreamError:
                     continue
                 samples = parse_samples(text)
                 for name, series in PAIR_SUMS.items():
@@ -260,11 +236,11 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for url in urls:
                 try:
-                    reply = await clients[0].get(f"{url}/debug/trace/{key}", headers=_forwarded(request))
-                except httpx.HTTPError:
+                    reply, content = await _get(upstreams, f"{url}/debug/trace/{key}", _forwarded(request))
+                except UpstreamError:
                     continue
                 if reply.status_code == 200:
-                    found[role] = reply.json()["marks"]
+                    found[role] = json.loads(content)["marks"]
         if not found:
             return ApiError(404, f"no trace {key!r} is kept by the router or its upstreams",
                             code="not_found").response()
@@ -280,26 +256,24 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         except (ValueError, AttributeError):
             stream = False  # the servers answer the malformed body with their own 400
         decode_url = next_up(pick_decode, len(decode))
-        pool = loads.take()
-        request.scope.setdefault("state", {})[POOL_KEY] = pool  # given back by `GiveBackPools`
-        client = clients[pool]
 
-        async def decode_reply(headers: dict[str, str], prompt_sent: asyncio.Event) -> httpx.Response:
+        async def decode_reply(headers: dict[str, str]) -> UpstreamReply:
             """The decode call, offered to the next decode server while nothing listens where it goes: no
             room was opened there, so the prompt's call (which waits for any decode server to open its
             room) stands, and another decode server may open it."""
 
-            async def decode_try(url: str) -> tuple[httpx.Response | httpx.ConnectError, bool]:
+            async def decode_try(url: str) -> tuple[UpstreamReply | UpstreamConnectError, bool]:
                 nonlocal decode_url
                 decode_url = url  # the server a failure names (`_unreachable`)
                 try:
-                    return await _open_decode(client, url, body, headers, prompt_sent, trace), False
-                except httpx.ConnectError as exc:
+                    exchange = await upstreams.send("POST", f"{url}/v1/chat/completions", headers, body)
+                except UpstreamConnectError as exc:
                     return exc, True
+                return await exchange.reply(), False
 
             reply = await offer(decode_url, pick_decode, len(decode), min(len(decode), MAX_DECODE_TRIES),
                                 decode_try, trace, "decode_retried")
-            if isinstance(reply, httpx.ConnectError):
+            if isinstance(reply, UpstreamConnectError):
                 raise reply
             return reply
 
@@ -307,10 +281,17 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             """The request through `prefill_url` and a decode server: the client's answer, and whether the
             prefill server took nothing of it (`_prefill_refused`), the client having had nothing yet."""
             headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
-            prefill_call, prompt_sent = _send_prompt(client, prefill_url, body, headers)
+            # The prompt's call is the critical path: it is written whole before the decode call starts,
+            # which only opens the room and has the prompt's compute time to do it.
             try:
-                reply = await decode_reply(headers, prompt_sent)
-            except httpx.HTTPError as exc:
+                exchange = await upstreams.send("POST", f"{prefill_url}/v1/chat/completions", headers, body)
+            except UpstreamConnectError as exc:  # nothing listens: it took nothing, and no room is opened
+                return _unreachable("prefill", prefill_url, exc), True
+            trace.mark("prefill_sent")
+            prefill_call = asyncio.create_task(_prefill_answer(exchange))
+            try:
+                reply = await decode_reply(headers)
+            except UpstreamError as exc:
                 prefill_call.cancel()
                 await _settle(prefill_call)
                 return _unreachable("decode", decode_url, exc), False
@@ -318,8 +299,12 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             if reply.status_code == 200 and stream:
                 return StreamingResponse(_pass_through(reply, prefill_call, trace),
                                          media_type="text/event-stream"), False
-            content = await reply.aread()
-            await reply.aclose()
+            try:
+                content = await reply.aread()
+            except UpstreamError as exc:
+                prefill_call.cancel()
+                await _settle(prefill_call)
+                return _unreachable("decode", decode_url, exc), False
             if reply.status_code != 200:
                 # The decode side failed, maybe before it opened the room: hang up on the prefill server,
                 # which then frees the prompt's KV it holds for the room at once, not at its deadline.
@@ -327,52 +312,22 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             await _settle(prefill_call)
             answer = Response(content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
             # Nothing reached the client yet: another prefill server may take a request this one refused.
-            return answer, reply.status_code != 200 and _prefill_refused(content, prefill_call)
+            return answer, reply.status_code != 200 and _prefill_refused(content)
 
         return await offer(next_up(pick_prefill, len(prefill)), pick_prefill, len(prefill),
                            min(len(prefill), MAX_PREFILL_TRIES), prefill_try, trace, "prefill_retried")
 
-    app.state.pool_loads = loads  # read by tests
-    app.add_middleware(GiveBackPools, loads=loads)
     return app
 
 
-def _send_prompt(client: httpx.AsyncClient, prefill_url: str, body: bytes,
-                 headers: dict[str, str]) -> tuple[asyncio.Task, asyncio.Event]:
-    """The prompt's call to the prefill server, as a task (it answers once the room is done or failed),
-    and the event set once the prompt's body is written (or the call has ended)."""
-    sent = asyncio.Event()
-    call = asyncio.create_task(client.post(f"{prefill_url}/v1/chat/completions", content=_signalling(body, sent),
-                                           headers={**headers, "content-length": str(len(body))}))
-    call.add_done_callback(lambda _: sent.set())
-    return call, sent
-
-
-async def _open_decode(client: httpx.AsyncClient, decode_url: str, body: bytes, headers: dict[str, str],
-                       prompt_sent: asyncio.Event, trace: Trace) -> httpx.Response:
-    """The decode call, streamed, once the prompt's call has left whole. The prompt's call is the
-    critical path; the decode call only opens the room, and has the prompt's compute time to do it.
-    httpx writes a request's headers and its body in two writes with a yield between them: when both
-    calls started at once, the decode call's headers went out in that yield and the prompt's body after
-    them, so the prefill server's handler, started by the headers, waited for its body: 0.7-3.8 ms on
-    the 2-core CPU (`bench.pd_ttft --phases`, "prefill: body read"), 0.1-1.3 ms since."""
-    await prompt_sent.wait()
-    trace.mark("prefill_sent")
-    return await client.send(client.build_request("POST", f"{decode_url}/v1/chat/completions", content=body,
-                                                  headers=headers), stream=True)
-
-
-def _prefill_refused(decode_error: bytes, prefill_call: asyncio.Task) -> bool:
+def _prefill_refused(decode_error: bytes) -> bool:
     """Whether a failed pair's request may go to another prefill server: the client has had nothing,
     and the prefill server kept nothing of it. So when it is shutting down (the decode side reports its
-    503 `pd_prefill_stopping`), nothing listens there (the prompt's call could not connect), or the
-    decode side could not reach it (502 `pd_prefill_unreachable`: its room was not opened, or its
-    answer broke off, so no KV landed; the prompt's call, hung up by the caller, frees what the
-    prefill server holds for it). The last happens in a rolling restart: a prompt sent over a kept-alive
-    connection reaches a server whose listening socket closed before the decode side's room call."""
-    if prefill_call.done() and not prefill_call.cancelled() and \
-            isinstance(prefill_call.exception(), httpx.ConnectError):
-        return True
+    503 `pd_prefill_stopping`) or the decode side could not reach it (502 `pd_prefill_unreachable`: its
+    room was not opened, or its answer broke off, so no KV landed; the prompt's call, hung up by the
+    caller, frees what the prefill server holds for it). The last happens in a rolling restart: a
+    prompt sent over a kept-alive connection reaches a server whose listening socket closed before the
+    decode side's room call. (A prefill server nothing listens on is passed over before any decode call.)"""
     try:
         error = json.loads(decode_error).get("error")
     except (ValueError, AttributeError):
@@ -380,21 +335,14 @@ def _prefill_refused(decode_error: bytes, prefill_call: asyncio.Task) -> bool:
     return isinstance(error, dict) and error.get("code") in PREFILL_REFUSED_CODES
 
 
-async def _signalling(body: bytes, sent: asyncio.Event) -> AsyncIterator[bytes]:
-    """`body` as a request stream (its Content-Length set by the caller) that sets `sent` once the
-    connection has written it: httpx asks for the next chunk only after the write."""
-    yield body
-    sent.set()
-
-
-async def _pass_through(reply: httpx.Response, prefill_call: asyncio.Task,
+async def _pass_through(reply: UpstreamReply, prefill_call: asyncio.Task,
                         trace: Trace = NO_TRACE) -> AsyncIterator[bytes]:
     try:
         async for chunk in reply.aiter_raw():
             if trace is not NO_TRACE and chunk.count(b'"content": "') > chunk.count(b'"content": ""'):
                 trace.mark("first_token_relayed")  # the first chunk with text (the role chunk has none)
             yield chunk
-    except httpx.HTTPError as exc:  # the decode server died mid-stream: say so inside the stream
+    except UpstreamError as exc:  # the decode server died mid-stream: say so inside the stream
         error = ApiError(502, f"decode server stream broke: {exc!r}", type="server_error", code="pd_stream_broken")
         yield f"data: {json.dumps(error.body())}\n\n".encode()
     finally:
@@ -414,22 +362,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--timeout", type=float, default=600.0, help="longest wait for an upstream answer")
-    parser.add_argument("--upstream-pools", type=int, default=UPSTREAM_POOLS, metavar="N",
-                        help="upstream connection pools a request's calls are spread over (httpx's pool costs "
-                             "O(connections^2) per request: a few small pools keep a busy router's loop free)")
     parser.add_argument("--health-every", type=float, default=HEALTH_EVERY_S, metavar="S",
                         help="seconds between polls of each upstream's /health (a failing server is passed over)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     import uvicorn
 
-    if args.upstream_pools < 1:
-        parser.error(f"--upstream-pools must be at least 1, got {args.upstream_pools}")
     if not args.health_every > 0:
         parser.error(f"--health-every must be positive, got {args.health_every}")
-    strip = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
-    app = create_router_app(*strip, timeout_s=args.timeout, pools=args.upstream_pools,
-                            health_every_s=args.health_every)
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be positive, got {args.timeout}")
+    urls = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
+    for url in (*urls[0], *urls[1]):
+        if not url.startswith("http://"):
+            parser.error(f"upstreams are plain http:// URLs, got {url!r}")
+    app = create_router_app(*urls, timeout_s=args.timeout, health_every_s=args.health_every)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=75)
     return 0
 

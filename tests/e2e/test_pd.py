@@ -250,13 +250,17 @@ def test_router_passes_validation_errors_through(servers):
 
 def dead_prefill_error(decode_faults: tuple[str, ...]) -> tuple[dict, tuple[int, int]]:
     """A decode server whose prefill server is gone: the client's error and the decode pages and
-    staging slots left."""
+    staging slots left. The request goes to the decode server as the router sends it (room and
+    bootstrap headers): the router itself passes over a prefill server nothing listens on before any
+    decode call (tests/unit/test_router.py), so this is the decode side's own path, as when a prefill
+    server dies between the prompt's call and the room's."""
     from canary.targets import free_port
+    from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 
     state = server_state("--disaggregation-mode", "decode", *decode_faults)
-    with serve_state(state) as decode, \
-            serve_in_thread(create_router_app([f"http://127.0.0.1:{free_port()}"], [decode])) as router:
-        reply = httpx.post(f"{router}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60)
+    with serve_state(state) as decode:
+        reply = httpx.post(f"{decode}/v1/chat/completions", json=body(PROMPTS[0]), timeout=60,
+                           headers={ROOM_HEADER: "room-dead", BOOTSTRAP_HEADER: f"http://127.0.0.1:{free_port()}"})
         return ({"status": reply.status_code, **reply.json()},
                 (wait_pages_free(state, timeout_s=5)[0], wait_staging_free(state, timeout_s=5)[0]))
 

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from canary.targets import Target
 from runtime.router import create_router_app
 from runtime.server.prometheus_text import Sample, parse_samples, sample_sum
+from tests.fake_upstreams import FakeReply, FakeUpstreams
 
 pytestmark = pytest.mark.unit
 
@@ -125,11 +126,10 @@ def test_router_sums_the_pair_and_target_metric_reads_the_sum(monkeypatch):
                "dsv4_kv_pages_in_use 2.0\ndsv4_kv_pages_in_use_max 50.0\n"
                "# TYPE dsv4_preemptions counter\ndsv4_preemptions_total 1.0\ndsv4_preemptions_created 1.7e9\n")
     decode = "dsv4_kv_pages_in_use 3.0 1712345678901\ndsv4_preemptions_total 4.0\n"
-    real = httpx.AsyncClient
     texts = {"prefill": prefill, "decode": decode}
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=texts[request.url.host]))
-    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=transport, **kw))
-    with TestClient(create_router_app(["http://prefill:1"], ["http://decode:2"])) as router:
+    fake = FakeUpstreams(lambda request: FakeReply(200, texts[request.host].encode(), content_type="text/plain")
+                         if request.path == "/metrics" else FakeReply.json(200, {"status": "ok"}))
+    with TestClient(create_router_app(["http://prefill:1"], ["http://decode:2"], connect=fake.connect)) as router:
         text = router.get("/metrics").text
         monkeypatch.setattr(httpx, "get", lambda url, **kw: router.get(httpx.URL(url).path))
         target = Target("router", "http://router.invalid/v1", "m", False)

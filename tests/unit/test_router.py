@@ -1,161 +1,77 @@
-"""The PD router's chat path against mock upstreams (runtime/router.py): the prompt's call leaves
-first, whole, and a traced request's marks are read back from the router and both upstreams in one GET."""
+"""The PD router's chat path against in-memory upstreams (runtime/router.py, tests/fake_upstreams.py):
+the prompt's call leaves first, whole; a quiet router reuses its connections and a client that hangs up
+closes the decode call's; a traced request's marks are read back from the router and both upstreams
+in one GET; requests a server took nothing of go to the next one."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
-import httpcore
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from runtime.disagg.protocol import ROOM_HEADER
+from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 from runtime.router import create_router_app
 from runtime.server.trace import TRACE_HEADER
+from tests.fake_upstreams import SSE_TYPE, FakeReply, FakeRequest, FakeUpstreams
 
 pytestmark = pytest.mark.unit
 BODY = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 SSE = b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\ndata: [DONE]\n\n'
 
 
-def mock_upstreams(monkeypatch, seen: list[tuple[str, str, str | None]]) -> None:
-    """Upstreams `prefill` and `decode` that log (host, path, trace header) as each request reaches them."""
-    real = httpx.AsyncClient
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        role = request.url.host
-        if request.url.path == "/health":  # the router's background polls (tested on their own below)
-            return httpx.Response(200, json={"status": "ok"})
-        seen.append((role, request.url.path, request.headers.get(TRACE_HEADER)))
-        if request.url.path.startswith("/debug/trace/"):
-            return httpx.Response(200, json={"marks": {"received": 1.0 if role == "prefill" else 2.0}})
-        if role == "prefill":
-            return httpx.Response(200, json={"prefilled": True})
-        return httpx.Response(200, stream=httpx.ByteStream(SSE), headers={"content-type": "text/event-stream"})
-
-    transport = httpx.MockTransport(answer)
-    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=transport, **kw))
+def sse_reply() -> FakeReply:
+    return FakeReply(chunks=[SSE[:40], SSE[40:]], content_type=SSE_TYPE)
 
 
-def test_the_prefill_call_leaves_before_the_decode_call(monkeypatch):
-    """The prompt is the critical path; the decode side only opens the room meanwhile. The router
-    awaited its decode call inline and made the prefill call a task, so the decode call ran first."""
-    seen: list[tuple[str, str, str | None]] = []
-    mock_upstreams(monkeypatch, seen)
-    with TestClient(create_router_app(["http://prefill:1"], ["http://decode:2"])) as router:
+def pair(answer=None) -> tuple[FakeUpstreams, object]:
+    """Upstreams `prefill` and `decode` (by default: the prompt's call answered {}, the decode call an SSE
+    stream) and a router over them that polls no health."""
+
+    def default(request: FakeRequest) -> FakeReply:
+        return FakeReply.json(200, {}) if request.host == "prefill" else sse_reply()
+
+    fake = FakeUpstreams(answer or default)
+    return fake, create_router_app(["http://prefill:1"], ["http://decode:2"], health_every_s=None,
+                                   connect=fake.connect)
+
+
+def test_the_prefill_call_leaves_whole_before_the_decode_call():
+    """The prompt is the critical path; the decode side only opens the room meanwhile. The router once
+    awaited its decode call inline and made the prefill call a task, so the decode call ran first; and
+    httpx wrote a request's head and body in two writes, so the decode call's head could go out between
+    the prompt's (the prefill handler then waited for its body). The fake logs a request once read whole."""
+    fake, app = pair()
+    with TestClient(app) as router:
         for _ in range(3):
             reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
             assert reply.status_code == 200 and reply.content == SSE
-    assert [role for role, _, _ in seen] == ["prefill", "decode"] * 3
-
-
-class RecordingBackend(httpcore.AsyncNetworkBackend):
-    """Connections that log each write as (host, what) - what is "headers" or "body" - and answer each
-    request with a canned 200: the order in which the router's requests reach the wire."""
-
-    def __init__(self) -> None:
-        self.writes: list[tuple[str, str]] = []
-
-    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        return RecordingStream(host, self.writes)
-
-
-class RecordingStream(httpcore.AsyncNetworkStream):
-    def __init__(self, host: str, writes: list[tuple[str, str]]) -> None:
-        self.host, self.writes, self.unanswered = host, writes, 0
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if not buffer:  # the end of a body of known length: nothing goes out (as httpcore's socket streams skip it)
-            return
-        await asyncio.sleep(0)  # as anyio's socket send yields to the loop before each write
-        headers = buffer.startswith(b"POST ")
-        self.writes.append((self.host, "headers" if headers else "body"))
-        self.unanswered += headers
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if not self.unanswered:
-            return b""
-        self.unanswered -= 1
-        body, kind = (b"{}", b"application/json") if self.host == "prefill" else (SSE, b"text/event-stream")
-        return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (kind, len(body), body)
-
-    async def aclose(self) -> None:
-        pass
-
-
-def test_the_prompt_leaves_whole_before_the_decode_call_starts(monkeypatch):
-    """httpx writes a request's headers and body in two writes, yielding between them: with both calls
-    started at once the decode call's headers went out between the prompt's headers and its body, and
-    the prefill server's handler (started by the headers) waited for the body."""
-    backend = RecordingBackend()
-    real = httpx.AsyncClient
-
-    def recording_client(**kw) -> httpx.AsyncClient:
-        transport = httpx.AsyncHTTPTransport()
-        transport._pool = httpcore.AsyncConnectionPool(network_backend=backend)  # no public hook for the backend
-        return real(transport=transport, **kw)
-
-    monkeypatch.setattr(httpx, "AsyncClient", recording_client)
-    with TestClient(create_router_app(["http://prefill:1"], ["http://decode:2"], health_every_s=None)) as router:
-        for _ in range(2):
-            reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
-            assert reply.status_code == 200 and reply.content == SSE
-    assert backend.writes == [("prefill", "headers"), ("prefill", "body"), ("decode", "headers"),
-                              ("decode", "body")] * 2
-
-
-class RoomBackend(httpcore.AsyncNetworkBackend):
-    """Upstreams that behave like a PD pair's: a prefill call is answered only once the decode call of
-    its room has reached the decode server (the room opened); a decode call is answered at once."""
-
-    def __init__(self) -> None:
-        self.rooms: dict[str, asyncio.Event] = {}
-
-    def room(self, name: str) -> asyncio.Event:
-        return self.rooms.setdefault(name, asyncio.Event())
-
-    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        return RoomStream(host, self)
-
-
-class RoomStream(RecordingStream):
-    def __init__(self, host: str, backend: RoomBackend) -> None:
-        super().__init__(host, [])
-        self.backend = backend
-        self.opened: asyncio.Event | None = None
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        await super().write(buffer, timeout)
-        if buffer.startswith(b"POST "):
-            room = self.backend.room(next(line.split(b":", 1)[1].strip().decode() for line in buffer.split(b"\r\n")
-                                          if line.lower().startswith(ROOM_HEADER.encode())))
-            if self.host == "decode":
-                room.set()
-            else:
-                self.opened = room
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if self.unanswered and self.opened is not None:
-            await self.opened.wait()
-            self.opened = None
-        return await super().read(max_bytes, timeout)
+    assert fake.hosts() == ["prefill", "decode"] * 3
+    rooms = [request.headers[ROOM_HEADER] for request in fake.requests]
+    assert rooms[0::2] == rooms[1::2] and len(set(rooms)) == 3  # one fresh room per request, on both calls
+    assert all(request.body == json.dumps(BODY).encode() for request in fake.requests)
 
 
 def test_more_requests_than_a_default_connection_pool_all_finish():
-    """Each request holds two upstream connections, and its prefill call's only until its decode call
-    arrives: with httpx's default cap of 100 connections, 100 prefill calls (which now leave before
-    their decode calls) held them all while their decode calls waited for one - a wedge until the PD
-    deadline."""
-    backend = RoomBackend()
+    """Each request holds two upstream connections, and its prefill call's until its decode call
+    arrives: with httpx's default cap of 100 connections, 100 prefill calls (which leave before their
+    decode calls) held them all while their decode calls waited for one - a wedge until the PD deadline.
+    The fake behaves like a PD pair: the prompt's call is answered only once its room's decode call came."""
+    rooms: dict[str, asyncio.Event] = {}
 
-    def room_client(**kw) -> httpx.AsyncClient:
-        client = httpx.AsyncClient(**kw)
-        client._transport._pool._network_backend = backend  # no public hook for the backend
-        return client
+    async def answer(request: FakeRequest) -> FakeReply:
+        room = rooms.setdefault(request.headers[ROOM_HEADER], asyncio.Event())
+        if request.host == "decode":
+            room.set()
+            return sse_reply()
+        await room.wait()
+        return FakeReply.json(200, {})
 
-    app = create_router_app(["http://prefill:1"], ["http://decode:2"], make_client=room_client, health_every_s=None)
+    fake, app = pair(answer)
 
     async def run() -> list[int]:
         async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -165,147 +81,139 @@ def test_more_requests_than_a_default_connection_pool_all_finish():
             return [reply.status_code for reply in await asyncio.wait_for(replies, 20)]
 
     assert asyncio.run(run()) == [200] * 130
+    assert fake.connections >= 130  # a burst this size holds many connections at once
 
 
-def test_a_burst_spreads_its_upstream_connections_over_the_pools():
-    """httpx's pool costs O(connections^2) per request queued or released: one pool of the ~160 upstream
-    connections of the 80-session gate took 82% of the router's loop on the H200. With the pools, no
-    pool holds more than its share of a burst's connections (one pool held all 260 here)."""
-    backend = RoomBackend()
-    made: list[httpx.AsyncClient] = []
+def test_a_quiet_router_reuses_its_connections_and_a_hang_up_closes_the_decode_call_only():
+    """One request at a time, streamed or not, goes over the same two kept-alive connections (a new one
+    costs its connect on the TTFT path). A client that hangs up mid-stream closes its decode call's
+    connection, which the decode server reads as the request aborted, and that connection is not reused.
+    The prompt's call is left to end on its own (the prefill side finishes the room it is writing): the
+    first lean router cancelled it with the client's stream, so the prefill side failed rooms mid-write
+    (caught by test_pd_shutdown's digest-computing case under load)."""
+    release = threading.Event()  # the slow request's prompt call is answered once set
 
-    def room_client(**kw) -> httpx.AsyncClient:
-        client = httpx.AsyncClient(**kw)
-        client._transport._pool._network_backend = backend  # no public hook for the backend
-        made.append(client)
-        return client
+    async def slow_stream():
+        yield SSE[:40]
+        for _ in range(500):  # until the router hangs up
+            await asyncio.sleep(0.01)
+            yield b": still here\n\n"
 
-    requests, pools = 130, 16
-    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=pools, make_client=room_client,
-                            health_every_s=None)
+    async def answer(request: FakeRequest) -> FakeReply:
+        slow = json.loads(request.body).get("slow")
+        if request.host == "prefill":
+            while slow and not release.is_set():
+                await asyncio.sleep(0.01)
+            return FakeReply.json(200, {})
+        return FakeReply(chunks=slow_stream(), content_type=SSE_TYPE) if slow else sse_reply()
 
-    async def run() -> tuple[list[int], list[int]]:
-        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                                                       base_url="http://router") as client:
-            replies = asyncio.gather(*(client.post("/v1/chat/completions", content=json.dumps(BODY))
-                                       for _ in range(requests)))
-            codes = [reply.status_code for reply in await asyncio.wait_for(replies, 20)]
-            return codes, [len(c._transport._pool.connections) for c in made]
-
-    codes, held = asyncio.run(run())
-    assert codes == [200] * requests
-    assert len(held) == pools and sum(held) >= requests  # a burst this size opens connections (the mock
-    # answers a prefill call only once its decode call arrived: each request holds two at once)
-    assert max(held) <= 2 * -(-requests // pools), held
-    assert app.state.pool_loads.in_flight == [0] * pools
-
-
-def test_requests_one_at_a_time_all_take_the_first_pool_and_give_it_back():
-    """One request at a time finds pool 0's kept-alive connections: taken in turn over the 16 pools,
-    a quiet router's requests found their pool's connections expired (httpx keeps them 5 s) and paid a
-    new one before the prompt left. Each pool is given back once its request is over, streamed or not,
-    and a client that hangs up mid-stream gives it back too. Under the old turn-taking the requests'
-    calls went through pools 0, 1, 2, ..."""
-    used: list[int] = []
-
-    def numbered_client(**kw) -> httpx.AsyncClient:
-        number = len(made)
-
-        def answer(request: httpx.Request) -> httpx.Response:
-            if request.url.path != "/health":
-                used.append(number)
-            if request.url.host == "prefill":
-                return httpx.Response(200, json={})
-            return httpx.Response(200, stream=httpx.ByteStream(SSE), headers={"content-type": "text/event-stream"})
-
-        made.append(httpx.AsyncClient(transport=httpx.MockTransport(answer), **kw))
-        return made[-1]
-
-    made: list[httpx.AsyncClient] = []
-    app = create_router_app(["http://prefill:1"], ["http://decode:2"], pools=4, make_client=numbered_client,
-                            health_every_s=None)
+    fake, app = pair(answer)
     with TestClient(app) as router:
         for stream in (True, False, True, False, True):
             reply = router.post("/v1/chat/completions", content=json.dumps({**BODY, "stream": stream}))
             assert reply.status_code == 200
-        with router.stream("POST", "/v1/chat/completions", content=json.dumps(BODY)) as reply:
+        assert (fake.connections, fake.closed) == (2, 0)
+        with router.stream("POST", "/v1/chat/completions", content=json.dumps({**BODY, "slow": True})) as reply:
             next(reply.iter_bytes())  # hang up after the first bytes
-        assert used == [0] * 12, used
-        assert app.state.pool_loads.in_flight == [0] * 4
+        deadline = time.monotonic() + 5  # the router's loop runs in the client's portal thread meanwhile
+        while not fake.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert fake.closed == 1  # the decode call's; the prompt's call still waits for its answer
+        release.set()
+        time.sleep(0.2)  # the prompt's call is answered and its connection goes back idle
+        assert router.post("/v1/chat/completions", content=json.dumps(BODY)).status_code == 200
+        assert fake.connections == 3  # the prompt call's connection, answered, was reused; the decode one not
+        assert fake.closed == 1
 
 
-def test_the_router_refuses_no_pools():
-    with pytest.raises(ValueError, match="at least one upstream connection pool"):
-        create_router_app(["http://prefill:1"], ["http://decode:2"], pools=0)
+def test_a_traced_request_is_read_back_from_the_router_and_both_upstreams():
+    def answer(request: FakeRequest) -> FakeReply:
+        if request.path.startswith("/debug/trace/"):
+            return FakeReply.json(200, {"marks": {"received": 1.0 if request.host == "prefill" else 2.0}})
+        return FakeReply.json(200, {}) if request.host == "prefill" else sse_reply()
 
-
-def test_a_traced_request_is_read_back_from_the_router_and_both_upstreams(monkeypatch):
-    seen: list[tuple[str, str, str | None]] = []
-    mock_upstreams(monkeypatch, seen)
-    with TestClient(create_router_app(["http://prefill:1"], ["http://decode:2"])) as router:
+    fake, app = pair(answer)
+    with TestClient(app) as router:
         reply = router.post("/v1/chat/completions", content=json.dumps(BODY), headers={TRACE_HEADER: "k1"})
         assert reply.status_code == 200
-        assert {(role, header) for role, _, header in seen} == {("prefill", "k1"), ("decode", "k1")}
+        assert {(r.host, r.headers.get(TRACE_HEADER)) for r in fake.requests} == {("prefill", "k1"), ("decode", "k1")}
         found = router.get("/debug/trace/k1").json()
         assert found["prefill"] == {"received": 1.0} and found["decode"] == {"received": 2.0}
         marks = found["router"]
-        assert marks["received"] <= marks["decode_headers"] <= marks["first_token_relayed"]
+        assert marks["received"] <= marks["prefill_sent"] <= marks["decode_headers"] <= marks["first_token_relayed"]
         router.post("/v1/chat/completions", content=json.dumps(BODY))  # untraced: no header goes upstream
-        assert [header for _, _, header in seen[-2:]] == [None, None]
+        assert [r.headers.get(TRACE_HEADER) for r in fake.requests[-2:]] == [None, None]
 
 
 def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, str]] | None = None,
              decode_state: dict[str, str] | None = None):
-    """Mock upstreams: prefill servers by host, each "ok", "stopping" (its 503, and the decode side's
+    """In-memory upstreams: prefill servers by host, each "ok", "stopping" (its 503, and the decode side's
     report of it) or "down" (nothing listens); decode servers by host (`decode_state`, default one "ok"
     server), "down" or streaming SSE unless the prefill server named in the request's bootstrap header
-    is not ok (or `decode_error` names an error for that server). Returns (the router app, the log of
-    (host, bootstrap host) per upstream request)."""
-    from runtime.disagg.protocol import BOOTSTRAP_HEADER
+    is not ok (or `decode_error` names an error for that server). Returns (the router app, the fake)."""
 
-    seen: list[tuple[str, str]] = []
+    def error(status: int, code: str) -> FakeReply:
+        return FakeReply.json(status, {"error": {"message": "planted", "type": "server_error", "code": code}})
 
-    def error(status: int, code: str) -> httpx.Response:
-        return httpx.Response(status, json={"error": {"message": "planted", "type": "server_error", "code": code}})
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        host, bootstrap = request.url.host, httpx.URL(request.headers[BOOTSTRAP_HEADER]).host
-        seen.append((host, bootstrap))
-        if (decode_state or {}).get(host) == "down":
-            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+    def answer(request: FakeRequest) -> FakeReply:
+        bootstrap = request.headers[BOOTSTRAP_HEADER.lower()].split("//")[1].split(":")[0]
         state = prefill_state.get(bootstrap, "ok")
-        if host in prefill_state:  # the prompt's call
-            if state == "down":
-                raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
-            return error(503, "pd_prefill_stopping") if state == "stopping" else httpx.Response(200, json={})
+        if request.host in prefill_state:  # the prompt's call
+            return error(503, "pd_prefill_stopping") if state == "stopping" else FakeReply.json(200, {})
         if (decode_error or {}).get(bootstrap):  # a decode server's answer from here on
             return error(*(decode_error or {})[bootstrap])
         if state == "stopping":
             return error(503, "pd_prefill_stopping")
         if state == "down":
             return error(502, "pd_prefill_unreachable")
-        return httpx.Response(200, stream=httpx.ByteStream(SSE), headers={"content-type": "text/event-stream"})
+        return sse_reply()
 
-    transport = httpx.MockTransport(answer)
+    down = {host for host, state in {**prefill_state, **(decode_state or {})}.items() if state == "down"}
+    fake = FakeUpstreams(answer, down=down)
     app = create_router_app([f"http://{host}:1" for host in prefill_state],
                             [f"http://{host}:2" for host in decode_state or {"decode": "ok"}],
-                            make_client=lambda **kw: httpx.AsyncClient(transport=transport, **kw),
-                            health_every_s=None)  # the request path's retries alone
-    return app, seen
+                            health_every_s=None, connect=fake.connect)  # the request path's retries alone
+    return app, fake
 
 
-@pytest.mark.parametrize("state", ["stopping", "down"])
-def test_a_request_a_prefill_server_takes_nothing_of_goes_to_the_next_one(state):
-    """A prefill server shutting down (503 pd_prefill_stopping) or down (nothing listens) took nothing of
-    the request and the client has had nothing: the router offers it to the next prefill server, and
+def decode_calls(fake: FakeUpstreams) -> list[str]:
+    """The bootstrap (prefill) host of each decode call, in order."""
+    return [r.headers[BOOTSTRAP_HEADER.lower()].split("//")[1].split(":")[0] for r in fake.requests
+            if r.host.startswith("decode")]
+
+
+def test_a_request_a_stopping_prefill_server_refuses_goes_to_the_next_one():
+    """A prefill server shutting down (503 pd_prefill_stopping, which the decode side reports) took nothing
+    of the request and the client has had nothing: the router offers it to the next prefill server, and
     passes the first over for the next requests (UPSTREAM_REST_S). Every request is served. Negative
     control: the old router answered the error to every request it sent there."""
-    app, seen = pd_fleet({"prefill-a": state, "prefill-b": "ok"})
+    app, fake = pd_fleet({"prefill-a": "stopping", "prefill-b": "ok"})
     with TestClient(app) as router:
         replies = [router.post("/v1/chat/completions", content=json.dumps(BODY)) for _ in range(4)]
     assert [(r.status_code, r.content) for r in replies] == [(200, SSE)] * 4
-    decode_calls = [bootstrap for host, bootstrap in seen if host == "decode"]
-    assert decode_calls == ["prefill-a", "prefill-b", "prefill-b", "prefill-b", "prefill-b"]
+    assert decode_calls(fake) == ["prefill-a", "prefill-b", "prefill-b", "prefill-b", "prefill-b"]
+
+
+def test_a_prefill_server_nothing_listens_on_is_passed_over_before_any_decode_call():
+    """A prefill server that refuses the connection received nothing: the router offers the request to the
+    next one at once, and no decode server opens a room for the down one (the router before the lean
+    client made that decode call, and learned of the refusal only from the decode side's 502)."""
+    app, fake = pd_fleet({"prefill-a": "down", "prefill-b": "ok"})
+    with TestClient(app) as router:
+        replies = [router.post("/v1/chat/completions", content=json.dumps(BODY)) for _ in range(4)]
+    assert [(r.status_code, r.content) for r in replies] == [(200, SSE)] * 4
+    assert fake.refused == ["prefill-a"] and decode_calls(fake) == ["prefill-b"] * 4
+
+
+def test_with_every_prefill_server_down_the_client_gets_an_error_naming_one():
+    app, fake = pd_fleet({"prefill-a": "down", "prefill-b": "down"})
+    with TestClient(app) as router:
+        reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"]) == (502, "pd_upstream_unreachable")
+    assert "prefill server http://prefill-" in error["message"] and "cannot connect" in error["message"]
+    assert sorted(fake.refused) == ["prefill-a", "prefill-b"] and not fake.requests
 
 
 def test_a_prefill_server_the_decode_side_cannot_reach_is_passed_over():
@@ -314,31 +222,30 @@ def test_a_prefill_server_the_decode_side_cannot_reach_is_passed_over():
     and it answered 502 pd_prefill_unreachable. No room opened, no KV landed, the client has had
     nothing: the router offers the request to the next prefill server. Negative control: the router
     before this answered the 502 to the client."""
-    app, seen = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"},
+    app, fake = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"},
                          decode_error={"prefill-a": (502, "pd_prefill_unreachable")})
     with TestClient(app) as router:
         replies = [router.post("/v1/chat/completions", content=json.dumps(BODY)) for _ in range(3)]
     assert [(r.status_code, r.content) for r in replies] == [(200, SSE)] * 3
-    assert [bootstrap for host, bootstrap in seen if host == "decode"] == ["prefill-a", "prefill-b", "prefill-b",
-                                                                           "prefill-b"]
+    assert decode_calls(fake) == ["prefill-a", "prefill-b", "prefill-b", "prefill-b"]
 
 
 def test_a_failure_after_the_prefill_server_took_the_request_is_not_retried():
     """A KV that arrived corrupt (or any error but the two above) may come after the prefill server
     computed the prompt: the router answers it as it is and offers the request to no one else."""
-    app, seen = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"}, decode_error={"prefill-a": (502, "pd_kv_corrupt")})
+    app, fake = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"}, decode_error={"prefill-a": (502, "pd_kv_corrupt")})
     with TestClient(app) as router:
         first = router.post("/v1/chat/completions", content=json.dumps(BODY))
     assert (first.status_code, first.json()["error"]["code"]) == (502, "pd_kv_corrupt")
-    assert {bootstrap for _, bootstrap in seen} == {"prefill-a"}
+    assert fake.hosts() == ["prefill-a", "decode"] and decode_calls(fake) == ["prefill-a"]
 
 
 def test_with_every_prefill_server_stopping_the_client_gets_the_error():
-    app, seen = pd_fleet({"prefill-a": "stopping", "prefill-b": "stopping"})
+    app, fake = pd_fleet({"prefill-a": "stopping", "prefill-b": "stopping"})
     with TestClient(app) as router:
         reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
     assert (reply.status_code, reply.json()["error"]["code"]) == (503, "pd_prefill_stopping")
-    assert sorted(bootstrap for host, bootstrap in seen if host == "decode") == ["prefill-a", "prefill-b"]
+    assert sorted(decode_calls(fake)) == ["prefill-a", "prefill-b"]
 
 
 def test_a_decode_server_nothing_listens_on_hands_the_room_to_the_next_one():
@@ -346,8 +253,11 @@ def test_a_decode_server_nothing_listens_on_hands_the_room_to_the_next_one():
     prompt's call stands (no prompt computed twice); the down server is passed over for the next
     requests. Negative control: the old router answered 502 pd_upstream_unreachable to every request
     it sent there."""
-    app, seen = pd_fleet({"prefill": "ok"}, decode_state={"decode-a": "down", "decode-b": "ok"})
+    app, fake = pd_fleet({"prefill": "ok"}, decode_state={"decode-a": "down", "decode-b": "ok"})
     with TestClient(app) as router:
         replies = [router.post("/v1/chat/completions", content=json.dumps(BODY)) for _ in range(3)]
     assert [(r.status_code, r.content) for r in replies] == [(200, SSE)] * 3
-    assert [host for host, _ in seen] == ["prefill", "decode-a", "decode-b"] + ["prefill", "decode-b"] * 2
+    assert fake.refused == ["decode-a"]
+    assert fake.hosts() == ["prefill", "decode-b"] * 3
+    rooms = [r.headers[ROOM_HEADER] for r in fake.requests]
+    assert rooms[0] == rooms[1]  # the room the prompt's call stands for went to decode-b

@@ -1,6 +1,6 @@
 """The PD router's health polls (runtime/router_health.py): a server failing its /health gets no new
 request until it passes again, and the router's /health is 200 only while each role has a healthy
-server, against mock upstreams."""
+server, against in-memory upstreams (tests/fake_upstreams.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import asyncio
 import json
 import time
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from runtime.router import create_router_app
 from runtime.router_health import UpstreamHealth
+from tests.fake_upstreams import FakeReply, FakeRequest, FakeUpstreams
 
 pytestmark = pytest.mark.unit
 BODY = {"model": "m", "stream": False, "messages": [{"role": "user", "content": "hi"}]}
@@ -21,23 +21,21 @@ PREFILL, DECODE_A, DECODE_B = "http://prefill:1", "http://decode-a:2", "http://d
 
 
 def fleet(health: dict[str, int | None], every_s: float | None = 0.05):
-    """A router over one prefill and two decode mock servers whose /health answers `health[host]` (None:
-    nothing listens) and whose chat calls all succeed; returns (app, the decode hosts chat calls reached)."""
+    """A router over one prefill and two decode in-memory servers whose /health answers `health[host]`
+    (None: nothing listens) and whose chat calls all succeed; returns (app, the decode hosts chat calls
+    reached)."""
     served: list[str] = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        host = request.url.host
-        if request.url.path == "/health":
-            if health[host] is None:
-                raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
-            return httpx.Response(health[host], json={"status": "ok" if health[host] == 200 else "engine down"})
-        if host != "prefill":
-            served.append(host)
-        return httpx.Response(200, json={"choices": []})
+    def answer(request: FakeRequest) -> FakeReply:
+        if request.path == "/health":
+            status = health[request.host]
+            return FakeReply.json(status, {"status": "ok" if status == 200 else "engine down"})
+        if request.host != "prefill":
+            served.append(request.host)
+        return FakeReply.json(200, {"choices": []})
 
-    transport = httpx.MockTransport(answer)
-    app = create_router_app([PREFILL], [DECODE_A, DECODE_B], health_every_s=every_s,
-                            make_client=lambda **kw: httpx.AsyncClient(transport=transport, **kw))
+    fake = FakeUpstreams(answer, down={host for host, status in health.items() if status is None})
+    app = create_router_app([PREFILL], [DECODE_A, DECODE_B], health_every_s=every_s, connect=fake.connect)
     return app, served
 
 
@@ -71,7 +69,7 @@ def test_the_router_health_is_ok_only_while_each_role_has_a_healthy_server():
         assert reply.status_code == 200 and reply.json()["status"] == "ok"
         upstreams = reply.json()["upstreams"]
         assert upstreams[DECODE_B]["healthy"] and not upstreams[DECODE_A]["healthy"]
-        assert "unreachable: ConnectError" in upstreams[DECODE_A]["reason"]
+        assert "unreachable: UpstreamConnectError: cannot connect to decode-a:2" in upstreams[DECODE_A]["reason"]
         metrics = router.get("/metrics").text
         assert f'dsv4_pd_upstream_up{{role="decode",url="{DECODE_A}"}} 0' in metrics
         assert f'dsv4_pd_upstream_up{{role="decode",url="{DECODE_B}"}} 1' in metrics
