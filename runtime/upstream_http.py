@@ -127,6 +127,10 @@ class UpstreamReply:
                 raise UpstreamError("a chunk from the upstream did not end in CRLF")
             yield data[:-2]
 
+    def aiter_lines(self) -> AsyncIterator[bytes]:
+        """The body's lines as they arrive, each without its line break (a last line without one too)."""
+        return lines_of(self.aiter_raw())
+
     async def aread(self) -> bytes:
         parts = [data async for data in self.aiter_raw()]
         await self.aclose()
@@ -151,15 +155,19 @@ class UpstreamReply:
 class Upstreams:
     """Kept-alive HTTP/1.1 connections to the upstreams, and the calls through them.
     `timeout_s`: the longest wait for the upstream's next bytes (its answer's head, or the next piece of
-    its body); `connect`: how a connection is opened (tests put in-memory upstreams under it)."""
+    its body); `connect`: how a connection is opened (tests put in-memory upstreams under it);
+    `headers`: sent with every request (a call's own headers of the same name win)."""
 
-    def __init__(self, timeout_s: float, connect_timeout_s: float = 5.0, connect: Connect | None = None) -> None:
+    def __init__(self, timeout_s: float, connect_timeout_s: float = 5.0, connect: Connect | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         if not timeout_s > 0 or not connect_timeout_s > 0:
             raise ValueError(f"upstream timeouts must be positive, got {timeout_s} s and {connect_timeout_s} s")
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._connect = connect or _open_connection
+        self.headers = {name.lower(): value for name, value in (headers or {}).items()}
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self.opened = 0  # connections opened so far (tests read it: a quiet router reuses its connections)
+        self.opened = 0  # connections opened so far
+        self.is_closed = False  # by `aclose`: no call is sent from then on
 
     async def request(self, method: str, url: str, headers: dict[str, str] | None = None,
                       body: bytes = b"") -> UpstreamReply:
@@ -171,6 +179,10 @@ class Upstreams:
         """Write the request, head and body in one write, and return once it is written; its answer
         comes from the exchange's `reply()`. Raises UpstreamConnectError when nothing could be sent."""
         origin, target = _split(url)
+        if self.is_closed:  # a call racing its server's shutdown: refused as nothing listening would be
+            raise UpstreamConnectError(f"the client is closed: nothing was sent to {origin[0]}:{origin[1]}")
+        if self.headers:
+            headers = {**self.headers, **{name.lower(): value for name, value in (headers or {}).items()}}
         head = _request_head(method, target, origin, headers or {}, len(body))
         connection = self._take(origin)
         if connection is None:
@@ -218,7 +230,9 @@ class Upstreams:
             raise UpstreamError(f"the upstream connection broke: {exc!r}") from exc
 
     async def aclose(self) -> None:
-        """Close every idle connection (replies still being read close theirs as they end)."""
+        """Close every idle connection and refuse calls from now on (replies still being read close
+        theirs as they end)."""
+        self.is_closed = True
         for idle in self._idle.values():
             for connection in idle:
                 connection.close()
@@ -272,6 +286,18 @@ class Exchange:
         if parts[0] == b"HTTP/1.0" and headers.get("connection", "").lower() != "keep-alive":
             headers["connection"] = "close"
         return int(parts[1]), headers
+
+
+async def lines_of(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Lines, without their line breaks, of a body arriving in `pieces` (a last line without one too)."""
+    pending = b""
+    async for data in pieces:
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r")
+    if pending:
+        yield pending
 
 
 def _content_length(headers: dict[str, str]) -> int | None:

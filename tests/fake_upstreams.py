@@ -2,6 +2,7 @@
 `connect`: each connection is a socket pair whose far end a small server task answers, in the caller's
 event loop, with `answer(request)` (a function or a coroutine function), request after request on the
 kept-alive connection. A host named in `down` refuses connections, as a port nothing listens on does.
+`CannedUpstreams` skips the sockets: each call is answered (or fails) in the caller's task.
 
 Replies go out with a Content-Length, or chunked when `FakeReply.chunks` is given (the decode side's
 SSE stream). The log keeps, in arrival order, each request once read whole, and each connection the
@@ -16,6 +17,9 @@ import json
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from runtime.upstream_http import lines_of
 
 
 @dataclass
@@ -135,3 +139,55 @@ class FakeUpstreams:
     def hosts(self, path: str = "/v1/chat/completions") -> list[str]:
         """The hosts that requests for `path` reached, in order."""
         return [request.host for request in self.requests if request.path == path]
+
+
+class CannedReply:
+    """What `CannedUpstreams.request` returns: an UpstreamReply's reading methods over a FakeReply."""
+
+    def __init__(self, reply: FakeReply) -> None:
+        self.status_code, self.headers = reply.status, {"content-type": reply.content_type}
+        self._reply, self.closed = reply, False
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        chunks = self._reply.chunks
+        if chunks is None:
+            yield self._reply.body
+        elif isinstance(chunks, list):
+            for chunk in chunks:
+                yield chunk
+        else:
+            async for chunk in chunks:
+                yield chunk
+
+    def aiter_lines(self) -> AsyncIterator[bytes]:
+        return lines_of(self.aiter_raw())
+
+    async def aread(self) -> bytes:
+        return b"".join([piece async for piece in self.aiter_raw()])
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class CannedUpstreams:
+    """An `Upstreams` stand-in whose `request` hands each call to `answer(request)` (a function or a
+    coroutine function) in the caller's task, with no connection at all: `answer` may raise
+    UpstreamConnectError (nothing listens) or UpstreamError (a connection that broke) as it likes,
+    call by call, where the socket-backed FakeUpstreams can refuse only a connection it has not made."""
+
+    answer: Callable
+    requests: list[FakeRequest] = field(default_factory=list)
+
+    async def request(self, method: str, url: str, headers: dict[str, str] | None = None,
+                      body: bytes = b"") -> CannedReply:
+        parts = urlsplit(url)
+        request = FakeRequest(method, parts.hostname or "", parts.path, dict(headers or {}), body)
+        self.requests.append(request)
+        reply = self.answer(request)
+        if inspect.isawaitable(reply):
+            reply = await reply
+        return CannedReply(reply)
+
+    async def aclose(self) -> None:
+        pass

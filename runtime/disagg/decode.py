@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import random
 import uuid
@@ -44,7 +45,6 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import torch
 from fastapi import Request
 
@@ -66,6 +66,7 @@ from runtime.kvcache.page_pool import OutOfPagesError
 from runtime.server.bridge import Accepted, Failed, TokenOut, is_stop_token
 from runtime.server.errors import ApiError, bad_request
 from runtime.server.trace import NO_TRACE, Trace
+from runtime.upstream_http import UpstreamConnectError, UpstreamError, UpstreamReply, Upstreams
 
 log = logging.getLogger(__name__)
 # How long the pages of a room whose prefill server refused the close (nothing listens there) are held
@@ -103,7 +104,7 @@ class DecodeSide:
         self.sessions: dict[str, str] = {}  # prefill URL -> our current session id there
         self.instance = uuid.uuid4().hex  # this process: a restart registers as a new instance
         self._registering: dict[str, asyncio.Lock] = {}  # one registration at a time per prefill server
-        self._client: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+        self._client: tuple[asyncio.AbstractEventLoop, Upstreams] | None = None
         # The receiver's KV digests (`start`), off the engine thread.
         self._digests = digest_workers()
         self._verifying: set[asyncio.Task] = set()  # `_verify_then_admit` of requests whose first token is out
@@ -112,18 +113,17 @@ class DecodeSide:
         self._stopping = False  # set by `aclose`: no close is retried from then on
         self._no_close_route: set[str] = set()  # prefill servers told to upgrade (the 404 line, once each)
 
-    def client(self) -> httpx.AsyncClient:
-        """One HTTP client for every call to the prefill servers, made in the server's event loop.
-        A client per request cost its TLS context (certificates loaded even for http://): 69% of the
-        decode server's event loop under a 40-session PD gate (py-spy), on the path of every TTFT.
-        No connection cap: each room's /pd/transfer call waits for its KV, so a capped pool would make
-        a request wait for a connection while its prefill side waits for the room to open."""
+    def client(self) -> Upstreams:
+        """One HTTP client for every call to the prefill servers, made in the server's event loop: the
+        router's lean one (runtime/upstream_http.py), since the /pd/transfer answer's first line carries
+        the first token. (An httpx client per request once cost its TLS context: 69% of the decode
+        server's event loop under a 40-session PD gate.) No connection cap: each room's /pd/transfer call
+        waits for its KV, so a capped pool would make a request wait for a connection while its prefill
+        side waits for the room to open. Its timeout is 5 s over the PD deadline, which answers first."""
         loop = asyncio.get_running_loop()
         if self._client is None or self._client[0] is not loop:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
             headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key is not None else None
-            self._client = (loop, httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s + 5), limits=limits,
-                                                    headers=headers))
+            self._client = (loop, Upstreams(self.timeout_s + 5, headers=headers))
         return self._client[1]
 
     async def aclose(self) -> None:
@@ -155,17 +155,18 @@ class DecodeSide:
     def add_routes(self, app) -> None:
         """The decode side serves nothing extra: it calls the prefill server's bootstrap routes."""
 
-    async def _session(self, client: httpx.AsyncClient, prefill: str, stale: str | None = None) -> str:
+    async def _session(self, client: Upstreams, prefill: str, stale: str | None = None) -> str:
         """Our session at `prefill`, registering when there is none (or only the `stale` one)."""
         async with self._registering.setdefault(prefill, asyncio.Lock()):
             current = self.sessions.get(prefill)
             if current is not None and current != stale:
                 return current  # another request registered while this one waited
-            reply = await client.post(f"{prefill}/pd/register", json={
-                "name": self.name, "instance": self.instance, "pool": self.transfer.descriptor().to_dict()})
+            reply = await client.request("POST", f"{prefill}/pd/register", JSON_TYPE, _dumps({
+                "name": self.name, "instance": self.instance, "pool": self.transfer.descriptor().to_dict()}))
+            content = await reply.aread()
             if reply.status_code != 200:
-                raise error_from_body(reply.status_code, _json(reply), f"registering with {prefill} failed")
-            registered = reply.json()
+                raise error_from_body(reply.status_code, _json(content), f"registering with {prefill} failed")
+            registered = json.loads(content)
             if registered.get("room_close"):
                 self._no_close_route.discard(prefill)  # upgraded: a downgrade is reported again
             else:  # an older prefill server: say so now, not at the first room given up there
@@ -179,19 +180,17 @@ class DecodeSide:
         soon as the prefill side has it, and the answer whose next line is the KV's result. `link`
         says meanwhile whether the prefill side may write into the pages."""
         prefill, room = link.prefill, link.room
-        client = self.client()  # its timeout is 5 s over the prefill side's own deadline, which answers first
+        client = self.client()
         refused: str | None = None
         for attempt in range(2):
             session = await self._session(client, prefill, refused)
             trace.mark("transfer_requested")
             link.may_write = True  # from the first byte sent: the room may be open before any answer
-            reply = await client.send(client.build_request("POST", f"{prefill}/pd/transfer", json={
+            reply = await client.request("POST", f"{prefill}/pd/transfer", {**JSON_TYPE, **trace.headers()}, _dumps({
                 "room": room, "name": self.name, "session_id": session, "dst_pages": pages,
-                "staging_offset": staging}, headers=trace.headers()), stream=True)
+                "staging_offset": staging}))
             if reply.status_code != 200:
-                await reply.aread()
-                await reply.aclose()
-                body = _json(reply)
+                body = _json(await reply.aread())
                 link.may_write = not _refused_the_room(reply.status_code, body)
                 stale = reply.status_code == 409 and body.get("error", {}).get("code") == "pd_stale_session"
                 if stale and attempt == 0:  # the prefill server restarted: register once more
@@ -262,7 +261,7 @@ class DecodeSide:
         prefill, room = link.prefill, link.room
         try:
             first, answer = await self._open_room(link, pages, staging, trace)
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             raise ApiError(502, f"prefill server {prefill} unreachable for room {room}: {exc!r}",
                            type="server_error", code="pd_prefill_unreachable") from None
         trace.mark("first_answered")
@@ -303,7 +302,7 @@ class DecodeSide:
         try:
             try:
                 result = await answer.line("done")
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 raise ApiError(502, f"room {room}: the prefill server's answer broke off: {exc!r}",
                                type="server_error", code="pd_prefill_unreachable") from None
             finally:
@@ -401,22 +400,22 @@ class DecodeSide:
         server has no such route (an older version: 404), "unconfirmed" otherwise. A close that fails
         is logged at `level` (retries log theirs quietly)."""
         try:
-            reply = await asyncio.wait_for(self._post_close(link, reason), self.timeout_s)
-        except httpx.ConnectError:
+            status, content = await asyncio.wait_for(self._post_close(link, reason), self.timeout_s)
+        except UpstreamConnectError:
             # Connection refused: no process listens, so no handler of the room runs and no write can
             # start. What a dead sender put on the wire before it died may still be copied into our
             # memory by our own transfer engine's receiving thread (TCP), for a moment: hence the
             # settle delay before the pages go back (REFUSED_SETTLE_S).
             return "refused"
-        except (httpx.HTTPError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             log.log(level, "room %s: closing it on %s failed: %r", link.room, link.prefill, exc)
             return "unconfirmed"
-        if reply.status_code == 404:
+        if status == 404:
             self._report_no_close_route(link.prefill, "POST /pd/rooms/{room}/close answered 404")
             return "no_route"
-        if reply.status_code != 200:
+        if status != 200:
             log.log(level, "room %s: %s answered the close with HTTP %d: %s", link.room, link.prefill,
-                    reply.status_code, reply.text[:300])
+                    status, content[:300].decode(errors="replace"))
             return "unconfirmed"
         self._no_close_route.discard(link.prefill)  # upgraded: a downgrade is reported again
         return "closed"
@@ -432,14 +431,20 @@ class DecodeSide:
                   "(dsv4_pd_quarantined_pages): nothing else rules out a late write. Their close is tried again "
                   "every %g s", prefill, evidence, QUARANTINE_RETRY_MAX_S)
 
-    async def _post_close(self, link: RoomLink, reason: str) -> httpx.Response:
-        """The close call, sent again once when the connection it went out on broke: a pooled connection
-        to a server that died meanwhile breaks on use (ReadError), where a new one is refused."""
-        url, body = f"{link.prefill}/pd/rooms/{link.room}/close", {"name": self.name, "reason": reason}
-        try:
-            return await self.client().post(url, json=body)
-        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
-            return await self.client().post(url, json=body)  # idempotent: closing a closed room answers at once
+    async def _post_close(self, link: RoomLink, reason: str) -> tuple[int, bytes]:
+        """The close call's status and body, sent again once when the connection it went out on broke: a
+        pooled connection to a server that died meanwhile breaks on use, where a new one is refused."""
+        url, body = f"{link.prefill}/pd/rooms/{link.room}/close", _dumps({"name": self.name, "reason": reason})
+        for attempt in range(2):
+            try:
+                reply = await self.client().request("POST", url, JSON_TYPE, body)
+                return reply.status_code, await reply.aread()
+            except UpstreamConnectError:
+                raise
+            except UpstreamError:
+                if attempt:
+                    raise  # idempotent: closing a closed room answers at once, so the second try is safe
+        raise AssertionError("unreachable: the second try returns or raises")
 
     def _quarantine(self, state, room: Quarantined, outcome: str) -> None:
         """Keep a given-up room's pages (owned by its rid in the pool) and receive slot out of the pools:
@@ -565,7 +570,7 @@ def next_retry_wait(outcome: str, waits: Iterator[float], rand: Callable[[], flo
 class TransferAnswer:
     """A /pd/transfer answer being read: its JSON lines one at a time (runtime/disagg/protocol.py)."""
 
-    def __init__(self, reply: httpx.Response, link: RoomLink) -> None:
+    def __init__(self, reply: UpstreamReply, link: RoomLink) -> None:
         self.reply, self.link = reply, link
         self._lines = reply.aiter_lines()
 
@@ -574,10 +579,11 @@ class TransferAnswer:
         ends early a pd_upstream_error."""
         async for line in self._lines:
             if line.strip():
-                parsed = parse_transfer_line(line)
+                text = line.decode()
+                parsed = parse_transfer_line(text)
                 if ends_the_write(parsed):
                     self.link.may_write = False
-                return transfer_value(parsed, want, line)
+                return transfer_value(parsed, want, text)
         raise ApiError(502, f"the /pd/transfer answer ended before its {want!r} line", type="server_error",
                        code="pd_upstream_error")
 
@@ -626,9 +632,16 @@ def _refused_the_room(status: int, body: dict) -> bool:
     return status < 500 or str(code).startswith("pd_")
 
 
-def _json(reply: httpx.Response) -> dict:
+JSON_TYPE = {"content-type": "application/json"}
+
+
+def _dumps(value: dict) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _json(content: bytes) -> dict:
     try:
-        body = reply.json()
+        body = json.loads(content)
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}

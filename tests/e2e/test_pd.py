@@ -180,19 +180,19 @@ def test_a_room_answers_once_open_and_a_hang_up_before_its_first_line_fails_it(s
 
 def test_decode_side_reuses_one_http_client(servers, monkeypatch):
     """A client per request cost the decode server a TLS context each (69% of its event loop under a
-    40-session PD gate): requests after the first must make none."""
+    40-session PD gate, when it was httpx's): requests after the first must make none."""
     import runtime.disagg.decode as decode_side
 
     made = []
 
-    class Counting(httpx.AsyncClient):
+    class Counting(decode_side.Upstreams):
         def __init__(self, *args, **kwargs):
             made.append(1)
             super().__init__(*args, **kwargs)
 
     pair, _ = servers
     answer(pair.router, body(PROMPTS[2]))  # the client exists from here on
-    monkeypatch.setattr(decode_side.httpx, "AsyncClient", Counting)
+    monkeypatch.setattr(decode_side, "Upstreams", Counting)
     for prompt in PROMPTS[:3]:
         answer(pair.router, body(prompt))
     assert made == [], f"the decode side made {len(made)} HTTP clients for 3 requests"

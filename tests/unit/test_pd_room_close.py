@@ -7,7 +7,7 @@ time, until one is confirmed or refused; a prefill server without the close rout
 and keeps them until it is upgraded; shutdown stops the retries. One that refuses the connection
 (nothing listens: no writer) gets them back after a settle delay; a room the prefill side refused
 needs no close. No transfer engine: a tiny engine, a real bridge, a host staging arena and a fake prefill
-server (httpx.MockTransport)."""
+server (tests/fake_upstreams.py's CannedUpstreams)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import json
 from itertools import islice
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -33,6 +32,8 @@ from runtime.env import Env
 from runtime.faults import FaultSet
 from runtime.server.bridge import EngineBridge
 from runtime.server.metrics import ServerMetrics
+from runtime.upstream_http import UpstreamConnectError, UpstreamError
+from tests.fake_upstreams import CannedUpstreams, FakeReply, FakeRequest
 
 pytestmark = pytest.mark.unit
 PROMPT = [5, 6, 7, 8, 9, 10, 11]  # 2 pages of 4
@@ -58,37 +59,37 @@ class FakePrefill:
         self.closes: list[dict] = []
         self.closed_at: list[float] = []
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
+    async def __call__(self, request: FakeRequest) -> FakeReply:
+        path = request.path
         if path == "/pd/register":
-            return httpx.Response(200, json={"session_id": "s-1", "version": 1}
+            return FakeReply.json(200, {"session_id": "s-1", "version": 1}
                                   | ({"room_close": True} if self.offers_close else {}))
         if path == "/pd/transfer":
             if self.transfer_status != 200:
-                return httpx.Response(self.transfer_status, json={"error": {
+                return FakeReply.json(self.transfer_status, {"error": {
                     "message": "room room-1: the prompt was aborted", "type": "server_error",
                     "code": "pd_transfer_failed"}})
-            return httpx.Response(200, content=self._lines())
+            return FakeReply(chunks=self._lines())
         assert path.startswith("/pd/rooms/room-") and path.endswith("/close"), path
-        self.closes.append(json.loads(request.content))
+        self.closes.append(json.loads(request.body))
         self.closed_at.append(asyncio.get_running_loop().time())
         close = self.close
         if len(self.closes) > 1 and self.then:
             close = self.then[min(len(self.closes) - 2, len(self.then) - 1)]
         if close == "broken":  # a pooled connection the server's death broke
-            raise httpx.ReadError("", request=request)
-        return await self._answer_close(close, request)
+            raise UpstreamError("the upstream closed the connection mid-answer (0 bytes read)")
+        return await self._answer_close(close)
 
-    async def _answer_close(self, close: str | int, request: httpx.Request) -> httpx.Response:
+    async def _answer_close(self, close: str | int) -> FakeReply:
         if close == "refused":
-            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+            raise UpstreamConnectError("cannot connect to prefill:80: ConnectionRefusedError(111)")
         if close == "hang":
             await asyncio.sleep(3600)
         if close == "slow":  # the prefill side waits out a write in progress
             await asyncio.sleep(WRITE_S)
         if isinstance(close, int):
-            return httpx.Response(close, json={"error": {"message": "planted", "code": "pd_write_in_progress"}})
-        return httpx.Response(200, json={"room": "room-1", "closed": True})
+            return FakeReply.json(close, {"error": {"message": "planted", "code": "pd_write_in_progress"}})
+        return FakeReply.json(200, {"room": "room-1", "closed": True})
 
     async def _lines(self):
         yield b'{"first": {"token": 65}}\n'  # no num_sampled, no generator: `prefilled_request` fails
@@ -117,7 +118,7 @@ async def give_up_a_room(decode, prefill: FakePrefill, room: str = "room-1", rid
     """One request `rid` through `DecodeSide.start` against `prefill` (at `url`), given up between the
     answer's lines."""
     side = decode.side
-    side._client = (asyncio.get_running_loop(), httpx.AsyncClient(transport=httpx.MockTransport(prefill)))
+    side._client = (asyncio.get_running_loop(), CannedUpstreams(prefill))  # type: ignore[assignment]
     request = SimpleNamespace(headers={ROOM_HEADER: room, BOOTSTRAP_HEADER: url})
     prepared = SimpleNamespace(prompt_ids=PROMPT, params=SamplingParams(max_tokens=8))
     with pytest.raises(Exception):  # noqa: B017 - whatever the client sees; what is left is the question
@@ -476,9 +477,8 @@ def test_a_prefill_server_without_the_close_route_is_named_when_it_registers(dec
     (an older version) is named at registration, before any room is given up there, where it costs
     quarantined pages; one that does is not. Negative control: named only at its first 404 before."""
     async def run() -> None:
-        client = httpx.AsyncClient(transport=httpx.MockTransport(FakePrefill(offers_close=offers)))
-        assert await decode.side._session(client, "http://prefill") == "s-1"
-        await client.aclose()
+        client = CannedUpstreams(FakePrefill(offers_close=offers))
+        assert await decode.side._session(client, "http://prefill") == "s-1"  # type: ignore[arg-type]
 
     asyncio.run(run())
     named = [r.getMessage() for r in caplog.records if "has no room-close route" in r.getMessage()]

@@ -42,6 +42,10 @@ def test_bodies_framed_by_length_and_by_chunks_read_whole_and_as_they_arrive():
         await reply.aclose()
         assert fake.connections == 1  # both calls over one kept-alive connection
         await upstreams.aclose()
+        await asyncio.sleep(0.01)
+        assert fake.closed == 1 and upstreams.is_closed
+        with pytest.raises(UpstreamConnectError, match="the client is closed"):
+            await upstreams.request("GET", "http://a:1/x")
 
     run(go())
 
