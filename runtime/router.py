@@ -287,6 +287,8 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                 exchange = await upstreams.send("POST", f"{prefill_url}/v1/chat/completions", headers, body)
             except UpstreamConnectError as exc:  # nothing listens: it took nothing, and no room is opened
                 return _unreachable("prefill", prefill_url, exc), True
+            except UpstreamError as exc:  # broke off as it was written: it may have taken part of it
+                return _unreachable("prefill", prefill_url, exc), False
             trace.mark("prefill_sent")
             prefill_call = asyncio.create_task(_prefill_answer(exchange))
             try:

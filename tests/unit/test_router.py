@@ -261,3 +261,28 @@ def test_a_decode_server_nothing_listens_on_hands_the_room_to_the_next_one():
     assert fake.hosts() == ["prefill", "decode-b"] * 3
     rooms = [r.headers[ROOM_HEADER] for r in fake.requests]
     assert rooms[0] == rooms[1]  # the room the prompt's call stands for went to decode-b
+
+
+def test_a_prompt_call_that_breaks_as_it_is_written_is_an_error_and_not_offered_again():
+    """The prefill server may have read part of it: the client gets the router's 502 naming the prefill
+    server, no decode server opens a room, and no other prefill server gets it (it may be computing)."""
+    app, fake = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"})
+
+    async def breaking(host: str, port: int):
+        reader, writer = await fake.connect(host, port)
+
+        async def broken_drain() -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        if host == "prefill-a":
+            writer.drain = broken_drain  # type: ignore[method-assign]
+        return reader, writer
+
+    app = create_router_app(["http://prefill-a:1", "http://prefill-b:1"], ["http://decode:2"],
+                            health_every_s=None, connect=breaking)
+    with TestClient(app) as router:
+        reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"]) == (502, "pd_upstream_unreachable")
+    assert "prefill server http://prefill-a:1" in error["message"] and "connection broke: BrokenPipeError" in error["message"]
+    assert decode_calls(fake) == [] and fake.hosts() == ["prefill-a"]
