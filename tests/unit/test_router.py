@@ -284,5 +284,6 @@ def test_a_prompt_call_that_breaks_as_it_is_written_is_an_error_and_not_offered_
         reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
     error = reply.json()["error"]
     assert (reply.status_code, error["code"]) == (502, "pd_upstream_unreachable")
-    assert "prefill server http://prefill-a:1" in error["message"] and "connection broke: BrokenPipeError" in error["message"]
+    assert "prefill server http://prefill-a:1" in error["message"]
+    assert "connection broke: BrokenPipeError" in error["message"]
     assert decode_calls(fake) == [] and fake.hosts() == ["prefill-a"]
