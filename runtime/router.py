@@ -47,11 +47,9 @@ PAIR_SUMS = {"dsv4_kv_pages_in_use": "dsv4_pd_upstream_kv_pages_in_use",
              "dsv4_preemptions_total": "dsv4_pd_upstream_preemptions_total",
              "dsv4_prefix_cache_hit_tokens_total": "dsv4_pd_upstream_prefix_cache_hit_tokens_total",
              "dsv4_prefix_cache_lookup_tokens_total": "dsv4_pd_upstream_prefix_cache_lookup_tokens_total"}
-
-
 # Prefill servers a request is offered to when the ones before took nothing of it (shutting down, down
 # or out of the decode side's reach: `_prefill_refused`), nothing having reached its client yet; each
-# try costs a decode call.
+# try but one refused at its connection costs a decode call.
 MAX_PREFILL_TRIES = 3
 # The decode side's errors that say the prefill server took nothing of a request (`_prefill_refused`).
 PREFILL_REFUSED_CODES = frozenset({"pd_prefill_stopping", "pd_prefill_unreachable"})
