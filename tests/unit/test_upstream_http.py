@@ -191,3 +191,16 @@ def test_bad_urls_and_header_injection_are_refused_before_anything_is_sent():
     run(go())
     with pytest.raises(ValueError, match="timeouts must be positive"):
         Upstreams(0)
+
+
+def test_lines_are_whole_across_chunk_boundaries():
+    """The /pd/transfer answer's lines (the first carries the first token) arrive in whatever chunks the
+    server wrote: a line split over two chunks is one line, CRLF and a last line without a break too."""
+    pieces = [b'{"first": 1', b'}\n{"done"', b': 2}\r\n\n', b"tail"]
+
+    async def go():
+        fake = FakeUpstreams(lambda request: FakeReply(chunks=list(pieces)))
+        reply = await Upstreams(5.0, connect=fake.connect).request("POST", "http://a:1/pd/transfer", {}, b"{}")
+        return [line async for line in reply.aiter_lines()]
+
+    assert run(go()) == [b'{"first": 1}', b'{"done": 2}', b"", b"tail"]
