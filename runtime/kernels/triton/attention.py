@@ -88,9 +88,11 @@ LARGE_BATCH_ROWS = 128
 # The spread mode's merge launch as a programmatic dependent launch (sm_90+, not the interpreter): its programs
 # may become resident while the chunk programs still run (they trigger it as they start) and wait at
 # griddepcontrol.wait for the whole grid's stores, so the merge's launch latency hides behind the chunks' work
-# (bs <= 16 at H=64 runs spread: 2 launches of a few us each). The same kernels, so the same bits; off until
-# the GPU shows its time (bench.mla_sweep --free "spread" against "spread+pdl", and the GPU bit test).
-PDL_MERGE = False
+# (bs <= 16 at H=64 runs spread: 2 launches of a few us each). The same kernels, so the same bits (the GPU bit
+# test, eager and under graph replay). H100, thirty-seventh session, bench.mla_sweep --free "spread" against
+# "spread+pdl": bs 1 8.4 -> 7.4 us at H=64 and 9.1 -> 7.5 at H=16, bs 16 at H=16 15.4 -> 14.2; one loss, bs 16
+# at H=64, 25.8 -> 26.9.
+PDL_MERGE = True
 # The knobs those launches may set: the ones that left a row's bits alone under MMA row sums.
 _FREE_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge", "v_split", "skip_tail",
                          "rowsum_mma", "column_groups"})
