@@ -131,7 +131,8 @@ class FakeUpstreams:
                     await writer.drain()
                     await asyncio.wait([hung_up], timeout=0)
             finally:
-                hung_up.cancel()
+                hung_up.cancel()  # and its read given up before the next request's head is read
+                await asyncio.gather(hung_up, return_exceptions=True)
             writer.write(b"0\r\n\r\n")
         await writer.drain()
         return True
