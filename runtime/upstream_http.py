@@ -216,9 +216,11 @@ class Upstreams:
         self._idle.setdefault(origin, []).append(connection)
 
     async def _read(self, awaitable: Awaitable) -> bytes:
-        """One read (or drain) under the call's timeout, its failures as UpstreamError."""
+        """One read (or drain) under the call's timeout, its failures as UpstreamError. (A timeout scope,
+        not asyncio.wait_for: that wraps each read in a task of its own, on the first token's path.)"""
         try:
-            return await asyncio.wait_for(awaitable, self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                return await awaitable
         except TimeoutError:
             raise UpstreamTimeout(f"the upstream sent nothing for {self.timeout_s} s") from None
         except asyncio.IncompleteReadError as exc:
@@ -266,17 +268,14 @@ class Exchange:
         return reply
 
     async def _read_head(self) -> tuple[int, dict[str, str]]:
-        read, reader = self.pool._read, self.connection.reader
-        status_line = await read(reader.readuntil(b"\r\n"))
+        # The whole head in one read (the reader's limit, MAX_HEAD_BYTES, bounds it).
+        head = await self.pool._read(self.connection.reader.readuntil(b"\r\n\r\n"))
+        status_line, *lines = head[:-4].split(b"\r\n")
         parts = status_line.split(None, 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             raise UpstreamError(f"not an HTTP/1.x answer from the upstream: {status_line[:80]!r}")
         headers: dict[str, str] = {}
-        size = len(status_line)
-        while (line := await read(reader.readuntil(b"\r\n"))) != b"\r\n":
-            size += len(line)
-            if size > MAX_HEAD_BYTES:
-                raise UpstreamError(f"the upstream's answer head exceeds {MAX_HEAD_BYTES} bytes")
+        for line in lines:
             name, sep, value = line.decode("latin-1").partition(":")
             if not sep:
                 raise UpstreamError(f"a malformed header line from the upstream: {line[:80]!r}")

@@ -142,11 +142,12 @@ def test_failures_are_upstream_errors_that_say_what_happened():
         with pytest.raises(UpstreamTimeout, match="sent nothing for 0.2 s"):
             await Upstreams(0.2, connect=FakeUpstreams(silent).connect).request("GET", "http://a:1/x")
 
-        for answer, match in ((b"SSH-2.0-OpenSSH\r\n", "not an HTTP/1.x answer"),
+        for answer, match in ((b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x answer"),
                               (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", "malformed header line"),
                               (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort", "closed the connection 5 bytes"),
                               (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"),
-                              (b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n", "malformed Content-Length")):
+                              (b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n", "malformed Content-Length"),
+                              (b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n", "exceeds 65536 bytes")):
             with pytest.raises(UpstreamError, match=match):
                 await (await Upstreams(1.0, connect=canned(answer)).request("GET", "http://a:1/x")).aread()
 
