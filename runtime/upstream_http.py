@@ -30,9 +30,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-# How long a kept-alive connection may wait idle before it is closed instead of reused: well under
-# every server's keep-alive (75 s in runtime/serve.py, uvicorn's default 5 s elsewhere).
-IDLE_S = 2.0
+# How long a kept-alive connection may wait idle before it is closed instead of reused: under the PD
+# servers' keep-alive (75 s, runtime/serve.py), so a quiet router's prompt call still finds its connection
+# (a new one costs its connect on the TTFT path; httpx kept them 5 s). A server that closes sooner (uvicorn's
+# default is 5 s) is seen closed before reuse: its FIN has been read (`_Connection.reusable`), but for a
+# close that crosses the reuse itself.
+IDLE_S = 60.0
 # The largest status line + headers read from an upstream, and the largest read of a body at a time.
 MAX_HEAD_BYTES = 64 * 1024
 READ_BYTES = 64 * 1024
