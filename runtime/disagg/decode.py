@@ -435,15 +435,15 @@ class DecodeSide:
         """The close call's status and body, sent again once when the connection it went out on broke: a
         pooled connection to a server that died meanwhile breaks on use, where a new one is refused."""
         url, body = f"{link.prefill}/pd/rooms/{link.room}/close", _dumps({"name": self.name, "reason": reason})
-        for attempt in range(2):
+        for attempt in range(2):  # idempotent: closing a closed room answers at once, so a second try is safe
             try:
                 reply = await self.client().request("POST", url, JSON_TYPE, body)
                 return reply.status_code, await reply.aread()
             except UpstreamConnectError:
-                raise
+                raise  # nothing listens: "refused", no second try
             except UpstreamError:
                 if attempt:
-                    raise  # idempotent: closing a closed room answers at once, so the second try is safe
+                    raise
         raise AssertionError("unreachable: the second try returns or raises")
 
     def _quarantine(self, state, room: Quarantined, outcome: str) -> None:
