@@ -26,6 +26,8 @@ connection as the request given up (the PD sides' abort path), and the connectio
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -173,8 +175,11 @@ class Upstreams:
         self.is_closed = False  # by `aclose`: no call is sent from then on
 
     async def request(self, method: str, url: str, headers: dict[str, str] | None = None,
-                      body: bytes = b"") -> UpstreamReply:
-        """Send the request and read its answer's head (the body is the reply's to read)."""
+                      body: bytes = b"", json_body: object = None) -> UpstreamReply:
+        """Send the request and read its answer's head (the body is the reply's to read). `json_body`:
+        sent as the body, JSON-encoded, with its content type."""
+        if json_body is not None:
+            headers, body = json_payload(headers, json_body)
         return await (await self.send(method, url, headers, body)).reply()
 
     async def send(self, method: str, url: str, headers: dict[str, str] | None = None,
@@ -290,6 +295,11 @@ class Exchange:
         return int(parts[1]), headers
 
 
+def json_payload(headers: dict[str, str] | None, value: object) -> tuple[dict[str, str], bytes]:
+    """`headers` with the JSON content type, and `value` JSON-encoded as the body."""
+    return {**(headers or {}), "content-type": "application/json"}, json.dumps(value).encode()
+
+
 async def lines_of(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Lines, without their line breaks, of a body arriving in `pieces` (a last line without one too)."""
     pending = b""
@@ -311,6 +321,7 @@ def _content_length(headers: dict[str, str]) -> int | None:
     return int(value)
 
 
+@functools.lru_cache(maxsize=1024)  # a few upstreams' few routes, on every call's path
 def _split(url: str) -> tuple[tuple[str, int], str]:
     """(host, port) and the request target of an http:// URL."""
     parts = urlsplit(url)

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from runtime.upstream_http import lines_of
+from runtime.upstream_http import json_payload, lines_of
 
 
 @dataclass
@@ -29,9 +29,6 @@ class FakeRequest:
     path: str
     headers: dict[str, str]
     body: bytes
-
-    def json(self) -> object:
-        return json.loads(self.body)
 
 
 @dataclass
@@ -181,7 +178,9 @@ class CannedUpstreams:
     requests: list[FakeRequest] = field(default_factory=list)
 
     async def request(self, method: str, url: str, headers: dict[str, str] | None = None,
-                      body: bytes = b"") -> CannedReply:
+                      body: bytes = b"", json_body: object = None) -> CannedReply:
+        if json_body is not None:
+            headers, body = json_payload(headers, json_body)
         parts = urlsplit(url)
         request = FakeRequest(method, parts.hostname or "", parts.path, dict(headers or {}), body)
         self.requests.append(request)

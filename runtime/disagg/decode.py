@@ -161,8 +161,8 @@ class DecodeSide:
             current = self.sessions.get(prefill)
             if current is not None and current != stale:
                 return current  # another request registered while this one waited
-            reply = await client.request("POST", f"{prefill}/pd/register", JSON_TYPE, _dumps({
-                "name": self.name, "instance": self.instance, "pool": self.transfer.descriptor().to_dict()}))
+            reply = await client.request("POST", f"{prefill}/pd/register", json_body={
+                "name": self.name, "instance": self.instance, "pool": self.transfer.descriptor().to_dict()})
             content = await reply.aread()
             if reply.status_code != 200:
                 raise error_from_body(reply.status_code, _json(content), f"registering with {prefill} failed")
@@ -186,9 +186,9 @@ class DecodeSide:
             session = await self._session(client, prefill, refused)
             trace.mark("transfer_requested")
             link.may_write = True  # from the first byte sent: the room may be open before any answer
-            reply = await client.request("POST", f"{prefill}/pd/transfer", {**JSON_TYPE, **trace.headers()}, _dumps({
+            reply = await client.request("POST", f"{prefill}/pd/transfer", trace.headers(), json_body={
                 "room": room, "name": self.name, "session_id": session, "dst_pages": pages,
-                "staging_offset": staging}))
+                "staging_offset": staging})
             if reply.status_code != 200:
                 body = _json(await reply.aread())
                 link.may_write = not _refused_the_room(reply.status_code, body)
@@ -434,10 +434,10 @@ class DecodeSide:
     async def _post_close(self, link: RoomLink, reason: str) -> tuple[int, bytes]:
         """The close call's status and body, sent again once when the connection it went out on broke: a
         pooled connection to a server that died meanwhile breaks on use, where a new one is refused."""
-        url, body = f"{link.prefill}/pd/rooms/{link.room}/close", _dumps({"name": self.name, "reason": reason})
+        url, body = f"{link.prefill}/pd/rooms/{link.room}/close", {"name": self.name, "reason": reason}
         for attempt in range(2):  # idempotent: closing a closed room answers at once, so a second try is safe
             try:
-                reply = await self.client().request("POST", url, JSON_TYPE, body)
+                reply = await self.client().request("POST", url, json_body=body)
                 return reply.status_code, await reply.aread()
             except UpstreamConnectError:
                 raise  # nothing listens: "refused", no second try
@@ -630,13 +630,6 @@ def _refused_the_room(status: int, body: dict) -> bool:
     other server error may have come after the room opened."""
     code = body.get("error", {}).get("code") if isinstance(body.get("error"), dict) else None
     return status < 500 or str(code).startswith("pd_")
-
-
-JSON_TYPE = {"content-type": "application/json"}
-
-
-def _dumps(value: dict) -> bytes:
-    return json.dumps(value).encode()
 
 
 def _json(content: bytes) -> dict:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -157,7 +158,7 @@ def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, s
         return FakeReply.json(status, {"error": {"message": "planted", "type": "server_error", "code": code}})
 
     def answer(request: FakeRequest) -> FakeReply:
-        bootstrap = request.headers[BOOTSTRAP_HEADER.lower()].split("//")[1].split(":")[0]
+        bootstrap = bootstrap_host(request)
         state = prefill_state.get(bootstrap, "ok")
         if request.host in prefill_state:  # the prompt's call
             return error(503, "pd_prefill_stopping") if state == "stopping" else FakeReply.json(200, {})
@@ -177,10 +178,14 @@ def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, s
     return app, fake
 
 
+def bootstrap_host(request: FakeRequest) -> str:
+    """The host of the prefill server a request names in its bootstrap header."""
+    return urlsplit(request.headers[BOOTSTRAP_HEADER.lower()]).hostname or ""
+
+
 def decode_calls(fake: FakeUpstreams) -> list[str]:
     """The bootstrap (prefill) host of each decode call, in order."""
-    return [r.headers[BOOTSTRAP_HEADER.lower()].split("//")[1].split(":")[0] for r in fake.requests
-            if r.host.startswith("decode")]
+    return [bootstrap_host(r) for r in fake.requests if r.host.startswith("decode")]
 
 
 def test_a_request_a_stopping_prefill_server_refuses_goes_to_the_next_one():
