@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 PROC = Path("/proc")
+CPU_SYS = Path("/sys/devices/system/cpu")
 
 
 def _ticks_per_s() -> int:
@@ -67,6 +68,21 @@ def thread_times(pid: int, proc: Path = PROC) -> dict[int, tuple[int, int]]:
         utime, stime, cpu = int(rest[11]), int(rest[12]), int(rest[36])
         out[int(task.name)] = (utime + stime, cpu)
     return out
+
+
+def physical_cores(cpus: list[int], sys_cpu: Path = CPU_SYS) -> list[list[int]]:
+    """`cpus` grouped by the physical core they share (SMT siblings together, by package then core id),
+    in order of each core's first CPU. A CPU whose topology cannot be read is a core of its own."""
+    cores: dict[tuple[int, int] | tuple[str, int], list[int]] = {}
+    for cpu in sorted(cpus):
+        topology = sys_cpu / f"cpu{cpu}" / "topology"
+        try:
+            key: tuple[int, int] | tuple[str, int] = (int((topology / "physical_package_id").read_text()),
+                                                      int((topology / "core_id").read_text()))
+        except (OSError, ValueError):
+            key = ("unknown", cpu)
+        cores.setdefault(key, []).append(cpu)
+    return sorted(cores.values(), key=lambda siblings: siblings[0])
 
 
 class HostSampler:

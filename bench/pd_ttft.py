@@ -6,13 +6,22 @@ By default every server is its own process, as deployed (canary/pd_target.py, ca
 side's three event loops and two engine threads share one GIL, which the colocated server does not
 pay, so that form overstates PD's cost.
 
-    python -m bench.pd_ttft --repeats 10 --words 8,400 [--threads] [--phases] [--hang-up] [--server-arg=...] [--out F]
+    python -m bench.pd_ttft --repeats 10 --words 8,400 [--threads] [--phases] [--hang-up] [--pin MODE]
+        [--server-arg=...] [--out F]
 
 Each stream is read to its end, as a client does; `--hang-up` closes it at the first token instead (every
 request then an abort on both PD sides, and a reconnect from the router: see `ttft`).
 
 `--server-arg` goes to every server, PD sides and colocated alike (scripts/gpu_suite.sh's pd_gpu_ttft
 runs them on the GPU with `--server-arg=--dtype=float32`).
+
+`--pin apart` gives each process (this client, the router, the prefill and decode servers, the colocated server)
+whole physical cores of its own (two CPUs at least: a server's event loop and engine thread run at once);
+`--pin pd-shared` the same but the prefill and decode servers share theirs. Either way, and unpinned, the report
+keeps what the host did to each process over each prompt size (bench/host_load.py: its CPU time, its busiest
+thread's and where it ran). On an H100 host the prefill server's template + tokenize took 1.6-1.9x the CPU time of
+the colocated server's on the same body (thirty-seventh session) with no other thread of its process running:
+pinning tells a neighbour on the same core apart from the server's own work.
 
 `--phases` traces every timed request (`x-dsv4-trace`, runtime/server/trace.py) and prints, per prompt
 size, the median of each phase of the PD pair's critical path, of the decode side's room-opening
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -34,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from bench.host_load import HostSampler, physical_cores
 from bench.pd_phases import (
     COLOCATED_COMPUTE,
     COLOCATED_PATH,
@@ -57,6 +68,9 @@ from runtime.config import DEFAULT_MODEL
 from runtime.server.trace import TRACE_HEADER
 from tests.e2e.pd_pair import pd_pair, serve_state, server_state
 
+PIN_MODES = ("apart", "pd-shared")
+PIN_ROLES = ("client", "router", "prefill", "decode", "colocated")
+IDLE_SAMPLE_S = 1.0
 MARKS_WAIT_S = 5.0  # for the marks a server makes after the first token (the PD decode side's KV check)
 
 def ttft(client: httpx.Client, url: str, words: int, i: int, headers: dict[str, str] | None = None,
@@ -144,6 +158,28 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
     return report
 
 
+def pin_plan(mode: str, cpus: list[int], cores: list[list[int]] | None = None) -> dict[str, list[int]]:
+    """Each of PIN_ROLES' CPU set under `--pin MODE`: whole physical cores (`cores`: `cpus` grouped by core,
+    read from the host by default), taken in order until a role holds two CPUs; under "pd-shared" the decode
+    server gets the prefill server's. ValueError where the host has too few."""
+    if mode not in PIN_MODES:
+        raise ValueError(f"unknown pinning {mode!r}; known: {', '.join(PIN_MODES)}")
+    left = list(cores if cores is not None else physical_cores(cpus))
+    plan: dict[str, list[int]] = {}
+    for role in PIN_ROLES:
+        if role == "decode" and mode == "pd-shared":
+            plan[role] = plan["prefill"]
+            continue
+        taken: list[int] = []
+        while len(taken) < 2 and left:
+            taken += left.pop(0)
+        if len(taken) < 2:
+            raise ValueError(f"--pin {mode} needs two CPUs for each of {', '.join(PIN_ROLES)} on whole cores; "
+                             f"this process has {len(cpus)} CPUs")
+        plan[role] = taken
+    return plan
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10)
@@ -155,25 +191,48 @@ def main(argv: list[str] | None = None) -> int:
                         help="an argument for every server (repeatable), e.g. --server-arg=--dtype=float32")
     parser.add_argument("--hang-up", action="store_true",
                         help="close each stream at its first token (every request an abort), as before 2026-12-05")
+    parser.add_argument("--pin", choices=PIN_MODES, default=None,
+                        help="whole cores per process (apart), or the PD sides sharing theirs (pd-shared); "
+                             "default: the scheduler places them")
     parser.add_argument("--out", type=Path, default=None, help="the report as JSON")
     args = parser.parse_args(argv)
+    if args.pin and args.threads:
+        parser.error("--pin pins processes: it does not go with --threads")
+    try:
+        pins = pin_plan(args.pin, sorted(os.sched_getaffinity(0))) if args.pin else {}
+    except ValueError as error:
+        parser.error(str(error))
     server_args = tuple(args.server_arg)
     rows: dict[int, dict[str, Any]] = {}
     with ExitStack() as stack:
         client = stack.enter_context(httpx.Client())
         pd_headers: dict[str, str] | None = None
+        processes: dict[str, int] = {}
+        idle_host: dict = {}
         co_headers: dict[str, str] | None = None
         if args.threads:
             pd_url = stack.enter_context(pd_pair(server_args, server_args)).router
             co_url = stack.enter_context(serve_state(server_state(*server_args)))
         else:  # each server started with its own API key
             log_dir = Path(tempfile.mkdtemp(prefix="pd-ttft-"))
-            pd_target = stack.enter_context(embedded_pd_pair(DEFAULT_MODEL, server_args, log_dir=log_dir))
-            co_target = stack.enter_context(embedded_server(DEFAULT_MODEL, server_args, log_dir=log_dir))
+            pd_target = stack.enter_context(embedded_pd_pair(
+                DEFAULT_MODEL, server_args, log_dir=log_dir,
+                cpus={role: cpus for role, cpus in pins.items() if role in ("prefill", "decode", "router")}))
+            co_target = stack.enter_context(embedded_server(DEFAULT_MODEL, server_args, log_dir=log_dir,
+                                                            cpus=pins.get("colocated")))
             pd_url, co_url, pd_headers, co_headers = (pd_target.root_url, co_target.root_url, pd_target.headers,
                                                       co_target.headers)
+            processes = {**pd_target.processes, "colocated": co_target.processes["server"]}
+            if pins:  # after the servers' start: pinned_command gives a child only CPUs this process holds
+                os.sched_setaffinity(0, pins["client"])
+                print(f"pinned: {pins}", flush=True)
+            idle = HostSampler(processes)  # a thread that spins while nothing is asked shows here
+            time.sleep(IDLE_SAMPLE_S)
+            idle_host = idle.sample()
+            print(f"idle {IDLE_SAMPLE_S:g} s: {idle_host}", flush=True)
         for words in map(int, args.words.split(",")):
             ttft(client, pd_url, words, -1, pd_headers), ttft(client, co_url, words, -1, co_headers)  # warm both
+            host = HostSampler(processes)
             pd, co = [], []
             pd_marks: list[dict[str, float]] = []
             co_marks: list[dict[str, float]] = []
@@ -192,11 +251,14 @@ def main(argv: list[str] | None = None) -> int:
             rows[words] = {"pd_ms": round(statistics.median(pd) * 1e3, 1),
                            "colocated_ms": round(statistics.median(co) * 1e3, 1),
                            "ratio": round(statistics.median(pd) / statistics.median(co), 2)}
+            if processes:
+                rows[words]["host"] = host.sample()
             print(words, rows[words], flush=True)
             if args.phases:
                 rows[words]["phases"] = print_phases(words, pd_marks, co_marks)
     report = {"commit": git_commit(), "servers": "threads" if args.threads else "processes", "phases": args.phases,
-              "hang_up": args.hang_up,
+              "hang_up": args.hang_up, "pin": args.pin, "cpus": pins or None,
+              "idle_host": idle_host,
               "server_args": list(server_args), "rows": rows}
     print(json.dumps(report))
     if args.out:

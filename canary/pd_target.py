@@ -13,11 +13,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from canary.targets import Target, _stop, embedded_server, free_port, wait_healthy
+from canary.targets import Target, _stop, embedded_server, free_port, pinned_command, wait_healthy
 
 # The PD deadline (`--disaggregation-timeout`, 30 s by default) counts a prompt's wait in the prefill
 # server's queue. Under the 80-session gate on the 2-core CPU the prefill server is saturated (the turns
@@ -38,27 +38,37 @@ def with_gate_timeout(args: Sequence[str]) -> list[str]:
 
 @contextmanager
 def embedded_pd_pair(model: str, args: Sequence[str] = (), *, faults: Sequence[str] = (), log_dir: Path | None = None,
-                     startup_timeout_s: float = 120.0) -> Iterator[Target]:
+                     startup_timeout_s: float = 120.0,
+                     cpus: Mapping[str, Collection[int]] | None = None) -> Iterator[Target]:
+    """The pair and its router, yielded as the router's `Target` (`processes` names all three). `cpus` pins a
+    role ("prefill", "decode", "router") to those CPUs (`pinned_command`); a role it leaves out is not pinned."""
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     args = with_gate_timeout(args)
+    cpus = cpus or {}
+    if unknown := set(cpus) - {"prefill", "decode", "router"}:
+        raise ValueError(f"no PD role named {sorted(unknown)}: the roles are prefill, decode and router")
     with ExitStack() as stack:
         prefill = stack.enter_context(embedded_server(model, [*args, "--disaggregation-mode", "prefill"],
                                                       faults=faults, log_dir=log_dir,
-                                                      startup_timeout_s=startup_timeout_s))
+                                                      startup_timeout_s=startup_timeout_s, cpus=cpus.get("prefill")))
         decode = stack.enter_context(embedded_server(model, [*args, "--disaggregation-mode", "decode"],
                                                      faults=faults, log_dir=log_dir,
-                                                     startup_timeout_s=startup_timeout_s))
+                                                     startup_timeout_s=startup_timeout_s, cpus=cpus.get("decode")))
         port = free_port()
         log_path = log_dir / f"pd-router-{port}.log"
         cmd = [sys.executable, "-m", "runtime.router", "--prefill", prefill.root_url, "--decode", decode.root_url,
                "--port", str(port), "--log-level", "warning"]
+        if "router" in cpus:
+            cmd = pinned_command(cmd, cpus["router"])
         with log_path.open("w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         stack.callback(_stop, proc)
         root = f"http://127.0.0.1:{port}"
         wait_healthy(root, proc, startup_timeout_s, log_path)
         yield Target(f"pd:{decode.name.split(':', 1)[-1]}", root + "/v1", decode.model, True, api_key=decode.api_key,
-                     log_path=decode.log_path, pid=decode.pid)
+                     log_path=decode.log_path, pid=decode.pid,
+                     processes={"prefill": prefill.processes["server"], "decode": decode.processes["server"],
+                                "router": proc.pid})
 
 
 class RestartablePDPair:

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -34,6 +34,9 @@ class Target:
     api_key: str = "EMPTY"
     log_path: Path | None = None
     pid: int | None = None  # the embedded server's process id (the soak samples its memory); None if remote
+    # Every process of an embedded target by role ("server"; a PD pair's "prefill", "decode", "router"), for
+    # benches that read what each one did on the host (bench/host_load.py).
+    processes: dict[str, int] = field(default_factory=dict)
 
     @property
     def root_url(self) -> str:
@@ -165,7 +168,8 @@ def embedded_server(model: str, args: Sequence[str] = (), *, faults: Sequence[st
         wait_healthy(root, proc, startup_timeout_s, log_path)
         yield Target(f"embedded:{Path(model).name}{'+' + '+'.join(faults) if faults else ''}", root + "/v1",
                      Path(model).name if Path(tree or ".", model).exists() else model, True,
-                     api_key=api_key_in(args) or "EMPTY", log_path=log_path, pid=proc.pid)
+                     api_key=api_key_in(args) or "EMPTY", log_path=log_path, pid=proc.pid,
+                     processes={"server": proc.pid})
     finally:
         _stop(proc)
 
