@@ -158,6 +158,17 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
     return report
 
 
+def host_line(sample: dict) -> str:
+    """A HostSampler sample in one line: per process its CPU time, its busiest thread's and the CPU that
+    thread last ran on."""
+    parts = [f"{name} {load['cpu_ms']:.0f} ms (busiest thread {load['busiest_thread_ms']:.0f} on CPU "
+             f"{load['busiest_thread_cpu']}, {load['threads_ran']} threads ran)"
+             for name, load in sample.items() if isinstance(load, dict)]
+    if "steal_pct" in sample:
+        parts.append(f"steal {sample['steal_pct']}%")
+    return "; ".join(parts) or "not read"
+
+
 def pin_plan(mode: str, cpus: list[int], cores: list[list[int]] | None = None) -> dict[str, list[int]]:
     """Each of PIN_ROLES' CPU set under `--pin MODE`: whole physical cores (`cores`: `cpus` grouped by core,
     read from the host by default), taken in order until a role holds two CPUs; under "pd-shared" the decode
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             idle = HostSampler(processes)  # a thread that spins while nothing is asked shows here
             time.sleep(IDLE_SAMPLE_S)
             idle_host = idle.sample()
-            print(f"idle {IDLE_SAMPLE_S:g} s: {idle_host}", flush=True)
+            print(f"idle {IDLE_SAMPLE_S:g} s: {host_line(idle_host)}", flush=True)
         for words in map(int, args.words.split(",")):
             ttft(client, pd_url, words, -1, pd_headers), ttft(client, co_url, words, -1, co_headers)  # warm both
             host = HostSampler(processes)
@@ -253,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                            "ratio": round(statistics.median(pd) / statistics.median(co), 2)}
             if processes:
                 rows[words]["host"] = host.sample()
-            print(words, rows[words], flush=True)
+            print(words, {key: value for key, value in rows[words].items() if key != "host"}, flush=True)
+            if processes:
+                print(f"  host over these requests: {host_line(rows[words]['host'])}", flush=True)
             if args.phases:
                 rows[words]["phases"] = print_phases(words, pd_marks, co_marks)
     report = {"commit": git_commit(), "servers": "threads" if args.threads else "processes", "phases": args.phases,
