@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from runtime.server.trace import CPU_SUFFIX, PROCESS_CPU_SUFFIX
+from runtime.server.trace import CPU_SUFFIX, ON_CPU_SUFFIX, PROCESS_CPU_SUFFIX
 
 Path = Sequence[tuple[str, str]]
 
@@ -123,6 +123,34 @@ def cpu_and_wall_ms(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str, 
         others = [max(0.0, span(row, PROCESS_CPU_SUFFIX) - cpu) for row, cpu in zip(found, thread)]
         out[label] = {"wall_ms": _median_ms([span(row) for row in found]), "cpu_ms": _median_ms(thread),
                       "other_threads_cpu_ms": _median_ms(others)}
+    return out
+
+
+def tokenize_core_sharing(rows: Sequence[Mapping[str, float]], core_of: Mapping[int, int]) -> dict[str, float] | None:
+    """The PD sides' template + tokenize spans (CPU_SPANS' "parsed" -> "prepared") split by whether they ran at once
+    on one physical core (`core_of`: CPU number -> core), from the CPUs each loop thread was on at the span's two
+    ends (ON_CPU_SUFFIX): how many requests did, and the median loop-thread CPU time of each side in each case, in
+    ms. The thirty-seventh session's H100 showed the prefill side's span at 1.6-1.9x the CPU time of the decode
+    side's, which runs beside it: two loop threads on SMT siblings slow each other. None where the marks lack the
+    CPU numbers (not Linux) or the requests are not PD ones."""
+    marks = [f"{side}.{mark}{suffix}" for side in ("prefill", "decode") for mark in ("parsed", "prepared")
+             for suffix in ("", CPU_SUFFIX, ON_CPU_SUFFIX)]
+    found = [row for row in rows if all(mark in row for mark in marks)]
+    if not found:
+        return None
+    split: dict[bool, list[Mapping[str, float]]] = {True: [], False: []}
+    for row in found:
+        overlap = (min(row["prefill.prepared"], row["decode.prepared"])
+                   > max(row["prefill.parsed"], row["decode.parsed"]))
+        cores = [{core_of.get(int(row[f"{side}.{mark}{ON_CPU_SUFFIX}"]), -1) for mark in ("parsed", "prepared")}
+                 for side in ("prefill", "decode")]
+        split[overlap and bool(cores[0] & cores[1])].append(row)
+    out: dict[str, float] = {"shared_core": len(split[True]), "apart": len(split[False])}
+    for shared, name in ((True, "shared_core"), (False, "apart")):
+        for side in ("prefill", "decode"):
+            cpu = [row[f"{side}.prepared{CPU_SUFFIX}"] - row[f"{side}.parsed{CPU_SUFFIX}"] for row in split[shared]]
+            if cpu:
+                out[f"{side}_cpu_ms_{name}"] = _median_ms(cpu)
     return out
 
 

@@ -60,6 +60,7 @@ from bench.pd_phases import (
     overhead_ms,
     phases,
     room_slack_ms,
+    tokenize_core_sharing,
 )
 from canary.pd_target import embedded_pd_pair
 from canary.provenance import git_commit
@@ -135,6 +136,10 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
         "pd_kv_check_ms": medians_ms([phases(PD_KV_CHECK, m) for m in pd_marks], PD_KV_CHECK),
         "colocated_path_ms": medians_ms(co_rows, COLOCATED_PATH),
         "loop_thread_cpu_ms": cpu_and_wall_ms(pd_marks + co_marks)}
+    cores = physical_cores(list(range(os.cpu_count() or 1)))
+    sharing = tokenize_core_sharing(pd_marks, {cpu: n for n, siblings in enumerate(cores) for cpu in siblings})
+    if sharing is not None:
+        report["pd_tokenize_core_sharing"] = sharing
     slack = [s for s in map(room_slack_ms, pd_marks) if s is not None]
     if slack:
         report["room_open_before_kv_held_ms"] = round(statistics.median(slack), 2)
@@ -152,6 +157,11 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
     for label, figures in report["loop_thread_cpu_ms"].items():
         print(f"  {label}: {figures['wall_ms']:.2f} ms wall, the event loop thread's CPU {figures['cpu_ms']:.2f} ms, "
               f"the server's other threads' CPU {figures['other_threads_cpu_ms']:.2f} ms")
+    if sharing is not None:
+        by_case = "; ".join(f"{side} {sharing.get(f'{side}_cpu_ms_shared_core', '-')} shared, "
+                            f"{sharing.get(f'{side}_cpu_ms_apart', '-')} apart" for side in ("prefill", "decode"))
+        print(f"  the PD sides' template + tokenize at once on one physical core: {sharing['shared_core']:.0f} "
+              f"requests, apart: {sharing['apart']:.0f}; loop-thread CPU ms {by_case}")
     if slack:
         print(f"  the room was open {report['room_open_before_kv_held_ms']:.2f} ms before the prompt's KV "
               f"(negative: the KV waited for it)")

@@ -13,14 +13,29 @@ on one host can be subtracted from each other (and from the client's); across ho
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 TRACE_HEADER = "x-dsv4-trace"
 TRACES_KEPT = 256  # enough for a bench's run; an old trace is dropped, never a reason to grow
 CPU_SUFFIX = "@cpu"  # a mark on its thread's CPU clock (`Trace.mark_cpu`), not on the monotonic one
 PROCESS_CPU_SUFFIX = "@proc"  # the same, on the process's CPU clock (every thread of it)
+ON_CPU_SUFFIX = "@on"  # the number of the CPU the marking thread ran on (Linux; absent elsewhere)
+
+
+def _cpu_number_reader() -> Callable[[], int] | None:
+    """glibc's sched_getcpu (a vDSO read, well under a microsecond), or None where there is none."""
+    try:
+        getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    getcpu.restype, getcpu.argtypes = ctypes.c_int, []
+    return getcpu if getcpu() >= 0 else None
+
+
+_current_cpu = _cpu_number_reader()
 
 
 class Trace:
@@ -43,9 +58,13 @@ class Trace:
         whole process's (`time.process_time()`, "NAME@proc"); each compares only with its own kind,
         taken on the same thread. Beside the wall-clock marks of the same span they tell a phase that
         worked from one that waited, and what it waited for: a wait while the process's other threads
-        ran is the GIL's; a wait while nothing here ran is a core's (or I/O)."""
+        ran is the GIL's; a wait while nothing here ran is a core's (or I/O). "NAME@on": the CPU the thread
+        ran on, so a bench can tell two servers' spans that shared a physical core (SMT siblings) from
+        spans that did not."""
         self.mark(f"{name}{CPU_SUFFIX}", time.thread_time())
         self.mark(f"{name}{PROCESS_CPU_SUFFIX}", time.process_time())
+        if _current_cpu is not None:
+            self.mark(f"{name}{ON_CPU_SUFFIX}", float(_current_cpu()))
 
     def headers(self) -> dict[str, str]:
         """What carries this trace to the next server on the request's path."""
