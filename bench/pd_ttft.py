@@ -228,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         client = stack.enter_context(httpx.Client())
         pd_headers: dict[str, str] | None = None
-        processes: dict[str, int] = {}
-        idle_host: dict = {}
         co_headers: dict[str, str] | None = None
+        processes: dict[str, int] = {}  # by role, for the host's load (none with --threads: one process)
+        idle_host: dict = {}
         if args.threads:
             pd_url = stack.enter_context(pd_pair(server_args, server_args)).router
             co_url = stack.enter_context(serve_state(server_state(*server_args)))
