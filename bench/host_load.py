@@ -120,6 +120,17 @@ class HostSampler:
         return out
 
 
+def sample_line(sample: dict) -> str:
+    """One `HostSampler.sample()` in one line: per process its CPU time, its busiest thread's and the CPU that
+    thread last ran on, then the host's steal."""
+    parts = [f"{name} {load['cpu_ms']:.0f} ms (busiest thread {load['busiest_thread_ms']:.0f} on CPU "
+             f"{load['busiest_thread_cpu']}, {load['threads_ran']} threads ran)"
+             for name, load in sample.items() if isinstance(load, dict)]
+    if "steal_pct" in sample:
+        parts.append(f"steal {sample['steal_pct']}%")
+    return "; ".join(parts) or "not read"
+
+
 def summary(samples: list[dict], sides: tuple[str, str] = ("candidate", "baseline")) -> str:
     """One line over a run's samples: the host's steal (median, max), the largest steal of a CPU a side's
     busiest thread ran on, and in how many samples both sides' busiest threads last ran on one CPU (a

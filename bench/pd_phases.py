@@ -127,28 +127,28 @@ def cpu_and_wall_ms(rows: Sequence[Mapping[str, float]]) -> dict[str, dict[str, 
 
 
 def tokenize_core_sharing(rows: Sequence[Mapping[str, float]], core_of: Mapping[int, int]) -> dict[str, float] | None:
-    """The PD sides' template + tokenize spans (CPU_SPANS' "parsed" -> "prepared") split by whether they ran at once
-    on one physical core (`core_of`: CPU number -> core), from the CPUs each loop thread was on at the span's two
-    ends (ON_CPU_SUFFIX): how many requests did, and the median loop-thread CPU time of each side in each case, in
-    ms. The thirty-seventh session's H100 showed the prefill side's span at 1.6-1.9x the CPU time of the decode
-    side's, which runs beside it: two loop threads on SMT siblings slow each other. None where the marks lack the
-    CPU numbers (not Linux) or the requests are not PD ones."""
-    marks = [f"{side}.{mark}{suffix}" for side in ("prefill", "decode") for mark in ("parsed", "prepared")
-             for suffix in ("", CPU_SUFFIX, ON_CPU_SUFFIX)]
-    found = [row for row in rows if all(mark in row for mark in marks)]
+    """The PD sides' template + tokenize spans (CPU_SPANS') split by whether they ran at once on one physical core
+    (`core_of`: CPU number -> core), from the CPUs each loop thread was on at the span's two ends (ON_CPU_SUFFIX):
+    how many requests did, and the median loop-thread CPU time of each side in each case, in ms. The thirty-seventh
+    session's H100 showed the prefill side's span at 1.6-1.9x the CPU time of the decode side's, which runs beside
+    it: two loop threads on SMT siblings slow each other. None where the marks lack the CPU numbers (not Linux) or
+    the requests are not PD ones."""
+    spans = {side: (first, last) for side, first, last, _ in CPU_SPANS if side in ("prefill", "decode")}
+    found = [row for row in rows if all(f"{side}.{mark}{suffix}" in row for side, ends in spans.items()
+                                        for mark in ends for suffix in ("", CPU_SUFFIX, ON_CPU_SUFFIX))]
     if not found:
         return None
     split: dict[bool, list[Mapping[str, float]]] = {True: [], False: []}
     for row in found:
-        overlap = (min(row["prefill.prepared"], row["decode.prepared"])
-                   > max(row["prefill.parsed"], row["decode.parsed"]))
-        cores = [{core_of.get(int(row[f"{side}.{mark}{ON_CPU_SUFFIX}"]), -1) for mark in ("parsed", "prepared")}
-                 for side in ("prefill", "decode")]
-        split[overlap and bool(cores[0] & cores[1])].append(row)
+        starts = [row[f"{side}.{first}"] for side, (first, _) in spans.items()]
+        ends = [row[f"{side}.{last}"] for side, (_, last) in spans.items()]
+        cores = [{core_of.get(int(row[f"{side}.{mark}{ON_CPU_SUFFIX}"]), -1) for mark in both}
+                 for side, both in spans.items()]
+        split[min(ends) > max(starts) and bool(cores[0] & cores[1])].append(row)
     out: dict[str, float] = {"shared_core": len(split[True]), "apart": len(split[False])}
     for shared, name in ((True, "shared_core"), (False, "apart")):
-        for side in ("prefill", "decode"):
-            cpu = [row[f"{side}.prepared{CPU_SUFFIX}"] - row[f"{side}.parsed{CPU_SUFFIX}"] for row in split[shared]]
+        for side, (first, last) in spans.items():
+            cpu = [row[f"{side}.{last}{CPU_SUFFIX}"] - row[f"{side}.{first}{CPU_SUFFIX}"] for row in split[shared]]
             if cpu:
                 out[f"{side}_cpu_ms_{name}"] = _median_ms(cpu)
     return out

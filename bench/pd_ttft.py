@@ -44,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from bench.host_load import HostSampler, physical_cores
+from bench.host_load import HostSampler, physical_cores, sample_line
 from bench.pd_phases import (
     COLOCATED_COMPUTE,
     COLOCATED_PATH,
@@ -62,7 +62,7 @@ from bench.pd_phases import (
     room_slack_ms,
     tokenize_core_sharing,
 )
-from canary.pd_target import embedded_pd_pair
+from canary.pd_target import PD_ROLES, embedded_pd_pair
 from canary.provenance import git_commit
 from canary.targets import embedded_server
 from runtime.config import DEFAULT_MODEL
@@ -123,7 +123,8 @@ def traced_ttft(client: httpx.Client, url: str, words: int, i: int, headers: dic
         time.sleep(0.01)
 
 
-def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[dict[str, float]]) -> dict:
+def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[dict[str, float]],
+                 core_of: dict[int, int]) -> dict:
     """The phase medians of one prompt size, printed and returned."""
     pd_rows = [phases(PD_PATH, m) for m in pd_marks]
     co_rows = [phases(COLOCATED_PATH, m) for m in co_marks]
@@ -136,8 +137,7 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
         "pd_kv_check_ms": medians_ms([phases(PD_KV_CHECK, m) for m in pd_marks], PD_KV_CHECK),
         "colocated_path_ms": medians_ms(co_rows, COLOCATED_PATH),
         "loop_thread_cpu_ms": cpu_and_wall_ms(pd_marks + co_marks)}
-    cores = physical_cores(list(range(os.cpu_count() or 1)))
-    sharing = tokenize_core_sharing(pd_marks, {cpu: n for n, siblings in enumerate(cores) for cpu in siblings})
+    sharing = tokenize_core_sharing(pd_marks, core_of)
     if sharing is not None:
         report["pd_tokenize_core_sharing"] = sharing
     slack = [s for s in map(room_slack_ms, pd_marks) if s is not None]
@@ -166,17 +166,6 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
         print(f"  the room was open {report['room_open_before_kv_held_ms']:.2f} ms before the prompt's KV "
               f"(negative: the KV waited for it)")
     return report
-
-
-def host_line(sample: dict) -> str:
-    """A HostSampler sample in one line: per process its CPU time, its busiest thread's and the CPU that
-    thread last ran on."""
-    parts = [f"{name} {load['cpu_ms']:.0f} ms (busiest thread {load['busiest_thread_ms']:.0f} on CPU "
-             f"{load['busiest_thread_cpu']}, {load['threads_ran']} threads ran)"
-             for name, load in sample.items() if isinstance(load, dict)]
-    if "steal_pct" in sample:
-        parts.append(f"steal {sample['steal_pct']}%")
-    return "; ".join(parts) or "not read"
 
 
 def pin_plan(mode: str, cpus: list[int], cores: list[list[int]] | None = None) -> dict[str, list[int]]:
@@ -224,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     server_args = tuple(args.server_arg)
+    # CPU number -> physical core, for the phases' core-sharing split (every CPU: a pinned server's too).
+    core_of = {cpu: n for n, siblings in enumerate(physical_cores(list(range(os.cpu_count() or 1))))
+               for cpu in siblings}
     rows: dict[int, dict[str, Any]] = {}
     with ExitStack() as stack:
         client = stack.enter_context(httpx.Client())
@@ -238,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             log_dir = Path(tempfile.mkdtemp(prefix="pd-ttft-"))
             pd_target = stack.enter_context(embedded_pd_pair(
                 DEFAULT_MODEL, server_args, log_dir=log_dir,
-                cpus={role: cpus for role, cpus in pins.items() if role in ("prefill", "decode", "router")}))
+                cpus={role: cpus for role, cpus in pins.items() if role in PD_ROLES}))
             co_target = stack.enter_context(embedded_server(DEFAULT_MODEL, server_args, log_dir=log_dir,
                                                             cpus=pins.get("colocated")))
             pd_url, co_url, pd_headers, co_headers = (pd_target.root_url, co_target.root_url, pd_target.headers,
@@ -250,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             idle = HostSampler(processes)  # a thread that spins while nothing is asked shows here
             time.sleep(IDLE_SAMPLE_S)
             idle_host = idle.sample()
-            print(f"idle {IDLE_SAMPLE_S:g} s: {host_line(idle_host)}", flush=True)
+            print(f"idle {IDLE_SAMPLE_S:g} s: {sample_line(idle_host)}", flush=True)
         for words in map(int, args.words.split(",")):
             ttft(client, pd_url, words, -1, pd_headers), ttft(client, co_url, words, -1, co_headers)  # warm both
             host = HostSampler(processes)
@@ -276,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows[words]["host"] = host.sample()
             print(words, {key: value for key, value in rows[words].items() if key != "host"}, flush=True)
             if processes:
-                print(f"  host over these requests: {host_line(rows[words]['host'])}", flush=True)
+                print(f"  host over these requests: {sample_line(rows[words]['host'])}", flush=True)
             if args.phases:
-                rows[words]["phases"] = print_phases(words, pd_marks, co_marks)
+                rows[words]["phases"] = print_phases(words, pd_marks, co_marks, core_of)
     report = {"commit": git_commit(), "servers": "threads" if args.threads else "processes", "phases": args.phases,
               "hang_up": args.hang_up, "pin": args.pin, "cpus": pins or None,
               "idle_host": idle_host,

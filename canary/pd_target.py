@@ -27,6 +27,7 @@ from canary.targets import Target, _stop, embedded_server, free_port, pinned_com
 # Since the prefill server keeps a prefix cache (fourteenth session) the same gate's TTFT p50 is ~1 s;
 # the deadline stays until its tail under a loaded CI host is measured.
 GATE_PD_TIMEOUT_S = 120.0
+PD_ROLES = ("prefill", "decode", "router")  # the pair's processes, as `embedded_pd_pair` names and pins them
 
 
 def with_gate_timeout(args: Sequence[str]) -> list[str]:
@@ -41,12 +42,12 @@ def embedded_pd_pair(model: str, args: Sequence[str] = (), *, faults: Sequence[s
                      startup_timeout_s: float = 120.0,
                      cpus: Mapping[str, Collection[int]] | None = None) -> Iterator[Target]:
     """The pair and its router, yielded as the router's `Target` (`processes` names all three). `cpus` pins a
-    role ("prefill", "decode", "router") to those CPUs (`pinned_command`); a role it leaves out is not pinned."""
+    role (PD_ROLES) to those CPUs (`pinned_command`); a role it leaves out is not pinned."""
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     args = with_gate_timeout(args)
     cpus = cpus or {}
-    if unknown := set(cpus) - {"prefill", "decode", "router"}:
-        raise ValueError(f"no PD role named {sorted(unknown)}: the roles are prefill, decode and router")
+    if unknown := set(cpus) - set(PD_ROLES):
+        raise ValueError(f"no PD role named {sorted(unknown)}: the roles are {', '.join(PD_ROLES)}")
     with ExitStack() as stack:
         prefill = stack.enter_context(embedded_server(model, [*args, "--disaggregation-mode", "prefill"],
                                                       faults=faults, log_dir=log_dir,

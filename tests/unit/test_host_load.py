@@ -79,3 +79,12 @@ def test_the_summary_counts_samples_whose_busiest_threads_shared_a_cpu():
     stolen["baseline"]["busiest_cpu_steal_pct"] = 12.5
     assert summary([stolen]) == ("steal median 0.0% max 0.0%; their busiest threads' CPUs' steal max 12.5%; "
                                  "busiest threads on one CPU in 0 of 1 samples")
+
+
+def test_a_sample_reads_as_one_line_per_process_and_the_hosts_steal():
+    from bench.host_load import sample_line
+
+    line = sample_line({"steal_pct": 1.5, "prefill": {"cpu_ms": 42.0, "busiest_thread_ms": 40.0,
+                                                      "busiest_thread_cpu": 6, "threads_ran": 2}})
+    assert line == "prefill 42 ms (busiest thread 40 on CPU 6, 2 threads ran); steal 1.5%"
+    assert sample_line({}) == "not read"
