@@ -415,8 +415,11 @@ def _combine_kernel(routed_ptr, shared_ptr, out_ptr, top_k, hidden, HAS_SHARED: 
 def gate_up_splits(hidden: int, inter: int) -> int:
     """Split-K of the gate/up GEMM: a property of the shape, never of the batch (bits depend on it).
     Narrow shards give few output tiles at bs 1, so D is split to put more SMs on the weights; the
-    float32 partials (TK * 2I * 4 bytes per split) are tiny next to the expert weights."""
-    return 4 if inter <= 512 and hidden >= 4 * BLOCK_K else 1
+    float32 partials (TK * 2I * 4 bytes per split) are tiny next to the expert weights.
+    I=512 takes one split: on the H100 (three runs, docs/results.md) one split was 1-2% faster than four
+    at every bs >= 8 in bf16 and fp8, where four fell behind SGLang at bs 128, and bf16 was no slower at
+    bs 1 (fp8 pays ~3 us there). At I=256 four splits save 5-10 us of fp8 at bs 1 and stay."""
+    return 4 if inter <= 256 and hidden >= 4 * BLOCK_K else 1
 
 
 def moe_config(num_experts: int, inter: int, fp8: bool, tokens: int) -> dict:
