@@ -128,6 +128,31 @@ def test_bisect_with_the_real_golden_check_finds_a_commit_that_turns_a_fault_on(
     assert result["first_bad"] == planted, result["log"]
 
 
+def test_a_gpu_without_a_store_borrows_a_same_numerics_kinds_but_records_its_own(tmp_path, monkeypatch):
+    """An H100 (float32) is checked against the H200's store while it has none of its own; a recording writes
+    its own path, and once that exists it is used. Another dtype, or a kind with no such finding, is not
+    borrowed (control: the same lookups without the H200's file give the H100's own path)."""
+    from canary import gate
+    from canary.targets import Target
+
+    monkeypatch.setattr(gate, "GOLDEN_DIR", tmp_path)
+    target = Target("t", "http://x/v1", "canary-moe-v2", True)
+    engine = {"device": "cuda", "dtype": "float32", "moe_kernel": "triton", "attention_kernel": "triton"}
+    h100 = {"model": "canary-moe-v2", "device_name": "NVIDIA H100 80GB HBM3", "engine_config": engine}
+    own = tmp_path / "stress-canary-moe-v2.nvidia-h100-80gb-hbm3-float32-moe-triton-attention-triton.jsonl"
+    h200 = tmp_path / "stress-canary-moe-v2.nvidia-h200-float32-moe-triton-attention-triton.jsonl"
+    assert gate.golden_path(target, h100) == own  # control: nothing to borrow yet
+    h200.write_text("{}\n")
+    assert gate.golden_path(target, h100) == h200
+    assert gate.golden_path(target, h100, own=True) == own
+    bf16 = {**h100, "engine_config": {**engine, "dtype": "bfloat16"}}
+    assert gate.golden_path(target, bf16).name.startswith("stress-canary-moe-v2.nvidia-h100-80gb-hbm3-bfloat16")
+    other = {**h100, "device_name": "NVIDIA A100-SXM4-80GB"}
+    assert gate.golden_path(target, other).name.startswith("stress-canary-moe-v2.nvidia-a100")
+    own.write_text("{}\n")
+    assert gate.golden_path(target, h100) == own
+
+
 def test_golden_store_is_per_numerics():
     """CPU float32 keeps the store CI checks; a GPU gets one per device model and dtype."""
     from canary.gate import golden_path
