@@ -55,6 +55,14 @@ MOE_DOWN_CANDIDATES = [dict(BLOCK_N=n, N_TILES=t, num_warps=w, num_stages=s) for
                        ((64, 1, 4, 2), (64, 2, 4, 2), (64, 4, 4, 2), (128, 1, 4, 2), (128, 2, 4, 2), (128, 1, 8, 2),
                         (128, 2, 8, 3), (256, 1, 8, 2), (256, 2, 8, 2), (64, 1, 4, 3), (128, 1, 4, 3))]
 
+# The tune's third stage, for a split shard's aligned buckets: the gate/up launch whose program walks the K splits
+# itself (a bucket's "gate_up" entry with FUSED_SPLITS: the additions of the split launch, so the same bits), which
+# has the one-split launch's programs and no float32 partials or act launch. On the H100 one split was 1-2% faster
+# than four at I = 256 / 512 for bs >= 8 (docs/results.md, "Thirty-ninth session"); four stay for bs 1-4 and the bits.
+MOE_FUSED_SPLIT_CANDIDATES = [dict(FUSED_SPLITS=True, BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
+                              ((16, 4, 4), (32, 4, 4), (32, 2, 4), (32, 4, 6), (64, 4, 3), (64, 4, 4), (64, 4, 5),
+                               (128, 4, 3))]
+
 
 def graph_us(calls, reps: int = 15) -> float:
     """Median microseconds per call: all calls captured in one graph, replayed `reps` times."""
@@ -190,6 +198,10 @@ def bench_moe(ceilings, tune: bool, rows: list, tuned: dict, vs=None, splits: st
                         best_cfg, best_us = _fastest_keeping_bits(
                             run, inputs, want, [{**best_cfg, "down": down} for down in MOE_DOWN_CANDIDATES], best_cfg,
                             best_us, where)
+                        if split > 1:  # and never fuses splits (moe.gate_up_launch)
+                            best_cfg, best_us = _fastest_keeping_bits(
+                                run, inputs, want, [{**best_cfg, "gate_up": fused} for fused in
+                                                    MOE_FUSED_SPLIT_CANDIDATES], best_cfg, best_us, where)
                     tuned.setdefault(config_file_name("fused_moe", experts, inter, name), {})[str(batch)] = best_cfg
                 us = graph_us([lambda x=x, i=i, w=w: run(x, i, w, best_cfg) for x, i, w in inputs])
                 torch_us = None

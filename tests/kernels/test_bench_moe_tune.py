@@ -70,6 +70,21 @@ def test_down_candidates_are_knobs_a_table_may_set():
     assert all(down["BLOCK_N"] >= 64 for down in kernels.MOE_DOWN_CANDIDATES)  # moe.down_launch's floor
 
 
+def test_fused_split_candidates_are_knobs_a_table_may_set_and_reach_the_launch():
+    """Each third-stage candidate passes the table check and is what moe.gate_up_launch gives a split shard's aligned
+    bucket (FUSED_SPLITS on); a shard of one split, or the per-row path, never fuses (control)."""
+    from runtime.kernels.triton import configs, moe
+
+    name = "fused_moe,E=256,N=256,device_name=TEST_GPU,dtype=bf16.json"
+    table = {str(i + 1): {**FIRST, "gate_up": fused} for i, fused in enumerate(kernels.MOE_FUSED_SPLIT_CANDIDATES)}
+    assert len(configs.check_table(name, table)) == len(kernels.MOE_FUSED_SPLIT_CANDIDATES)
+    for fused in kernels.MOE_FUSED_SPLIT_CANDIDATES:
+        assert moe.gate_up_launch({**FIRST, "gate_up": fused}, moe.ALIGNED, split_k=4) == fused
+        assert moe.gate_up_launch({**FIRST, "gate_up": fused}, moe.ALIGNED, split_k=1)["FUSED_SPLITS"] is False
+        assert moe.gate_up_launch({**FIRST, "gate_up": fused}, moe.PER_ROW, split_k=4) == {**FIRST,
+                                                                                            "FUSED_SPLITS": False}
+
+
 def test_sigterm_ends_a_bench_run_as_ctrl_c_does():
     """gpu_suite's `timeout` stops a section with SIGTERM: bench.kernels (and mla_sweep) turn it into the
     KeyboardInterrupt their `finally` writes the JSON and the tune on, instead of dying with nothing written."""
