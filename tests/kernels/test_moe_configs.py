@@ -132,6 +132,23 @@ def test_install_borrows_another_devices_larger_buckets_for_a_new_file_and_says_
     assert list(json.loads((alone / NAME).read_text())) == ["1", "8"]
 
 
+def test_a_tune_without_bucket_one_is_refused_and_a_dropped_bucket_is_named(tmp_path):
+    """A few buckets picked out of a run would replace the whole range below the largest: refused by name, nothing
+    written. A whole tune that times other buckets than the file's says which of the file's it dropped."""
+    tables = tmp_path / "configs"
+    tables.mkdir()
+    _write(tables, NAME, {"1": GOOD["1"], "4": GOOD["1"], "16": GOOD["1"], "4096": GOOD["4096"]})
+    before = (tables / NAME).read_text()
+    with pytest.raises(configs.ConfigError, match="no bucket 1"):
+        configs.install(_tune(tmp_path, {NAME: {"8": DECODE["8"]}}), tables)
+    assert (tables / NAME).read_text() == before
+    lines = configs.install(_tune(tmp_path, {NAME: DECODE}), tables)
+    assert list(json.loads((tables / NAME).read_text())) == ["1", "8", "16", "4096"]
+    assert any(line.startswith("  4: ") and line.endswith("dropped (below the tune's largest bucket, not timed)")
+               for line in lines)
+    assert not any(line.startswith(("  16:", "  4096:")) for line in lines)  # kept as they were: nothing to say
+
+
 def test_a_bad_tuned_launch_installs_nothing(tmp_path):
     tables = tmp_path / "configs"
     tables.mkdir()

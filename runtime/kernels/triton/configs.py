@@ -121,7 +121,13 @@ def merge_tuned(name: str, tuned: dict[int, dict], directory: Path, borrow_from:
                 ) -> tuple[dict[int, dict], list[str]]:
     """File `name`'s table after installing `tuned` (checked buckets): the tuned buckets, then the buckets above the
     largest tuned one from the file as it is, or, when there is no such file, from `borrow_from`'s file of the same
-    kernel, shard and dtype. Returns the table and one line per bucket that changed or was borrowed."""
+    kernel, shard and dtype. Returns the table and one line per bucket that changed, was borrowed or was dropped (a
+    bucket of the file below the tune's largest that the tune did not time: a tune covers its range whole). A tune
+    without bucket 1 is refused: one-token batches would take the next bucket's launch, and a partial tune (a few
+    buckets picked out of a run) would silently drop the file's others."""
+    if 1 not in tuned:
+        raise ConfigError(f"{name}: the tune has no bucket 1 (it has {sorted(tuned)}): install a whole tune, from "
+                          "batch 1 up (`bench.kernels --tune-out`), or merge the buckets into the table by hand")
     existing, source = {}, "kept"
     path = directory / name
     if path.exists():
@@ -141,6 +147,8 @@ def merge_tuned(name: str, tuned: dict[int, dict], directory: Path, borrow_from:
             table[bucket] = launch
             if source != "kept":
                 notes.append(f"  {bucket}: {json.dumps(launch)} ({source}, not timed on this device)")
+        elif bucket not in tuned and source == "kept":
+            notes.append(f"  {bucket}: {json.dumps(launch)} -> dropped (below the tune's largest bucket, not timed)")
     return dict(sorted(table.items())), notes
 
 
