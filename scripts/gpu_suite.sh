@@ -64,6 +64,18 @@ want bench_decode_canary && section bench_decode_canary "${BENCH_TIMEOUT:-90}" $
     --sawtooth 1,16,17,32,33,48,49,64,65,96,97,128 --out "$OUT/decode_canary.json"
 want step_profile && section step_profile "${BENCH_TIMEOUT:-90}" $PY -m bench.step_profile --batch-sizes "${PROFILE_BATCHES:-16,128}" \
     --top "${PROFILE_TOP:-15}" --out "$OUT/step_profile.json"
+# The MoE tables re-tuned for this GPU (bench.kernels --tune-out: the plain launch, the down projection's own, and for
+# split shards the gate/up walking its splits), installed into this copy's tables (`configs install`: what changed is
+# in moe_tune_install.log; bring tuned.json back whole and install it in the tree the same way), then the MoE GPU tests
+# on the installed tables. Before the benches below, so `SECTIONS="moe_tune bench_kernels_vs"` times what it installed.
+if want moe_tune; then
+    section moe_tune "${TUNE_TIMEOUT:-300}" $PY -m bench.kernels --json "$OUT/kernels_tune.json" --only moe \
+        --batches 1,2,4,8,16,32,64,128 --tune-out "$OUT/tuned.json"
+    [ -s "$OUT/tuned.json" ] && section moe_tune_install 60 $PY -m runtime.kernels.triton.configs install "$OUT/tuned.json"
+    section moe_tune_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
+        -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_triton_kernels.py tests/kernels/test_moe_fused_act_quant.py \
+        tests/kernels/test_moe_align.py -k "moe or fp8 or act_quant or align"
+fi
 # ---- issue 15: our sparse MLA decode and indexer selection beside SGLang's (needs .whl-sglang carried),
 # and the decode GEMM tile sweep (which configs keep the default's bits, and their times)
 want bench_kernels_vs && section bench_kernels_vs "${KERNELS_TIMEOUT:-200}" $PY -m bench.kernels --json "$OUT/kernels_vs.json" \
@@ -93,17 +105,6 @@ want bench_moe && section bench_moe "${KERNELS_TIMEOUT:-200}" $PY -m bench.kerne
 # The fused MoE taken apart (each launch's time per call) and the alignment's two paths by routed rows.
 want moe_anatomy && section moe_anatomy "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_anatomy --json "$OUT/moe_anatomy.json"
 want moe_align && section moe_align "${BENCH_TIMEOUT:-90}" $PY -m bench.moe_align --json "$OUT/moe_align.json"
-# The MoE tables re-tuned for this GPU (bench.kernels --tune-out: the plain launch, then the down projection's own),
-# installed into this copy's tables (`configs install`: what changed is in moe_tune_install.log; bring tuned.json back
-# and install it in the tree the same way), then the MoE GPU tests on the installed tables.
-if want moe_tune; then
-    section moe_tune "${TUNE_TIMEOUT:-300}" $PY -m bench.kernels --json "$OUT/kernels_tune.json" --only moe \
-        --batches 1,2,4,8,16,32,64,128 --tune-out "$OUT/tuned.json"
-    [ -s "$OUT/tuned.json" ] && section moe_tune_install 60 $PY -m runtime.kernels.triton.configs install "$OUT/tuned.json"
-    section moe_tune_tests "${KERNEL_TEST_TIMEOUT:-240}" $PY -m pytest -v -p no:cacheprovider --run-gpu \
-        -n "${KERNEL_TEST_WORKERS:-4}" tests/kernels/test_triton_kernels.py tests/kernels/test_moe_fused_act_quant.py \
-        tests/kernels/test_moe_align.py -k "moe or fp8 or act_quant or align"
-fi
 want indexer_anatomy && section indexer_anatomy "${BENCH_TIMEOUT:-90}" $PY -m bench.indexer_anatomy --out "$OUT/indexer_anatomy.json"
 # Do mma.sync (tiles under 64 rows) and wgmma add alike, and do row sums depend on the warps? (the
 # MLA kernel's BLOCK_H and the MoE's BLOCK_M could then follow the batch)
