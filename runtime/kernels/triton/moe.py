@@ -418,7 +418,9 @@ def gate_up_splits(hidden: int, inter: int) -> int:
     float32 partials (TK * 2I * 4 bytes per split) are tiny next to the expert weights.
     I=512 takes one split: on the H100 (three runs, docs/results.md) one split was 1-2% faster than four
     at every bs >= 8 in bf16 and fp8, where four fell behind SGLang at bs 128, and bf16 was no slower at
-    bs 1 (fp8 pays ~3 us there). At I=256 four splits save 5-10 us of fp8 at bs 1 and stay."""
+    bs 1 (fp8 pays ~3 us there). At I=256 four splits save 5-10 us of fp8 at bs 1 and stay; the H100 tables'
+    decode buckets from 4 rows walk them in one program (FUSED_SPLITS: these bits, one split's speed). The same
+    could give I=512 its four splits back with fp8's bs 1 gain: not tuned yet."""
     return 4 if inter <= 256 and hidden >= 4 * BLOCK_K else 1
 
 
