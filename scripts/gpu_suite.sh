@@ -168,6 +168,15 @@ if want gate_record; then
     section gate_record "${GATE_TIMEOUT:-300}" "${GATE[@]}" --golden-update
     mkdir -p "$OUT/golden"
     cp golden/transcripts/stress-*.*-*.jsonl "$OUT/golden/" 2>/dev/null
+    # The store just written beside the other GPU kinds' stores of its dtype and kernels: "the same" is what
+    # canary.gate.SAME_NUMERICS_AS needs to check this kind against theirs (golden_compare.log).
+    dtype=${GATE_DTYPE:-float32}
+    for new in $(find golden/transcripts -name "stress-*.*-$dtype-*.jsonl" -newer "$OUT/gpu.txt"); do
+        for other in golden/transcripts/stress-*.*-"$dtype${new##*-"$dtype"}"; do
+            [ "$other" != "$new" ] && [ -f "$other" ] && { echo "== $other vs $new"
+                $PY -m canary golden compare "$other" "$new"; echo "rc=$?"; } >> "$OUT/golden_compare.log" 2>&1
+        done
+    done
     find golden/baselines -newer "$OUT/gpu.txt" -name "*.json" -exec cp {} "$OUT/golden/" \;
 fi
 # The same gate recording this GPU's perf baseline only (golden transcripts still checked); before `gate`,

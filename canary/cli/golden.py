@@ -1,8 +1,10 @@
-"""`python -m canary golden record|check`: offline golden transcripts through the real engine.
+"""`python -m canary golden record|check|compare`: offline golden transcripts through the real engine.
 
 Scenarios are seeded prompts (mixed lengths, long enough for the sparse path) decoded greedily
 with top-k logprobs. `check` exits 0 when every scenario matches (or diverges only at a recorded
 near-tie), 3 on a regression, and anything else on an error, so bisect can tell them apart.
+`compare A B` says whether two stores (offline or the gate's) hold the same transcripts, metadata aside:
+the evidence `canary.gate.SAME_NUMERICS_AS` needs before one GPU kind is checked against another's store.
 """
 
 from __future__ import annotations
@@ -75,6 +77,34 @@ def check(args: argparse.Namespace) -> int:
     return EXIT_REGRESSION if regressions else 0
 
 
+def compare(args: argparse.Namespace) -> int:
+    """0 when both stores hold the same transcripts bit for bit (tokens, logprobs, top-k, extras; the metadata
+    line aside), 3 when not (the first differences named), 2 when a store is missing or of another model."""
+    stores = []
+    for name in (args.a, args.b):
+        if not Path(name).is_file():
+            print(f"error: no golden store at {name}", file=sys.stderr)
+            return 2
+        stores.append(read_store(Path(name)))
+    (meta_a, a), (meta_b, b) = stores
+    if meta_a.get("model_hash") != meta_b.get("model_hash"):
+        print(f"error: the stores are of other weights (model hash {meta_a.get('model_hash')} against "
+              f"{meta_b.get('model_hash')}): nothing to compare", file=sys.stderr)
+        return 2
+    shared = sorted(set(a) & set(b))
+    differ = [k for k in shared if a[k] != b[k]]
+    for key in differ[:5]:
+        div = first_divergence(a[key], b[key], near_tie=0.0)
+        print(div.describe() if div is not None else f"{key}: the same tokens, other logprobs or top-k alternatives")
+    summary = {"shared": len(shared), "differ": len(differ), "only_in_a": len(set(a) - set(b)),
+               "only_in_b": len(set(b) - set(a)), "a": {k: meta_a.get(k) for k in ("device", "commit")},
+               "b": {k: meta_b.get(k) for k in ("device", "commit")}}
+    print(json.dumps(summary))
+    same = not differ and summary["only_in_a"] == summary["only_in_b"] == 0
+    print(f"{'the same' if same else 'NOT the same'} transcripts: {len(shared)} shared, {len(differ)} differ")
+    return 0 if same else EXIT_REGRESSION
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     golden = sub.add_parser("golden", help="record or check golden transcripts")
     verbs = golden.add_subparsers(dest="verb", required=True)
@@ -89,6 +119,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     chk.add_argument("--store", default=None)
     chk.add_argument("--near-tie", type=float, default=DEFAULT_NEAR_TIE)
     chk.set_defaults(func=_with_defaults(check))
+    cmp = verbs.add_parser("compare", help="whether two stores hold the same transcripts (metadata aside)")
+    cmp.add_argument("a")
+    cmp.add_argument("b")
+    cmp.set_defaults(func=compare)
 
 
 def _with_defaults(fn):
