@@ -2,6 +2,7 @@
 # One device call: every GPU test and benchmark of the suite, logs under $OUT.
 # Sections may be appended by other issues; each runs under its own timeout so one hang cannot eat
 # the whole call, and a failing section does not stop the next (the exit status is the worst one).
+# SECTIONS picks sections; they run in this file's order, whatever order SECTIONS names them in.
 set -u
 OUT=${OUT:-/tmp/gpu_suite_out}
 mkdir -p "$OUT"
