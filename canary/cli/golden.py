@@ -22,6 +22,7 @@ from canary.oracles.golden import (
     read_store,
     write_store,
 )
+from canary.oracles.logprob_close import first_mismatch
 from canary.provenance import device_name, git_commit, versions
 
 SCENARIO_SEED = 20261130
@@ -94,8 +95,12 @@ def compare(args: argparse.Namespace) -> int:
     shared = sorted(set(a) & set(b))
     differ = [k for k in shared if a[k] != b[k]]
     for key in differ[:5]:
-        div = first_divergence(a[key], b[key], near_tie=0.0)
-        print(div.describe() if div is not None else f"{key}: the same tokens, other logprobs or top-k alternatives")
+        pos = first_mismatch(a[key].tokens, b[key].tokens)
+        if pos is None:
+            print(f"{key}: the same tokens, other logprobs or top-k alternatives")
+        else:
+            token_a, token_b = (t.tokens[pos] if pos < len(t.tokens) else "(ended)" for t in (a[key], b[key]))
+            print(f"{key}: the tokens part at position {pos}: {token_a!r} in A, {token_b!r} in B")
     summary = {"shared": len(shared), "differ": len(differ), "only_in_a": len(set(a) - set(b)),
                "only_in_b": len(set(b) - set(a)), "a": {k: meta_a.get(k) for k in ("device", "commit")},
                "b": {k: meta_b.get(k) for k in ("device", "commit")}}

@@ -34,7 +34,7 @@ def test_the_same_transcripts_under_other_metadata_are_the_same(tmp_path, capsys
 
 
 @pytest.mark.parametrize("plant, named", [
-    (lambda t: dataclasses.replace(t, tokens=[t.tokens[0], 11, 2]), "first divergence at token 1"),
+    (lambda t: dataclasses.replace(t, tokens=[t.tokens[0], 11, 2]), "the tokens part at position 1: 9 in A, 11 in B"),
     (lambda t: dataclasses.replace(t, logprobs=[-0.1, -0.2, -0.30000001]), "other logprobs or top-k"),
     (lambda t: dataclasses.replace(t, top_logprobs=[[[t.tokens[0], -0.1], [8, -2.5]]] * 3), "other logprobs or top-k"),
 ])
@@ -44,6 +44,13 @@ def test_each_kind_of_difference_is_named(tmp_path, capsys, plant, named):
     assert main(["golden", "compare", *_stores(tmp_path, other)]) == EXIT_REGRESSION
     out = capsys.readouterr().out
     assert named in out and "NOT the same transcripts: 3 shared, 1 differ" in out
+
+
+def test_a_transcript_that_ends_early_is_named(tmp_path, capsys):
+    other = _transcripts()
+    other[0] = dataclasses.replace(other[0], tokens=other[0].tokens[:2])
+    assert main(["golden", "compare", *_stores(tmp_path, other)]) == EXIT_REGRESSION
+    assert "position 2: 2 in A, '(ended)' in B" in capsys.readouterr().out
 
 
 def test_a_missing_transcript_is_not_the_same(tmp_path, capsys):
