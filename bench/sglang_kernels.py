@@ -2,7 +2,8 @@
 tensors, same CUDA-graph timing (bench.kernels.graph_us), both columns plus the ratio per shape.
 
 SGLang's code is never committed here. scripts/sglang_wheel.sh downloads its wheel (pinned
-version, no dependencies) into .whl-sglang/; at run time only the modules listed in REAL are
+version, no dependencies) and keeps in .whl-sglang/ only a slim copy of what the bench loads
+(`slim_wheel`: python -m bench.sglang_kernels --slim WHEEL DIR); at run time only the modules listed in REAL are
 unpacked from it (zipfile) into a temp dir and imported under a private prefix (PRIVATE: the wheel's
 `sglang.x.y` is `_sglang_wheel.sglang.x.y` in sys.modules, its import statements rewritten to match,
 nothing else in its source touched), so it neither sees nor shadows an `sglang` package installed in
@@ -222,6 +223,29 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+def wheel_members(zf: zipfile.ZipFile) -> list[str]:
+    """What the bench unpacks from the wheel: the REAL modules and the tuned MoE tables of the expert count we run."""
+    names = [r.replace(".", "/") + ".py" for r in REAL]
+    return names + [n for n in zf.namelist() if n.startswith(CONFIG_DIR) and CONFIG_PREFIX in n.rsplit("/", 1)[-1]]
+
+
+def slim_wheel(wheel: Path, out_dir: Path) -> Path:
+    """A zip of `wheel_members` alone, named `sglang-VERSION-slim.whl` in `out_dir`: what a device call carries
+    (~0.2 MB against the wheel's 38 MB, so it fits beside .whl in the 64 MiB carry). Never committed."""
+    out = out_dir / f"sglang-{wheel_version(wheel)}-slim.whl"
+    with zipfile.ZipFile(wheel) as zf:
+        members = wheel_members(zf)
+        missing = sorted(set(members) - set(zf.namelist()))
+        if missing:
+            raise SystemExit(f"{wheel.name} lacks what the bench loads: {missing}")
+        tmp = out.with_suffix(".tmp")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as slim:
+            for name in members:
+                slim.writestr(name, zf.read(name))
+    tmp.replace(out)
+    return out
+
+
 def find_wheel(wheel_dir: Path = WHEEL_DIR) -> Path | None:
     wheels = sorted(wheel_dir.glob("sglang-*.whl"))
     return wheels[-1] if wheels else None
@@ -242,9 +266,7 @@ class SGLang:
         self._tmp = tempfile.TemporaryDirectory(prefix="sglang-kernels-")
         root = Path(self._tmp.name)
         with zipfile.ZipFile(wheel) as zf:
-            names = [r.replace(".", "/") + ".py" for r in REAL]
-            names += [n for n in zf.namelist() if n.startswith(CONFIG_DIR) and CONFIG_PREFIX in n.rsplit("/", 1)[-1]]
-            for name in names:
+            for name in wheel_members(zf):
                 zf.extract(name, root)
         for module in REAL:
             _privatize(root / (module.replace(".", "/") + ".py"))
@@ -465,3 +487,22 @@ class VsSGLang:
             lines.append(f"{r['kernel']:<11}{variant:<10}{shape:<20}{r['bs']:>5}{r['ours_us']:>10.1f}"
                          f"{r['sglang_us']:>11.1f}{r['sglang_over_ours']:>8.2f}{full:>14}{diff:>11.2e}")
         return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.sglang_kernels",
+                                     description="write the slim copy of an SGLang wheel that the bench loads")
+    parser.add_argument("--slim", nargs=2, metavar=("WHEEL", "DIR"), required=True)
+    args = parser.parse_args(argv)
+    wheel, out_dir = Path(args.slim[0]), Path(args.slim[1])
+    if not wheel.is_file():
+        parser.error(f"no such wheel: {wheel}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(slim_wheel(wheel, out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
