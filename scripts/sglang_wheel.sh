@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download SGLang's wheel (no dependencies) and keep in .whl-sglang/ (git-ignored) a slim copy of what
 # `python -m bench.kernels --vs-sglang` loads from it (bench/sglang_kernels.py `slim_wheel`: its Triton kernel
-# modules and E=256 MoE tables, ~0.2 MB): the GPU machine has no internet, so it travels with the tree
+# modules and E=256 MoE tables, 76 KB): the GPU machine has no internet, so it travels with the tree
 # (device run with carry=[".whl-sglang"], which now fits beside .whl in the 64 MiB carry). The bench unpacks
 # those files at run time; no SGLang code is ever committed here.
 #   bash scripts/sglang_wheel.sh            (SGLANG_VERSION=... to pick another pinned version)
