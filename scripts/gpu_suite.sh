@@ -172,7 +172,7 @@ if want gate_record; then
     # The store just written beside the other GPU kinds' stores of its dtype and kernels: "the same" is what
     # canary.gate.SAME_NUMERICS_AS needs to check this kind against theirs (golden_compare.log).
     dtype=${GATE_DTYPE:-float32}
-    for new in $(find golden/transcripts -name "stress-*.*-$dtype-*.jsonl" -newer "$OUT/gpu.txt"); do
+    for new in $(find golden/transcripts -name "stress-*.*-$dtype*.jsonl" -newer "$OUT/gpu.txt"); do
         for other in golden/transcripts/stress-*.*-"$dtype${new##*-"$dtype"}"; do
             [ "$other" != "$new" ] && [ -f "$other" ] && { echo "== $other vs $new"
                 $PY -m canary golden compare "$other" "$new"; echo "rc=$?"; } >> "$OUT/golden_compare.log" 2>&1

@@ -55,6 +55,7 @@ def _with(bucket: str, **changes) -> dict:
     (_with("1", gate_up=[]), ["bucket 1.gate_up", "an object"]),
     ({"0": GOOD["1"]}, ["bucket '0'", "positive token count"]),
     ({"bs8": GOOD["1"]}, ["bucket 'bs8'"]),
+    ({"8": GOOD["1"], "4096": GOOD["4096"]}, ["no bucket 1", "[8, 4096]", "one-token batches"]),
     ({}, ["non-empty"]),
     ([GOOD["1"]], ["non-empty object"]),
 ])

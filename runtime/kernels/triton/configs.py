@@ -89,6 +89,9 @@ def check_table(name: str, raw: object) -> dict[int, dict]:
         if missing:
             raise ConfigError(f"{where}: missing {missing}")
         table[int(bucket)] = launch
+    if 1 not in table:  # a table's rule, not only an install's: a hand-edited file is refused on load as well
+        raise ConfigError(f"{name}: no bucket 1 (it has {sorted(table)}): one-token batches would take the next "
+                          "bucket's launch; a tune covers batches from 1 up (`bench.kernels --tune-out`)")
     return table
 
 
@@ -122,12 +125,8 @@ def merge_tuned(name: str, tuned: dict[int, dict], directory: Path, borrow_from:
     """File `name`'s table after installing `tuned` (checked buckets): the tuned buckets, then the buckets above the
     largest tuned one from the file as it is, or, when there is no such file, from `borrow_from`'s file of the same
     kernel, shard and dtype. Returns the table and one line per bucket that changed, was borrowed or was dropped (a
-    bucket of the file below the tune's largest that the tune did not time: a tune covers its range whole). A tune
-    without bucket 1 is refused: one-token batches would take the next bucket's launch, and a partial tune (a few
-    buckets picked out of a run) would silently drop the file's others."""
-    if 1 not in tuned:
-        raise ConfigError(f"{name}: the tune has no bucket 1 (it has {sorted(tuned)}): install a whole tune, from "
-                          "batch 1 up (`bench.kernels --tune-out`), or merge the buckets into the table by hand")
+    bucket of the file below the tune's largest that the tune did not time: a tune covers its range whole, from
+    bucket 1, which `check_table` requires, so a few buckets picked out of a run are refused, not merged)."""
     existing, source = {}, "kept"
     path = directory / name
     if path.exists():
