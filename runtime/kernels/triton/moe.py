@@ -415,13 +415,13 @@ def _combine_kernel(routed_ptr, shared_ptr, out_ptr, top_k, hidden, HAS_SHARED: 
 def gate_up_splits(hidden: int, inter: int) -> int:
     """Split-K of the gate/up GEMM: a property of the shape, never of the batch (bits depend on it).
     Narrow shards give few output tiles at bs 1, so D is split to put more SMs on the weights; the
-    float32 partials (TK * 2I * 4 bytes per split) are tiny next to the expert weights.
-    I=512 takes one split: on the H100 (three runs, docs/results.md) one split was 1-2% faster than four
-    at every bs >= 8 in bf16 and fp8, where four fell behind SGLang at bs 128, and bf16 was no slower at
-    bs 1 (fp8 pays ~3 us there). At I=256 four splits save 5-10 us of fp8 at bs 1 and stay; the H100 tables'
-    decode buckets from 4 rows walk them in one program (FUSED_SPLITS: these bits, one split's speed). The same
-    could give I=512 its four splits back with fp8's bs 1 gain: not tuned yet."""
-    return 4 if inter <= 256 and hidden >= 4 * BLOCK_K else 1
+    float32 partials (TK * 2I * 4 bytes per split) are tiny next to the expert weights. From 4 rows the
+    tables' buckets may walk the splits in one program (FUSED_SPLITS: these bits at the one-split launch's
+    speed, where one split had been 1-2% faster at bs >= 8). H100, one run (fortieth session,
+    docs/results.md): I=512 at four splits with such buckets, beside one split, fp8 bs 1 25.8 against 29.3
+    us and bs 8 117.9 against 126.6, bf16 bs 1 35.6 against 34.6; level or ahead of SGLang everywhere
+    (1.003-1.32). At I=256 four splits save 5-10 us of fp8 at bs 1."""
+    return 4 if inter <= 512 and hidden >= 4 * BLOCK_K else 1
 
 
 def moe_config(num_experts: int, inter: int, fp8: bool, tokens: int) -> dict:
