@@ -38,8 +38,9 @@ def error_code(body: object) -> str | None:
 
 
 def chat(router: str, model: str, prompt: str, *, stream: bool, max_tokens: int = 24,
-         abort_after: int | None = None, timeout_s: float = 90.0) -> Outcome:
-    """One greedy chat request; `abort_after` N: a stream the client closes after N content chunks."""
+         abort_after: int | None = None, timeout_s: float = 90.0, headers: dict[str, str] | None = None) -> Outcome:
+    """One greedy chat request; `abort_after` N: a stream the client closes after N content chunks. `headers`
+    go with it (the router's own, for a request sent straight to a PD side)."""
     payload = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                "temperature": 0, "stream": stream}
     started = time.monotonic()
@@ -51,7 +52,7 @@ def chat(router: str, model: str, prompt: str, *, stream: bool, max_tokens: int 
         return Outcome(kind, text, code, detail, started, ended)
 
     try:
-        with httpx.stream("POST", f"{router}/v1/chat/completions", json=payload,
+        with httpx.stream("POST", f"{router}/v1/chat/completions", json=payload, headers=headers,
                           timeout=httpx.Timeout(timeout_s, connect=5.0)) as reply:
             if reply.status_code != 200:
                 raw = reply.read()

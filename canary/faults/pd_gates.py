@@ -5,9 +5,11 @@ issue 16 names, each check writing its own tag.
    found the KV corrupted on arrival, `[pd-request]` for any other failure);
 2. a decode-only restart: the pair must serve again within `RECOVERY_S` of the new process being
    healthy (`[pd-restart]`), with the same greedy answers as before (`[pd-consistency]`);
-3. the prefill server killed: a request meanwhile must fail with an OpenAI-shaped error and leave
-   no page reserved on the decode side (`[pd-kv-leak]`); a prefill restart must serve again within
-   `RECOVERY_S` (`[pd-restart]`);
+3. the prefill server killed: a request meanwhile must fail with an OpenAI-shaped error, through the
+   router and sent to the decode side as the router sends it (the router passes over a prefill server
+   nothing listens on before any decode call, so only that request reaches the decode side's give-up
+   path, as when a prefill server dies between a request's two calls), and leave no page reserved on
+   the decode side (`[pd-kv-leak]`); a prefill restart must serve again within `RECOVERY_S` (`[pd-restart]`);
 4. at the end both sides hold no KV page and none in flight (`[pd-kv-leak]`).
 """
 
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import random
 import time
+import uuid
 from pathlib import Path
 
 from canary.faults.matrix import GateResult
 from runtime.config import DEFAULT_MODEL
+from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 
 RECOVERY_S = 10.0  # issue 16: "the pair serving again within 10 s of each restart"
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "2+2=", "Name three colours.",
@@ -72,10 +76,15 @@ def pd_restart_gate(faults: tuple[str, ...], seed: int, workdir: Path) -> GateRe
         recovered("decode-only")
         ask(prompts[1], stream=True, when="after the decode-only restart")
         pair.kill_side("prefill")
-        out = pd_chaos.chat(pair.router, MODEL, prompts[2], stream=False, timeout_s=60)
-        if out.kind != pd_chaos.ERROR:
-            failures.append(f"[pd-request] prefill server down: {out.kind} {out.detail[:160]} (expected an "
-                            f"OpenAI-shaped error)")
+        # Until the fortieth session only the router's request was sent here: the router never reaches the
+        # decode side for a prefill server that refuses connections, so pd-abort-leak went uncaught.
+        routed = {ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: pair.url("prefill")}
+        for url, headers, stream in ((pair.router, None, False), (pair.url("decode"), routed, False),
+                                     (pair.url("decode"), routed | {ROOM_HEADER: uuid.uuid4().hex}, True)):
+            out = pd_chaos.chat(url, MODEL, prompts[2], stream=stream, timeout_s=60, headers=headers)
+            if out.kind != pd_chaos.ERROR:
+                failures.append(f"[pd-request] prefill server down, {url}: {out.kind} {out.detail[:160]} "
+                                f"(expected an OpenAI-shaped error)")
         leak("after a request whose prefill server was gone", "decode")
         pair.start_side("prefill")
         recovered("prefill")
