@@ -64,7 +64,8 @@ PD_KV_CHECK: Path = (
 PD_AFTER_FIRST_TOKEN: tuple[str, ...] = tuple(
     {mark.split(".")[0]: mark for mark, _ in PD_KV_CHECK}.values())
 
-# Runs beside PD_PATH: the decode side opens the room while the prompt computes.
+# Runs beside PD_PATH: the decode side opens the room, and with it the client's stream, while the prompt
+# computes.
 PD_ROOM_BRANCH: Path = (
     ("router.received", "start"),
     ("router.prefill_sent", "router: the prompt's call written (the decode call waits for it)"),
@@ -76,6 +77,8 @@ PD_ROOM_BRANCH: Path = (
     ("decode.pages_reserved", "decode: pages (engine thread)"),
     ("decode.transfer_requested", "decode: session"),
     ("prefill.room_opened", "decode -> prefill: room opened"),
+    ("decode.stream_opened", "prefill -> decode: /pd/transfer's headers, the client's answer opens"),
+    ("router.decode_headers", "decode -> router: the decode stream's headers (the client's stream opens)"),
 )
 
 # Each path's model compute: `overhead_ms` leaves it out.

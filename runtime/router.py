@@ -6,9 +6,13 @@
 Each chat request gets a fresh room id and goes, unchanged, to one prefill server and one decode server
 (round robin) with the room and the prefill server's URL in two headers (runtime/disagg/protocol.py).
 The client gets the decode server's answer, streamed through byte for byte; a request either side
-fails reaches the client as an OpenAI-shaped error (the decode side reports the prefill side's). A
-prefill server that took nothing of a request (shutting down, or down) is passed over for a moment and
-the request offered to the next one, up to MAX_PREFILL_TRIES servers: the client has had nothing yet.
+fails reaches the client as an OpenAI-shaped error (the decode side reports the prefill side's): an
+error status, or, once a stream is open, an error event inside it, as the colocated server does after
+admission. A stream opens as soon as the decode side has opened the request's room, while the prompt
+computes, so neither server's response start lies on the first token's path. A prefill server that
+took nothing of a request (shutting down, or down) is passed over for a moment and the request offered
+to the next one, up to MAX_PREFILL_TRIES servers, the client having had nothing yet: before its answer
+starts, or inside its open stream when that stream's first event is the refusal (`relay`).
 Likewise a decode server that cannot be reached: the same room goes to the next one (MAX_DECODE_TRIES).
 Every upstream's /health is polled in the background (runtime/router_health.py): a server failing it
 is passed over until it passes again, and the router's own /health is 200 only while each role has a
@@ -25,7 +29,8 @@ import json
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -275,9 +280,15 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                 raise reply
             return reply
 
-        async def prefill_try(prefill_url: str) -> tuple[Response, bool]:
-            """The request through `prefill_url` and a decode server: the client's answer, and whether the
-            prefill server took nothing of it (`_prefill_refused`), the client having had nothing yet."""
+        tries = min(len(prefill), MAX_PREFILL_TRIES)
+        tried = 0  # prefill servers offered the request so far
+
+        async def prefill_try(prefill_url: str) -> tuple[Response | OpenStream, bool]:
+            """The request through `prefill_url` and a decode server: the client's answer (a stream the
+            decode side opened, not yet read), and whether the prefill server took nothing of it
+            (`_prefill_refused`), the client having had nothing yet."""
+            nonlocal tried
+            tried += 1
             headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
             # The prompt's call is the critical path: it is written whole before the decode call starts,
             # which only opens the room and has the prompt's compute time to do it.
@@ -296,9 +307,8 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                 await _settle(prefill_call)
                 return _unreachable("decode", decode_url, exc), False
             trace.mark("decode_headers")
-            if reply.status_code == 200 and stream:
-                return StreamingResponse(_pass_through(reply, prefill_call, trace),
-                                         media_type="text/event-stream"), False
+            if reply.status_code == 200 and stream:  # open: the room is, and the prompt computes
+                return OpenStream(reply, prefill_call, prefill_url), False
             try:
                 content = await reply.aread()
             except UpstreamError as exc:
@@ -314,8 +324,46 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             # Nothing reached the client yet: another prefill server may take a request this one refused.
             return answer, reply.status_code != 200 and _prefill_refused(content)
 
-        return await offer(next_up(pick_prefill, len(prefill)), pick_prefill, len(prefill),
-                           min(len(prefill), MAX_PREFILL_TRIES), prefill_try, trace, "prefill_retried")
+        async def pair(prefill_url: str) -> Response | OpenStream:
+            """The request offered to `prefill_url`, then to the next prefill servers while each took
+            nothing of it, up to MAX_PREFILL_TRIES in all for the request."""
+            return await offer(prefill_url, pick_prefill, len(prefill), tries - tried, prefill_try, trace,
+                               "prefill_retried")
+
+        async def relay(opened: OpenStream) -> AsyncIterator[bytes]:
+            """The decode side's stream, to the client byte for byte. The decode side opens it as the room
+            opens and holds everything for the first token (runtime/server/app.py `_stream`), so the client's
+            stream starts while the prompt computes, with its headers alone. A first event that says the
+            prefill server took nothing of the request (`_prefill_refused`: a drain that failed the room, the
+            prompt's answer broken off before its first line) is the router's, not the client's: the request
+            goes to the next prefill server (tries left), whose stream follows in its place."""
+            while True:
+                try:
+                    head = await _first_event(opened)
+                except BaseException:  # the client went away: as `_pass_through` does then
+                    await opened.reply.aclose()
+                    await _settle(opened.prefill_call)
+                    raise
+                if head.broke is None and tried < tries and _prefill_refused(_event_data(head.event)):
+                    await _close(opened)
+                    rest(opened.prefill_url)
+                    trace.mark("prefill_retried")
+                    answer = await pair(next_up(pick_prefill, len(prefill)))
+                    if isinstance(answer, OpenStream):
+                        opened = answer
+                        continue
+                    yield _as_event(answer)  # the client's stream is open: the error goes inside it
+                    return
+                # Closed with this generator (a client that went away), not left to the garbage collector.
+                async with aclosing(_pass_through(opened, head, trace)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                return
+
+        answer = await pair(next_up(pick_prefill, len(prefill)))
+        if isinstance(answer, OpenStream):
+            return StreamingResponse(relay(answer), media_type="text/event-stream")
+        return answer
 
     return app
 
@@ -335,19 +383,99 @@ def _prefill_refused(decode_error: bytes) -> bool:
     return isinstance(error, dict) and error.get("code") in PREFILL_REFUSED_CODES
 
 
-async def _pass_through(reply: UpstreamReply, prefill_call: asyncio.Task,
-                        trace: Trace = NO_TRACE) -> AsyncIterator[bytes]:
+@dataclass
+class OpenStream:
+    """A decode server's stream that answered 200 (its room is open), not yet read, and the prompt's call
+    beside it. `chunks` is the stream's body as it comes (`_first_event` reads its head)."""
+
+    reply: UpstreamReply
+    prefill_call: asyncio.Task
+    prefill_url: str
+    chunks: AsyncIterator[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chunks = self.reply.aiter_raw()
+
+
+@dataclass
+class StreamHead:
+    """What `_first_event` read of a stream: its first event (up to its blank line; what came, if the
+    stream ended or broke off first), every chunk read to get it, and the break, if it broke off."""
+
+    event: bytes
+    chunks: list[bytes]
+    broke: UpstreamError | None = None
+
+
+async def _first_event(opened: OpenStream) -> StreamHead:
+    head = StreamHead(b"", [])
+    buffer = b""
     try:
-        async for chunk in reply.aiter_raw():
-            if trace is not NO_TRACE and chunk.count(b'"content": "') > chunk.count(b'"content": ""'):
-                trace.mark("first_token_relayed")  # the first chunk with text (the role chunk has none)
-            yield chunk
-    except UpstreamError as exc:  # the decode server died mid-stream: say so inside the stream
-        error = ApiError(502, f"decode server stream broke: {exc!r}", type="server_error", code="pd_stream_broken")
-        yield f"data: {json.dumps(error.body())}\n\n".encode()
+        async for chunk in opened.chunks:
+            head.chunks.append(chunk)
+            buffer += chunk
+            end = buffer.find(b"\n\n")
+            if end >= 0:
+                head.event = buffer[:end]
+                return head
+    except UpstreamError as exc:
+        head.broke = exc
+    head.event = buffer
+    return head
+
+
+def _event_data(event: bytes) -> bytes:
+    """An SSE event's data (its `data:` lines joined), as `_prefill_refused` reads an error body."""
+    return b"\n".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+
+
+def _as_event(answer: Response) -> bytes:
+    """A pair's error answer as the last event of a stream already open (the OpenAI error body the
+    colocated server sends inside a stream), and the stream's end."""
+    try:
+        error = json.loads(bytes(answer.body))
+    except ValueError:
+        error = ApiError(502, f"upstream answered {answer.status_code}: {bytes(answer.body)[:200]!r}",
+                         type="server_error", code="pd_upstream_error").body()
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _close(opened: OpenStream) -> None:
+    """Give up an open stream whose prefill server took nothing of the request: close the decode call and
+    hang up on the prompt's call, then wait for it to end."""
+    await opened.reply.aclose()
+    opened.prefill_call.cancel()
+    await _settle(opened.prefill_call)
+
+
+async def _pass_through(opened: OpenStream, head: StreamHead, trace: Trace = NO_TRACE) -> AsyncIterator[bytes]:
+    """The decode stream's chunks (`head`'s, then as they come); a stream that broke off
+    ends with the error inside it. Then the decode call is closed (a client that went away closes it
+    mid-stream: its request is aborted there) and the prompt's call is waited for, never cancelled: the
+    prefill side finishes the room it may be writing, and the decode side frees both ends."""
+    try:
+        broke = head.broke
+        if head.chunks:  # one write for what came before the first event ended
+            yield _relayed(b"".join(head.chunks), trace)
+        if broke is None:
+            try:
+                async for chunk in opened.chunks:
+                    yield _relayed(chunk, trace)
+            except UpstreamError as exc:
+                broke = exc
+        if broke is not None:  # the decode server died mid-stream: say so inside the stream
+            error = ApiError(502, f"decode server stream broke: {broke!r}", type="server_error",
+                             code="pd_stream_broken")
+            yield f"data: {json.dumps(error.body())}\n\n".encode()
     finally:
-        await reply.aclose()  # a client that went away closes the decode stream: its request is aborted
-        await _settle(prefill_call)
+        await opened.reply.aclose()
+        await _settle(opened.prefill_call)
+
+
+def _relayed(chunk: bytes, trace: Trace) -> bytes:
+    if trace is not NO_TRACE and chunk.count(b'"content": "') > chunk.count(b'"content": ""'):
+        trace.mark("first_token_relayed")  # the first chunk with text (the role chunk has none)
+    return chunk
 
 
 def _forwarded(request: Request) -> dict[str, str]:

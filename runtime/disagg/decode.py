@@ -1,11 +1,15 @@
 """The decode server's side of PD: reserve pages for a prompt's KV (and, in staged transfer mode, a
 receive slot of the staging arena), register with the request's prefill server (once per prefill
-server and session), open the request's room with those page ids (and the slot), send the first
-token (the prefill side's: the first line of its answer, which comes as soon as the prompt finished)
-to the client at once, wait for the KV (the answer's second line), scatter it from the slot into the
-pages (staged), check it, and hand the request to the engine as already prefilled; its later tokens
-come from the engine, so none reaches the client before the check passed. A failed transfer or check
-ends the stream, after its first token, with its error (pd_kv_corrupt for a corrupt KV).
+server and session), open the request's room with those page ids (and the slot), open the client's
+answer (a stream's headers go out while the prompt computes), send the first token (the prefill side's:
+the first line of its answer, which comes as soon as the prompt finished) to the client at once, wait
+for the KV (the answer's second line), scatter it from the slot into the pages (staged), check it, and
+hand the request to the engine as already prefilled; its later tokens come from the engine, so none
+reaches the client before the check passed. A failure once the room
+is open (the prefill side's error line, its answer broken off, a failed transfer or check) ends the
+client's stream with its error (pd_kv_corrupt for a corrupt KV), before or after its first token; the
+router offers a stream that failed before its first token because the prefill server took nothing of
+it (pd_prefill_stopping, pd_prefill_unreachable) to another prefill server inside the same stream.
 
 The reserved pages are freed on every path that does not end in admission (timeout, prefill error,
 corrupt KV, client gone before the KV arrived, server shutdown in any phase: `aclose` ends the pending
@@ -175,10 +179,10 @@ class DecodeSide:
             return self.sessions[prefill]
 
     async def _open_room(self, link: RoomLink, pages: list[int], staging: int | None,
-                         trace: Trace = NO_TRACE) -> tuple[dict, TransferAnswer]:
-        """Open the room at the prefill server: the prompt's outcome (first token, sampler state), as
-        soon as the prefill side has it, and the answer whose next line is the KV's result. `link`
-        says meanwhile whether the prefill side may write into the pages."""
+                         trace: Trace = NO_TRACE) -> TransferAnswer:
+        """Open the room at the prefill server: its answer, once its headers are in (the room is open),
+        whose lines are the prompt's outcome (first token, sampler state), as soon as the prefill side has
+        it, then the KV's result. `link` says meanwhile whether the prefill side may write into the pages."""
         prefill, room = link.prefill, link.room
         client = self.client()
         refused: str | None = None
@@ -197,19 +201,17 @@ class DecodeSide:
                     refused = session
                     continue
                 raise error_from_body(reply.status_code, body, f"KV transfer for room {room} failed")
-            answer = TransferAnswer(reply, link)
-            try:
-                return await answer.line("first"), answer
-            except BaseException:
-                await answer.aclose()
-                raise
+            return TransferAnswer(reply, link)
         raise AssertionError("unreachable")
 
     async def start(self, state, request: Request, rid: str, prepared, trace: Trace = NO_TRACE) -> asyncio.Queue:
-        """The request's sink, returned as soon as the prefill side's reply is here, with Accepted and the
-        first token (the prefill side's, computed from its own KV) already on it; the KV is landed,
-        checked and the request admitted meanwhile (`_verify_then_admit`), which the engine's tokens
-        (2 on) wait for."""
+        """The request's sink, returned with Accepted on it as soon as the prefill server opened the room
+        (its /pd/transfer answer's headers are in), while the prompt still computes there: a streamed
+        answer opens now, as the colocated server's does at admission, so the client's and the router's
+        response starts are off the first token's path. `_first_then_admit` puts the first token (the
+        prefill side's, computed from its own KV) on the sink when its line comes, then lands, checks and
+        admits the KV, which the engine's tokens (2 on) wait for. What fails before the room is open is
+        an error status; what fails after it reaches the client through the sink (`Failed`)."""
         room, prefill = request.headers.get(ROOM_HEADER), request.headers.get(BOOTSTRAP_HEADER)
         if not room or not prefill:
             raise bad_request("this is a PD decode server: requests come through `python -m runtime.router` "
@@ -236,53 +238,74 @@ class DecodeSide:
             raise
         self.metrics.pages_in_flight.inc(len(pages))
         trace.mark("pages_reserved")
-        handed_over = False  # to `_verify_then_admit`, which frees what this does not
-        answer: TransferAnswer | None = None
+        handed_over = False  # to `_first_then_admit`, which frees what this does not
         link = RoomLink(prefill, room)
         try:
             started = asyncio.get_running_loop().time()
-            first, answer = await self._transfer(link, pages, staging, trace)
-            req = prefilled_request(rid, ids, prepared.params, pages, first)  # the line's fields, validated
-            sink = self._first_token_sink(req, trace)
+            answer = await self._transfer(link, pages, staging, trace)
+            sink: asyncio.Queue = asyncio.Queue()
+            sink.put_nowait(Accepted(len(ids)))
             state.bridge.announce_prefilled(rid)  # the client may abort it from now on, before its admission
-            self._spawn(self._verify_then_admit(state, room, req, answer, started, staging, sink, trace),
-                        self._verifying)
+            self._spawn(self._first_then_admit(state, rid, ids, prepared.params, pages, answer, started, staging,
+                                               sink, trace), self._verifying)
             handed_over = True
+            trace.mark("stream_opened")
             return sink
         finally:
             if not handed_over:
-                if answer is not None:  # hanging up fails the room on the prefill side (it notices later)
-                    await answer.aclose()
-                self._give_up(state, rid, pages, staging, link, "given up before its first token was out")
+                self._give_up(state, rid, pages, staging, link, "given up before its room was open")
 
-    async def _transfer(self, link: RoomLink, pages: list[int], staging: int | None,
-                        trace: Trace) -> tuple[dict, TransferAnswer]:
-        """The prefill side's first line (the prompt's outcome) and the answer still to be read."""
-        prefill, room = link.prefill, link.room
+    async def _transfer(self, link: RoomLink, pages: list[int], staging: int | None, trace: Trace) -> TransferAnswer:
+        """The room's /pd/transfer answer, open (its lines still to be read)."""
         try:
-            first, answer = await self._open_room(link, pages, staging, trace)
+            return await self._open_room(link, pages, staging, trace)
         except UpstreamError as exc:
-            raise ApiError(502, f"prefill server {prefill} unreachable for room {room}: {exc!r}",
-                           type="server_error", code="pd_prefill_unreachable") from None
-        trace.mark("first_answered")
-        return first, answer
+            raise _unreachable(link, exc) from None
 
-    def _first_token_sink(self, req: EngineRequest, trace: Trace) -> asyncio.Queue:
-        """A sink holding Accepted and the request's first token: the prefill side computed that token
-        from its own KV, so it does not depend on the transferred copy and goes out before the check.
-        Whether it ends the request (max_tokens=1, EOS, a stop) is decided here, on the event loop, from
-        the request and what the engine fixed when it was built (tokenizer, length limit): the scheduler
-        is the engine thread's, and does not have the request yet."""
+    async def _first_then_admit(self, state, rid: str, ids: list[int], params, pages: list[int],
+                                answer: TransferAnswer, started: float, staging: int | None, sink: asyncio.Queue,
+                                trace: Trace) -> None:
+        """The answer's first line (the prompt's outcome), whose token goes onto the client's sink at once,
+        then the KV (`_verify_then_admit`). Failing before the first token (the prefill side's error line,
+        its answer broken off, a malformed line), the client gets the error and the request is given up
+        as one that never got its first token: the room hung up on (which fails it on the prefill side),
+        its pages back once the prefill side can no longer write into them. Cancelled only at shutdown."""
+        try:
+            try:
+                first = await answer.line("first")
+            except UpstreamError as exc:
+                raise _unreachable(answer.link, exc) from None
+            trace.mark("first_answered")
+            req = prefilled_request(rid, ids, params, pages, first)  # the line's fields, validated
+        except BaseException as exc:
+            await answer.aclose()
+            state.bridge.withdraw(rid)
+            self._give_up(state, rid, pages, staging, answer.link, "given up before its first token was out")
+            if isinstance(exc, ApiError):
+                sink.put_nowait(Failed(exc))
+            elif isinstance(exc, Exception):  # a bug: the client, its stream open, must get an error, not a hang
+                log.exception("room %s: reading the prompt's outcome failed", answer.link.room)
+                sink.put_nowait(Failed(ApiError(500, f"reading the prompt's outcome failed: {exc!r}",
+                                                type="server_error")))
+            else:
+                raise
+            return
+        sink.put_nowait(self._first_token(req, trace))
+        await self._verify_then_admit(state, answer.link.room, req, answer, started, staging, sink, trace)
+
+    def _first_token(self, req: EngineRequest, trace: Trace) -> TokenOut:
+        """The request's first token, for its client: the prefill side computed it from its own KV, so it
+        does not depend on the transferred copy and goes out before the check. Whether it ends the
+        request (max_tokens=1, EOS, a stop) is decided here, on the event loop, from the request and what
+        the engine fixed when it was built (tokenizer, length limit): the scheduler is the engine
+        thread's, and does not have the request yet."""
         tokenizer = self.engine.tokenizer
         reason = stop_reason(req, tokenizer, self.engine.cfg.max_model_len)
         token = req.output_ids[0]
-        sink: asyncio.Queue = asyncio.Queue()
-        sink.put_nowait(Accepted(len(req.prompt_ids)))
-        sink.put_nowait(TokenOut(token, req.output_logprobs[0] if req.output_logprobs else 0.0,
-                                 req.output_top_logprobs[0] if req.output_top_logprobs else [], reason,
-                                 is_stop_token(req, token, reason, tokenizer.eos_token_id)))
         trace.mark("first_token")
-        return sink
+        return TokenOut(token, req.output_logprobs[0] if req.output_logprobs else 0.0,
+                        req.output_top_logprobs[0] if req.output_top_logprobs else [], reason,
+                        is_stop_token(req, token, reason, tokenizer.eos_token_id))
 
     def _spawn(self, work: Coroutine[Any, Any, None], tasks: set[asyncio.Task]) -> None:
         """Run `work` beside the request's stream, kept in `tasks` until done (the loop keeps weak
@@ -622,6 +645,11 @@ async def _cancel_and_wait(tasks: set[asyncio.Task]) -> None:
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _unreachable(link: RoomLink, exc: UpstreamError) -> ApiError:
+    return ApiError(502, f"prefill server {link.prefill} unreachable for room {link.room}: {exc!r}",
+                    type="server_error", code="pd_prefill_unreachable")
 
 
 def _refused_the_room(status: int, body: dict) -> bool:

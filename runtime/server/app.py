@@ -173,7 +173,7 @@ def create_app(state: ServerState) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         # Prompts are user data: only at debug level, which an operator switches on deliberately.
         log.debug("%s: %d prompt tokens: %r", rid, len(prepared.prompt_ids), prepared.prompt)
-        if state.pd is not None:  # PD: prefill answers here; decode hands back the sink of a prefilled request
+        if state.pd is not None:  # PD: prefill answers here; decode hands back the sink of a request whose room opened
             started = await state.pd.start(state, request, rid, prepared, trace)
             if isinstance(started, Response):
                 state.metrics.requests.labels(request.url.path, "200").inc()
@@ -344,28 +344,32 @@ async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: Ch
     done = False
     try:
         opening = encoder.chunk({"role": "assistant", "content": ""}, None, None)
-        if sink.empty():  # the prompt is computing: the client sees its stream open now
+        # The prompt is computing: the client sees its stream open now. A PD decode server holds the
+        # opening chunk for its first token (its headers are out already): an error before that token
+        # is then the stream's first event, which the router may answer by offering the request to
+        # another prefill server within the same stream (runtime/router.py).
+        if sink.empty() and state.pd is None:
             yield opening
             opening = ""
         while not done:
             # Every event that has arrived (a step's token, or several steps' when this loop fell
-            # behind) goes out in one write: a write costs the same for one chunk as for many. A first
-            # token already here (PD decode: it came with the prefilled request) goes out with the
-            # opening chunk, in one write.
+            # behind) goes out in one write: a write costs the same for one chunk as for many.
             events = [await sink.get()]
             while not sink.empty():
                 events.append(sink.get_nowait())
-            out: list[str] = [opening] if opening else []
-            opening = ""
+            out: list[str] = []
             for event in events:
                 if isinstance(event, Rejected):  # the engine died under us: say so inside the stream
                     out.append(f"data: {json.dumps(ApiError(500, event.message, type='server_error').body())}\n\n")
                     done = True
                     break
-                if isinstance(event, Failed):  # after its first token (PD decode): the error, inside the stream
+                if isinstance(event, Failed):  # PD decode, its room open: the error, inside the stream
                     out.append(f"data: {json.dumps(event.error.body())}\n\n")
                     done = True
                     break
+                if opening:  # held until now: it goes out with the first token, in one write
+                    out.append(opening)
+                    opening = ""
                 reason = "abort" if isinstance(event, Aborted) else None
                 if isinstance(event, TokenOut):
                     completion += 1

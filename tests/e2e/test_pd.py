@@ -1094,16 +1094,15 @@ def admit_before_the_kv_landed(pd, monkeypatch) -> None:
 def first_token_twice(pd, monkeypatch) -> None:
     """A planted bug: the first token goes into the decode side's stream twice (as if both the early
     line and the KV's result carried it to the client)."""
-    first_token_sink = pd._first_token_sink
+    verify_then_admit = pd._verify_then_admit
 
-    def twice(req, trace):
-        sink = first_token_sink(req, trace)
-        accepted, token = sink.get_nowait(), sink.get_nowait()
-        for item in (accepted, token, token):
+    async def twice(state, room, req, answer, started, staging, sink, trace):
+        items = [sink.get_nowait() for _ in range(sink.qsize())]  # the first token last, just put there
+        for item in (*items, items[-1]):
             sink.put_nowait(item)
-        return sink
+        await verify_then_admit(state, room, req, answer, started, staging, sink, trace)
 
-    monkeypatch.setattr(pd, "_first_token_sink", twice)
+    monkeypatch.setattr(pd, "_verify_then_admit", twice)
 
 
 def tokens_while_the_write_is_held(pair, monkeypatch, payload: dict) -> tuple[int, StreamReader]:

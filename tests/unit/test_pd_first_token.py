@@ -1,4 +1,4 @@
-"""The PD decode side's first token (runtime/disagg/decode.py `_first_token_sink`): streamed on the event
+"""The PD decode side's first token (runtime/disagg/decode.py `_first_token`): streamed on the event
 loop before the engine has the request, it ends the request exactly when the engine, admitting the
 same request, says it does (max_tokens=1, EOS, a stop token id, a stop string), and the event loop
 decides that without the engine thread's scheduler."""
@@ -17,7 +17,7 @@ from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
 from runtime.faults import FaultSet
-from runtime.server.bridge import Accepted, TokenOut
+from runtime.server.bridge import TokenOut
 from runtime.server.trace import NO_TRACE
 
 pytestmark = pytest.mark.unit
@@ -46,10 +46,8 @@ def prefill_reply(token: int) -> dict:
 
 def first_token(side: DecodeSide, rid: str, token: int, params: SamplingParams) -> TokenOut:
     req = prefilled_request(rid, PROMPT, params, [], prefill_reply(token))
-    sink = side._first_token_sink(req, NO_TRACE)
-    assert isinstance(sink.get_nowait(), Accepted)
-    out = sink.get_nowait()
-    assert isinstance(out, TokenOut) and sink.empty()
+    out = side._first_token(req, NO_TRACE)
+    assert isinstance(out, TokenOut)
     return out
 
 

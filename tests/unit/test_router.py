@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
-from runtime.router import create_router_app
+from runtime.router import MAX_PREFILL_TRIES, create_router_app
 from runtime.server.trace import TRACE_HEADER
 from tests.fake_upstreams import SSE_TYPE, FakeReply, FakeRequest, FakeUpstreams
 
@@ -147,15 +147,25 @@ def test_a_traced_request_is_read_back_from_the_router_and_both_upstreams():
         assert [r.headers.get(TRACE_HEADER) for r in fake.requests[-2:]] == [None, None]
 
 
+def error_body(code: str) -> dict:
+    return {"error": {"message": "planted", "type": "server_error", "code": code}}
+
+
+def error_event(code: str) -> bytes:
+    """A decode server's stream that opened, then failed before its first token (runtime/server/app.py)."""
+    return b"data: " + json.dumps(error_body(code)).encode() + b"\n\ndata: [DONE]\n\n"
+
+
 def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, str]] | None = None,
-             decode_state: dict[str, str] | None = None):
+             decode_state: dict[str, str] | None = None, stream_error: dict[str, str] | None = None):
     """In-memory upstreams: prefill servers by host, each "ok", "stopping" (its 503, and the decode side's
     report of it) or "down" (nothing listens); decode servers by host (`decode_state`, default one "ok"
     server), "down" or streaming SSE unless the prefill server named in the request's bootstrap header
-    is not ok (or `decode_error` names an error for that server). Returns (the router app, the fake)."""
+    is not ok (or `decode_error` names an error status for that server, or `stream_error` an error code
+    the decode side's open stream ends with, before any token). Returns (the router app, the fake)."""
 
     def error(status: int, code: str) -> FakeReply:
-        return FakeReply.json(status, {"error": {"message": "planted", "type": "server_error", "code": code}})
+        return FakeReply.json(status, error_body(code))
 
     def answer(request: FakeRequest) -> FakeReply:
         bootstrap = bootstrap_host(request)
@@ -164,6 +174,9 @@ def pd_fleet(prefill_state: dict[str, str], decode_error: dict[str, tuple[int, s
             return error(503, "pd_prefill_stopping") if state == "stopping" else FakeReply.json(200, {})
         if (decode_error or {}).get(bootstrap):  # a decode server's answer from here on
             return error(*(decode_error or {})[bootstrap])
+        if (stream_error or {}).get(bootstrap):
+            event = error_event((stream_error or {})[bootstrap])
+            return FakeReply(chunks=[event[:30], event[30:]], content_type=SSE_TYPE)
         if state == "stopping":
             return error(503, "pd_prefill_stopping")
         if state == "down":
@@ -292,3 +305,50 @@ def test_a_prompt_call_that_breaks_as_it_is_written_is_an_error_and_not_offered_
     assert "prefill server http://prefill-a:1" in error["message"]
     assert "connection broke: BrokenPipeError" in error["message"]
     assert decode_calls(fake) == [] and fake.hosts() == ["prefill-a"]
+
+
+@pytest.mark.parametrize("code", ["pd_prefill_stopping", "pd_prefill_unreachable"])
+def test_a_stream_whose_first_event_is_a_prefill_refusal_goes_on_through_the_next_prefill_server(code):
+    """The decode side opens a stream as the room opens (headers only: it holds every byte for the first
+    token), and the router opens the client's then. A prefill server that took nothing of the request
+    after the room opened (a drain failing its open rooms; its answer broken off before its first line)
+    makes that stream's first event the refusal: the router offers the request to the next prefill
+    server, and the client's stream carries that one's answer alone. Negative control: a router that
+    passed open streams through as they came sends the client the refusal."""
+    app, fake = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"}, stream_error={"prefill-a": code})
+    with TestClient(app) as router:
+        replies = [router.post("/v1/chat/completions", content=json.dumps(BODY)) for _ in range(3)]
+    assert [(r.status_code, r.content) for r in replies] == [(200, SSE)] * 3
+    assert decode_calls(fake) == ["prefill-a", "prefill-b", "prefill-b", "prefill-b"]  # a rested after its refusal
+
+
+def test_an_open_streams_other_errors_reach_the_client_inside_it_and_are_not_retried():
+    """Any other error before the first token (a timeout, the prefill side's own failure) may come after
+    the prefill server computed the prompt: the client gets it as its stream's event, once."""
+    app, fake = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"}, stream_error={"prefill-a": "pd_timeout"})
+    with TestClient(app) as router:
+        reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
+    assert (reply.status_code, reply.content) == (200, error_event("pd_timeout"))
+    assert decode_calls(fake) == ["prefill-a"]
+
+
+def test_a_stream_refused_by_every_prefill_server_ends_with_the_last_refusal_inside_it():
+    """Each prefill server refuses inside the stream: MAX_PREFILL_TRIES servers are offered the request
+    (never more), and the client's stream ends with the last refusal."""
+    hosts = [f"prefill-{i}" for i in range(4)]
+    app, fake = pd_fleet(dict.fromkeys(hosts, "ok"), stream_error=dict.fromkeys(hosts, "pd_prefill_stopping"))
+    with TestClient(app) as router:
+        reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
+    assert (reply.status_code, reply.content) == (200, error_event("pd_prefill_stopping"))
+    assert decode_calls(fake) == hosts[:MAX_PREFILL_TRIES]
+
+
+def test_a_retry_inside_an_open_stream_that_fails_with_a_status_ends_the_stream_with_that_error():
+    """The next prefill server's pair answers an error status (its decode side failed before opening a
+    room): the client's stream is open already, so the error is its last event, OpenAI-shaped."""
+    app, fake = pd_fleet({"prefill-a": "ok", "prefill-b": "ok"}, stream_error={"prefill-a": "pd_prefill_stopping"},
+                         decode_error={"prefill-b": (503, "pd_out_of_pages")})
+    with TestClient(app) as router:
+        reply = router.post("/v1/chat/completions", content=json.dumps(BODY))
+    assert (reply.status_code, reply.content) == (200, error_event("pd_out_of_pages"))
+    assert decode_calls(fake) == ["prefill-a", "prefill-b"]
