@@ -28,7 +28,7 @@ import itertools
 import json
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -448,7 +448,7 @@ async def _close(opened: OpenStream) -> None:
     await _settle(opened.prefill_call)
 
 
-async def _pass_through(opened: OpenStream, head: StreamHead, trace: Trace = NO_TRACE) -> AsyncIterator[bytes]:
+async def _pass_through(opened: OpenStream, head: StreamHead, trace: Trace = NO_TRACE) -> AsyncGenerator[bytes, None]:
     """The decode stream's chunks (`head`'s, then as they come); a stream that broke off
     ends with the error inside it. Then the decode call is closed (a client that went away closes it
     mid-stream: its request is aborted there) and the prompt's call is waited for, never cancelled: the
