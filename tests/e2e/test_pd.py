@@ -1449,3 +1449,80 @@ def test_direct_mode_a_late_write_never_reaches_a_request_admitted_after_the_giv
             assert result["status"] == 200 and result["code"] is None and result["answer"] != expected, result
         assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
         assert answer(pair.router, payload) == expected  # the pool is whole again
+
+
+class HeldFirstLine:
+    """The prefill side's first /pd/transfer line (the prompt's outcome, computed) held until `release()`:
+    `started` once a room's outcome is ready and held."""
+
+    def __init__(self, registry, monkeypatch) -> None:
+        import threading
+
+        self.started, self._gate = threading.Event(), threading.Event()
+        wait_first = registry.wait_first
+
+        async def held(room, timeout_s):
+            first = await wait_first(room, timeout_s)
+            self.started.set()
+            while not self._gate.is_set():
+                await asyncio.sleep(0.01)
+            return first
+
+        monkeypatch.setattr(registry, "wait_first", held)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+def answer_with_the_first_token(pd, monkeypatch) -> None:
+    """The planted old order (before the fortieth session): the decode side answers its caller only once the
+    first token is on the request's sink, so the client's stream (headers included) waits for that token."""
+    original = pd.start
+
+    async def start(*args, **kwargs):
+        sink = await original(*args, **kwargs)
+        while sink.qsize() < 2:  # Accepted, then the first token (or the error)
+            await asyncio.sleep(0.001)
+        return sink
+
+    monkeypatch.setattr(pd, "start", start)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["as_built", "answer_with_the_first_token"])
+def test_a_streamed_clients_answer_opens_while_the_prompt_computes(servers, monkeypatch, planted):
+    """The decode side opens its answer when the room opens, and the router the client's then: with the
+    prefill side holding the prompt's first token, a streamed client already has the 200 and the headers
+    (and no byte of the body: the opening chunk waits for the first token), so neither server's response
+    start is on the first token's path. Released, the stream is the colocated server's answer. Negative
+    control: a decode side answering only with the first token shows the client nothing while it is held."""
+    import threading
+
+    pair, colocated = servers
+    payload = body(PROMPTS[1], stream=True)
+    held = HeldFirstLine(pair.prefill_state.pd.registry, monkeypatch)
+    if planted:
+        answer_with_the_first_token(pair.decode_state.pd, monkeypatch)
+    opened, lines, statuses = threading.Event(), [], []
+
+    def read() -> None:
+        with httpx.stream("POST", f"{pair.router}/v1/chat/completions", json=payload, timeout=60) as reply:
+            statuses.append(reply.status_code)
+            opened.set()
+            lines.extend(line for line in reply.iter_lines() if line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert held.started.wait(30), "no request's first line was held"
+        open_while_held = opened.wait(HOLD_S)
+        body_while_held = list(lines)
+    finally:
+        held.release()
+    reader.join(60)
+    assert open_while_held is not planted and body_while_held == []
+    assert statuses == [200] and lines[-1] == "data: [DONE]"
+    streamed = [json.loads(line[6:]) for line in lines[:-1]]
+    assert all("error" not in chunk for chunk in streamed), streamed
+    text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in streamed)
+    assert text == answer(colocated, payload)["text"]
+    assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
