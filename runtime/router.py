@@ -449,10 +449,10 @@ async def _close(opened: OpenStream) -> None:
 
 
 async def _pass_through(opened: OpenStream, head: StreamHead, trace: Trace = NO_TRACE) -> AsyncGenerator[bytes, None]:
-    """The decode stream's chunks (`head`'s, then as they come); a stream that broke off
-    ends with the error inside it. Then the decode call is closed (a client that went away closes it
-    mid-stream: its request is aborted there) and the prompt's call is waited for, never cancelled: the
-    prefill side finishes the room it may be writing, and the decode side frees both ends."""
+    """The decode stream's chunks (`head`'s, then as they come); a stream that broke off ends with the
+    error inside it. Then the decode call is closed (a client that went away closes it mid-stream: its
+    request is aborted there) and the prompt's call is waited for, never cancelled: the prefill side
+    finishes the room it may be writing, and the decode side frees both ends."""
     try:
         broke = head.broke
         if head.chunks:  # one write for what came before the first event ended
