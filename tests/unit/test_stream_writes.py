@@ -1,7 +1,9 @@
 """How a streamed reply is cut into writes (runtime/server/app.py `_stream`): the opening chunk goes
 out alone while the prompt computes (the client sees its stream open), but a first token already
-waiting - a PD decode server's prefilled request brings it - goes out in the same write, so the first
-token costs one socket write and not two. The bytes of the stream are the same either way."""
+waiting goes out in the same write, so the first token costs one socket write and not two. The bytes
+of the stream are the same either way. A PD decode server (whose headers go out when the room opens)
+always holds the opening for the first token, and drops it for an error that comes first: the router
+reads that error as the stream's first event (runtime/router.py `relay`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.server.app import _stream
-from runtime.server.bridge import TokenOut
+from runtime.server.bridge import Failed, TokenOut
+from runtime.server.errors import ApiError
 from runtime.server.output import ChoiceBuilder, OutputOptions
 from runtime.tokenizer import ByteTokenizer
 
@@ -19,23 +22,31 @@ pytestmark = pytest.mark.unit
 TOK = ByteTokenizer(320, 256, 257, 258)
 
 
-def fake_state() -> SimpleNamespace:
+def fake_state(pd: object = None) -> SimpleNamespace:
     return SimpleNamespace(model_name="m", loaded=SimpleNamespace(config=SimpleNamespace(fingerprint="fp")),
                            bridge=SimpleNamespace(abort=lambda rid, reason="abort": None),
-                           metrics=SimpleNamespace(dsml_rejected=None))
+                           metrics=SimpleNamespace(dsml_rejected=None), pd=pd)
 
 
-async def writes(tokens_waiting: bool) -> list[str]:
+async def writes(tokens_waiting: bool, pd: object = None) -> list[str]:
     """The stream's writes for the reply "hi" (two tokens, the second one last)."""
     sink: asyncio.Queue = asyncio.Queue()
     events = [TokenOut(ord("h"), -0.1, [], None, False), TokenOut(ord("i"), -0.1, [], "length", False)]
     if tokens_waiting:
         sink.put_nowait(events[0])
-    stream = _stream(fake_state(), "r1", sink, ChoiceBuilder(TOK, OutputOptions(), None), 3, False)
-    out = [await anext(stream)]
+    stream = _stream(fake_state(pd), "r1", sink, ChoiceBuilder(TOK, OutputOptions(), None), 3, False)
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
     if not tokens_waiting:  # the first token comes while the stream is open
-        sink.put_nowait(events[0])
-        out.append(await anext(stream))
+        if not first.done():  # the opening was held (PD decode): the first token lets it out
+            sink.put_nowait(events[0])
+            out = [await first]
+        else:
+            out = [await first]
+            sink.put_nowait(events[0])
+            out.append(await anext(stream))
+    else:
+        out = [await first]
     sink.put_nowait(events[1])
     out.extend([chunk async for chunk in stream])
     return out
@@ -52,3 +63,33 @@ def test_a_waiting_first_token_shares_the_opening_write_and_the_bytes_are_unchan
 
 def _created(chunks: list[str]) -> int:
     return int(chunks[0].split('"created": ', 1)[1].split(",", 1)[0])
+
+
+def test_a_pd_decode_stream_holds_its_opening_for_the_first_token():
+    """Its first write is the opening and the first token together, as when the token was waiting, with the
+    same bytes. Control: the colocated server writes the opening alone (above)."""
+    held, prefilled = asyncio.run(writes(False, pd=object())), asyncio.run(writes(True))
+    assert '"role": "assistant"' in held[0] and '"content": "h"' in held[0]
+    assert len(held) == len(prefilled)
+    assert "".join(held).replace(str(_created(held)), "T") == "".join(prefilled).replace(str(_created(prefilled)), "T")
+
+
+@pytest.mark.parametrize("pd", [object(), None], ids=["pd_decode", "colocated"])
+def test_an_error_before_the_first_token_is_a_pd_streams_first_event(pd):
+    """PD decode: the stream is the error and its end, no opening chunk (the router may then offer the
+    request to another prefill server). The colocated server has written its opening already."""
+
+    async def run() -> list[str]:
+        sink: asyncio.Queue = asyncio.Queue()
+        stream = _stream(fake_state(pd), "r1", sink, ChoiceBuilder(TOK, OutputOptions(), None), 3, False)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        sink.put_nowait(Failed(ApiError(503, "planted", type="server_error", code="pd_prefill_stopping")))
+        return [await first] + [chunk async for chunk in stream]
+
+    out = asyncio.run(run())
+    if pd is None:  # the colocated server's opening, written while the prompt computed
+        assert '"role": "assistant"' in out[0]
+        out = out[1:]
+    assert len(out) == 1 and out[0].startswith('data: {"error": ') and out[0].endswith("data: [DONE]\n\n")
+    assert '"pd_prefill_stopping"' in out[0]
