@@ -5,11 +5,11 @@ answer (a stream's headers go out while the prompt computes), send the first tok
 the first line of its answer, which comes as soon as the prompt finished) to the client at once, wait
 for the KV (the answer's second line), scatter it from the slot into the pages (staged), check it, and
 hand the request to the engine as already prefilled; its later tokens come from the engine, so none
-reaches the client before the check passed. A failure once the room
-is open (the prefill side's error line, its answer broken off, a failed transfer or check) ends the
-client's stream with its error (pd_kv_corrupt for a corrupt KV), before or after its first token; the
-router offers a stream that failed before its first token because the prefill server took nothing of
-it (pd_prefill_stopping, pd_prefill_unreachable) to another prefill server inside the same stream.
+reaches the client before the check passed. A failure once the room is open (the prefill side's error
+line, its answer broken off, a failed transfer or check) ends the client's stream with its error
+(pd_kv_corrupt for a corrupt KV), before or after its first token; the router offers a stream that
+failed before its first token because the prefill server took nothing of it (pd_prefill_stopping,
+pd_prefill_unreachable) to another prefill server inside the same stream.
 
 The reserved pages are freed on every path that does not end in admission (timeout, prefill error,
 corrupt KV, client gone before the KV arrived, server shutdown in any phase: `aclose` ends the pending
