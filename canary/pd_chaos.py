@@ -37,10 +37,10 @@ def error_code(body: object) -> str | None:
     return code if isinstance(code, str) and code else None
 
 
-def chat(router: str, model: str, prompt: str, *, stream: bool, max_tokens: int = 24,
+def chat(url: str, model: str, prompt: str, *, stream: bool, max_tokens: int = 24,
          abort_after: int | None = None, timeout_s: float = 90.0, headers: dict[str, str] | None = None) -> Outcome:
-    """One greedy chat request; `abort_after` N: a stream the client closes after N content chunks. `headers`
-    go with it (the router's own, for a request sent straight to a PD side)."""
+    """One greedy chat request to `url` (the router's, or a PD side's with the router's `headers`);
+    `abort_after` N: a stream the client closes after N content chunks."""
     payload = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                "temperature": 0, "stream": stream}
     started = time.monotonic()
@@ -52,7 +52,7 @@ def chat(router: str, model: str, prompt: str, *, stream: bool, max_tokens: int 
         return Outcome(kind, text, code, detail, started, ended)
 
     try:
-        with httpx.stream("POST", f"{router}/v1/chat/completions", json=payload, headers=headers,
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, headers=headers,
                           timeout=httpx.Timeout(timeout_s, connect=5.0)) as reply:
             if reply.status_code != 200:
                 raw = reply.read()
