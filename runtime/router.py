@@ -38,7 +38,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 from runtime.router_health import HEALTH_EVERY_S, UpstreamHealth
-from runtime.server.errors import ApiError
+from runtime.server.errors import ApiError, sse_event
 from runtime.server.prometheus_text import parse_samples, sample_sum
 from runtime.server.trace import NO_TRACE, TRACE_HEADER, Trace, TraceLog
 from runtime.upstream_http import Connect, Exchange, UpstreamConnectError, UpstreamError, UpstreamReply, Upstreams
@@ -437,7 +437,7 @@ def _as_event(answer: Response) -> bytes:
     except ValueError:
         error = ApiError(502, f"upstream answered {answer.status_code}: {bytes(answer.body)[:200]!r}",
                          type="server_error", code="pd_upstream_error").body()
-    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    return f"{sse_event(error)}data: [DONE]\n\n".encode()
 
 
 async def _close(opened: OpenStream) -> None:
@@ -466,7 +466,7 @@ async def _pass_through(opened: OpenStream, head: StreamHead, trace: Trace = NO_
         if broke is not None:  # the decode server died mid-stream: say so inside the stream
             error = ApiError(502, f"decode server stream broke: {broke!r}", type="server_error",
                              code="pd_stream_broken")
-            yield f"data: {json.dumps(error.body())}\n\n".encode()
+            yield error.event().encode()
     finally:
         await opened.reply.aclose()
         await _settle(opened.prefill_call)

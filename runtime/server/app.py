@@ -10,7 +10,6 @@ front of the router (runtime/server/auth.py, limits.py), so no route can forget 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import platform
 import random
@@ -37,7 +36,7 @@ from runtime.server.auth import BearerAuth
 from runtime.server.bridge import Aborted, Accepted, EngineBridge, Failed, Rejected, TokenOut
 from runtime.server.chat_template import ChatTemplate, TemplateError, call_opening
 from runtime.server.corrupt import ToolJsonCorruptor, request_key
-from runtime.server.errors import ApiError, bad_request, from_validation_errors, rejected
+from runtime.server.errors import ApiError, bad_request, from_validation_errors, rejected, sse_event
 from runtime.server.internal_errors import InternalErrors
 from runtime.server.limits import ConcurrencyLimit, HeaderSizeLimit, RequestSlots
 from runtime.server.metrics import ServerMetrics
@@ -360,11 +359,11 @@ async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: Ch
             out: list[str] = []
             for event in events:
                 if isinstance(event, Rejected):  # the engine died under us: say so inside the stream
-                    out.append(f"data: {json.dumps(ApiError(500, event.message, type='server_error').body())}\n\n")
+                    out.append(ApiError(500, event.message, type="server_error").event())
                     done = True
                     break
                 if isinstance(event, Failed):  # PD decode, its room open: the error, inside the stream
-                    out.append(f"data: {json.dumps(event.error.body())}\n\n")
+                    out.append(event.error.event())
                     done = True
                     break
                 if opening:  # held until now: it goes out with the first token, in one write
@@ -385,7 +384,7 @@ async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: Ch
             if done and include_usage:
                 body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                         "choices": [], "usage": _usage(prompt_tokens, completion)}
-                out.append(f"data: {json.dumps(body)}\n\n")
+                out.append(sse_event(body))
             if done:
                 out.append("data: [DONE]\n\n")
             if out:

@@ -26,12 +26,21 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def event(self) -> str:
+        """The error inside a stream already answered 200: one server-sent event of its body."""
+        return sse_event(self.body())
+
     def response(self) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
         headers.update(self.headers)
         # ASCII-escaped: a message quoting client input (a lone surrogate, say) must still encode.
         return Response(json.dumps(self.body(), ensure_ascii=True), status_code=self.status, headers=headers,
                         media_type="application/json")
+
+
+def sse_event(body: dict) -> str:
+    """One server-sent event whose data is `body` as JSON (an error's, in a stream that is already open)."""
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
