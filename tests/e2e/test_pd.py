@@ -981,17 +981,26 @@ def tokens_while_the_digest_is_held(pair, monkeypatch, payload: dict) -> tuple[i
     return tokens_while_held(pair, HeldDigest(monkeypatch), payload)
 
 
-def digest_first(pd, monkeypatch) -> None:
-    """The planted old order: the decode side's stream opens only once the KV check (and admission)
-    is done, so the first token waits for the digest."""
+def answer_once(pd, monkeypatch, ready) -> None:
+    """A planted late answer: the decode side hands its caller the request's sink only once
+    `await ready(sink)` returns, so the client's stream waits for that too."""
     original = pd.start
 
     async def start(*args, **kwargs):
         sink = await original(*args, **kwargs)
-        await asyncio.gather(*pd._verifying)
+        await ready(sink)
         return sink
 
     monkeypatch.setattr(pd, "start", start)
+
+
+def digest_first(pd, monkeypatch) -> None:
+    """The planted old order: the decode side's stream opens only once the KV check (and admission)
+    is done, so the first token waits for the digest."""
+    async def checked(_sink) -> None:
+        await asyncio.gather(*pd._verifying)
+
+    answer_once(pd, monkeypatch, checked)
 
 
 def admit_before_the_check(pd, monkeypatch) -> None:
@@ -1477,15 +1486,11 @@ class HeldFirstLine:
 def answer_with_the_first_token(pd, monkeypatch) -> None:
     """The planted old order (before the fortieth session): the decode side answers its caller only once the
     first token is on the request's sink, so the client's stream (headers included) waits for that token."""
-    original = pd.start
-
-    async def start(*args, **kwargs):
-        sink = await original(*args, **kwargs)
+    async def first_token_in(sink) -> None:
         while sink.qsize() < 2:  # Accepted, then the first token (or the error)
             await asyncio.sleep(0.001)
-        return sink
 
-    monkeypatch.setattr(pd, "start", start)
+    answer_once(pd, monkeypatch, first_token_in)
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["as_built", "answer_with_the_first_token"])
