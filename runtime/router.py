@@ -39,6 +39,7 @@ from fastapi.responses import Response, StreamingResponse
 from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
 from runtime.router_health import HEALTH_EVERY_S, UpstreamHealth
 from runtime.server.errors import ApiError, sse_event
+from runtime.server.http_stack import HTTP, LOOP
 from runtime.server.prometheus_text import parse_samples, sample_sum
 from runtime.server.trace import NO_TRACE, TRACE_HEADER, Trace, TraceLog
 from runtime.upstream_http import Connect, Exchange, UpstreamConnectError, UpstreamError, UpstreamReply, Upstreams
@@ -505,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         if not url.startswith("http://"):
             parser.error(f"upstreams are plain http:// URLs, got {url!r}")
     app = create_router_app(*urls, timeout_s=args.timeout, health_every_s=args.health_every)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=75)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_keep_alive=75,
+                loop=LOOP, http=HTTP)
     return 0
 
 

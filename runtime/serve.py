@@ -25,6 +25,7 @@ _LATCH = held_while_importing(__name__)
 
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.faults import KNOWN_FAULTS, FaultSet, UnknownFaultError  # noqa: E402
+from runtime.server.http_stack import HTTP, LOOP  # noqa: E402
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from other machines only when asked for
 STARTUP_FAILURE_RC = 3  # uvicorn's own exit status for a server that could not start
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 # Longer than clients keep idle connections (httpx: 5 s, uvicorn's own default):
                                 # a server closing a keep-alive connection as the client reuses it drops a request.
-                                timeout_keep_alive=75)
+                                timeout_keep_alive=75, loop=LOOP, http=HTTP)
         server = RuntimeServer(config, before_stop_listening(state))
         server.run()
         if not server.started:  # as `uvicorn.run` does: a server that could not start (its port taken)

@@ -37,6 +37,7 @@ from runtime.server.bridge import Aborted, Accepted, EngineBridge, Failed, Rejec
 from runtime.server.chat_template import ChatTemplate, TemplateError, call_opening
 from runtime.server.corrupt import ToolJsonCorruptor, request_key
 from runtime.server.errors import ApiError, bad_request, from_validation_errors, rejected, sse_event
+from runtime.server.http_stack import event_loop_name
 from runtime.server.internal_errors import InternalErrors
 from runtime.server.limits import ConcurrencyLimit, HeaderSizeLimit, RequestSlots
 from runtime.server.metrics import ServerMetrics
@@ -143,6 +144,7 @@ def create_app(state: ServerState) -> FastAPI:
                                 if state.engine.cfg.device != "cpu" else "cpu"),
                 "versions": {"python": platform.python_version(), "torch": torch.__version__,
                              "fastapi": fastapi.__version__},
+                "event_loop": event_loop_name(),  # runtime/server/http_stack.py
                 "engine_error": None if state.bridge.error is None else repr(state.bridge.error)}
 
     @app.get("/debug/trace/{key}")

@@ -55,6 +55,9 @@ def test_models_health_info(server):
     assert info["model"] == "tiny-random" and info["config_fingerprint"] and "torch" in info["versions"]
     # Resolved by the engine, not the config (the gate's perf key reads them): the CPU default is on.
     assert info["prefix_cache"] is True and info["disaggregation"] is None
+    # `python -m runtime.serve` names its loop and parser (runtime/server/http_stack.py); uvicorn's "auto" would
+    # run asyncio's loop wherever uvloop fails to import, and this would say "asyncio".
+    assert info["event_loop"] == "uvloop"
 
 
 BAD = [
