@@ -6,9 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-# The image has torch, triton, numpy, httpx, pytest, hypothesis, ...; these are what it lacks.
+# The image has torch, triton, numpy, httpx, pytest, hypothesis, uvloop, ...; these are what it lacks.
 NAMES="fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection typing_extensions
-uvicorn h11 uvloop httptools click anyio sniffio idna openai jiter distro httpx2 httpcore2 truststore certifi jsonschema
+uvicorn h11 httptools click anyio sniffio idna openai jiter distro httpx2 httpcore2 truststore certifi jsonschema
 jsonschema-specifications referencing rpds-py attrs opentelemetry-api importlib_metadata zipp prometheus_client"
 mkdir -p .whl
 for name in $NAMES; do
