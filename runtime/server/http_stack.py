@@ -4,8 +4,8 @@ loop and the pure-Python h11 parser.
 
 Each request crosses more of these servers in a PD pair (client -> router -> prefill server, and the first token
 back through the decode server and the router) than on a colocated server, so their per-hop cost is a larger share
-of the pair's time to first token: on the 2-core CPU host the PD / colocated ratio at 8 words went from 1.27-1.30 to
-1.16-1.23 in three alternating pairs (docs/results.md, "Forty-first session").
+of the pair's time to first token: on the 2-core CPU host the PD / colocated ratio at 8 words fell from a median of
+1.26 to 1.20 over five alternating pairs, lower or level in each (docs/results.md, "Forty-first session").
 
 Named, not left to uvicorn's "auto" (which takes them only when they import): a server whose install lacks them
 fails at start with the ImportError, never runs quietly on the slower pair.
