@@ -1,4 +1,4 @@
-"""Client-side pieces of the PD chaos checks (tests/e2e/test_pd_chaos.py, the PD fault gate in
+"""Client-side pieces of the PD chaos checks (tests/stress/test_pd_chaos.py, the PD fault gate in
 canary/faults/pd_gates.py): one chat request through the router, bounded and classified; the probe
 that measures how soon a restarted pair serves again; the pages left on each side.
 
@@ -40,7 +40,9 @@ def error_code(body: object) -> str | None:
 def chat(url: str, model: str, prompt: str, *, stream: bool, max_tokens: int = 24,
          abort_after: int | None = None, timeout_s: float = 90.0, headers: dict[str, str] | None = None) -> Outcome:
     """One greedy chat request to `url` (the router's, or a PD side's with the router's `headers`);
-    `abort_after` N: a stream the client closes after N content chunks."""
+    `abort_after` N: a stream the client closes after N content chunks; 0: as soon as its headers are in (the
+    router opens a stream when the decode side has opened the room, so this abort lands while the prompt
+    computes or its KV is in flight)."""
     payload = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                "temperature": 0, "stream": stream}
     started = time.monotonic()
@@ -65,6 +67,8 @@ def chat(url: str, model: str, prompt: str, *, stream: bool, max_tokens: int = 2
             if not stream:
                 choice = json.loads(reply.read())["choices"][0]
                 return done(OK, choice["message"]["content"] or "")
+            if abort_after == 0:
+                return done(ABORTED)
             text, chunks = "", 0
             for line in reply.iter_lines():
                 if line == "data: [DONE]":
