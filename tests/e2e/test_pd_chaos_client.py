@@ -42,6 +42,8 @@ def fake_router() -> FastAPI:
             return JSONResponse({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]})
 
         async def events():
+            if mode == "held":  # headers out at once, the body only later (a PD stream while the prompt computes)
+                await asyncio.sleep(3)
             for text in ("a", "b", "c"):
                 yield chunk(text)
             if mode == "named-in-stream":
@@ -78,6 +80,15 @@ def test_each_way_of_failing_is_classified(url, mode, stream, kind, code):
 def test_an_abort_is_the_clients_own_and_keeps_what_arrived(url):
     out = pd_chaos.chat(f"{url}/ok", "m", "hello", stream=True, abort_after=2)
     assert (out.kind, out.text) == (pd_chaos.ABORTED, "ab")
+
+
+def test_an_abort_at_the_headers_leaves_before_any_chunk(url):
+    """abort_after=0 closes the stream once its 200 and headers are in, without waiting for a body byte (the
+    fake holds its first chunk 3 s, past the 1 s bound); a refusal is still the named error it is."""
+    out = pd_chaos.chat(f"{url}/held", "m", "hello", stream=True, abort_after=0, timeout_s=1.0)
+    assert (out.kind, out.text) == (pd_chaos.ABORTED, "") and out.ended - out.started < 1.0, out
+    out = pd_chaos.chat(f"{url}/named", "m", "hello", stream=True, abort_after=0, timeout_s=1.0)
+    assert (out.kind, out.code) == (pd_chaos.ERROR, "pd_upstream_unreachable"), out
 
 
 def test_recovery_probe_gives_up_at_its_bound_on_a_pair_that_never_serves(url):
