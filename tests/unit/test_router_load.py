@@ -53,8 +53,12 @@ async def cpu_ms_per_request(concurrency: int, requests: int = 320, chunks: int 
         return (time.process_time() - started) / requests * 1e3
 
 
-def ratio() -> tuple[float, float]:
-    return asyncio.run(cpu_ms_per_request(16)), asyncio.run(cpu_ms_per_request(160))
+def ratio(repeats: int = 3) -> tuple[float, float]:
+    """The least CPU a request of `repeats` interleaved runs at 16 and at 160 streams: a burst of the host's (one
+    run of CI's serial stage measured 3.62 against 1.81 ms where the ratio is ~1.0, forty-first session) inflates
+    one run, never all three, while a cost that grows with the streams shows in every run."""
+    runs = [(asyncio.run(cpu_ms_per_request(16)), asyncio.run(cpu_ms_per_request(160))) for _ in range(repeats)]
+    return min(few for few, _ in runs), min(many for _, many in runs)
 
 
 def test_holding_160_streams_costs_the_router_no_more_cpu_per_request_than_16():
