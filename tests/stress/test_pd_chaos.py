@@ -169,6 +169,7 @@ def test_pd_pair_survives_aborts_and_a_restart_of_each_side(tmp_path):
 
 
 def test_the_chaos_run_catches_pages_leaked_by_aborts(tmp_path):
-    """The negative control: aborts that leak the prefill side's pages (pd-abort-leak) fail the page check."""
+    """The negative control: requests given up while their KV is in flight keep their reserved pages (pd-abort-leak,
+    here seen on the decode side): the page check fails."""
     failed = chaos_run(tmp_path, CONTROL_SESSIONS, faults=("pd-abort-leak",), abort_ratio=CONTROL_ABORT_RATIO)
     assert PAGE_CHECK in failed, failed
