@@ -39,7 +39,8 @@ class ApiError(Exception):
 
 
 def sse_event(body: dict) -> str:
-    """One server-sent event whose data is `body` as JSON (an error's, in a stream that is already open)."""
+    """One server-sent event whose data is `body` as JSON (an error's, in a stream that is already open). Here, not
+    in sse.py: that module imports the output builder (detokenizer, DSML parser), which the router never loads."""
     return f"data: {json.dumps(body)}\n\n"
 
 

@@ -1,6 +1,6 @@
 """The event loop and HTTP/1.1 parser under every server of the runtime (`runtime.serve`, `runtime.router`):
-uvloop and httptools, the pair uvicorn[standard] installs and SGLang's servers run on, in place of asyncio's own
-loop and the pure-Python h11 parser.
+uvloop and httptools, the pair uvicorn[standard] installs (SGLang's servers set uvloop too), in place of asyncio's
+own loop and the pure-Python h11 parser.
 
 Each request crosses more of these servers in a PD pair (client -> router -> prefill server, and the first token
 back through the decode server and the router) than on a colocated server, so their per-hop cost is a larger share
