@@ -26,12 +26,19 @@ PD_PATH: Path = (
     ("prefill.engine_accepted", "prefill: to the engine thread"),
     ("prefill.step_started", "prefill: queued for a step"),
     ("prefill.kv_held", "prefill: prompt step (first token)"),
+    ("prefill.first_relayed", "prefill: answer wakes, first token's chunk written"),
+    ("router.first_token_relayed", "prefill -> router"),
+    ("client.first_token", "router -> client"),
+)
+
+# Beside PD_PATH's relay of the first token (runtime/disagg/protocol.py): the decode side takes the same
+# token into its request's output, and its stream writes RELAYED_EVENT in its place.
+PD_DECODE_FIRST: Path = (
+    ("prefill.kv_held", "start"),
     ("prefill.first_replying", "prefill: /pd/transfer handler wakes with the first token"),
     ("decode.first_answered", "/pd/transfer's first line reaches decode"),
     ("decode.first_token", "decode: line read, first token onto its sink"),
-    ("decode.first_token_out", "decode: first token into its stream"),
-    ("router.first_token_relayed", "decode -> router"),
-    ("client.first_token", "router -> client"),
+    ("decode.first_token_out", "decode: RELAYED_EVENT into its stream"),
 )
 
 # Beside the KV path's write: the sender's digest, on a thread of its own.

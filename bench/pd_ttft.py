@@ -50,6 +50,7 @@ from bench.pd_phases import (
     COLOCATED_PATH,
     PD_AFTER_FIRST_TOKEN,
     PD_COMPUTE,
+    PD_DECODE_FIRST,
     PD_KV_CHECK,
     PD_PATH,
     PD_ROOM_BRANCH,
@@ -133,6 +134,7 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
         "pd_overhead_ms": overhead_ms(pd_rows, PD_COMPUTE),
         "colocated_overhead_ms": overhead_ms(co_rows, COLOCATED_COMPUTE),
         "pd_path_ms": medians_ms(pd_rows, PD_PATH),
+        "pd_decode_first_ms": medians_ms([phases(PD_DECODE_FIRST, m) for m in pd_marks], PD_DECODE_FIRST),
         "pd_room_branch_ms": medians_ms([phases(PD_ROOM_BRANCH, m) for m in pd_marks], PD_ROOM_BRANCH),
         "pd_sender_digest_ms": medians_ms([phases(PD_SENDER_DIGEST, m) for m in pd_marks], PD_SENDER_DIGEST),
         "pd_kv_check_ms": medians_ms([phases(PD_KV_CHECK, m) for m in pd_marks], PD_KV_CHECK),
@@ -148,6 +150,7 @@ def print_phases(words: int, pd_marks: list[dict[str, float]], co_marks: list[di
     print(f"  overhead (the path less its prompt step): PD {report['pd_overhead_ms']}, colocated "
           f"{report['colocated_overhead_ms']}")
     for title, key in (("PD critical path", "pd_path_ms"),
+                       ("PD decode side, taking the relayed first token (beside it)", "pd_decode_first_ms"),
                        ("PD decode side, opening the room (beside the prompt)", "pd_room_branch_ms"),
                        ("PD sender's digest (beside the write)", "pd_sender_digest_ms"),
                        ("PD KV write, landing, check and admission (beside the first token)", "pd_kv_check_ms"),

@@ -14,9 +14,8 @@ from pathlib import Path
 
 from runtime.config import default_model
 from runtime.models.loader import load_model
-from runtime.server.app import _delta_body
 from runtime.server.output import ChoiceBuilder, OutputOptions
-from runtime.server.sse import ChunkEncoder
+from runtime.server.sse import ChunkEncoder, delta_body
 
 STORE = Path(__file__).resolve().parents[1] / "golden" / "transcripts" / "stress-canary-moe-v2.jsonl"
 
@@ -47,9 +46,9 @@ def run(tokenizer, data) -> int:
         for token, top in zip(ids, tops):
             delta = builder.push(token, top[0][1], top, token == tokenizer.eos_token_id)
             if delta:
-                encoder.delta_chunk(delta, _delta_body(delta))
+                encoder.delta_chunk(delta, delta_body(delta))
         last, finish = builder.finish("stop")
-        encoder.delta_chunk(last, _delta_body(last), finish)
+        encoder.delta_chunk(last, delta_body(last), finish)
     return sum(len(ids) for ids, _ in data)
 
 

@@ -5,7 +5,8 @@
 
 Each chat request gets a fresh room id and goes, unchanged, to one prefill server and one decode server
 (round robin) with the room and the prefill server's URL in two headers (runtime/disagg/protocol.py).
-The client gets the decode server's answer, streamed through byte for byte; a request either side
+The client gets the decode server's answer, streamed through byte for byte (a stream's first token
+relayed from the prefill server, below); a request either side
 fails reaches the client as an OpenAI-shaped error (the decode side reports the prefill side's): an
 error status, or, once a stream is open, an error event inside it, as the colocated server does after
 admission. A stream opens as soon as the decode side has opened the request's room, while the prompt
@@ -17,7 +18,9 @@ Likewise a decode server that cannot be reached: the same room goes to the next 
 Every upstream's /health is polled in the background (runtime/router_health.py): a server failing it
 is passed over until it passes again, and the router's own /health is 200 only while each role has a
 healthy server. Every upstream call goes through runtime/upstream_http.py's lean HTTP/1.1 client:
-two of them lie on each request's first-token path.
+two of them lie on each request's first-token path. A stream's first token comes from the prefill
+server's answer, which the router asks to relay it (runtime/disagg/protocol.py): prefill server ->
+router -> client, not prefill -> decode -> router -> client.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import asyncio
 import itertools
 import json
 import sys
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager
@@ -36,13 +40,29 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from runtime.disagg.protocol import BOOTSTRAP_HEADER, ROOM_HEADER
+from runtime.disagg.protocol import (
+    BOOTSTRAP_HEADER,
+    CREATED_HEADER,
+    RELAY_HEADER,
+    RELAY_MEDIA_TYPE,
+    RELAYED_EVENT,
+    ROOM_HEADER,
+    relayed_bytes,
+)
 from runtime.router_health import HEALTH_EVERY_S, UpstreamHealth
 from runtime.server.errors import ApiError, sse_event
 from runtime.server.http_stack import HTTP, LOOP
 from runtime.server.prometheus_text import parse_samples, sample_sum
 from runtime.server.trace import NO_TRACE, TRACE_HEADER, Trace, TraceLog
-from runtime.upstream_http import Connect, Exchange, UpstreamConnectError, UpstreamError, UpstreamReply, Upstreams
+from runtime.upstream_http import (
+    Connect,
+    Exchange,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamReply,
+    Upstreams,
+    lines_of,
+)
 
 FORWARDED_HEADERS = ("authorization", "content-type", TRACE_HEADER)
 # Upstream samples the router's /metrics sums over the pair (the gate's page-leak and preemption
@@ -109,9 +129,27 @@ def _settled(task: asyncio.Task) -> None:
         task.exception()  # retrieved: an upstream failure after the client left is nobody's to report
 
 
-async def _prefill_answer(exchange: Exchange) -> bytes:
-    """The prompt's call's answer, read whole (so its connection is reused)."""
-    return await (await exchange.reply()).aread()
+async def _prefill_answer(exchange: Exchange, first: asyncio.Future) -> bytes:
+    """The prompt's call's answer, read whole (so its connection is reused). A relaying answer's first
+    line, the client's first bytes (runtime/disagg/protocol.py), goes to `first` as soon as it is in; any
+    other answer, or one that breaks off before that line, sets `first` to None (nothing to relay)."""
+    try:
+        reply = await exchange.reply()
+        if reply.status_code != 200 or not reply.headers.get("content-type", "").startswith(RELAY_MEDIA_TYPE):
+            return await reply.aread()
+        lines = lines_of(reply.aiter_raw())
+        head = await anext(lines, b"")
+        _settle_first(first, relayed_bytes(head))
+        rest = [line async for line in lines]
+        await reply.aclose()
+        return b"\n".join([head, *rest])
+    finally:
+        _settle_first(first, None)
+
+
+def _settle_first(first: asyncio.Future, relayed: bytes | None) -> None:
+    if not first.done():
+        first.set_result(relayed)
 
 
 async def _get(upstreams: Upstreams, url: str, headers: dict[str, str] | None = None) -> tuple[UpstreamReply, bytes]:
@@ -260,6 +298,9 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         except (ValueError, AttributeError):
             stream = False  # the servers answer the malformed body with their own 400
         decode_url = next_up(pick_decode, len(decode))
+        # Both servers write the stream's chunks with this `created`; a stream's first token comes from the
+        # prefill server through here (RELAY_HEADER), one hop shorter than through the decode server.
+        shared = {CREATED_HEADER: str(int(time.time())), **({RELAY_HEADER: "1"} if stream else {})}
 
         async def decode_reply(headers: dict[str, str]) -> UpstreamReply:
             """The decode call, offered to the next decode server while nothing listens where it goes: no
@@ -290,7 +331,7 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             (`_prefill_refused`), the client having had nothing yet."""
             nonlocal tried
             tried += 1
-            headers = {**_forwarded(request), ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
+            headers = {**_forwarded(request), **shared, ROOM_HEADER: uuid.uuid4().hex, BOOTSTRAP_HEADER: prefill_url}
             # The prompt's call is the critical path: it is written whole before the decode call starts,
             # which only opens the room and has the prompt's compute time to do it.
             try:
@@ -300,7 +341,8 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             except UpstreamError as exc:  # broke off as it was written: it may have taken part of it
                 return _unreachable("prefill", prefill_url, exc), False
             trace.mark("prefill_sent")
-            prefill_call = asyncio.create_task(_prefill_answer(exchange))
+            first: asyncio.Future = asyncio.get_running_loop().create_future()
+            prefill_call = asyncio.create_task(_prefill_answer(exchange, first))
             try:
                 reply = await decode_reply(headers)
             except UpstreamError as exc:
@@ -309,7 +351,7 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                 return _unreachable("decode", decode_url, exc), False
             trace.mark("decode_headers")
             if reply.status_code == 200 and stream:  # open: the room is, and the prompt computes
-                return OpenStream(reply, prefill_call, prefill_url), False
+                return OpenStream(reply, prefill_call, prefill_url, first), False
             try:
                 content = await reply.aread()
             except UpstreamError as exc:
@@ -334,18 +376,57 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
         async def relay(opened: OpenStream) -> AsyncIterator[bytes]:
             """The decode side's stream, to the client byte for byte. The decode side opens it as the room
             opens and holds everything for the first token (runtime/server/app.py `_stream`), so the client's
-            stream starts while the prompt computes, with its headers alone. A first event that says the
-            prefill server took nothing of the request (`_prefill_refused`: a drain that failed the room, the
-            prompt's answer broken off before its first line) is the router's, not the client's: the request
-            goes to the next prefill server (tries left), whose stream follows in its place."""
+            stream starts while the prompt computes, with its headers alone. The first token's bytes come from
+            the prefill server when it relays them (`_prefill_answer`), the moment they are in: the decode
+            stream has RELAYED_EVENT in their place, which is taken out (`_after_relay`). A first event that
+            says the prefill server took nothing of the request (`_prefill_refused`: a drain that failed the
+            room, the prompt's answer broken off before its first line) is the router's, not the client's:
+            the request goes to the next prefill server (tries left), whose stream follows in its place."""
             while True:
+                reading = asyncio.ensure_future(_first_event(opened))
                 try:
-                    head = await _first_event(opened)
+                    await asyncio.wait((opened.first, reading), return_when=asyncio.FIRST_COMPLETED)
                 except BaseException:  # the client went away: as `_pass_through` does then
-                    await opened.reply.aclose()
-                    await _settle(opened.prefill_call)
+                    await _hang_up(opened, reading)
                     raise
-                if head.broke is None and tried < tries and _prefill_refused(_event_data(head.event)):
+                early = opened.first.result() if opened.first.done() else None
+                if early is not None:  # the client has its first token from here on: no other prefill server
+                    yield _relayed(early, trace)
+                    try:
+                        head = await reading
+                    except BaseException:
+                        await _hang_up(opened, reading)
+                        raise
+                    after = _after_relay(head)
+                    if isinstance(after, ApiError):
+                        await _hang_up(opened, reading)
+                        yield after.event().encode()
+                        return
+                    async with aclosing(_pass_through(opened, after, trace)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    return
+                try:
+                    head = await reading
+                except BaseException:
+                    await _hang_up(opened, reading)
+                    raise
+                stripped = _relayed_head(head)
+                if stripped is not None:  # the decode side took a relayed token: its bytes are on their way
+                    try:
+                        late = await asyncio.shield(opened.first)
+                    except BaseException:
+                        await _hang_up(opened, reading)
+                        raise
+                    if late is None:
+                        await _hang_up(opened, reading)
+                        yield ApiError(502, "the prefill server's answer broke off before the first token it "
+                                            "relayed reached the router", type="server_error",
+                                       code="pd_stream_broken").event().encode()
+                        return
+                    yield _relayed(late, trace)
+                    head = stripped
+                elif head.broke is None and tried < tries and _prefill_refused(_event_data(head.event)):
                     await _close(opened)
                     rest(opened.prefill_url)
                     trace.mark("prefill_retried")
@@ -369,6 +450,14 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
     return app
 
 
+def _is_error(data: bytes) -> bool:
+    """Whether an event's data is an OpenAI error body."""
+    try:
+        return isinstance(json.loads(data).get("error"), dict)
+    except (ValueError, AttributeError):
+        return False
+
+
 def _prefill_refused(decode_error: bytes) -> bool:
     """Whether a failed pair's request may go to another prefill server: the client has had nothing,
     and the prefill server kept nothing of it. So when it is shutting down (the decode side reports its
@@ -387,11 +476,13 @@ def _prefill_refused(decode_error: bytes) -> bool:
 @dataclass
 class OpenStream:
     """A decode server's stream that answered 200 (its room is open), not yet read, and the prompt's call
-    beside it. `chunks` is the stream's body as it comes (`_first_event` reads its head)."""
+    beside it. `chunks` is the stream's body as it comes (`_first_event` reads its head); `first` gets the
+    first bytes the prefill server relays, or None (`_prefill_answer`)."""
 
     reply: UpstreamReply
     prefill_call: asyncio.Task
     prefill_url: str
+    first: asyncio.Future
     chunks: AsyncIterator[bytes] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -423,6 +514,42 @@ async def _first_event(opened: OpenStream) -> StreamHead:
         head.broke = exc
     head.event = buffer
     return head
+
+
+RELAYED = RELAYED_EVENT.encode()
+
+
+def _relayed_head(head: StreamHead) -> StreamHead | None:
+    """A decode stream's head without its leading RELAYED_EVENT (what followed it stays), or None when
+    the stream does not start with it."""
+    data = b"".join(head.chunks)
+    if not data.startswith(RELAYED):
+        return None
+    rest = data[len(RELAYED):]
+    return StreamHead(b"", [rest] if rest else [], head.broke)
+
+
+def _after_relay(head: StreamHead) -> StreamHead | ApiError:
+    """What of a decode stream goes to a client that has its first token from the prefill server: all
+    after RELAYED_EVENT; an error in its place as it is (the decode side failed before it took the
+    token); any other first event is a decode server that wrote the token again, which the client must
+    not get twice."""
+    stripped = _relayed_head(head)
+    if stripped is not None:
+        return stripped
+    if head.broke is not None or _is_error(_event_data(head.event)):
+        return head
+    return ApiError(502, "the decode server wrote the first token the prefill server had relayed",
+                    type="server_error", code="pd_relay_mismatch")
+
+
+async def _hang_up(opened: OpenStream, reading: asyncio.Future) -> None:
+    """The client went away (or the stream ends early): stop reading the decode stream, close it and wait
+    for the prompt's call (never cancelled: as `_pass_through`)."""
+    reading.cancel()
+    await asyncio.gather(reading, return_exceptions=True)
+    await opened.reply.aclose()
+    await _settle(opened.prefill_call)
 
 
 def _event_data(event: bytes) -> bytes:

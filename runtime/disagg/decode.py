@@ -2,7 +2,9 @@
 receive slot of the staging arena), register with the request's prefill server (once per prefill
 server and session), open the request's room with those page ids (and the slot), open the client's
 answer (a stream's headers go out while the prompt computes), send the first token (the prefill side's:
-the first line of its answer, which comes as soon as the prompt finished) to the client at once, wait
+the first line of its answer, which comes as soon as the prompt finished) to the client at once (a
+stream's goes from the prefill server to the router, which relays it: then it is taken into the
+request's output and RELAYED_EVENT written in its place, runtime/disagg/protocol.py), wait
 for the KV (the answer's second line), scatter it from the slot into the pages (staged), check it, and
 hand the request to the engine as already prefilled; its later tokens come from the engine, so none
 reaches the client before the check passed. A failure once the room is open (the prefill side's error
@@ -58,6 +60,7 @@ from runtime.disagg.protocol import (
     ROOM_HEADER,
     ends_the_write,
     error_from_body,
+    first_token_of,
     parse_transfer_line,
     transfer_value,
 )
@@ -290,22 +293,23 @@ class DecodeSide:
             else:
                 raise
             return
-        sink.put_nowait(self._first_token(req, trace))
+        sink.put_nowait(self._first_token(req, trace, relayed=first.get("relayed") is True))
         await self._verify_then_admit(state, answer.link.room, req, answer, started, staging, sink, trace)
 
-    def _first_token(self, req: EngineRequest, trace: Trace) -> TokenOut:
+    def _first_token(self, req: EngineRequest, trace: Trace, relayed: bool = False) -> TokenOut:
         """The request's first token, for its client: the prefill side computed it from its own KV, so it
         does not depend on the transferred copy and goes out before the check. Whether it ends the
         request (max_tokens=1, EOS, a stop) is decided here, on the event loop, from the request and what
         the engine fixed when it was built (tokenizer, length limit): the scheduler is the engine
-        thread's, and does not have the request yet."""
+        thread's, and does not have the request yet. `relayed`: the prefill server relayed the token's
+        chunk to the client itself (runtime/disagg/protocol.py), so the stream writes only what follows."""
         tokenizer = self.engine.tokenizer
         reason = stop_reason(req, tokenizer, self.engine.cfg.max_model_len)
         token = req.output_ids[0]
         trace.mark("first_token")
         return TokenOut(token, req.output_logprobs[0] if req.output_logprobs else 0.0,
                         req.output_top_logprobs[0] if req.output_top_logprobs else [], reason,
-                        is_stop_token(req, token, reason, tokenizer.eos_token_id))
+                        is_stop_token(req, token, reason, tokenizer.eos_token_id), relayed)
 
     def _spawn(self, work: Coroutine[Any, Any, None], tasks: set[asyncio.Task]) -> None:
         """Run `work` beside the request's stream, kept in `tasks` until done (the loop keeps weak
@@ -617,10 +621,11 @@ class TransferAnswer:
 def prefilled_request(rid: str, ids: list[int], params, pages: list[int], result: dict) -> EngineRequest:
     """The engine request as the prefill server left it: prompt, first token, sampler state."""
     req = EngineRequest(rid, list(ids), params)
-    req.output_ids = [int(result["token"])]
+    token, logprob, top = first_token_of(result, params.logprobs)  # as the prefill side's relay reads it
+    req.output_ids = [token]
     if params.logprobs:
-        req.output_logprobs = [float(result["logprob"])]
-        req.output_top_logprobs = [[(int(t), float(v)) for t, v in result["top"]]]
+        req.output_logprobs = [logprob]
+        req.output_top_logprobs = [top]
     req.pages = list(pages)
     req.num_sampled = int(result["num_sampled"])
     assert req.generator is not None

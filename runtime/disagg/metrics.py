@@ -47,6 +47,11 @@ class PDMetrics:
                                           "staging slot went back once a retried close ruled out a late KV "
                                           "write, by outcome", ["outcome"], registry=registry)
 
+        # Prefill side: streamed requests' first tokens sent to the router to relay, by whether they were
+        # ("relayed") or went the decode side's way ("not_relayed": a stop token, a room failed first).
+        self.first_tokens = Counter("dsv4_pd_first_tokens", "First tokens of streamed requests the router asked "
+                                    "this prefill server to relay, by outcome", ["outcome"], registry=registry)
+
     def track_staging(self, arena) -> None:
         """Read the arena's own counts at each scrape (a StagingArena; never set by hand, so they
         cannot drift from it)."""
@@ -57,6 +62,6 @@ class PDMetrics:
         collectors: list[Collector] = [self.transfer_bytes, self.transfer_seconds, self.pages_in_flight,
                                        self.transfers, self.staging_slots_in_use, self.staging_bytes_in_use,
                                        self.room_closes, self.quarantined_pages, self.quarantined_staging_slots,
-                                       self.quarantines_lifted]
+                                       self.quarantines_lifted, self.first_tokens]
         for collector in collectors:
             registry.register(collector)

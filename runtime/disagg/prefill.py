@@ -28,9 +28,10 @@ import base64
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from concurrent import futures
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,10 +39,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from runtime.disagg.bootstrap import BootstrapError, BootstrapRegistry, BootstrapTimeout, Room, RoomFailed
 from runtime.disagg.metrics import PDMetrics
 from runtime.disagg.protocol import (
+    RELAY_HEADER,
+    RELAY_MEDIA_TYPE,
     ROOM_HEADER,
     TRANSFER_MEDIA_TYPE,
     PrefillStopping,
     api_error,
+    completion_id,
+    created_of,
+    first_token_of,
+    relay_line,
+    relays_first_token,
     transfer_error,
     transfer_line,
 )
@@ -50,10 +58,13 @@ from runtime.engine.engine import Engine, StepResult
 from runtime.server import serving
 from runtime.server.bridge import Accepted, Rejected
 from runtime.server.errors import ApiError, bad_request
+from runtime.server.output import ChoiceBuilder
 from runtime.server.request_body import until_disconnected
+from runtime.server.sse import ChunkEncoder
 from runtime.server.trace import NO_TRACE, Trace
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -83,6 +94,9 @@ class Pending:
     room: Room | None = None  # set once the decode side has opened the room
     held: Held | None = None  # set once the prompt finished while the room was not open yet
     trace: Trace = NO_TRACE
+    # Set when the router asked for the first token's chunk (runtime/disagg/protocol.py): gets the prompt's
+    # outcome first thing on the event loop once the prompt finished (`on_step`), or None when it will not.
+    relay: asyncio.Future | None = None
 
 
 class PrefillSide:
@@ -201,8 +215,10 @@ class PrefillSide:
         if self.registry.stopping:  # its room could not open: no prompt computed for nobody
             raise api_error(PrefillStopping(room_id))
         self.registry.expect(room_id)
+        loop = asyncio.get_running_loop()
+        relay = loop.create_future() if request.headers.get(RELAY_HEADER) == "1" else None
         with self._lock:
-            self.pending[rid] = Pending(room_id, asyncio.get_running_loop(), state, trace=trace)
+            self.pending[rid] = Pending(room_id, loop, state, trace=trace, relay=relay)
         # The prompt and exactly one token: the same prefill step the colocated server runs. It starts
         # now; the room is awaited meanwhile.
         sink = state.bridge.submit(rid, prepared.prompt_ids, replace(prepared.params, max_tokens=1), keep_pages=True,
@@ -211,17 +227,30 @@ class PrefillSide:
         # now, not at the deadline.
         watcher = asyncio.ensure_future(self._watch_disconnect(state, request, rid, room_id))
         try:
-            first = await sink.get()
-            if isinstance(first, Rejected):
-                self.registry.fail(room_id, RoomFailed(f"rejected by the prefill server: {first.message}"))
-                raise bad_request(f"request rejected: {first.message}")
-            assert isinstance(first, Accepted)
-            room = await self.registry.wait_opened(room_id, self.timeout_s)
-            needed = self.engine.pool.pages_for_tokens(len(prepared.prompt_ids))
-            if len(room.dst_pages) < needed:
-                raise RoomFailed(f"room {room_id}: decode gave {len(room.dst_pages)} pages for {needed}")
-            self._room_opened(state, rid, room)
-            result = await asyncio.wait_for(asyncio.shield(room.done), self.timeout_s)
+            await self._failing_the_room(state, rid, room_id, self._accepted(room_id, sink))
+            if relay is None:
+                result = await self._failing_the_room(state, rid, room_id, self._written(state, rid, room_id, prepared))
+        except BaseException:
+            watcher.cancel()
+            if relay is not None and not relay.done():
+                relay.set_result(None)
+            raise
+        if relay is None:
+            watcher.cancel()
+            return JSONResponse(_answer(room_id, result))
+        written = asyncio.ensure_future(
+            self._failing_the_room(state, rid, room_id, self._written(state, rid, room_id, prepared)))
+        # A room that fails, or a deadline, before the prompt finished: nothing will be relayed.
+        written.add_done_callback(lambda _: _settle(relay, None))
+        return StreamingResponse(self._relaying(state, request, prepared, relay, written, watcher, trace),
+                                 media_type=RELAY_MEDIA_TYPE)
+
+    async def _failing_the_room(self, state, rid: str, room_id: str, work: Awaitable[T]) -> T:
+        """`work`, whose failure gives the request up here and fails its room: a bootstrap failure or
+        the deadline as the client's error; anything else (cancelled, a rejected request, a bug) tells
+        the decode side the room was aborted."""
+        try:
+            return await work
         except BootstrapError as exc:
             self._release(state, rid)
             self.registry.fail(room_id, exc)
@@ -231,14 +260,60 @@ class PrefillSide:
             timeout = BootstrapTimeout(f"room {room_id}: prefill did not finish within {self.timeout_s:g} s")
             self.registry.fail(room_id, timeout)
             raise api_error(timeout) from None
-        except BaseException:  # cancelled (shutdown), a rejected request, a bug: stop the prefill, tell the decode side
+        except BaseException:
             self._release(state, rid)
             self.registry.fail(room_id, RoomFailed(f"room {room_id}: aborted on the prefill server"))
             raise
+
+    async def _accepted(self, room_id: str, sink: asyncio.Queue) -> None:
+        first = await sink.get()
+        if isinstance(first, Rejected):
+            self.registry.fail(room_id, RoomFailed(f"rejected by the prefill server: {first.message}"))
+            raise bad_request(f"request rejected: {first.message}")
+        assert isinstance(first, Accepted)
+
+    async def _written(self, state, rid: str, room_id: str, prepared) -> dict:
+        """The room's result once the decode side opened it and the prompt's KV is written into it."""
+        room = await self.registry.wait_opened(room_id, self.timeout_s)
+        needed = self.engine.pool.pages_for_tokens(len(prepared.prompt_ids))
+        if len(room.dst_pages) < needed:
+            raise RoomFailed(f"room {room_id}: decode gave {len(room.dst_pages)} pages for {needed}")
+        self._room_opened(state, rid, room)
+        return await asyncio.wait_for(asyncio.shield(room.done), self.timeout_s)
+
+    async def _relaying(self, state, request: Request, prepared, relay: asyncio.Future, written: asyncio.Task,
+                        watcher: asyncio.Task, trace: Trace) -> AsyncIterator[bytes]:
+        """The relaying prompt answer (runtime/disagg/protocol.py): the client's first bytes as soon as the
+        prompt finished (null when not relayed, or when the room failed first), then the room's result
+        or error line. The router hanging up cancels this, which gives the request up (`written`)."""
+        try:
+            first = await relay
+            text = self._relay_text(state, request, prepared, first) if first and first.get("relayed") else None
+            self.metrics.first_tokens.labels("relayed" if text is not None else "not_relayed").inc()
+            yield relay_line(text)
+            trace.mark("first_relayed")
+            try:
+                result = await written
+            except ApiError as exc:
+                yield transfer_line(error=transfer_error(exc))
+                return
+            yield transfer_line(done=_answer(str(request.headers.get(ROOM_HEADER)), result))
         finally:
             watcher.cancel()
-        return JSONResponse({"room": room_id, "prefilled": True, "kv_bytes": result["kv_bytes"],
-                             "transfer_seconds": result["transfer_seconds"]})
+            written.cancel()
+            if written.done() and not written.cancelled():
+                written.exception()  # retrieved: its failure went out as the error line, or nobody reads it
+
+    def _relay_text(self, state, request: Request, prepared, first: dict) -> str:
+        """The opening chunk and the first token's chunk, as the decode server's stream would write them
+        (runtime/server/app.py `_stream`): the same envelope (`completion_id`, the router's `created`) and
+        the same output state, pushed the same token (`first_token_of`, not a stop token)."""
+        room = str(request.headers.get(ROOM_HEADER))
+        encoder = ChunkEncoder(completion_id(room), created_of(request.headers, int(time.time())), state.model_name,
+                               state.loaded.config.fingerprint)
+        builder = ChoiceBuilder(self.engine.tokenizer, prepared.output, prepared.corruptor)
+        token, logprob, top = first_token_of(first, prepared.params.logprobs)
+        return encoder.opening() + encoder.token_chunk(builder.push(token, logprob, top, False))
 
     async def _watch_disconnect(self, state, request: Request, rid: str, room_id: str) -> None:
         """The caller going away gives the request up."""
@@ -322,6 +397,8 @@ class PrefillSide:
                 if entry is not None and held is not None:
                     held.trace = entry.trace
                     held.trace.mark("kv_held")
+                    held.outcome["relayed"] = entry.relay is not None and relays_first_token(
+                        held.outcome["token"], self.engine.tokenizer.eos_token_id, req.params.stop_token_ids)
                 if entry is not None and (held is None or room is not None):
                     del self.pending[rid]
                 elif entry is not None:
@@ -336,8 +413,10 @@ class PrefillSide:
                 error = RoomFailed(f"room {entry.room_id}: the prompt was aborted on the prefill server")
                 entry.loop.call_soon_threadsafe(self.registry.fail, entry.room_id, error)
             else:
-                # The first token goes to the decode side now, before the KV is written (the loop runs
-                # these in order: the outcome line is queued before the write starts).
+                # The first token goes out now, before the KV is written (the loop runs these in order):
+                # to the router first when it relays it, then to the decode side, then the write starts.
+                if entry.relay is not None:
+                    entry.loop.call_soon_threadsafe(_settle, entry.relay, held.outcome)
                 entry.loop.call_soon_threadsafe(self.registry.prefilled, entry.room_id, held.outcome)
                 if room is not None:
                     entry.loop.call_soon_threadsafe(self._start_send, entry.state, rid, room, held)
@@ -383,6 +462,17 @@ class PrefillSide:
                            held.num_tokens)
         held.trace.mark("kv_digested")
         return digest
+
+
+def _settle(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _answer(room_id: str, result: dict) -> dict:
+    """The prompt answer's result: the room, and what its KV write took."""
+    return {"room": room_id, "prefilled": True, "kv_bytes": result["kv_bytes"],
+            "transfer_seconds": result["transfer_seconds"]}
 
 
 def _log_failure(future: asyncio.Future) -> None:

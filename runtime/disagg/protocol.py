@@ -1,6 +1,6 @@
-"""What travels between router, prefill and decode besides the OpenAI request itself: two headers
-(the router's room id and the prefill server's bootstrap URL), the lines of a /pd/transfer answer, and
-the errors, OpenAI-shaped.
+"""What travels between router, prefill and decode besides the OpenAI request itself: the router's
+headers (room id, the prefill server's bootstrap URL, and for a stream the relay ask and its `created`),
+the lines of a /pd/transfer answer and of a relaying prompt answer, and the errors, OpenAI-shaped.
 
 Light on purpose: the router imports it, and nothing here may pull in torch or the engine (the
 router's start-up went from 3.8 s to a fraction of that when this module stopped importing the
@@ -17,6 +17,24 @@ BOOTSTRAP_HEADER = "x-pd-bootstrap"  # the prefill server's base URL, where /pd/
 # /pd/transfer answers in JSON lines: {"first": outcome} as soon as the prompt finished, then
 # {"done": result} once its KV is written, or {"error": {"status": ..., "error": {...}}} instead.
 TRANSFER_MEDIA_TYPE = "application/x-ndjson"
+
+# A streamed request's first token goes from the prefill server to the router, which relays it to the
+# client, instead of from the prefill server to the decode server, then to the router: two process hops
+# fewer on the time to first token (~0.6 ms of the PD pair's ~1.2 over the colocated server's at 8-word
+# prompts on the H100; docs/results.md, "Forty-second session"). The router asks for it (RELAY_HEADER) and
+# answers the stream with the prompt's answer's first line (`relay_line`): the stream's opening chunk and
+# the first token's, as the decode server would have written them. The decode server takes that token
+# into its output state and writes RELAYED_EVENT in their place; the router takes that event out, so the
+# client's bytes are the colocated server's. Both servers write the stream's chunks under one id (the
+# room's, `completion_id`) and one `created` (CREATED_HEADER, the router's clock).
+RELAY_HEADER = "x-pd-relay-first"
+CREATED_HEADER = "x-pd-created"
+# The prompt's answer when relaying: {"relay": text or null} once the prompt finished (null: the first
+# token is not relayed, `relays_first_token`), then {"done": result} or {"error": ...}.
+RELAY_MEDIA_TYPE = "application/x-ndjson"
+# An SSE comment (clients skip comments, but the router never lets this one through): the decode side's
+# stream in place of the relayed opening and first-token chunks.
+RELAYED_EVENT = ": pd-first-token-relayed\n\n"
 
 
 class BootstrapError(RuntimeError):
@@ -63,6 +81,51 @@ def error_from_body(status: int, body: dict, fallback: str) -> ApiError:
         return ApiError(502, f"{fallback} (HTTP {status})", type="server_error", code="pd_upstream_error")
     return ApiError(status, str(error.get("message", fallback)), type=str(error.get("type") or "server_error"),
                     code=error.get("code"))
+
+
+def completion_id(room: str) -> str:
+    """The id of a PD request's chunks on both servers (its room's: the router's fresh uuid)."""
+    return f"chatcmpl-{room}"
+
+
+def created_of(headers, fallback: int) -> int:
+    """The `created` the router stamped on a PD request (CREATED_HEADER), else `fallback`."""
+    value = headers.get(CREATED_HEADER)
+    return int(value) if value is not None and value.isdigit() else fallback
+
+
+def relays_first_token(token: int, eos_token_id: int, stop_token_ids) -> bool:
+    """Whether the prefill server relays a first token it was asked to relay: not a stop token (EOS or a
+    stop_token_id), whose text depends on why the request ends there (`is_stop_token`), which the decode
+    side decides. Any other token's chunk is the same on both servers whatever follows it: what ends the
+    request at it (max_tokens, a stop string, the length limit) comes in the decode side's next chunk."""
+    return token != eos_token_id and token not in stop_token_ids
+
+
+def first_token_of(outcome: dict, logprobs: bool) -> tuple[int, float, list[tuple[int, float]]]:
+    """(token, logprob, top) of the prompt's outcome as both servers push it into the request's output:
+    the logprobs only where the request asked for them."""
+    if not logprobs:
+        return int(outcome["token"]), 0.0, []
+    return int(outcome["token"]), float(outcome["logprob"]), [(int(t), float(v)) for t, v in outcome["top"]]
+
+
+def relay_line(text: str | None) -> bytes:
+    """The relaying prompt answer's first line: the client's first bytes, or null (not relayed)."""
+    return (json.dumps({"relay": text}, ensure_ascii=True) + "\n").encode()
+
+
+def relayed_bytes(line: bytes | None) -> bytes | None:
+    """The client's first bytes in a relaying prompt answer's first line; None for null, no line or a
+    malformed one (the router then has nothing to relay)."""
+    if not line:
+        return None
+    try:
+        parsed = json.loads(line)
+    except ValueError:
+        return None
+    text = parsed.get("relay") if isinstance(parsed, dict) else None
+    return text.encode() if isinstance(text, str) and text else None
 
 
 def transfer_line(**field: object) -> bytes:

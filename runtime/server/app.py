@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
+from runtime.disagg.protocol import RELAYED_EVENT, ROOM_HEADER, completion_id, created_of
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
 from runtime.env import Env
@@ -45,7 +46,7 @@ from runtime.server.output import ChoiceBuilder, Delta, OutputOptions, fold
 from runtime.server.prompt import render_prompt
 from runtime.server.protocol import ChatCompletionRequest, Message, NamedToolChoice
 from runtime.server.request_body import check_content_type, decode_json, read_limited, until_disconnected
-from runtime.server.sse import ChunkEncoder
+from runtime.server.sse import ChunkEncoder, delta_body
 from runtime.server.trace import NO_TRACE, Trace, TraceLog
 
 log = logging.getLogger(__name__)
@@ -190,8 +191,9 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             state.metrics.requests.labels(request.url.path, "200").inc()
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(state, rid, sink, builder, len(prepared.prompt_ids), include_usage, trace),
-                                     media_type="text/event-stream")
+            encoder = _encoder(state, rid, request)
+            return StreamingResponse(_stream(state, rid, sink, builder, encoder, len(prepared.prompt_ids),
+                                             include_usage, trace), media_type="text/event-stream")
         return await _unary(state, request, rid, sink, builder, len(prepared.prompt_ids))
 
     if state.pd is not None:
@@ -306,15 +308,6 @@ def _turn_has_called(messages: list[Message]) -> bool:
 
 
 # ---- responses ----------------------------------------------------------------------------------
-def _delta_body(delta: Delta) -> dict[str, Any]:
-    body: dict[str, Any] = {}
-    if delta.content:
-        body["content"] = delta.content
-    if delta.tool_calls:
-        body["tool_calls"] = delta.tool_calls
-    return body
-
-
 def _reason(state: ServerState, rid: str, builder: ChoiceBuilder, event: TokenOut) -> str | None:
     """The token's finish reason, or "stop" where the reply ended at its last allowed call
     (parallel_tool_calls=false, ChoiceBuilder): the engine stops generating it, counted as a "stop"
@@ -337,14 +330,24 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: ChoiceBuilder, prompt_tokens: int,
-                  include_usage: bool, trace: Trace = NO_TRACE) -> AsyncIterator[str]:
-    created = int(time.time())
-    encoder = ChunkEncoder(rid, created, state.model_name, state.loaded.config.fingerprint)
+def _encoder(state: ServerState, rid: str, request: Request) -> ChunkEncoder:
+    """A stream's chunk envelope. A PD server writes its request's chunks under the room's id and the
+    router's `created`, which the other side of the pair writes too (runtime/disagg/protocol.py: the
+    prefill server writes a relayed first token's chunks)."""
+    room = request.headers.get(ROOM_HEADER) if state.pd is not None else None
+    now = int(time.time())
+    if room:
+        return ChunkEncoder(completion_id(room), created_of(request.headers, now), state.model_name,
+                            state.loaded.config.fingerprint)
+    return ChunkEncoder(rid, now, state.model_name, state.loaded.config.fingerprint)
+
+
+async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: ChoiceBuilder, encoder: ChunkEncoder,
+                  prompt_tokens: int, include_usage: bool, trace: Trace = NO_TRACE) -> AsyncIterator[str]:
     completion = 0
     done = False
     try:
-        opening = encoder.chunk({"role": "assistant", "content": ""}, None, None)
+        opening = encoder.opening()
         # The prompt is computing: the client sees its stream open now. A PD decode server holds the
         # opening chunk for its first token (its headers are out already): an error before that token
         # is then the stream's first event, which the router may answer by offering the request to
@@ -368,23 +371,28 @@ async def _stream(state: ServerState, rid: str, sink: asyncio.Queue, builder: Ch
                     out.append(event.error.event())
                     done = True
                     break
+                # A PD first token the prefill server relayed (runtime/disagg/protocol.py): the router
+                # wrote the opening and its chunk already; this stream says so in their place. Only the
+                # first token can be: any later one is written out (and shows, if it is a duplicate).
+                relayed = bool(opening) and isinstance(event, TokenOut) and event.relayed
                 if opening:  # held until now: it goes out with the first token, in one write
-                    out.append(opening)
+                    out.append(RELAYED_EVENT if relayed else opening)
                     opening = ""
                 reason = "abort" if isinstance(event, Aborted) else None
                 if isinstance(event, TokenOut):
                     completion += 1
                     delta = builder.push(event.token, event.logprob, event.top, event.is_stop_token)
-                    if delta:
-                        out.append(encoder.delta_chunk(delta, _delta_body(delta)))
+                    if not relayed:
+                        out.append(encoder.token_chunk(delta))
                     reason = _reason(state, rid, builder, event)
                 if reason is not None:
                     last, finish = _finish(state, builder, reason)
                     done = True
-                    out.append(encoder.delta_chunk(last, _delta_body(last), finish))
+                    out.append(encoder.delta_chunk(last, delta_body(last), finish))
                     break
             if done and include_usage:
-                body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                body = {"id": encoder.id, "object": "chat.completion.chunk", "created": encoder.created,
+                        "model": state.model_name,
                         "choices": [], "usage": _usage(prompt_tokens, completion)}
                 out.append(sse_event(body))
             if done:

@@ -47,6 +47,9 @@ class TokenOut:
     top: list[tuple[int, float]]
     finish_reason: str | None  # set on the request's last token
     is_stop_token: bool  # EOS or a stop_token_id: counted, not shown as text
+    # PD decode: the prefill server relayed this first token's chunk, and the opening, to the client
+    # through the router (runtime/disagg/protocol.py); the stream writes RELAYED_EVENT in their place.
+    relayed: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ def _dumps(value: Any) -> str:
 
 class ChunkEncoder:
     def __init__(self, rid: str, created: int, model: str, fingerprint: str) -> None:
+        self.id, self.created = rid, created
         self._head = (f'data: {{"id": {_dumps(rid)}, "object": "chat.completion.chunk", "created": {_dumps(created)}, '
                       f'"model": {_dumps(model)}, "system_fingerprint": {_dumps(fingerprint)}, '
                       '"choices": [{"index": 0, "delta": ')
@@ -36,6 +37,24 @@ class ChunkEncoder:
 
     def delta_chunk(self, delta: Delta, body: dict[str, Any], finish_reason: str | None = None) -> str:
         return self.chunk(body, logprobs_json(delta.logprobs) if delta.logprobs else None, finish_reason)
+
+    def opening(self) -> str:
+        """The stream's first chunk: the assistant's role, before any token."""
+        return self.chunk({"role": "assistant", "content": ""}, None, None)
+
+    def token_chunk(self, delta: Delta) -> str:
+        """A token's chunk: "" for a token that added nothing yet (held-back text, an undecided call)."""
+        return self.delta_chunk(delta, delta_body(delta)) if delta else ""
+
+
+def delta_body(delta: Delta) -> dict[str, Any]:
+    """A delta's text and tool-call pieces, as a chunk's `delta` object carries them."""
+    body: dict[str, Any] = {}
+    if delta.content:
+        body["content"] = delta.content
+    if delta.tool_calls:
+        body["tool_calls"] = delta.tool_calls
+    return body
 
 
 def delta_json(delta: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from contextlib import ExitStack
@@ -99,6 +100,39 @@ def test_pd_pair_answers_exactly_as_the_colocated_server(servers, payload):
     assert len(got["logprobs"]) >= 1
     assert wait_pages_free(pair.prefill_state, pair.decode_state) == [0, 0]
     assert wait_staging_free(pair.prefill_state, pair.decode_state) == [0, 0]
+
+
+def raw_stream(url: str, payload: dict) -> str:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload, timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        return reply.read().decode()
+
+
+def envelope_free(raw: str) -> tuple[str, set[str], set[str]]:
+    """A stream's bytes with its chunk id and `created` written as ID and T, and the ids and createds it had."""
+    ids, created = set(re.findall(r'"id": "([^"]+)"', raw)), set(re.findall(r'"created": (\d+)', raw))
+    return re.sub(r'"created": \d+', '"created": T', re.sub(r'"id": "[^"]+"', '"id": ID', raw)), ids, created
+
+
+@pytest.mark.parametrize("planted", [None, "relay_without_opening"])
+def test_a_pd_stream_is_the_colocated_servers_bytes_with_its_first_token_relayed(servers, monkeypatch, planted):
+    """The first token's chunk comes from the prefill server through the router (runtime/disagg/protocol.py),
+    the rest from the decode server: one id and one `created` all through, and byte for byte the colocated
+    server's stream but for those two. Control: a prefill server whose relay leaves out the opening chunk."""
+    pair, colocated = servers
+    side = pair.prefill_state.pd
+    if planted:
+        relay_text = side._relay_text
+        monkeypatch.setattr(side, "_relay_text", lambda *args: relay_text(*args).split("\n\n", 1)[1])
+    relayed = side.metrics.first_tokens.labels("relayed")
+    before = relayed._value.get()
+    for prompt in PROMPTS[:2]:
+        payload = body(prompt, stream=True, stream_options={"include_usage": True})
+        (got, ids, created), (expected, _, _) = envelope_free(raw_stream(pair.router, payload)), \
+            envelope_free(raw_stream(colocated, payload))
+        assert len(ids) == len(created) == 1
+        assert (got == expected) is (planted is None), (got[:400], expected[:400])
+    assert relayed._value.get() == before + 2
 
 
 def test_concurrent_requests_batch_on_both_sides_and_still_match(servers):
@@ -1071,18 +1105,18 @@ class HeldWrite:
         self._gate.set()
 
 
-def first_line_after_the_write(pd, monkeypatch) -> None:
-    """The planted old protocol: the prefill side answers /pd/transfer only once the KV is written, so
-    the decode side (and the client) have no first token while the write is held."""
-    registry = pd.registry
-    wait_first = registry.wait_first
+def relay_after_the_write(pd, monkeypatch) -> None:
+    """The planted old order: the prefill side relays the first token to the router only once the KV is
+    written, so the client has no first token while the write is held (the decode side, which took the
+    token as relayed, waits with it)."""
+    relaying = pd._relaying
 
-    async def after_the_write(room, timeout_s):
-        first = await wait_first(room, timeout_s)
-        await asyncio.shield(registry.rooms[room].done)
-        return first
+    async def after_the_write(state, request, prepared, relay, written, watcher, trace):
+        await asyncio.wait([written])
+        async for line in relaying(state, request, prepared, relay, written, watcher, trace):
+            yield line
 
-    monkeypatch.setattr(registry, "wait_first", after_the_write)
+    monkeypatch.setattr(pd, "_relaying", after_the_write)
 
 
 def admit_before_the_kv_landed(pd, monkeypatch) -> None:
@@ -1133,7 +1167,7 @@ def first_token_violations(seen: int, reader: StreamReader, expected_tokens: int
 
 
 PLANTED_FIRST_TOKEN = {  # planted bug -> what the oracle must say about it
-    first_line_after_the_write: "no first token while the KV write was held",
+    relay_after_the_write: "no first token while the KV write was held",
     admit_before_the_kv_landed: "tokens while the KV write was held",
     first_token_twice: "tokens while the KV write was held",
 }
@@ -1141,17 +1175,18 @@ PLANTED_FIRST_TOKEN = {  # planted bug -> what the oracle must say about it
 
 @pytest.mark.parametrize("planted", [None, *PLANTED_FIRST_TOKEN], ids=lambda f: "as_built" if f is None else f.__name__)
 def test_the_first_token_reaches_the_client_before_the_kv_is_written(servers, monkeypatch, planted):
-    """The prefill side's first token travels in the first line of its /pd/transfer answer, before the
-    KV write: with the write held, the client already has its first token (and no second: the KV is not
-    there yet); once released, the answer has the colocated server's tokens, and every page and slot
-    comes back. Negative controls: the old order (the answer only after the write) shows nothing; a
-    decode side admitting before the KV landed, or streaming the first token twice, shows more."""
+    """The prefill side's first token reaches the client before the KV write (relayed by the router, and
+    in the first line of its /pd/transfer answer for the decode side): with the write held, the client
+    already has its first token (and no second: the KV is not there yet); once released, the answer has
+    the colocated server's tokens, and every page and slot comes back. Negative controls: the old order
+    (the relay only after the write) shows nothing; a decode side admitting before the KV landed, or
+    streaming the first token twice, shows more."""
     pair, colocated = servers
     payload = body(PROMPTS[1], stream=True)
     expected = len(answer(colocated, payload)["logprobs"])
     assert expected > 1
     if planted is not None:
-        planted(pair.prefill_state.pd if planted is first_line_after_the_write else pair.decode_state.pd,
+        planted(pair.prefill_state.pd if planted is relay_after_the_write else pair.decode_state.pd,
                 monkeypatch)
     seen, reader = tokens_while_the_write_is_held(pair, monkeypatch, payload)
     found = first_token_violations(seen, reader, expected)

@@ -8,18 +8,25 @@ reads that error as the stream's first event (runtime/router.py `relay`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from runtime.disagg.protocol import RELAYED_EVENT
 from runtime.server.app import _stream
 from runtime.server.bridge import Failed, TokenOut
 from runtime.server.errors import ApiError
 from runtime.server.output import ChoiceBuilder, OutputOptions
+from runtime.server.sse import ChunkEncoder
 from runtime.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.unit
 TOK = ByteTokenizer(320, 256, 257, 258)
+
+
+def encoder() -> ChunkEncoder:
+    return ChunkEncoder("r1", int(time.time()), "m", "fp")
 
 
 def fake_state(pd: object = None) -> SimpleNamespace:
@@ -28,13 +35,14 @@ def fake_state(pd: object = None) -> SimpleNamespace:
                            metrics=SimpleNamespace(dsml_rejected=None), pd=pd)
 
 
-async def writes(tokens_waiting: bool, pd: object = None) -> list[str]:
-    """The stream's writes for the reply "hi" (two tokens, the second one last)."""
+async def writes(tokens_waiting: bool, pd: object = None, relayed: bool = False) -> list[str]:
+    """The stream's writes for the reply "hi" (two tokens, the second one last); `relayed`: the first
+    token's chunk went to the client from the prefill server (runtime/disagg/protocol.py)."""
     sink: asyncio.Queue = asyncio.Queue()
-    events = [TokenOut(ord("h"), -0.1, [], None, False), TokenOut(ord("i"), -0.1, [], "length", False)]
+    events = [TokenOut(ord("h"), -0.1, [], None, False, relayed), TokenOut(ord("i"), -0.1, [], "length", False)]
     if tokens_waiting:
         sink.put_nowait(events[0])
-    stream = _stream(fake_state(pd), "r1", sink, ChoiceBuilder(TOK, OutputOptions(), None), 3, False)
+    stream = _stream(fake_state(pd), "r1", sink, ChoiceBuilder(TOK, OutputOptions(), None), encoder(), 3, False)
     first = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0)
     if not tokens_waiting:  # the first token comes while the stream is open
@@ -81,7 +89,7 @@ def test_an_error_before_the_first_token_is_a_pd_streams_first_event(pd):
 
     async def run() -> list[str]:
         sink: asyncio.Queue = asyncio.Queue()
-        stream = _stream(fake_state(pd), "r1", sink, ChoiceBuilder(TOK, OutputOptions(), None), 3, False)
+        stream = _stream(fake_state(pd), "r1", sink, ChoiceBuilder(TOK, OutputOptions(), None), encoder(), 3, False)
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)
         sink.put_nowait(Failed(ApiError(503, "planted", type="server_error", code="pd_prefill_stopping")))
@@ -93,3 +101,18 @@ def test_an_error_before_the_first_token_is_a_pd_streams_first_event(pd):
         out = out[1:]
     assert len(out) == 1 and out[0].startswith('data: {"error": ') and out[0].endswith("data: [DONE]\n\n")
     assert '"pd_prefill_stopping"' in out[0]
+
+
+def test_a_relayed_first_token_is_written_as_the_marker_and_the_rest_is_the_same_bytes():
+    """A PD decode stream whose first token the prefill server relayed: RELAYED_EVENT in place of the
+    opening and the token's chunk (which the prefill server wrote with the same encoder and output state,
+    `PrefillSide._relay_text`), then exactly what the stream writes without the relay. Control: the same
+    stream not relayed starts with the opening."""
+    relayed, plain = asyncio.run(writes(False, pd=object(), relayed=True)), asyncio.run(writes(False, pd=object()))
+    assert relayed[0] == RELAYED_EVENT and plain[0].startswith('data: {"id": "r1"') and '"role"' in plain[0]
+    opening_and_h = plain[0]
+    assert '"content": "h"' in opening_and_h and relayed[1:] == plain[1:]
+    created = _created(plain)
+    encoder = ChunkEncoder("r1", created, "m", "fp")
+    builder = ChoiceBuilder(TOK, OutputOptions(), None)
+    assert encoder.opening() + encoder.token_chunk(builder.push(ord("h"), -0.1, [], False)) == opening_and_h
