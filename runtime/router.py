@@ -384,48 +384,31 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             the request goes to the next prefill server (tries left), whose stream follows in its place."""
             while True:
                 reading = asyncio.ensure_future(_first_event(opened))
+                relayed: bytes | None = None  # the first token's bytes, once the client has them
                 try:
                     await asyncio.wait((opened.first, reading), return_when=asyncio.FIRST_COMPLETED)
+                    relayed = opened.first.result() if opened.first.done() else None
+                    if relayed is not None:  # the usual order: the relay is in before the decode side's marker
+                        yield _relayed(relayed, trace)
+                    head = await reading
+                    if relayed is None and _relayed_head(head) is not None:  # the marker first: the relay is due
+                        relayed = await asyncio.shield(opened.first)
+                        if relayed is not None:
+                            yield _relayed(relayed, trace)
                 except BaseException:  # the client went away: as `_pass_through` does then
                     await _hang_up(opened, reading)
                     raise
-                early = opened.first.result() if opened.first.done() else None
-                if early is not None:  # the client has its first token from here on: no other prefill server
-                    yield _relayed(early, trace)
-                    try:
-                        head = await reading
-                    except BaseException:
-                        await _hang_up(opened, reading)
-                        raise
+                if relayed is not None:  # the client has its first token: no other prefill server from here on
                     after = _after_relay(head)
                     if isinstance(after, ApiError):
                         await _hang_up(opened, reading)
                         yield after.event().encode()
                         return
-                    async with aclosing(_pass_through(opened, after, trace)) as chunks:
-                        async for chunk in chunks:
-                            yield chunk
-                    return
-                try:
-                    head = await reading
-                except BaseException:
+                    head = after
+                elif _relayed_head(head) is not None:  # relayed by the prefill server, lost on the way here
                     await _hang_up(opened, reading)
-                    raise
-                stripped = _relayed_head(head)
-                if stripped is not None:  # the decode side took a relayed token: its bytes are on their way
-                    try:
-                        late = await asyncio.shield(opened.first)
-                    except BaseException:
-                        await _hang_up(opened, reading)
-                        raise
-                    if late is None:
-                        await _hang_up(opened, reading)
-                        yield ApiError(502, "the prefill server's answer broke off before the first token it "
-                                            "relayed reached the router", type="server_error",
-                                       code="pd_stream_broken").event().encode()
-                        return
-                    yield _relayed(late, trace)
-                    head = stripped
+                    yield RELAY_LOST.event().encode()
+                    return
                 elif head.broke is None and tried < tries and _prefill_refused(_event_data(head.event)):
                     await _close(opened)
                     rest(opened.prefill_url)
@@ -517,6 +500,8 @@ async def _first_event(opened: OpenStream) -> StreamHead:
 
 
 RELAYED = RELAYED_EVENT.encode()
+RELAY_LOST = ApiError(502, "the prefill server's answer broke off before the first token it relayed reached the "
+                           "router", type="server_error", code="pd_stream_broken")
 
 
 def _relayed_head(head: StreamHead) -> StreamHead | None:
