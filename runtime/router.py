@@ -343,6 +343,9 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
             trace.mark("prefill_sent")
             first: asyncio.Future = asyncio.get_running_loop().create_future()
             prefill_call = asyncio.create_task(_prefill_answer(exchange, first))
+            # Its failure is read where it is awaited (`_settle`), or by nobody: a stream whose client left
+            # before the stream's first write never runs `relay`.
+            prefill_call.add_done_callback(_settled)
             try:
                 reply = await decode_reply(headers)
             except UpstreamError as exc:

@@ -69,7 +69,8 @@ class _Connection:
 
     def reusable(self, now: float) -> bool:
         # A connection the server closed (or that broke) reads EOF once the loop has seen it.
-        return not self.reader.at_eof() and not self.writer.is_closing() and now - self.idle_since < IDLE_S
+        return (not self.reader.at_eof() and self.reader.exception() is None and not self.writer.is_closing()
+                and now - self.idle_since < IDLE_S)
 
     def close(self) -> None:
         self.writer.close()
@@ -193,19 +194,35 @@ class Upstreams:
             headers = {**self.headers, **{name.lower(): value for name, value in (headers or {}).items()}}
         head = _request_head(method, target, origin, headers or {}, len(body))
         connection = self._take(origin)
-        if connection is None:
+        while True:
+            fresh = connection is None
+            if connection is None:
+                try:
+                    reader, writer = await asyncio.wait_for(self._connect(*origin), self.connect_timeout_s)
+                except (OSError, TimeoutError) as exc:
+                    raise UpstreamConnectError(f"cannot connect to {origin[0]}:{origin[1]}: {exc!r}") from exc
+                self.opened += 1
+                connection = _Connection(reader, writer)
             try:
-                reader, writer = await asyncio.wait_for(self._connect(*origin), self.connect_timeout_s)
-            except (OSError, TimeoutError) as exc:
-                raise UpstreamConnectError(f"cannot connect to {origin[0]}:{origin[1]}: {exc!r}") from exc
-            self.opened += 1
-            connection = _Connection(reader, writer)
+                connection.writer.write(head + body)
+            except (OSError, RuntimeError) as exc:
+                # Refused at once, so nothing went out: the server closed (reset) the connection before
+                # this write, uvloop raising RuntimeError for its closed transport. A server being killed
+                # does that to a connection it had just accepted (the PD chaos test, three of 893
+                # requests once). A kept-alive one is replaced by a fresh connection; a fresh one means
+                # the server takes nothing now.
+                connection.close()
+                if fresh:
+                    raise UpstreamConnectError(f"{origin[0]}:{origin[1]} closed the connection before the request "
+                                               f"was written: {exc!r}") from exc
+                connection = None
+                continue
+            break
         try:
-            connection.writer.write(head + body)
             await self._read(connection.writer.drain())
         except BaseException as exc:
             connection.close()
-            if isinstance(exc, OSError):
+            if isinstance(exc, (OSError, RuntimeError)):
                 raise UpstreamError(f"the request to {url} broke off as it was written: {exc!r}") from exc
             raise
         return Exchange(self, origin, connection, method)

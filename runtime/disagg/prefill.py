@@ -240,8 +240,7 @@ class PrefillSide:
             return JSONResponse(_answer(room_id, result))
         written = asyncio.ensure_future(
             self._failing_the_room(state, rid, room_id, self._written(state, rid, room_id, prepared)))
-        # A room that fails, or a deadline, before the prompt finished: nothing will be relayed.
-        written.add_done_callback(lambda _: _settle(relay, None))
+        written.add_done_callback(lambda done: _nothing_to_relay(done, relay))
         return StreamingResponse(self._relaying(state, request, prepared, relay, written, watcher, trace),
                                  media_type=RELAY_MEDIA_TYPE)
 
@@ -301,8 +300,6 @@ class PrefillSide:
         finally:
             watcher.cancel()
             written.cancel()
-            if written.done() and not written.cancelled():
-                written.exception()  # retrieved: its failure went out as the error line, or nobody reads it
 
     def _relay_text(self, state, request: Request, prepared, first: dict) -> str:
         """The opening chunk and the first token's chunk, as the decode server's stream would write them
@@ -462,6 +459,15 @@ class PrefillSide:
                            held.num_tokens)
         held.trace.mark("kv_digested")
         return digest
+
+
+def _nothing_to_relay(written: asyncio.Task, relay: asyncio.Future) -> None:
+    """`written` ended: a room that failed, or a deadline, before the prompt finished leaves nothing to
+    relay. Its failure is retrieved here too: the relaying answer reads it as its error line, but an answer
+    whose caller left before its first write never runs."""
+    _settle(relay, None)
+    if not written.cancelled():
+        written.exception()
 
 
 def _settle(future: asyncio.Future, value: object) -> None:

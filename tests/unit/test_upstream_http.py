@@ -106,6 +106,40 @@ def test_a_server_that_closed_its_idle_connection_is_not_reused():
     run(go())
 
 
+def refuse_writes(writer) -> None:
+    """`writer` refuses every write as uvloop does for a transport the server reset just before it:
+    RuntimeError, nothing sent."""
+    def refused(data):
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    writer.write = refused
+
+
+def test_a_connection_closed_before_its_request_was_written_is_replaced_or_is_a_connect_error():
+    """A kept-alive connection the server had reset goes unused: a fresh one carries the request. A fresh
+    connection reset before the write means the server took nothing: UpstreamConnectError, which the
+    router reads as "offer the request elsewhere" (the router's own plain 500, before: the PD chaos test
+    saw three when a prefill server was killed)."""
+    async def go():
+        fake = FakeUpstreams(echo)
+        upstreams = Upstreams(5.0, connect=fake.connect)
+        await (await upstreams.request("GET", "http://a:1/x")).aread()
+        refuse_writes(upstreams._idle[("a", 1)][-1].writer)  # the kept-alive connection, reset
+        assert await (await upstreams.request("GET", "http://a:1/y")).aread()
+        assert upstreams.opened == 2  # a fresh connection carried it
+
+        async def reset_at_once(host, port):
+            reader, writer = await fake.connect(host, port)
+            refuse_writes(writer)
+            return reader, writer
+
+        with pytest.raises(UpstreamConnectError, match="closed the connection before the request was written"):
+            await Upstreams(5.0, connect=reset_at_once).request("GET", "http://a:1/z")
+        assert [r.path for r in fake.requests] == ["/x", "/y"]  # /z never reached the server
+
+    run(go())
+
+
 def test_a_cancelled_call_closes_its_connection_which_the_server_reads_as_given_up():
     async def go():
         answered = asyncio.Event()
