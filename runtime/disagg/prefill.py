@@ -45,8 +45,6 @@ from runtime.disagg.protocol import (
     TRANSFER_MEDIA_TYPE,
     PrefillStopping,
     api_error,
-    completion_id,
-    created_of,
     first_token_of,
     relay_line,
     relays_first_token,
@@ -56,11 +54,11 @@ from runtime.disagg.protocol import (
 from runtime.disagg.transfer import KVTransfer, PoolDescriptor, digest_workers, kv_digest, mode_mismatch
 from runtime.engine.engine import Engine, StepResult
 from runtime.server import serving
+from runtime.server.app import stream_encoder
 from runtime.server.bridge import Accepted, Rejected
 from runtime.server.errors import ApiError, bad_request
 from runtime.server.output import ChoiceBuilder
 from runtime.server.request_body import until_disconnected
-from runtime.server.sse import ChunkEncoder
 from runtime.server.trace import NO_TRACE, Trace
 
 log = logging.getLogger(__name__)
@@ -232,8 +230,8 @@ class PrefillSide:
                 result = await self._failing_the_room(state, rid, room_id, self._written(state, rid, room_id, prepared))
         except BaseException:
             watcher.cancel()
-            if relay is not None and not relay.done():
-                relay.set_result(None)
+            if relay is not None:
+                _settle(relay, None)
             raise
         if relay is None:
             watcher.cancel()
@@ -296,18 +294,16 @@ class PrefillSide:
             except ApiError as exc:
                 yield transfer_line(error=transfer_error(exc))
                 return
-            yield transfer_line(done=_answer(str(request.headers.get(ROOM_HEADER)), result))
+            yield transfer_line(done=_answer(str(request.headers[ROOM_HEADER]), result))
         finally:
             watcher.cancel()
             written.cancel()
 
     def _relay_text(self, state, request: Request, prepared, first: dict) -> str:
         """The opening chunk and the first token's chunk, as the decode server's stream would write them
-        (runtime/server/app.py `_stream`): the same envelope (`completion_id`, the router's `created`) and
-        the same output state, pushed the same token (`first_token_of`, not a stop token)."""
-        room = str(request.headers.get(ROOM_HEADER))
-        encoder = ChunkEncoder(completion_id(room), created_of(request.headers, int(time.time())), state.model_name,
-                               state.loaded.config.fingerprint)
+        (runtime/server/app.py `_stream`): the same envelope (`stream_encoder`: the room's id, the router's
+        `created`) and the same output state, pushed the same token (`first_token_of`, not a stop token)."""
+        encoder = stream_encoder(state, "", request)  # a PD request: the id is the room's, not the rid
         builder = ChoiceBuilder(self.engine.tokenizer, prepared.output, prepared.corruptor)
         token, logprob, top = first_token_of(first, prepared.params.logprobs)
         return encoder.opening() + encoder.token_chunk(builder.push(token, logprob, top, False))

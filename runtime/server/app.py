@@ -191,7 +191,7 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             state.metrics.requests.labels(request.url.path, "200").inc()
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            encoder = _encoder(state, rid, request)
+            encoder = stream_encoder(state, rid, request)
             return StreamingResponse(_stream(state, rid, sink, builder, encoder, len(prepared.prompt_ids),
                                              include_usage, trace), media_type="text/event-stream")
         return await _unary(state, request, rid, sink, builder, len(prepared.prompt_ids))
@@ -330,7 +330,7 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _encoder(state: ServerState, rid: str, request: Request) -> ChunkEncoder:
+def stream_encoder(state: ServerState, rid: str, request: Request) -> ChunkEncoder:
     """A stream's chunk envelope. A PD server writes its request's chunks under the room's id and the
     router's `created`, which the other side of the pair writes too (runtime/disagg/protocol.py: the
     prefill server writes a relayed first token's chunks)."""

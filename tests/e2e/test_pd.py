@@ -1496,23 +1496,36 @@ def test_direct_mode_a_late_write_never_reaches_a_request_admitted_after_the_giv
 
 
 class HeldFirstLine:
-    """The prefill side's first /pd/transfer line (the prompt's outcome, computed) held until `release()`:
-    `started` once a room's outcome is ready and held."""
+    """The prefill side's first token held on both its ways until `release()`: its first /pd/transfer line
+    (the prompt's outcome, computed) and its relaying answer's first line to the router
+    (runtime/disagg/protocol.py). `started` once a room's outcome is ready and held."""
 
-    def __init__(self, registry, monkeypatch) -> None:
+    def __init__(self, pd, monkeypatch) -> None:
         import threading
 
         self.started, self._gate = threading.Event(), threading.Event()
-        wait_first = registry.wait_first
+        wait_first, relaying = pd.registry.wait_first, pd._relaying
+
+        async def gate() -> None:
+            while not self._gate.is_set():
+                await asyncio.sleep(0.01)
 
         async def held(room, timeout_s):
             first = await wait_first(room, timeout_s)
             self.started.set()
-            while not self._gate.is_set():
-                await asyncio.sleep(0.01)
+            await gate()
             return first
 
-        monkeypatch.setattr(registry, "wait_first", held)
+        async def held_relay(*args):
+            lines = relaying(*args)
+            first = await anext(lines)
+            await gate()
+            yield first
+            async for line in lines:
+                yield line
+
+        monkeypatch.setattr(pd.registry, "wait_first", held)
+        monkeypatch.setattr(pd, "_relaying", held_relay)
 
     def release(self) -> None:
         self._gate.set()
@@ -1539,7 +1552,7 @@ def test_a_streamed_clients_answer_opens_while_the_prompt_computes(servers, monk
 
     pair, colocated = servers
     payload = body(PROMPTS[1], stream=True)
-    held = HeldFirstLine(pair.prefill_state.pd.registry, monkeypatch)
+    held = HeldFirstLine(pair.prefill_state.pd, monkeypatch)
     if planted:
         answer_with_the_first_token(pair.decode_state.pd, monkeypatch)
     opened, lines, statuses = threading.Event(), [], []
