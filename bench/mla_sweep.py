@@ -133,6 +133,13 @@ FREE_VARIANTS: dict[str, dict[str, Any]] = {
     # The spread mode (deployed at bs <= 16 for H=64) with its merge as a programmatic dependent launch
     # (attention.PDL_MERGE; issue 15, 1.5x at bs <= 8): the merge's launch latency behind the chunks' work.
     "spread": dict(spread=True, merge="kernel"), "spread+pdl": dict(spread=True, merge="kernel", pdl=True),
+    # A spread program runs one 64-position chunk, one block: stages beyond one buy no overlap and hold
+    # shared memory, and 8 warps take mla_grouped's one-block loop (no second accumulator). At bs 8, H=64
+    # the deployment's 320 four-warp programs are more than two a SM (SMALL_BATCH_LAUNCH's candidates).
+    "spread/stages1": dict(spread=True, merge="kernel", num_stages=1),
+    "spread/w8": dict(spread=True, merge="kernel", num_warps=8),
+    "spread/w8+stages1": dict(spread=True, merge="kernel", num_warps=8, num_stages=1),
+    "spread/w2+stages1": dict(spread=True, merge="kernel", num_warps=2, num_stages=1),
     # Registers (issue 15, bs 32-128 at H=64, where SGLang's one-accumulator kernel was 16-20% faster):
     # the latent in four column groups (mla_grouped; deployed at H=64 since the sixteenth session),
     # with 8 warps or 3 stages, the spread mode of each, and the ungrouped kernel (column_groups=1).
@@ -205,7 +212,8 @@ def two_pass_rows(heads: int, topk: int, cache: torch.Tensor, prepared: dict, ch
     inputs, scale = prepared["inputs"][PREFILL_ROWS][:2], (MLA_LATENT + MLA_ROPE) ** -0.5
     rows = []
     for name, knobs in TWO_PASS_VARIANTS.items():
-        row: dict[str, Any] = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={})
+        row: dict[str, Any] = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={},
+                                   sglang_us=prepared["sglang_us"])
         try:
             row["same_bits"] = all(torch.equal(mla_prefill.sparse_mla_two_pass(q, cache, s, MLA_LATENT, scale, **knobs),
                                                w) for (q, s), w in zip(checks, want))
@@ -255,7 +263,8 @@ def free_knobs(heads: int, topk: int, batches: list, cache: torch.Tensor, prepar
         if knobs is None:
             rows += two_pass_rows(heads, topk, cache, prepared, checks, want)
             continue
-        row: dict[str, Any] = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={})
+        row: dict[str, Any] = dict(kernel="sparse_mla_free", H=heads, topk=topk, variant=name, knobs=knobs, us={},
+                                   sglang_us=prepared["sglang_us"])
         try:
             row["same_bits"] = all(torch.equal(run(q, s, **knobs), w) for (q, s), w in zip(checks, want))
             for b in batches:
@@ -276,12 +285,19 @@ def free_summary(rows: list, batches: list) -> str:
         if "error" in r:
             out.append(f"{head} {r['error'][:140]}")
             continue
-        cells = " | ".join(f"bs{b} {r['us'][str(b)]:.1f}" for b in batches if str(b) in r["us"]) or "prefill only"
+        cells = " | ".join(f"bs{b} {r['us'][str(b)]:.1f}{_vs(r, b)}" for b in batches if str(b) in r["us"])
+        cells = cells or "prefill only"
         passes = (f" (scores {r['scores_pass_us']:.0f} + values {r['values_pass_us']:.0f})"
                   if "scores_pass_us" in r else "")
         out.append(f"{head} bits {'SAME' if r['same_bits'] else 'differ'} | {cells} | "
                    f"prefill {r['us'].get(str(PREFILL_ROWS), float('nan')):.0f}{passes}")
     return "\n".join(out)
+
+
+def _vs(row: dict, batch: int) -> str:
+    """ " (SGLang's us / ours)" where --vs-sglang timed SGLang at this batch, else nothing."""
+    sgl = row.get("sglang_us", {}).get(batch)
+    return "" if sgl is None else f" ({sgl / row['us'][str(batch)]:.2f})"
 
 
 def summary_line(r: dict, batches: list) -> str:

@@ -121,12 +121,12 @@ want moe_launch && section moe_launch "${BENCH_TIMEOUT:-300}" $PY -m bench.moe_t
 # Which sparse MLA launch knobs keep the deployment's bits (may follow the batch), their times, and
 # whole new deployments (MLA_CANDIDATES, H:BLOCK_H,BLOCK_S,chunk,warps,stages,V_SPLIT,narrow).
 want mla_free && section mla_free "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free.json" --free \
-    --heads "${MLA_HEADS:-64}" --batches 1,16,32,64,128 ${MLA_VARIANTS:+--variants "$MLA_VARIANTS"} \
+    --heads "${MLA_HEADS:-64}" --batches "${MLA_BATCHES:-1,16,32,64,128}" ${MLA_VARIANTS:+--variants "$MLA_VARIANTS"} \
     ${MLA_VS_SGLANG:+--vs-sglang} --candidates ${MLA_CANDIDATES:-}
 # The same knobs around a deployment whose softmax row sums are an MMA (p @ ones): do BLOCK_H and
 # warps become free (then prefill could run 64-head wgmma tiles with decode's bits)?
 want mla_free_mma && section mla_free_mma "${MLA_TIMEOUT:-300}" $PY -m bench.mla_sweep --json "$OUT/mla_free_mma.json" \
-    --free --rowsum-mma --heads "${MLA_HEADS:-64}" --batches 1,16,32,64,128 ${MLA_VARIANTS:+--variants "$MLA_VARIANTS"} \
+    --free --rowsum-mma --heads "${MLA_HEADS:-64}" --batches "${MLA_BATCHES:-1,16,32,64,128}" ${MLA_VARIANTS:+--variants "$MLA_VARIANTS"} \
     ${MLA_VS_SGLANG:+--vs-sglang} --candidates ${MLA_CANDIDATES:-}
 # The two-pass sparse MLA prefill form (mla_prefill): its bits vs the rowsum_mma deployment's and its
 # 4,096-row time per launch shape (each pass apart for one), beside the deployment.
