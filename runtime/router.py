@@ -394,7 +394,8 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                     if relayed is not None:  # the usual order: the relay is in before the decode side's marker
                         yield _relayed(relayed, trace)
                     head = await reading
-                    if relayed is None and _relayed_head(head) is not None:  # the marker first: the relay is due
+                    marked = _relayed_head(head)  # the head after the decode side's marker, if it starts with one
+                    if relayed is None and marked is not None:  # the marker first: the relay is due
                         relayed = await asyncio.shield(opened.first)
                         if relayed is not None:
                             yield _relayed(relayed, trace)
@@ -402,13 +403,13 @@ def create_router_app(prefill: list[str], decode: list[str], timeout_s: float = 
                     await _hang_up(opened, reading)
                     raise
                 if relayed is not None:  # the client has its first token: no other prefill server from here on
-                    after = _after_relay(head)
+                    after = _after_relay(head, marked)
                     if isinstance(after, ApiError):
                         await _hang_up(opened, reading)
                         yield after.event().encode()
                         return
                     head = after
-                elif _relayed_head(head) is not None:  # relayed by the prefill server, lost on the way here
+                elif marked is not None:  # relayed by the prefill server, lost on the way here
                     await _hang_up(opened, reading)
                     yield RELAY_LOST.event().encode()
                     return
@@ -517,14 +518,13 @@ def _relayed_head(head: StreamHead) -> StreamHead | None:
     return StreamHead(b"", [rest] if rest else [], head.broke)
 
 
-def _after_relay(head: StreamHead) -> StreamHead | ApiError:
+def _after_relay(head: StreamHead, marked: StreamHead | None) -> StreamHead | ApiError:
     """What of a decode stream goes to a client that has its first token from the prefill server: all
-    after RELAYED_EVENT; an error in its place as it is (the decode side failed before it took the
-    token); any other first event is a decode server that wrote the token again, which the client must
-    not get twice."""
-    stripped = _relayed_head(head)
-    if stripped is not None:
-        return stripped
+    after RELAYED_EVENT (`marked`, the head's `_relayed_head`); an error in its place as it is (the decode
+    side failed before it took the token); any other first event is a decode server that wrote the token
+    again, which the client must not get twice."""
+    if marked is not None:
+        return marked
     if head.broke is not None or _is_error(_event_data(head.event)):
         return head
     return ApiError(502, "the decode server wrote the first token the prefill server had relayed",
