@@ -17,7 +17,9 @@ runs them on the GPU with `--server-arg=--dtype=float32`).
 
 `--pin apart` gives each process (this client, the router, the prefill and decode servers, the colocated server)
 whole physical cores of its own (two CPUs at least: a server's event loop and engine thread run at once);
-`--pin pd-shared` the same but the prefill and decode servers share theirs. Either way, and unpinned, the report
+`--pin apart-swapped` is apart with the prefill and colocated servers' CPUs traded (the prefill server's slow
+tokenize pinned apart on an H100 host, forty-third session: its CPUs' or its own?); `--pin pd-shared` the same
+as apart but the prefill and decode servers share theirs. Either way, and unpinned, the report
 keeps what the host did to each process over each prompt size (bench/host_load.py: its CPU time, its busiest
 thread's and where it ran). On an H100 host the prefill server's template + tokenize took 1.6-1.9x the CPU time of
 the colocated server's on the same body (thirty-seventh session) with no other thread of its process running:
@@ -70,7 +72,7 @@ from runtime.config import DEFAULT_MODEL
 from runtime.server.trace import TRACE_HEADER
 from tests.e2e.pd_pair import pd_pair, serve_state, server_state
 
-PIN_MODES = ("apart", "pd-shared")
+PIN_MODES = ("apart", "apart-swapped", "pd-shared")
 PIN_ROLES = ("client", "router", "prefill", "decode", "colocated")
 PIN_SERVERS = ("prefill", "decode", "colocated")  # the roles that share the cores left over (pin_plan)
 IDLE_SAMPLE_S = 1.0
@@ -207,6 +209,8 @@ def pin_plan(mode: str, cpus: list[int], cores: list[list[int]] | None = None) -
         start += counts[role]
     # Client and router keep their places; a server moved later holds at least one core more than it needed at
     # its first place, so still two CPUs whatever the cores' sizes.
+    if mode == "apart-swapped":  # the same sets, the prefill and colocated servers' traded: a slow CPU moves sides
+        plan["prefill"], plan["colocated"] = plan["colocated"], plan["prefill"]
     return plan
 
 
@@ -222,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hang-up", action="store_true",
                         help="close each stream at its first token (every request an abort), as before 2026-12-05")
     parser.add_argument("--pin", choices=PIN_MODES, default=None,
-                        help="whole cores per process, the servers sharing the cores left equally (apart), or the PD "
+                        help="whole cores per process, the servers sharing the cores left equally (apart; "
+                             "apart-swapped: the prefill and colocated servers' sets traded), or the PD "
                              "sides sharing theirs (pd-shared); "
                              "default: the scheduler places them")
     parser.add_argument("--out", type=Path, default=None, help="the report as JSON")

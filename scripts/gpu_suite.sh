@@ -273,7 +273,7 @@ want pd_gpu && section pd_transfer_gpu_canary "${PD_BENCH_TIMEOUT:-60}" $PY -m b
 want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.pd_ttft --repeats 10 --words 8,400 --server-arg=--dtype=float32 --out "$OUT/pd_ttft_gpu.json"
 # Where the PD pair's first token spends its time beside the colocated server's, phase by phase (the
 # servers' x-dsv4-trace marks): PD_PHASES_REPEATS per prompt size.
-# PD_PIN=apart|pd-shared pins every process to whole cores (bench/pd_ttft.py's --pin).
+# PD_PIN=apart|apart-swapped|pd-shared pins every process to whole cores (bench/pd_ttft.py's --pin).
 want pd_phases && section pd_phases "${PD_TTFT_TIMEOUT:-300}" $PY -m bench.pd_ttft --repeats "${PD_PHASES_REPEATS:-10}" \
     --words 8,100,400 --phases ${PD_PIN:+--pin "$PD_PIN"} --server-arg=--dtype=float32 --out "$OUT/pd_phases_gpu.json"
 # The same, 400-word prompts only, under py-spy (every server process, every thread, GIL holders marked

@@ -61,6 +61,15 @@ def test_without_smt_each_process_gets_two_cpus_and_the_servers_share_the_rest()
     assert [len(cpus) for cpus in pin_plan("apart", list(range(12)), cores[:12]).values()] == [2] * 5
 
 
+def test_apart_swapped_trades_the_prefill_and_colocated_servers_cpus_and_nothing_else():
+    cores = [[cpu] for cpu in range(16)]
+    apart = pin_plan("apart", list(range(16)), cores)
+    swapped = pin_plan("apart-swapped", list(range(16)), cores)
+    assert swapped["prefill"] == apart["colocated"] == [12, 13, 14, 15]
+    assert swapped["colocated"] == apart["prefill"] == [4, 5, 6, 7]
+    assert all(swapped[role] == apart[role] for role in ("client", "router", "decode"))
+
+
 def test_cores_of_unequal_sizes_never_leave_a_role_on_one_cpu():
     # the servers move later by the extra cores: a lone CPU where a pair stood at their first places
     cores = [[0, 1], [2], [3], [4, 5], [6, 7], [8, 9], [10], [11], [12]]
