@@ -133,6 +133,11 @@ FREE_VARIANTS: dict[str, dict[str, Any]] = {
     # The spread mode (deployed at bs <= 16 for H=64) with its merge as a programmatic dependent launch
     # (attention.PDL_MERGE; issue 15, 1.5x at bs <= 8): the merge's launch latency behind the chunks' work.
     "spread": dict(spread=True, merge="kernel"), "spread+pdl": dict(spread=True, merge="kernel", pdl=True),
+    # The grouped kernel's latent-column blocks (mla_grouped.V_SPLITS, forty-third session): gathered programs
+    # that sum the values of half / a quarter of the latent, so H=16 bs 32-64 fills the SMs without the spread
+    # mode's partial states (bs 64 at H=16: 64 programs; SGLang 0.85x ahead).
+    "groups4/v2": dict(column_groups=4, v_split=2), "groups4/v4": dict(column_groups=4, v_split=4),
+    "groups4+bh32/w8/v2": dict(column_groups=4, block_h=32, num_warps=8, v_split=2),
     # A spread program runs one 64-position chunk, one block: stages beyond one buy no overlap and hold
     # shared memory, and 8 warps take mla_grouped's one-block loop (no second accumulator). At bs 8, H=64
     # the deployment's 320 four-warp programs are more than two a SM (SMALL_BATCH_LAUNCH's candidates).
