@@ -97,6 +97,11 @@ class EngineBridge:
         # PD prefill (runtime/disagg/prefill.py): sees every step's result on the engine thread, before
         # the next step is planned (its requests' KV pages are kept: `submit(keep_pages=True)`).
         self.on_step: Callable[[StepResult], None] | None = None
+        # `step_ended` waiters: (loop, future) settled once the step in flight has ended and its events are handed
+        # to their loops. Under `_step_lock` with `_stepping`, which the engine thread sets around a step.
+        self._step_lock = threading.Lock()
+        self._stepping = False
+        self._step_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._preemptions = 0  # the scheduler's count the counter last caught up with
         self._hit_tokens = self._lookup_tokens = 0  # the prefix cache's counts the counters caught up with
         metrics.kv_pages_total.set(engine.pool.num_pages)
@@ -161,6 +166,17 @@ class EngineBridge:
         _settle(future, *_outcome(fn, self.engine))
         return future
 
+    def step_ended(self) -> asyncio.Future:
+        """Done once the engine's step in flight (if any) has ended and its tokens are handed to their loops
+        (those callbacks run first); done now when no step runs. Never waits for more than that one step."""
+        future = asyncio.get_running_loop().create_future()
+        with self._step_lock:
+            if self._stepping:
+                self._step_waiters.append((future.get_loop(), future))
+                return future
+        future.set_result(None)
+        return future
+
     def abort(self, rid: str, reason: str = "abort") -> None:
         """End the request at the next step; `reason` as `Scheduler.abort` takes it."""
         if rid in self._announced:  # not in the engine yet: sent once it is (`submit_prefilled`)
@@ -180,8 +196,13 @@ class EngineBridge:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                self._step()
-                self._flush()
+                with self._step_lock:
+                    self._stepping = True
+                try:
+                    self._step()
+                    self._flush()
+                finally:
+                    self._steps_ended()
             self._close()
             self._drain_commands()  # those queued before `stop()`: a PD side's last frees among them
             self._flush()
@@ -197,6 +218,17 @@ class EngineBridge:
     def _close(self) -> None:
         with self._closing:
             self._closed = True
+
+    def _steps_ended(self) -> None:
+        """The step is over (or failed): its `step_ended` waiters go on, after its tokens (`_flush` came first)."""
+        with self._step_lock:
+            self._stepping = False
+            waiters, self._step_waiters = self._step_waiters, []
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_settle, future, None, False)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass
 
     def _drain_commands(self) -> None:
         drained = False
