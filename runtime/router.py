@@ -118,8 +118,7 @@ async def _settle(task: asyncio.Task) -> None:
     except asyncio.CancelledError:
         if task.cancelled():
             return  # the call was cancelled on purpose, and has ended
-        _SETTLING.add(task)
-        task.add_done_callback(_settled)
+        _SETTLING.add(task)  # let go by `_settled`, the call's done-callback since its start
         raise
 
 

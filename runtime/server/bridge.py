@@ -97,11 +97,9 @@ class EngineBridge:
         # PD prefill (runtime/disagg/prefill.py): sees every step's result on the engine thread, before
         # the next step is planned (its requests' KV pages are kept: `submit(keep_pages=True)`).
         self.on_step: Callable[[StepResult], None] | None = None
-        # `step_ended` waiters: (loop, future) settled once the step in flight has ended and its events are handed
-        # to their loops. Under `_step_lock` with `_stepping`, which the engine thread sets around a step.
-        self._step_lock = threading.Lock()
+        # Set by the engine thread around a step and its events' hand-over (`step_ended`'s fast path; read
+        # without a lock: a read that races a step's start or end only picks the other, equally right, path).
         self._stepping = False
-        self._step_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._preemptions = 0  # the scheduler's count the counter last caught up with
         self._hit_tokens = self._lookup_tokens = 0  # the prefix cache's counts the counters caught up with
         metrics.kv_pages_total.set(engine.pool.num_pages)
@@ -168,12 +166,12 @@ class EngineBridge:
 
     def step_ended(self) -> asyncio.Future:
         """Done once the engine's step in flight (if any) has ended and its tokens are handed to their loops
-        (those callbacks run first); done now when no step runs. Never waits for more than that one step."""
+        (those callbacks run first); done now when no step runs. Never waits for more than that one step: a
+        no-op `call`, which the engine thread runs when it next drains its commands, after the step's
+        `_flush`."""
+        if self._stepping:
+            return self.call(_no_op)
         future = asyncio.get_running_loop().create_future()
-        with self._step_lock:
-            if self._stepping:
-                self._step_waiters.append((future.get_loop(), future))
-                return future
         future.set_result(None)
         return future
 
@@ -196,13 +194,12 @@ class EngineBridge:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                with self._step_lock:
-                    self._stepping = True
+                self._stepping = True
                 try:
                     self._step()
                     self._flush()
                 finally:
-                    self._steps_ended()
+                    self._stepping = False
             self._close()
             self._drain_commands()  # those queued before `stop()`: a PD side's last frees among them
             self._flush()
@@ -218,17 +215,6 @@ class EngineBridge:
     def _close(self) -> None:
         with self._closing:
             self._closed = True
-
-    def _steps_ended(self) -> None:
-        """The step is over (or failed): its `step_ended` waiters go on, after its tokens (`_flush` came first)."""
-        with self._step_lock:
-            self._stepping = False
-            waiters, self._step_waiters = self._step_waiters, []
-        for loop, future in waiters:
-            try:
-                loop.call_soon_threadsafe(_settle, future, None, False)
-            except RuntimeError:  # the loop is closed (server shutting down)
-                pass
 
     def _drain_commands(self) -> None:
         drained = False
@@ -352,6 +338,10 @@ class EngineBridge:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the loop is closed (server shutting down)
                 pass
+
+
+def _no_op(engine: Engine) -> None:
+    return None
 
 
 def _outcome(fn: Callable[[Engine], Any], engine: Engine) -> tuple[Any, bool]:
