@@ -253,7 +253,7 @@ pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked 
     done
     return 1
 }
-if want pd_gpu || want pd_gpu_tests || want pd_gpu_ttft || want pd_phases || want pd_phases_profile || want gate_pd || want gate_pd_profile; then
+if want pd_gpu || want pd_gpu_tests || want pd_gpu_ttft || want pd_phases || want pd_room_ab || want pd_phases_profile || want gate_pd || want gate_pd_profile; then
     rm -rf /tmp/pdroot /tmp/pdlib && mkdir -p /tmp/pdroot /tmp/pdlib
     for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
     # A folder of their own: `--upgrade --target` replaces a top-level folder it also installs, and the
