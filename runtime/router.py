@@ -48,6 +48,7 @@ from runtime.disagg.protocol import (
     RELAYED_EVENT,
     ROOM_HEADER,
     relayed_bytes,
+    settle_relay,
 )
 from runtime.router_health import HEALTH_EVERY_S, UpstreamHealth
 from runtime.server.errors import ApiError, sse_event
@@ -138,17 +139,12 @@ async def _prefill_answer(exchange: Exchange, first: asyncio.Future) -> bytes:
             return await reply.aread()
         lines = lines_of(reply.aiter_raw())
         head = await anext(lines, b"")
-        _settle_first(first, relayed_bytes(head))
+        settle_relay(first, relayed_bytes(head))
         rest = [line async for line in lines]
         await reply.aclose()
         return b"\n".join([head, *rest])
     finally:
-        _settle_first(first, None)
-
-
-def _settle_first(first: asyncio.Future, relayed: bytes | None) -> None:
-    if not first.done():
-        first.set_result(relayed)
+        settle_relay(first, None)
 
 
 async def _get(upstreams: Upstreams, url: str, headers: dict[str, str] | None = None) -> tuple[UpstreamReply, bytes]:

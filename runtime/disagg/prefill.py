@@ -48,6 +48,7 @@ from runtime.disagg.protocol import (
     first_token_of,
     relay_line,
     relays_first_token,
+    settle_relay,
     transfer_error,
     transfer_line,
 )
@@ -231,7 +232,7 @@ class PrefillSide:
         except BaseException:
             watcher.cancel()
             if relay is not None:
-                _settle(relay, None)
+                settle_relay(relay, None)
             raise
         if relay is None:
             watcher.cancel()
@@ -409,7 +410,7 @@ class PrefillSide:
                 # The first token goes out now, before the KV is written (the loop runs these in order):
                 # to the router first when it relays it, then to the decode side, then the write starts.
                 if entry.relay is not None:
-                    entry.loop.call_soon_threadsafe(_settle, entry.relay, held.outcome)
+                    entry.loop.call_soon_threadsafe(settle_relay, entry.relay, held.outcome)
                 entry.loop.call_soon_threadsafe(self.registry.prefilled, entry.room_id, held.outcome)
                 if room is not None:
                     entry.loop.call_soon_threadsafe(self._start_send, entry.state, rid, room, held)
@@ -461,14 +462,9 @@ def _nothing_to_relay(written: asyncio.Task, relay: asyncio.Future) -> None:
     """`written` ended: a room that failed, or a deadline, before the prompt finished leaves nothing to
     relay. Its failure is retrieved here too: the relaying answer reads it as its error line, but an answer
     whose caller left before its first write never runs."""
-    _settle(relay, None)
+    settle_relay(relay, None)
     if not written.cancelled():
         written.exception()
-
-
-def _settle(future: asyncio.Future, value: object) -> None:
-    if not future.done():
-        future.set_result(value)
 
 
 def _answer(room_id: str, result: dict) -> dict:

@@ -8,6 +8,7 @@ bootstrap registry, which imports the transfer engine)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from runtime.server.errors import ApiError
@@ -126,6 +127,13 @@ def relayed_bytes(line: bytes | None) -> bytes | None:
         return None
     text = parsed.get("relay") if isinstance(parsed, dict) else None
     return text.encode() if isinstance(text, str) and text else None
+
+
+def settle_relay(future: asyncio.Future, value: object) -> None:
+    """Sets a relay's future once: the first of the prompt's outcome (prefill side) or the client's first
+    bytes (router) and its "nothing to relay" (None), whichever comes first, wins; the later one is a no-op."""
+    if not future.done():
+        future.set_result(value)
 
 
 def transfer_line(**field: object) -> bytes:
