@@ -133,11 +133,6 @@ FREE_VARIANTS: dict[str, dict[str, Any]] = {
     # The spread mode (deployed at bs <= 16 for H=64) with its merge as a programmatic dependent launch
     # (attention.PDL_MERGE; issue 15, 1.5x at bs <= 8): the merge's launch latency behind the chunks' work.
     "spread": dict(spread=True, merge="kernel"), "spread+pdl": dict(spread=True, merge="kernel", pdl=True),
-    # The grouped kernel's latent-column blocks (mla_grouped.V_SPLITS, forty-third session): gathered programs
-    # that sum the values of half / a quarter of the latent, so H=16 bs 32-64 fills the SMs without the spread
-    # mode's partial states (bs 64 at H=16: 64 programs; SGLang 0.85x ahead).
-    "groups4/v2": dict(column_groups=4, v_split=2), "groups4/v4": dict(column_groups=4, v_split=4),
-    "groups4+bh32/w8/v2": dict(column_groups=4, block_h=32, num_warps=8, v_split=2),
     # A spread program runs one 64-position chunk, one block: stages beyond one buy no overlap and hold
     # shared memory, and 8 warps take mla_grouped's one-block loop (no second accumulator). At bs 8, H=64
     # the deployment's 320 four-warp programs are more than two a SM (SMALL_BATCH_LAUNCH's candidates).
@@ -177,7 +172,7 @@ FREE_VARIANTS: dict[str, dict[str, Any]] = {
     "bh32/w8": dict(block_h=32, num_warps=8), "bh32/w8+memory": dict(block_h=32, num_warps=8, merge="memory"),
     # Latent-column splits: each program scores over the whole latent but averages only its columns,
     # so a 64-head tile's two accumulators fit in registers (free only if the row sums are).
-    # (column_groups=1: the ungrouped kernel these were measured with; the grouped one runs v_split since 8872993.)
+    # (column_groups=1: the ungrouped kernel, which runs v_split; the grouped kernel ran it from 8872993 to its revert.)
     "v2": dict(v_split=2, column_groups=1), "bh32/w8/v2": dict(block_h=32, num_warps=8, v_split=2, column_groups=1),
     "bh64/w8/v2+stages1": dict(block_h=64, num_warps=8, v_split=2, num_stages=1, column_groups=1),
     # One program per chunk (the spread mode) at every batch: one accumulator, no fold in registers,

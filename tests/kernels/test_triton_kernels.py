@@ -393,7 +393,7 @@ def test_sparse_mla_column_groups_match_the_reference_in_every_mode(seed, querie
 
 def test_sparse_mla_column_groups_refuse_what_they_do_not_run():
     q, cache, slots, _, _ = _attention_case(0, 1, 16, 64, 16, 300, 8, 100, DTYPES[0])
-    for launch in (dict(v_split=3), dict(spread=False, merge="memory"), dict(column_groups=3)):
+    for launch in (dict(v_split=2), dict(spread=False, merge="memory"), dict(column_groups=3)):
         with pytest.raises(ValueError, match="column_groups"):
             attention.sparse_mla_decode(q, cache, slots, 64, 0.1, num_splits=3, block_s=16,
                                         **{"column_groups": 4, **launch})
@@ -437,11 +437,10 @@ _ONE_BLOCK_FOLD = mla_grouped._fold_block_chunk
 @triton.jit
 def _fold_block_chunk_unrounded(scores, kv0, kv1, kv2, kv3, M, L, A0, A1, A2, A3, dtype: tl.constexpr,
                                 BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr,
-                                PRECISION: tl.constexpr, NARROW: tl.constexpr, ROWSUM_MMA: tl.constexpr,
-                                NV: tl.constexpr = 4):
+                                PRECISION: tl.constexpr, NARROW: tl.constexpr, ROWSUM_MMA: tl.constexpr):
     """A planted slip: the one-block loop's fold without rounding the chunk's sum to the 16-bit dtype."""
     return _ONE_BLOCK_FOLD(scores, kv0, kv1, kv2, kv3, M, L, A0, A1, A2, A3, dtype, BLOCK_H, BLOCK_S, BLOCK_G,
-                           PRECISION, False, ROWSUM_MMA, NV)
+                           PRECISION, False, ROWSUM_MMA)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="a planted jit helper is swapped in by name: the interpreter only")
@@ -764,7 +763,7 @@ def test_sparse_mla_column_groups_compile_for_the_gpu_without_one(spread, ticket
                              "stride_idx", "stride_ot", "stride_oh"], "i32")
     constants = dict(LATENT=512, ROPE=64, SPREAD=spread, TICKET=ticket, PRECISION="tf32", BLOCK_H=block_h,
                      BLOCK_S=64, BLOCK_G=128, BLOCK_R=64, NARROW=narrow, SPLITS=5, TAIL=False, BLOCK_ALL=1024,
-                     ROWSUM_MMA=mma_sums, ONE_BLOCK=one_block, PDL=False, V_SPLIT=1)
+                     ROWSUM_MMA=mma_sums, ONE_BLOCK=one_block, PDL=False)
     done = compile_for_sm90("runtime.kernels.triton.mla_grouped", "_sparse_mla_grouped_kernel",
                             {**pointers, **scalars, "sm_scale_log2": "fp32"}, constants, num_warps=warps, num_stages=2,
                             enable_fp_fusion=False)
@@ -809,7 +808,7 @@ def test_merge_dependent_launch_compiles_its_wait_and_trigger_for_the_gpu(kernel
                   BLOCK_R=64, NARROW=True, SPLITS=10, TAIL=False, BLOCK_ALL=1024, ROWSUM_MMA=True, PDL=False)
     constants = {"_merge_kernel": dict(SPLITS=10, LATENT=512, BLOCK_H=8, BLOCK_C=128),
                  "_sparse_mla_kernel": dict(spread, BLOCK_C=512, V_SPLIT=1, STREAM=False),
-                 "_sparse_mla_grouped_kernel": dict(spread, BLOCK_G=128, ONE_BLOCK=False, V_SPLIT=1)}[kernel]
+                 "_sparse_mla_grouped_kernel": dict(spread, BLOCK_G=128, ONE_BLOCK=False)}[kernel]
     module = "runtime.kernels.triton." + ("mla_grouped" if kernel == "_sparse_mla_grouped_kernel" else "attention")
     done = compile_for_sm90(module, kernel, signature, {**constants, "PDL": pdl}, num_warps=4, num_stages=2,
                             enable_fp_fusion=False)

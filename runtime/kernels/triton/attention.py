@@ -341,7 +341,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     every case. skip_tail: skip each query's whole chunks after its last selected slot (the same
     bits; the rows of a prompt's first window + top-k positions select fewer); None: for passes of
     more than SKIP_TAIL_ROWS rows (prefill), where such rows are common. column_groups: 4 runs
-    mla_grouped's kernel (the latent in four column groups: fewer registers; v_split 1, 2 or 4, not
+    mla_grouped's kernel (the latent in four column groups: fewer registers; one column block, not
     merge="memory"), 1 this module's; None: default_launch's where the grouped kernel runs the
     launch. pdl: the spread mode's merge launch as a programmatic dependent launch (`pdl_launch`; None:
     PDL_MERGE), the same bits. rowsum_mma: the softmax row sums as an MMA over the 16-bit probabilities (other bits
@@ -399,18 +399,18 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tens
     precision = mma_precision(q.dtype)
     if column_groups not in (None, 1, mla_grouped.GROUPS):
         raise ValueError(f"column_groups={column_groups}: 1 or {mla_grouped.GROUPS}")
-    runs_grouped = v_split in mla_grouped.V_SPLITS and not stream and mla_grouped.fits(latent_dim)
+    runs_grouped = v_split == 1 and not stream and mla_grouped.fits(latent_dim)
     if column_groups == mla_grouped.GROUPS and not runs_grouped:
-        raise ValueError(f"column_groups=4 runs v_split in {mla_grouped.V_SPLITS}, not merge='memory', and groups "
-                         f"of >= 16 latent columns (latent {latent_dim})")
+        raise ValueError("column_groups=4 runs one column block, not merge='memory', and groups of >= 16 latent "
+                         f"columns (latent {latent_dim})")
     # A launch the grouped kernel does not run takes the ungrouped one: the same bits on the GPU.
     groups = column_groups or (launch["column_groups"] if runs_grouped else 1)
     if groups == mla_grouped.GROUPS:
-        mla_grouped.launch(head_blocks * v_split * (splits if spread else 1) * tokens, q, kv_cache, slots, out, part,
-                           stats, tickets, heads, selected, blocks_per_chunk, scale * LOG2E, latent=latent_dim,
+        mla_grouped.launch(head_blocks * (splits if spread else 1) * tokens, q, kv_cache, slots, out, part, stats,
+                           tickets, heads, selected, blocks_per_chunk, scale * LOG2E, latent=latent_dim,
                            rope=rope_dim, spread=spread, ticket=ticket, precision=precision, block_h=block_h,
                            block_s=block_s, narrow=part_dtype != torch.float32, splits=splits, tail=skip_tail,
-                           rowsum_mma=rowsum_mma, warps=warps, stages=stages, pdl=pdl, v_split=v_split)
+                           rowsum_mma=rowsum_mma, warps=warps, stages=stages, pdl=pdl)
         if spread and not ticket:
             _merge(part, stats, out, tokens, heads, latent_dim, splits, pdl)
         return out

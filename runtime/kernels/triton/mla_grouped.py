@@ -22,6 +22,9 @@ program's ticket or by attention._merge_kernel) and gathered (a program per quer
 the chunks folded in registers). A third, the fold's A kept in a float32 tile in memory as each chunk
 ends (fewer registers), was 1.7-2.5x slower on the H200 and was removed (docs/results.md, "Sixteenth
 session").
+Latent-column blocks in this kernel (a program scoring over the whole latent and summing half or a quarter of its
+values, for H=16 bs 32-64) kept the bits but were 1.6-4x slower on the H100 at H=16 and H=64, bs 32-128, and were
+removed (docs/results.md, "Forty-fourth session").
 """
 
 from __future__ import annotations
@@ -50,12 +53,6 @@ GROUPS = 4
 # warps), but 4-7% slower at H=64 bs 32-64 (16-head blocks, 4 warps: 40.8 -> 44.0 us at bs 32).
 ONE_BLOCK_CHUNKS = True
 ONE_BLOCK_MIN_WARPS = 8
-# Latent-column blocks (sparse_mla_decode's v_split): a program scores over the whole latent (all four groups, the
-# same k-chain) but sums the values of only its GROUPS / V_SPLIT groups, so a query's rows are read by V_SPLIT
-# programs at once (the second read an L2 hit) and the chunk folds carry fewer accumulators. Each output column's
-# sum is its own k-chain whichever program computes it, so the bits are the four-group program's. For passes whose
-# gathered programs leave SMs idle without the spread mode's partial states (H=16 bs 32-64: 32-64 programs).
-V_SPLITS = (1, 2, 4)
 
 
 def block_g(latent: int) -> int:
@@ -81,32 +78,15 @@ def _load_groups(base, offs_g, rows_ok, LATENT: tl.constexpr, BLOCK_G: tl.conste
 
 
 @triton.jit
-def _store_groups(base, ok_rows, offs_g, a0, a1, a2, a3, first, LATENT: tl.constexpr, BLOCK_G: tl.constexpr,
-                  NV: tl.constexpr):
-    """The first NV of a0..a3 into the column groups from `first` (a column) on."""
+def _store_groups(base, ok_rows, offs_g, a0, a1, a2, a3, LATENT: tl.constexpr, BLOCK_G: tl.constexpr):
     dtype = base.dtype.element_ty
-    cols = first + offs_g
-    tl.store(base + cols[None, :], a0.to(dtype), mask=ok_rows[:, None] & (cols < LATENT)[None, :])
-    if NV > 1:
-        tl.store(base + BLOCK_G + cols[None, :], a1.to(dtype),
-                 mask=ok_rows[:, None] & (BLOCK_G + cols < LATENT)[None, :])
-    if NV > 2:
-        tl.store(base + 2 * BLOCK_G + cols[None, :], a2.to(dtype),
-                 mask=ok_rows[:, None] & (2 * BLOCK_G + cols < LATENT)[None, :])
-        tl.store(base + 3 * BLOCK_G + cols[None, :], a3.to(dtype),
-                 mask=ok_rows[:, None] & (3 * BLOCK_G + cols < LATENT)[None, :])
-
-
-@triton.jit
-def _value_groups(kv0, kv1, kv2, kv3, v_block, V_SPLIT: tl.constexpr):
-    """The column groups whose values this program sums, first: all four, or its half or quarter (v_block)."""
-    v0, v1 = kv0, kv1
-    if V_SPLIT == 2:
-        v0 = tl.where(v_block == 0, kv0, kv2)
-        v1 = tl.where(v_block == 0, kv1, kv3)
-    elif V_SPLIT == 4:
-        v0 = tl.where(v_block == 0, kv0, tl.where(v_block == 1, kv1, tl.where(v_block == 2, kv2, kv3)))
-    return v0, v1, kv2, kv3
+    tl.store(base + offs_g[None, :], a0.to(dtype), mask=ok_rows[:, None] & (offs_g < LATENT)[None, :])
+    tl.store(base + BLOCK_G + offs_g[None, :], a1.to(dtype),
+             mask=ok_rows[:, None] & (BLOCK_G + offs_g < LATENT)[None, :])
+    tl.store(base + 2 * BLOCK_G + offs_g[None, :], a2.to(dtype),
+             mask=ok_rows[:, None] & (2 * BLOCK_G + offs_g < LATENT)[None, :])
+    tl.store(base + 3 * BLOCK_G + offs_g[None, :], a3.to(dtype),
+             mask=ok_rows[:, None] & (3 * BLOCK_G + offs_g < LATENT)[None, :])
 
 
 @triton.jit
@@ -135,21 +115,18 @@ def _block_chunk_sum(p_v, kv, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, PREC
 @triton.jit
 def _fold_block_chunk(scores, kv0, kv1, kv2, kv3, M, L, A0, A1, A2, A3, dtype: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr, NARROW: tl.constexpr,
-                      ROWSUM_MMA: tl.constexpr, NV: tl.constexpr = 4):
+                      ROWSUM_MMA: tl.constexpr):
     """A chunk of one block, from the empty state (m -1e30, l 0, acc 0) and folded into (M, L, A): the general
-    loop's operations without the empty state's terms (max(-1e30, x); 0 x alpha + s = s; a zero accumulator).
-    NV: the value groups the program sums (kv0.. first, `_value_groups`); the others stay as they are."""
+    loop's operations without the empty state's terms (max(-1e30, x); 0 x alpha + s = s; a zero accumulator)."""
     m = tl.maximum(tl.full((BLOCK_H,), -1e30, dtype=tl.float32), tl.max(scores, axis=1))
     p = tl.exp2(scores - m[:, None])
     p_v = p.to(kv0.dtype)
     M_new, keep, take = _fold_weights(M, m)
     L = L * keep + _block_row_sums(p, p_v, BLOCK_S, PRECISION, ROWSUM_MMA) * take
     A0 = _fold_rows(A0, _block_chunk_sum(p_v, kv0, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
-    if NV > 1:
-        A1 = _fold_rows(A1, _block_chunk_sum(p_v, kv1, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
-    if NV > 2:
-        A2 = _fold_rows(A2, _block_chunk_sum(p_v, kv2, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
-        A3 = _fold_rows(A3, _block_chunk_sum(p_v, kv3, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
+    A1 = _fold_rows(A1, _block_chunk_sum(p_v, kv1, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
+    A2 = _fold_rows(A2, _block_chunk_sum(p_v, kv2, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
+    A3 = _fold_rows(A3, _block_chunk_sum(p_v, kv3, BLOCK_H, BLOCK_G, PRECISION, NARROW, dtype), keep, take)
     return M_new, L, A0, A1, A2, A3
 
 
@@ -162,17 +139,14 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                                BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
                                NARROW: tl.constexpr, SPLITS: tl.constexpr, TAIL: tl.constexpr,
                                BLOCK_ALL: tl.constexpr, ROWSUM_MMA: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                               PDL: tl.constexpr = False, V_SPLIT: tl.constexpr = 1):
+                               PDL: tl.constexpr = False):
     if PDL:  # the merge launch may start now (attention.PDL_MERGE): it waits for this whole grid
         tl.extra.cuda.gdc_launch_dependents()
-    # The grid of attention._sparse_mla_kernel: head blocks fastest, then latent-column blocks (V_SPLIT).
-    NV: tl.constexpr = 4 // V_SPLIT  # the column groups this program sums the values of
+    # The grid of attention._sparse_mla_kernel with one column block: head blocks fastest.
     pid = tl.program_id(0)
     head_blocks = tl.cdiv(heads, BLOCK_H)
     head_block = pid % head_blocks
-    v_block = (pid // head_blocks) % V_SPLIT
-    first_col = v_block * NV * BLOCK_G
-    rest = pid // head_blocks // V_SPLIT
+    rest = pid // head_blocks
     if SPREAD:
         chunk = rest % SPLITS
         query = (rest // SPLITS).to(tl.int64)
@@ -211,19 +185,16 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
         scores = tl.dot(q3, tl.trans(kv3), scores, input_precision=PRECISION)
         scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=PRECISION)
         scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
-        v0, v1, v2, v3 = _value_groups(kv0, kv1, kv2, kv3, v_block, V_SPLIT)
         if ONE_BLOCK:  # this block is a whole chunk: its state from the empty one, folded at once
-            M, L, A0, A1, A2, A3 = _fold_block_chunk(scores, v0, v1, v2, v3, M, L, A0, A1, A2, A3,
+            M, L, A0, A1, A2, A3 = _fold_block_chunk(scores, kv0, kv1, kv2, kv3, M, L, A0, A1, A2, A3,
                                                      q_ptr.dtype.element_ty, BLOCK_H, BLOCK_S, BLOCK_G, PRECISION,
-                                                     NARROW, ROWSUM_MMA, NV)
+                                                     NARROW, ROWSUM_MMA)
         else:
             m_i, alpha, p_v, l_i = _online_step(scores, m_i, l_i, kv0.dtype, BLOCK_S, PRECISION, ROWSUM_MMA)
-            acc0 = tl.dot(p_v, v0, acc0 * alpha[:, None], input_precision=PRECISION)
-            if NV > 1:
-                acc1 = tl.dot(p_v, v1, acc1 * alpha[:, None], input_precision=PRECISION)
-            if NV > 2:
-                acc2 = tl.dot(p_v, v2, acc2 * alpha[:, None], input_precision=PRECISION)
-                acc3 = tl.dot(p_v, v3, acc3 * alpha[:, None], input_precision=PRECISION)
+            acc0 = tl.dot(p_v, kv0, acc0 * alpha[:, None], input_precision=PRECISION)
+            acc1 = tl.dot(p_v, kv1, acc1 * alpha[:, None], input_precision=PRECISION)
+            acc2 = tl.dot(p_v, kv2, acc2 * alpha[:, None], input_precision=PRECISION)
+            acc3 = tl.dot(p_v, kv3, acc3 * alpha[:, None], input_precision=PRECISION)
             if ((block + 1) % blocks_per_chunk == 0) | (block + 1 == end_block):  # a chunk ends here
                 if NARROW:
                     acc0 = _round_trip(acc0, q_ptr.dtype.element_ty)
@@ -234,37 +205,33 @@ def _sparse_mla_grouped_kernel(q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, stats_
                 L = L * keep + l_i * take
                 M = M_new
                 A0 = _fold_rows(A0, acc0, keep, take)
-                if NV > 1:
-                    A1 = _fold_rows(A1, acc1, keep, take)
-                if NV > 2:
-                    A2 = _fold_rows(A2, acc2, keep, take)
-                    A3 = _fold_rows(A3, acc3, keep, take)
+                A1 = _fold_rows(A1, acc1, keep, take)
+                A2 = _fold_rows(A2, acc2, keep, take)
+                A3 = _fold_rows(A3, acc3, keep, take)
                 m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
                 l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
                 acc0, acc1, acc2, acc3 = _zero_groups(BLOCK_H, BLOCK_G)
     out_rows = out_ptr + query * stride_ot + offs_h[:, None] * stride_oh
     if SPREAD:  # this chunk's state, as attention._sparse_mla_kernel's spread programs store it
         base = (query * SPLITS + chunk) * heads + offs_h
-        _store_groups(part_ptr + base[:, None] * LATENT, h_ok, offs_g, A0, A1, A2, A3, first_col, LATENT, BLOCK_G,
-                      NV)
-        # Every column block stores the same (M, L): its own ticket then covers the (M, L) it reads.
+        _store_groups(part_ptr + base[:, None] * LATENT, h_ok, offs_g, A0, A1, A2, A3, LATENT, BLOCK_G)
         tl.store(stats_ptr + base * 2, M, mask=h_ok)
         tl.store(stats_ptr + base * 2 + 1, L, mask=h_ok)
         if TICKET:
             tl.debug_barrier()
-            counter = ticket_ptr + (query * head_blocks + head_block) * V_SPLIT + v_block
+            counter = ticket_ptr + query * head_blocks + head_block
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == SPLITS - 1:
                 tl.debug_barrier()
-                offs_c = first_col + tl.arange(0, NV * BLOCK_G)
+                offs_c = tl.arange(0, 4 * BLOCK_G)
                 ok = h_ok[:, None] & (offs_c < LATENT)[None, :]
                 out = _fold_partials(part_ptr, stats_ptr, query, heads, offs_h, h_ok, offs_c, ok, SPLITS, SPLITS,
-                                     LATENT, BLOCK_H, NV * BLOCK_G)
+                                     LATENT, BLOCK_H, 4 * BLOCK_G)
                 tl.store(out_rows + offs_c[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         _store_groups(out_rows, h_ok, offs_g, _normalize(A0, L, h_ok), _normalize(A1, L, h_ok),
-                      _normalize(A2, L, h_ok), _normalize(A3, L, h_ok), first_col, LATENT, BLOCK_G, NV)
+                      _normalize(A2, L, h_ok), _normalize(A3, L, h_ok), LATENT, BLOCK_G)
 
 
 def one_block_loop(blocks_per_chunk: int, warps: int) -> bool:
@@ -275,12 +242,9 @@ def one_block_loop(blocks_per_chunk: int, warps: int) -> bool:
 def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int, selected: int, blocks_per_chunk: int,
            sm_scale_log2: float, *, latent: int, rope: int, spread: bool, ticket: bool, precision: str, block_h: int,
            block_s: int, narrow: bool, splits: int, tail: bool, rowsum_mma: bool, warps: int, stages: int,
-           pdl: bool = False, v_split: int = 1) -> None:
-    """One launch over `grid` programs (attention.sparse_mla_decode's grid, v_split latent-column blocks of
-    GROUPS / v_split groups; V_SPLITS). pdl: trigger the merge's programmatic dependent launch as the programs
-    start (spread mode, attention.pdl_launch)."""
-    if v_split not in V_SPLITS:
-        raise ValueError(f"v_split={v_split}: the grouped kernel runs {V_SPLITS}")
+           pdl: bool = False) -> None:
+    """One launch over `grid` programs (attention.sparse_mla_decode's grid with one column block). pdl: trigger
+    the merge's programmatic dependent launch as the programs start (spread mode, attention.pdl_launch)."""
     _sparse_mla_grouped_kernel[(grid,)](
         q, kv_cache, slots, out, part, stats, tickets, heads, selected, blocks_per_chunk, sm_scale_log2,
         q.stride(0), q.stride(1), kv_cache.stride(0), slots.stride(0), out.stride(0), out.stride(1),
@@ -288,6 +252,5 @@ def launch(grid: int, q, kv_cache, slots, out, part, stats, tickets, heads: int,
         BLOCK_G=block_g(latent),
         BLOCK_R=max(16, triton.next_power_of_2(rope)), NARROW=narrow, SPLITS=splits, TAIL=tail,
         BLOCK_ALL=triton.next_power_of_2(selected), ROWSUM_MMA=rowsum_mma,
-        ONE_BLOCK=one_block_loop(blocks_per_chunk, warps), PDL=pdl, V_SPLIT=v_split, num_warps=warps,
-        num_stages=stages,
+        ONE_BLOCK=one_block_loop(blocks_per_chunk, warps), PDL=pdl, num_warps=warps, num_stages=stages,
         enable_fp_fusion=False)
