@@ -62,10 +62,6 @@ class Env:
     # off), also inside graph capture, so a missing join becomes a visible race (a debug aid in
     # the spirit of SGLang's cache_consistency_jitter; the canary turns it on to hunt races).
     stream_jitter_cycles: int = 0
-    # PD prefill server: a decode server's room opening (POST /pd/transfer) waits for the engine's step in
-    # flight to end and hand its tokens over (runtime/disagg/after_step.py), so its Python work does not take
-    # the GIL from the engine thread while the prompt step launches its kernels.
-    pd_room_after_step: bool = True
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -102,6 +98,4 @@ class Env:
             kwargs["graph_buckets"] = tuple(int(part) for part in _names(value))
         if (value := get("STREAM_JITTER_CYCLES")) is not None:
             kwargs["stream_jitter_cycles"] = int(value)
-        if (value := get("PD_ROOM_AFTER_STEP")) is not None:
-            kwargs["pd_room_after_step"] = _bool(value)
         return cls(**kwargs)

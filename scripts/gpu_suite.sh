@@ -253,7 +253,7 @@ pd_libs() {  # pd_libs SO ROOT LIBDIR: link into LIBDIR, from the debs unpacked 
     done
     return 1
 }
-if want pd_gpu || want pd_gpu_tests || want pd_gpu_ttft || want pd_phases || want pd_room_ab || want pd_phases_profile || want gate_pd || want gate_pd_profile; then
+if want pd_gpu || want pd_gpu_tests || want pd_gpu_ttft || want pd_phases || want pd_phases_profile || want gate_pd || want gate_pd_profile; then
     rm -rf /tmp/pdroot /tmp/pdlib && mkdir -p /tmp/pdroot /tmp/pdlib
     for deb in .debs-pd/*.deb; do dpkg -x "$deb" /tmp/pdroot; done
     # A folder of their own: `--upgrade --target` replaces a top-level folder it also installs, and the
@@ -276,18 +276,6 @@ want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.p
 # PD_PIN=apart|apart-swapped|pd-shared pins every process to whole cores (bench/pd_ttft.py's --pin).
 want pd_phases && section pd_phases "${PD_TTFT_TIMEOUT:-300}" $PY -m bench.pd_ttft --repeats "${PD_PHASES_REPEATS:-10}" \
     --words 8,100,400 --phases ${PD_PIN:+--pin "$PD_PIN"} --server-arg=--dtype=float32 --out "$OUT/pd_phases_gpu.json"
-# Issue 16: the prefill server's room opening held until its prompt step ends (DSV4_PD_ROOM_AFTER_STEP=1, the default;
-# runtime/disagg/after_step.py) against it off, alternating PD_AB_ROUNDS times, unpinned, on one machine: does the
-# prefill prompt step lose its 0.2-1.2 ms over the colocated server's (forty-third session)?
-if want pd_room_ab; then
-    for round in $(seq "${PD_AB_ROUNDS:-2}"); do
-        for knob in 1 0; do
-            section "pd_room_ab_${knob}_$round" "${PD_TTFT_TIMEOUT:-120}" env DSV4_PD_ROOM_AFTER_STEP=$knob \
-                $PY -m bench.pd_ttft --repeats "${PD_PHASES_REPEATS:-10}" --words 8,100,400 --phases \
-                --server-arg=--dtype=float32 --out "$OUT/pd_room_ab_${knob}_$round.json"
-        done
-    done
-fi
 # The same, 400-word prompts only, under py-spy (every server process, every thread, GIL holders marked
 # with --gil off: all samples; 1,000 Hz fell behind on the H200 host, hence 250 by default; needs py-spy's
 # wheel in .whl): where the prefill server's template + tokenize spent 3x the colocated server's time on

@@ -27,7 +27,6 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
-from runtime.disagg.after_step import ROOM_OPENING_PATHS, AfterTheStep
 from runtime.disagg.protocol import RELAYED_EVENT, ROOM_HEADER, completion_id, created_of
 from runtime.engine.engine import Engine
 from runtime.engine.request import SamplingParams
@@ -200,9 +199,6 @@ def create_app(state: ServerState) -> FastAPI:
     if state.pd is not None:
         state.pd.add_routes(app)
     route_paths.update(getattr(route, "path", "") for route in app.routes)
-    if state.pd is not None and state.pd.mode == "prefill" and state.env.pd_room_after_step:
-        # Innermost: a room opening that passed the checks waits for the prompt step in flight.
-        app.add_middleware(AfterTheStep, paths=ROOM_OPENING_PATHS, step_ended=state.bridge.step_ended)
     # add_middleware wraps: the last one added runs first (headers, the key, a slot, then the 500 net).
     # A bug, not a bad input: an OpenAI-shaped 500 with an error id, innermost so a slot is still released.
     app.add_middleware(InternalErrors, on_error=count)

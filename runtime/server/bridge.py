@@ -97,9 +97,6 @@ class EngineBridge:
         # PD prefill (runtime/disagg/prefill.py): sees every step's result on the engine thread, before
         # the next step is planned (its requests' KV pages are kept: `submit(keep_pages=True)`).
         self.on_step: Callable[[StepResult], None] | None = None
-        # Set by the engine thread around a step and its events' hand-over (`step_ended`'s fast path; read
-        # without a lock: a read that races a step's start or end only picks the other, equally right, path).
-        self._stepping = False
         self._preemptions = 0  # the scheduler's count the counter last caught up with
         self._hit_tokens = self._lookup_tokens = 0  # the prefix cache's counts the counters caught up with
         metrics.kv_pages_total.set(engine.pool.num_pages)
@@ -164,17 +161,6 @@ class EngineBridge:
         _settle(future, *_outcome(fn, self.engine))
         return future
 
-    def step_ended(self) -> asyncio.Future:
-        """Done once the engine's step in flight (if any) has ended and its tokens are handed to their loops
-        (those callbacks run first); done now when no step runs. Never waits for more than that one step: a
-        no-op `call`, which the engine thread runs when it next drains its commands, after the step's
-        `_flush`."""
-        if self._stepping:
-            return self.call(_no_op)
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(None)
-        return future
-
     def abort(self, rid: str, reason: str = "abort") -> None:
         """End the request at the next step; `reason` as `Scheduler.abort` takes it."""
         if rid in self._announced:  # not in the engine yet: sent once it is (`submit_prefilled`)
@@ -194,12 +180,8 @@ class EngineBridge:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                self._stepping = True
-                try:
-                    self._step()
-                    self._flush()
-                finally:
-                    self._stepping = False
+                self._step()
+                self._flush()
             self._close()
             self._drain_commands()  # those queued before `stop()`: a PD side's last frees among them
             self._flush()
@@ -338,10 +320,6 @@ class EngineBridge:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the loop is closed (server shutting down)
                 pass
-
-
-def _no_op(engine: Engine) -> None:
-    return None
 
 
 def _outcome(fn: Callable[[Engine], Any], engine: Engine) -> tuple[Any, bool]:
