@@ -65,7 +65,7 @@ from bench.pd_phases import (
     room_slack_ms,
     tokenize_core_sharing,
 )
-from canary.pd_target import PD_ROLES, embedded_pd_pair
+from canary.pd_target import PD_ROLES, embedded_pd_pair, placement_note, side_devices, visible_gpus
 from canary.provenance import git_commit
 from canary.targets import embedded_server
 from runtime.config import DEFAULT_MODEL
@@ -249,14 +249,18 @@ def main(argv: list[str] | None = None) -> int:
         co_headers: dict[str, str] | None = None
         processes: dict[str, int] = {}  # by role, for the host's load (none with --threads: one process)
         idle_host: dict = {}
+        placement = "PD pair: in-process threads (--threads)"
         if args.threads:
             pd_url = stack.enter_context(pd_pair(server_args, server_args)).router
             co_url = stack.enter_context(serve_state(server_state(*server_args)))
         else:  # each server started with its own API key
             log_dir = Path(tempfile.mkdtemp(prefix="pd-ttft-"))
+            devices = side_devices(visible_gpus())
+            placement = placement_note(devices)
+            print(placement, flush=True)
             pd_target = stack.enter_context(embedded_pd_pair(
                 DEFAULT_MODEL, server_args, log_dir=log_dir,
-                cpus={role: cpus for role, cpus in pins.items() if role in PD_ROLES}))
+                cpus={role: cpus for role, cpus in pins.items() if role in PD_ROLES}, devices=devices))
             co_target = stack.enter_context(embedded_server(DEFAULT_MODEL, server_args, log_dir=log_dir,
                                                             cpus=pins.get("colocated")))
             pd_url, co_url, pd_headers, co_headers = (pd_target.root_url, co_target.root_url, pd_target.headers,
@@ -298,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.phases:
                 rows[words]["phases"] = print_phases(words, pd_marks, co_marks, core_of)
     report = {"commit": git_commit(), "servers": "threads" if args.threads else "processes", "phases": args.phases,
-              "hang_up": args.hang_up, "pin": args.pin, "cpus": pins or None,
+              "hang_up": args.hang_up, "pin": args.pin, "cpus": pins or None, "placement": placement,
               "idle_host": idle_host,
               "server_args": list(server_args), "rows": rows}
     print(json.dumps(report))

@@ -4,16 +4,22 @@
 covers the pair.
 
 `RestartablePDPair`: the same three processes on fixed ports, each PD side killable (or stoppable) and
-restartable in place (the PD chaos test, the PD fault gate)."""
+restartable in place (the PD chaos test, the PD fault gate).
+
+On a host with two GPUs or more the pair's sides take one each (`side_devices`), as a PD deployment places them: on
+one GPU the prefill and decode servers' kernels take turns between two CUDA contexts, so the decode steps wait for
+the prompts' (the forty-fourth session's gate: TPOT p50 22-24 ms against the colocated server's 15-17.5).
+`CUDA_VISIBLE_DEVICES=0` keeps both on one."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -37,24 +43,59 @@ def with_gate_timeout(args: Sequence[str]) -> list[str]:
     return [*args, "--disaggregation-timeout", f"{GATE_PD_TIMEOUT_S:g}"]
 
 
+def visible_gpus(environ: Mapping[str, str] = os.environ,
+                 list_gpus: Callable[[], list[str]] | None = None) -> list[str]:
+    """The GPUs a server started from here may use, as CUDA_VISIBLE_DEVICES entries: that variable's own entries
+    where it is set (set and empty: none), else the indices `nvidia-smi -L` lists; none on a host without it."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [entry.strip() for entry in environ["CUDA_VISIBLE_DEVICES"].split(",") if entry.strip()]
+    return (list_gpus or _nvidia_smi_gpus)()
+
+
+def _nvidia_smi_gpus() -> list[str]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(index) for index, _ in enumerate(line for line in listing.splitlines() if line.startswith("GPU "))]
+
+
+def side_devices(gpus: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Each PD side's environment: with two GPUs or more, the prefill server on the first and the decode server on
+    the second; with fewer, nothing (both see what there is)."""
+    if len(gpus) < 2:
+        return {}
+    return {"prefill": {"CUDA_VISIBLE_DEVICES": gpus[0]}, "decode": {"CUDA_VISIBLE_DEVICES": gpus[1]}}
+
+
+def placement_note(devices: Mapping[str, Mapping[str, str]]) -> str:
+    """Where the pair's sides run, for a run's notes."""
+    if not devices:
+        return "PD pair: both sides on the same device(s)"
+    return "PD pair: " + ", ".join(f"{role} on GPU {env['CUDA_VISIBLE_DEVICES']}" for role, env in devices.items())
+
+
 @contextmanager
 def embedded_pd_pair(model: str, args: Sequence[str] = (), *, faults: Sequence[str] = (), log_dir: Path | None = None,
-                     startup_timeout_s: float = 120.0,
-                     cpus: Mapping[str, Collection[int]] | None = None) -> Iterator[Target]:
+                     startup_timeout_s: float = 120.0, cpus: Mapping[str, Collection[int]] | None = None,
+                     devices: Mapping[str, Mapping[str, str]] | None = None) -> Iterator[Target]:
     """The pair and its router, yielded as the router's `Target` (`processes` names all three). `cpus` pins a
-    role (PD_ROLES) to those CPUs (`pinned_command`); a role it leaves out is not pinned."""
+    role (PD_ROLES) to those CPUs (`pinned_command`); a role it leaves out is not pinned. `devices`: each PD
+    side's extra environment (None: `side_devices(visible_gpus())`, a GPU each where there are two)."""
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     args = with_gate_timeout(args)
     cpus = cpus or {}
     if unknown := set(cpus) - set(PD_ROLES):
         raise ValueError(f"no PD role named {sorted(unknown)}: the roles are {', '.join(PD_ROLES)}")
+    devices = side_devices(visible_gpus()) if devices is None else devices
     with ExitStack() as stack:
-        prefill = stack.enter_context(embedded_server(model, [*args, "--disaggregation-mode", "prefill"],
-                                                      faults=faults, log_dir=log_dir,
-                                                      startup_timeout_s=startup_timeout_s, cpus=cpus.get("prefill")))
-        decode = stack.enter_context(embedded_server(model, [*args, "--disaggregation-mode", "decode"],
-                                                     faults=faults, log_dir=log_dir,
-                                                     startup_timeout_s=startup_timeout_s, cpus=cpus.get("decode")))
+        prefill, decode = (stack.enter_context(embedded_server(
+            model, [*args, "--disaggregation-mode", role], faults=faults, log_dir=log_dir,
+            env=dict(devices.get(role, {})), startup_timeout_s=startup_timeout_s, cpus=cpus.get(role)))
+            for role in ("prefill", "decode"))
         port = free_port()
         log_path = log_dir / f"pd-router-{port}.log"
         cmd = [sys.executable, "-m", "runtime.router", "--prefill", prefill.root_url, "--decode", decode.root_url,
@@ -86,8 +127,10 @@ class RestartablePDPair:
     def __init__(self, model: str, args: Sequence[str] = (), *, faults: Sequence[str] = (), log_dir: Path,
                  timeout_s: float = 10.0, router_timeout_s: float = 60.0, startup_timeout_s: float = 120.0,
                  env: dict[str, str] | None = None) -> None:
-        """`env`: extra environment of both PD sides (e.g. the `slow-step` fault's DSV4_SLOW_STEP_MS)."""
+        """`env`: extra environment of both PD sides (e.g. the `slow-step` fault's DSV4_SLOW_STEP_MS); each side
+        also gets its GPU where the host has two (`side_devices`)."""
         self.model, self.faults, self.log_dir, self.env = model, tuple(faults), log_dir, env
+        self.devices = side_devices(visible_gpus())
         self.startup_timeout_s, self.router_timeout_s = startup_timeout_s, router_timeout_s
         # One deadline for every PD wait, short enough that a wedged room turns into an error quickly.
         self.args = (*args, "--disaggregation-timeout", f"{timeout_s:g}")
@@ -128,7 +171,8 @@ class RestartablePDPair:
         mode = ["--disaggregation-mode", role] + (["--disaggregation-name", "decode-0"] if role == "decode" else [])
         stack = ExitStack()
         self.targets[role] = stack.enter_context(embedded_server(
-            self.model, [*self.args, *mode], faults=self.faults, env=self.env, log_dir=self.log_dir,
+            self.model, [*self.args, *mode], faults=self.faults, env={**(self.env or {}), **self.devices.get(role, {})},
+            log_dir=self.log_dir,
             port=self.ports[role], startup_timeout_s=self.startup_timeout_s))
         self._sides[role] = stack
         return self.targets[role]

@@ -232,10 +232,12 @@ def canary_target(canary_options: CanaryOptions, tmp_path_factory, request):
     if not Path(model).exists() and model != "tiny-random":
         pytest.fail(f"canary model {model!r} not found (expected the trained model in {DEFAULT_MODEL})")
     if request.config.getoption("--pd"):
-        from canary.pd_target import embedded_pd_pair
+        from canary.pd_target import embedded_pd_pair, placement_note, side_devices, visible_gpus
 
+        devices = side_devices(visible_gpus())
+        request.config.stash[NOTES].append(placement_note(devices))
         with embedded_pd_pair(model, config_server_args(request), faults=canary_options.faults,
-                              log_dir=tmp_path_factory.mktemp("server")) as target:
+                              log_dir=tmp_path_factory.mktemp("server"), devices=devices) as target:
             yield target
         return
     cpus = request.config.stash[SERVER_CPUS]
