@@ -391,17 +391,6 @@ def test_sparse_mla_column_groups_match_the_reference_in_every_mode(seed, querie
     assert torch.equal(run(q[perm], slots[perm], *GROUPED_MODES[2]), outs[GROUPED_MODES[0]][perm])
 
 
-def test_deployments_narrow_the_chunk_sums_of_many_chunk_rows_only():
-    """Chunk sums in 16 bits wherever a row has more than one chunk (H=16 top-512 + window 128: ten), float32 sums
-    where it has one: the canary's 64 selected positions (window 32 + top-32, 4 heads), whose bf16 golden store was
-    recorded so on the GPU; H >= 64 narrows either way."""
-    assert attention.default_launch(640, 16)["narrow_partials"] is True
-    assert attention.default_launch(640, 64)["narrow_partials"] is True
-    assert attention.default_launch(64, 4)["num_splits"] == 1
-    assert attention.default_launch(64, 4)["narrow_partials"] is False
-    assert attention.default_launch(64, 64)["narrow_partials"] is True
-
-
 def test_sparse_mla_column_groups_refuse_what_they_do_not_run():
     q, cache, slots, _, _ = _attention_case(0, 1, 16, 64, 16, 300, 8, 100, DTYPES[0])
     for launch in (dict(v_split=2), dict(spread=False, merge="memory"), dict(column_groups=3)):

@@ -98,12 +98,6 @@ _FREE_KNOBS = frozenset({"block_h", "num_warps", "num_stages", "spread", "merge"
                          "rowsum_mma", "column_groups"})
 
 
-# Chunk sums in q's 16-bit dtype at every head count once a row has more than one chunk (H >= 64 always had them):
-# at H=16 top-512 the spread mode's partial states (ten a query, bs 32-64) are then half the bytes. A row of one chunk
-# (the canary's 64 selected positions) keeps float32 sums, the bits its golden stores were recorded with.
-NARROW_MANY_CHUNKS = True
-
-
 def default_launch(num_selected: int, num_heads: int) -> dict:
     """The launch shape of a deployment: N chunks, BLOCK_H, BLOCK_S, warps, stages, V_SPLIT, narrow
     partials (and the merge, which does not change bits). It fixes a row's
@@ -127,10 +121,7 @@ def default_launch(num_selected: int, num_heads: int) -> dict:
         block_h, block_s, chunk, warps, narrow, mma_sums, groups = 16, 64, 64, 4, True, True, 4
     else:
         block_h, block_s, chunk, warps, narrow, mma_sums, groups = 16, 64, 64, 8, False, False, 4
-    num_splits = max(1, triton.cdiv(num_selected, chunk))
-    if NARROW_MANY_CHUNKS and num_splits > 1:
-        narrow = True
-    return dict(num_splits=num_splits, block_h=block_h, block_s=block_s,
+    return dict(num_splits=max(1, triton.cdiv(num_selected, chunk)), block_h=block_h, block_s=block_s,
                 num_warps=warps, num_stages=2, merge="kernel", gathered_fold="registers", v_split=1,
                 narrow_partials=narrow, rowsum_mma=mma_sums, column_groups=1 if INTERPRETED else groups)
 
