@@ -160,9 +160,9 @@ FREE_VARIANTS: dict[str, dict[str, Any]] = {
     # Small batches (issue 15 item 2): bs 1 at H=64 runs N chunks x 4 head blocks = 20 programs; latent
     # column blocks multiply them (each program scores its chunk over the whole latent, averages its
     # columns), free of bits with rowsum_mma, so a decode step with few rows could take them.
-    "spread/v4/ticket": dict(spread=True, merge="ticket", v_split=4, column_groups=1),
+    "spread/v4/ticket": dict(spread=True, merge="ticket", v_split=4),
     "spread/v8/ticket": dict(spread=True, merge="ticket", v_split=8),
-    "spread/bh32/v4/ticket": dict(spread=True, merge="ticket", block_h=32, num_warps=8, v_split=4, column_groups=1),
+    "spread/bh32/v4/ticket": dict(spread=True, merge="ticket", block_h=32, num_warps=8, v_split=4),
     "bh64/w8": dict(block_h=64, num_warps=8),
     "memory": dict(merge="memory"), "stages1": dict(num_stages=1), "stages3": dict(num_stages=3),
     "memory+stages1": dict(merge="memory", num_stages=1), "warps8": dict(num_warps=8),
@@ -172,9 +172,8 @@ FREE_VARIANTS: dict[str, dict[str, Any]] = {
     "bh32/w8": dict(block_h=32, num_warps=8), "bh32/w8+memory": dict(block_h=32, num_warps=8, merge="memory"),
     # Latent-column splits: each program scores over the whole latent but averages only its columns,
     # so a 64-head tile's two accumulators fit in registers (free only if the row sums are).
-    # (column_groups=1: the ungrouped kernel, which runs v_split; the grouped kernel ran it from 8872993 to its revert.)
-    "v2": dict(v_split=2, column_groups=1), "bh32/w8/v2": dict(block_h=32, num_warps=8, v_split=2, column_groups=1),
-    "bh64/w8/v2+stages1": dict(block_h=64, num_warps=8, v_split=2, num_stages=1, column_groups=1),
+    "v2": dict(v_split=2), "bh32/w8/v2": dict(block_h=32, num_warps=8, v_split=2),
+    "bh64/w8/v2+stages1": dict(block_h=64, num_warps=8, v_split=2, num_stages=1),
     # One program per chunk (the spread mode) at every batch: one accumulator, no fold in registers,
     # the chunks' states through memory; with 64-head tiles a chunk's rows are gathered once.
     "spread/bh32/w8": dict(spread=True, merge="kernel", block_h=32, num_warps=8),

@@ -269,7 +269,8 @@ want pd_gpu && section pd_transfer_gpu_canary "${PD_BENCH_TIMEOUT:-60}" $PY -m b
 # `pd_gpu_tests` alone: the GPU PD tests without the transfer benches.
 (want pd_gpu || want pd_gpu_tests) && section pd_gpu_tests "${PD_TEST_TIMEOUT:-360}" $PY -m pytest -v -p no:cacheprovider --run-gpu -rA ${PD_TEST_FILES:-tests/gpu/test_pd_gpu.py tests/unit/test_pd_staging.py tests/unit/test_pd_transfer.py}
 # TTFT of the PD pair (two server processes on the one GPU, or a GPU each on a host with two, plus the router)
-# against a colocated server process. pd_gpu and pd_gpu_ttft each fill most of one 10-minute device call: run them in two calls.
+# against a colocated server process. pd_gpu and pd_gpu_ttft each fill most of one 10-minute device call: run
+# them in two calls.
 want pd_gpu_ttft && section pd_gpu_ttft "${PD_TTFT_TIMEOUT:-480}" $PY -m bench.pd_ttft --repeats 10 --words 8,400 --server-arg=--dtype=float32 --out "$OUT/pd_ttft_gpu.json"
 # Where the PD pair's first token spends its time beside the colocated server's, phase by phase (the
 # servers' x-dsv4-trace marks): PD_PHASES_REPEATS per prompt size.
